@@ -1,0 +1,380 @@
+"""Graph building that reads like the math.
+
+A :class:`Var` is a tensor of the graph under construction. Python arithmetic on Vars emits ONNX
+nodes (``dy * y * (1 - y)``), ``g.MatMul(a, b)`` emits any ONNX op, and numbers become constants of
+the right dtype. Forward values are Vars too: reading one from the backward graph is what marks it as
+*saved* (an output of the forward graph handed to the backward), so the forward keeps exactly the
+tensors the rules read, and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .graph import Dim, ValueInfo, np_dtype
+
+INT64 = TensorProto.INT64
+BOOL = TensorProto.BOOL
+
+_BOOL_OPS = {"Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Xor",
+             "IsNaN", "IsInf"}
+_INT64_OPS = {"Shape", "Size", "NonZero", "ArgMax", "ArgMin", "Range"}
+
+class Var:
+    """A tensor value: a name in the graph being built, its element type and (when known) its shape.
+
+    ``forward`` is true for values of the forward graph; a backward node that reads one makes it
+    saved (or, for constants, copied into the backward graph).
+    """
+
+    __slots__ = ("dtype", "forward", "g", "name", "shape")
+
+    def __init__(
+        self,
+        g: GradBuilder,
+        name: str,
+        dtype: int,
+        shape: tuple[Dim, ...] | None = None,
+        forward: bool = False,
+    ) -> None:
+        self.g, self.name, self.dtype, self.shape, self.forward = g, name, dtype, shape, forward
+
+    def __repr__(self) -> str:
+        where = "fwd" if self.forward else "bwd"
+        return f"Var({self.name!r}, {helper.tensor_dtype_to_string(self.dtype)}, {self.shape}, {where})"
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.shape is None else len(self.shape)
+
+    @property
+    def static_shape(self) -> tuple[int, ...] | None:
+        if self.shape is None or not all(isinstance(d, int) for d in self.shape):
+            return None
+        return tuple(self.shape)  # type: ignore[arg-type]
+
+    # Arithmetic: each operator is one ONNX node; numbers become constants of this Var's dtype.
+    def __add__(self, o: Any) -> Var:
+        return self.g.op("Add", self, o)
+
+    def __radd__(self, o: Any) -> Var:
+        return self.g.op("Add", o, self)
+
+    def __sub__(self, o: Any) -> Var:
+        return self.g.op("Sub", self, o)
+
+    def __rsub__(self, o: Any) -> Var:
+        return self.g.op("Sub", o, self)
+
+    def __mul__(self, o: Any) -> Var:
+        return self.g.op("Mul", self, o)
+
+    def __rmul__(self, o: Any) -> Var:
+        return self.g.op("Mul", o, self)
+
+    def __truediv__(self, o: Any) -> Var:
+        return self.g.op("Div", self, o)
+
+    def __rtruediv__(self, o: Any) -> Var:
+        return self.g.op("Div", o, self)
+
+    def __pow__(self, o: Any) -> Var:
+        return self.g.op("Pow", self, o)
+
+    def __neg__(self) -> Var:
+        return self.g.op("Neg", self)
+
+    def __gt__(self, o: Any) -> Var:
+        return self.g.op("Greater", self, o)
+
+    def __lt__(self, o: Any) -> Var:
+        return self.g.op("Less", self, o)
+
+    def __ge__(self, o: Any) -> Var:
+        return self.g.op("GreaterOrEqual", self, o)
+
+    def __le__(self, o: Any) -> Var:
+        return self.g.op("LessOrEqual", self, o)
+
+    def __matmul__(self, o: Var) -> Var:
+        return self.g.op("MatMul", self, o)
+
+    __hash__ = object.__hash__
+
+
+class GradBuilder:
+    """Builds the backward graph, and the few additions the forward graph needs for it.
+
+    ``infos`` are the forward graph's value types; ``consts`` its known tensors (non-trainable
+    initializers and ``Constant`` outputs), which the backward copies instead of saving.
+    """
+
+    def __init__(
+        self,
+        infos: dict[str, ValueInfo],
+        consts: dict[str, onnx.TensorProto],
+        taken_names: set[str],
+        opset: int,
+    ) -> None:
+        self.infos = infos
+        self.consts = consts
+        self.opset = opset
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: dict[str, onnx.TensorProto] = {}
+        self.fwd_nodes: list[onnx.NodeProto] = []
+        self.fwd_extra_outputs: dict[str, str] = {}  # forward node output slot key -> name
+        self.saved: dict[str, ValueInfo] = {}
+        self._taken = set(taken_names)
+        self._counter = 0
+        self._const_cache: dict[tuple, Var] = {}
+        self._shape_cache: dict[str, Var] = {}
+        self._fwd_vars: dict[str, Var] = {}
+
+    # ---- names and values -------------------------------------------------------------------
+    def fresh(self, hint: str) -> str:
+        """A name no value of either graph uses."""
+        while True:
+            self._counter += 1
+            name = f"{hint}__{self._counter}"
+            if name not in self._taken:
+                self._taken.add(name)
+                return name
+
+    def reserve(self, name: str) -> str:
+        """``name`` itself if free, else a fresh variant; the result is reserved."""
+        if name not in self._taken:
+            self._taken.add(name)
+            return name
+        return self.fresh(name)
+
+    def fwd(self, name: str) -> Var:
+        """The forward value ``name`` as a Var (saved only once a backward node reads it)."""
+        var = self._fwd_vars.get(name)
+        if var is None:
+            info = self.infos.get(name)
+            if info is None:
+                raise KeyError(name)
+            var = Var(self, name, info.dtype, info.shape, forward=True)
+            self._fwd_vars[name] = var
+        return var
+
+    def const(self, value: Any, dtype: int | None = None) -> Var:
+        """A constant tensor; ints default to int64, floats need ``dtype``."""
+        if dtype is None:
+            arr = np.asarray(value)
+            if arr.dtype.kind in "iub" and arr.dtype != np.bool_:
+                arr = arr.astype(np.int64)
+            dtype = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        else:
+            arr = np.asarray(value, dtype=np_dtype(dtype))
+        key = (dtype, arr.shape, arr.tobytes())
+        var = self._const_cache.get(key)
+        if var is None:
+            name = self.fresh("const")
+            tensor = numpy_helper.from_array(arr, name)
+            if tensor.data_type != dtype:  # bfloat16 and friends
+                tensor = helper.make_tensor(name, dtype, arr.shape, arr.flatten().tolist())
+            self.initializers[name] = tensor
+            var = Var(self, name, dtype, tuple(arr.shape))
+            self._const_cache[key] = var
+        return var
+
+    def _operand(self, x: Any, like: Var | None) -> Var | None:
+        if x is None or isinstance(x, Var):
+            return x
+        if isinstance(x, list | tuple) or isinstance(x, np.ndarray) and x.dtype.kind in "iu":
+            return self.const(np.asarray(x, dtype=np.int64))
+        if like is None:
+            raise TypeError(f"cannot tell the dtype of constant {x!r}")
+        return self.const(x, like.dtype)
+
+    def _use(self, var: Var) -> str:
+        """Record that the backward reads ``var``; returns the name to use."""
+        if var.forward:
+            const = self.consts.get(var.name)
+            if const is not None:
+                self.initializers.setdefault(var.name, const)
+            elif var.name not in self.saved:
+                self.saved[var.name] = ValueInfo(var.name, var.dtype, var.shape)
+        return var.name
+
+    # ---- emitting nodes ----------------------------------------------------------------------
+    def op(
+        self,
+        op_type: str,
+        *inputs: Any,
+        outputs: int = 1,
+        dtype: int | None = None,
+        shape: tuple[Dim, ...] | None = None,
+        domain: str = "",
+        **attrs: Any,
+    ) -> Any:
+        """Emit one backward node; returns its output Var (or a tuple when ``outputs > 1``)."""
+        like = next((x for x in inputs if isinstance(x, Var)), None)
+        ins = [self._operand(x, like) for x in inputs]
+        names = [self._use(x) if x is not None else "" for x in ins]
+        out_dtype = dtype if dtype is not None else _result_dtype(op_type, ins, attrs)
+        outs = [self.fresh(op_type.lower()) for _ in range(outputs)]
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        self.nodes.append(helper.make_node(op_type, names, outs, domain=domain or None, **attrs))
+        vars_ = tuple(Var(self, n, out_dtype, shape) for n in outs)
+        return vars_[0] if outputs == 1 else vars_
+
+    def __getattr__(self, op_type: str) -> Any:
+        # g.MatMul(a, b) == g.op("MatMul", a, b): ONNX op names start with a capital letter.
+        if op_type[:1].isupper():
+            return lambda *a, **k: self.op(op_type, *a, **k)
+        raise AttributeError(op_type)
+
+    def fwd_op(self, op_type: str, *inputs: Var, dtype: int, shape: tuple[Dim, ...] | None = None,
+               **attrs: Any) -> Var:
+        """Emit a node into the *forward* graph (e.g. ``Shape``); its output is saved when read."""
+        name = self.fresh(f"{inputs[0].name}_{op_type.lower()}")
+        self.fwd_nodes.append(helper.make_node(op_type, [x.name for x in inputs], [name], **attrs))
+        self.infos[name] = ValueInfo(name, dtype, shape)
+        return self.fwd(name)
+
+    def extra_output(self, node: onnx.NodeProto, slot: int, dtype: int,
+                     shape: tuple[Dim, ...] | None = None) -> Var:
+        """Output ``slot`` of a forward node, adding it to the node when the model left it unused.
+
+        Used where the forward op computes what the backward needs anyway (MaxPool indices,
+        LayerNormalization mean and inverse standard deviation).
+        """
+        if slot < len(node.output) and node.output[slot]:
+            return self.fwd(node.output[slot])
+        key = f"{id(node)}:{slot}"
+        name = self.fwd_extra_outputs.get(key)
+        if name is None:
+            name = self.fresh(f"{node.output[0]}_out{slot}")
+            while len(node.output) <= slot:
+                node.output.append("")
+            node.output[slot] = name
+            self.fwd_extra_outputs[key] = name
+            self.infos[name] = ValueInfo(name, dtype, shape)
+        return self.fwd(name)
+
+    # ---- shapes ------------------------------------------------------------------------------
+    def shape_of(self, x: Var) -> Var:
+        """``Shape(x)`` as an int64 Var: a constant when static, else computed in the forward."""
+        static = x.static_shape
+        if static is not None:
+            return self.const(np.array(static, dtype=np.int64))
+        if not x.forward:
+            return self.op("Shape", x)
+        var = self._shape_cache.get(x.name)
+        if var is None:
+            var = self.fwd_op("Shape", x, dtype=INT64, shape=(x.rank,))
+            self._shape_cache[x.name] = var
+        return var
+
+    def zeros_like(self, x: Var) -> Var:
+        """Zeros with the shape and dtype of ``x``."""
+        zero = numpy_helper.from_array(np.zeros(1, dtype=np_dtype(x.dtype)))
+        if zero.data_type != x.dtype:
+            zero = helper.make_tensor("", x.dtype, [1], [0.0])
+        return self.op("ConstantOfShape", self.shape_of(x), value=zero, dtype=x.dtype, shape=x.shape)
+
+    def reduce_sum(self, x: Var, axes: Sequence[int] | Var, keepdims: bool) -> Var:
+        axes_v = axes if isinstance(axes, Var) else self.const(np.array(list(axes), dtype=np.int64))
+        return self.op("ReduceSum", x, axes_v, keepdims=int(keepdims))
+
+    def reshape(self, x: Var, like: Var) -> Var:
+        """``x`` reshaped to the shape of forward value ``like``."""
+        return self.op("Reshape", x, self.shape_of(like), shape=like.shape)
+
+    def unbroadcast(self, grad: Var, target: Var, result_shape: tuple[Dim, ...] | None) -> Var:
+        """Sum ``grad`` (of shape ``result_shape``) down to the shape of ``target``, undoing broadcasting.
+
+        Static and symbolic shapes are resolved at build time; dims that cannot be decided there
+        are handled by a small shape computation at run time.
+        """
+        ts, rs = target.shape, result_shape
+        if ts is not None and rs is not None and len(ts) <= len(rs):
+            lead = len(rs) - len(ts)
+            axes = list(range(lead))
+            decided = True
+            for i, (t, r) in enumerate(zip(ts, rs[lead:])):
+                if t == 1:
+                    if r != 1:
+                        axes.append(lead + i)
+                elif isinstance(t, int) or (t is not None and t == r):
+                    continue
+                else:
+                    decided = False
+                    break
+            if decided:
+                if not axes:
+                    return grad
+                if len(axes) == lead:
+                    return self.reduce_sum(grad, axes, keepdims=False)
+                if lead == 0:
+                    return self.reduce_sum(grad, axes, keepdims=True)
+                return self.reshape(self.reduce_sum(grad, axes, keepdims=False), target)
+        # Run-time path: reduce every axis where the (left-padded) target shape is 1.
+        tshape = self.shape_of(target)
+        gshape = self.op("Shape", grad, dtype=INT64)
+        lead_n = self.op("Sub", self.op("Size", gshape), self.op("Size", tshape))
+        ones = self.op("ConstantOfShape", self.op("Reshape", lead_n, [1]),
+                       value=numpy_helper.from_array(np.ones(1, dtype=np.int64)), dtype=INT64)
+        padded = self.op("Concat", ones, tshape, axis=0)
+        axes_v = self.op("Squeeze", self.op("NonZero", self.op("Equal", padded, self.const(1))), [0])
+        summed = self.op("ReduceSum", grad, axes_v, keepdims=1, noop_with_empty_axes=1)
+        return self.op("Reshape", summed, tshape, shape=target.shape)
+
+
+def _result_dtype(op_type: str, ins: list[Var | None], attrs: dict[str, Any]) -> int:
+    if op_type in _BOOL_OPS:
+        return BOOL
+    if op_type in _INT64_OPS:
+        return INT64
+    if op_type == "Cast":
+        return int(attrs["to"])
+    if op_type == "Where":
+        return ins[1].dtype if ins[1] is not None else ins[2].dtype  # type: ignore[union-attr]
+    first = next((x for x in ins if x is not None), None)
+    return first.dtype if first is not None else TensorProto.FLOAT
+
+
+# ---- functions used by formulas: each is one ONNX node --------------------------------------
+def where(cond: Var, a: Any, b: Any) -> Var:
+    """``Where(cond, a, b)``; numbers take the dtype of the other branch."""
+    like = a if isinstance(a, Var) else b
+    g = cond.g
+    return g.op("Where", cond, g._operand(a, like), g._operand(b, like))
+
+
+def _unary(op_type: str):
+    def f(x: Var) -> Var:
+        return x.g.op(op_type, x)
+
+    f.__name__ = op_type.lower()
+    f.__doc__ = f"``{op_type}(x)`` as one ONNX node."
+    return f
+
+
+exp = _unary("Exp")
+log = _unary("Log")
+sqrt = _unary("Sqrt")
+sign = _unary("Sign")
+sigmoid = _unary("Sigmoid")
+tanh = _unary("Tanh")
+erf = _unary("Erf")
+abs_ = _unary("Abs")
+reciprocal = _unary("Reciprocal")
+cos = _unary("Cos")
+sin = _unary("Sin")
+
+
+def cast(x: Var, like: Var) -> Var:
+    """``x`` cast to the dtype of ``like`` (no node when it already has it)."""
+    return x if x.dtype == like.dtype else x.g.op("Cast", x, to=like.dtype)
+
+
+def pow_(x: Var, y: Any) -> Var:
+    return x.g.op("Pow", x, y)

@@ -1,0 +1,353 @@
+"""Reverse-mode autodiff over an ONNX graph: one forward graph and one backward graph, both plain ONNX.
+
+The whole pass in one screen (:func:`build_gradient`):
+
+1. mark the values that *require grad* (flowing forward from the trainable initializers and chosen
+   inputs through ops that carry a gradient) and those that *reach* an output that takes a gradient;
+2. walk the nodes in reverse topological order; for every node with an output in both sets, sum the
+   gradients of its outputs and call its rule, which returns gradients for its inputs;
+3. the forward graph is the model with trainable initializers turned into inputs, plus, as outputs,
+   exactly the values the backward read (see :class:`~onnxgrad.autodiff.builder.GradBuilder`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import helper
+
+from ..errors import GradientNotImplementedError, InputError, ModelError
+from .builder import GradBuilder, Var
+from .graph import (
+    FLOAT_TYPES,
+    MIN_BACKWARD_OPSET,
+    ValueInfo,
+    check_model,
+    constant_values,
+    infer_value_infos,
+    ir_version_for,
+    load_model,
+    opset_of,
+    topological_order,
+)
+from .registry import NodeContext, _load_rules, lookup
+
+
+@dataclass
+class GradientGraphs:
+    """The result of :func:`build_gradient`.
+
+    ``forward`` takes the model inputs and the trainable values (``trainable``, whose current values
+    are kept as overridable initializers) and returns the model outputs followed by the values the
+    backward needs. ``backward`` takes the ``saved`` values and one gradient per entry of
+    ``grad_inputs`` and returns one gradient per entry of ``grad_outputs``.
+    """
+
+    forward: onnx.ModelProto
+    backward: onnx.ModelProto
+    trainable: list[str]
+    inputs_requiring_grad: list[str]
+    saved: list[str]
+    outputs: list[str]  # user outputs of the forward graph, in order
+    grad_inputs: dict[str, str] = field(default_factory=dict)  # user output -> backward input
+    grad_outputs: dict[str, str] = field(default_factory=dict)  # wrt name -> backward output
+
+    @property
+    def wrt(self) -> list[str]:
+        """Names whose gradients the backward returns: trainable values, then inputs."""
+        return list(self.grad_outputs)
+
+    def save(self, directory: str | os.PathLike) -> list[str]:
+        """Write ``forward.onnx`` and ``backward.onnx`` into ``directory``; returns the paths."""
+        os.makedirs(directory, exist_ok=True)
+        paths = []
+        for name, proto in (("forward", self.forward), ("backward", self.backward)):
+            path = os.path.join(os.fspath(directory), f"{name}.onnx")
+            onnx.save(proto, path)
+            paths.append(path)
+        return paths
+
+
+def build_gradient(
+    model: onnx.ModelProto | str | os.PathLike | bytes,
+    *,
+    trainable: Iterable[str] | None = None,
+    inputs_requiring_grad: Iterable[str] = (),
+    outputs: Iterable[str] | None = None,
+) -> GradientGraphs:
+    """Build the forward and backward graphs of ``model``.
+
+    ``trainable``: initializer names to differentiate (``None``: every floating-point initializer).
+    ``inputs_requiring_grad``: graph inputs whose gradients the backward also returns.
+    ``outputs``: outputs that take a gradient (``None``: every floating-point output); the others
+    are treated as having a zero gradient.
+    """
+    _load_rules()
+    model = _prepare(load_model(model))
+    graph = model.graph
+    nodes = topological_order(graph)
+    infos = infer_value_infos(model)
+    opset = opset_of(model)
+
+    inits = {i.name: i for i in graph.initializer}
+    graph_inputs = [i.name for i in graph.input if i.name not in inits]
+    trainable_names = _select_trainable(inits, trainable)
+    input_names = _select_inputs(graph_inputs, infos, inputs_requiring_grad)
+    out_names = [o.name for o in graph.output]
+    grad_outs = _select_outputs(out_names, infos, outputs)
+    wrt = trainable_names + input_names
+
+    # 1. which values require grad, which reach an output with a gradient
+    requires = set(wrt)
+    for node in nodes:
+        r = lookup(node.domain, node.op_type, _opset(model, node.domain))
+        if r is not None and r.kind == "zero":
+            continue
+        if any(i in requires for i in node.input if i):
+            requires.update(o for o in node.output if o and _is_float(infos, o))
+    reaches = set(grad_outs)
+    toward_output: dict[str, onnx.NodeProto] = {}  # value -> the consumer that leads to an output
+    for node in reversed(nodes):
+        if any(o in reaches for o in node.output):
+            for i in node.input:
+                if i and i in requires:
+                    reaches.add(i)
+                    toward_output.setdefault(i, node)
+
+    # 2. reverse pass
+    consts = {k: v for k, v in constant_values(model).items() if k not in trainable_names}
+    taken = set(infos) | {o for n in nodes for o in n.output} | set(inits)
+    bwd_opset = max(opset, MIN_BACKWARD_OPSET)
+    g = GradBuilder(infos, consts, taken, bwd_opset)
+    grads: dict[str, list[Var]] = {}
+    grad_inputs: dict[str, str] = {}
+    for out in grad_outs:
+        info = infos[out]
+        name = g.reserve(f"{out}_grad")
+        grad_inputs[out] = name
+        grads.setdefault(out, []).append(Var(g, name, info.dtype, info.shape))
+
+    for node in reversed(nodes):
+        if not any(o in requires and o in reaches for o in node.output):
+            continue
+        dout = [_sum(g, grads.get(o, [])) if o else None for o in node.output]
+        if all(d is None for d in dout):
+            continue
+        r = lookup(node.domain, node.op_type, _opset(model, node.domain))
+        if r is None or r.fn is None:
+            raise GradientNotImplementedError(_no_rule_message(model, node, toward_output, grad_outs))
+        needs = [bool(i) and i in requires for i in node.input]
+        ctx = NodeContext(
+            node=node,
+            inputs=[g.fwd(i) if i else None for i in node.input],
+            outputs=[g.fwd(o) if o and o in infos else None for o in node.output],
+            dout=dout,
+            needs=needs,
+            opset=_opset(model, node.domain),
+            g=g,
+        )
+        for name, need, grad in zip(node.input, needs, r.fn(g, ctx)):
+            if need and grad is not None:
+                grads.setdefault(name, []).append(grad)
+
+    grad_outputs: dict[str, str] = {}
+    final: list[tuple[str, Var]] = []
+    for w in wrt:
+        total = _sum(g, grads.get(w, []))
+        if total is None:  # the outputs do not depend on it
+            total = g.zeros_like(g.fwd(w))
+        final.append((w, total))
+    _name_outputs(g, final, grad_outputs)
+
+    # 3. assemble both models
+    forward = _forward_model(model, nodes, g, trainable_names, grad_inputs, infos)
+    backward = _backward_model(model, g, grad_inputs, grad_outputs, infos)
+    saved = list(g.saved)
+    return GradientGraphs(
+        forward=forward,
+        backward=backward,
+        trainable=trainable_names,
+        inputs_requiring_grad=input_names,
+        saved=saved,
+        outputs=out_names,
+        grad_inputs=grad_inputs,
+        grad_outputs=grad_outputs,
+    )
+
+
+# ---- selection and validation ----------------------------------------------------------------
+def _prepare(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    check_model(copy)
+    if copy.functions:  # model-local functions: differentiate their bodies
+        from onnx import inliner
+
+        copy = inliner.inline_local_functions(copy)
+    return copy
+
+
+def _select_trainable(inits: dict[str, onnx.TensorProto], trainable: Iterable[str] | None) -> list[str]:
+    if trainable is None:
+        return [n for n, t in inits.items() if t.data_type in FLOAT_TYPES]
+    if isinstance(trainable, str):
+        trainable = [trainable]
+    names = list(dict.fromkeys(trainable))
+    for n in names:
+        if n not in inits:
+            raise InputError(f"trainable name {n!r} is not an initializer of the model")
+        if inits[n].data_type not in FLOAT_TYPES:
+            raise InputError(
+                f"initializer {n!r} has type {helper.tensor_dtype_to_string(inits[n].data_type)}: "
+                "only floating-point initializers can be trained"
+            )
+    return names
+
+
+def _select_inputs(graph_inputs: list[str], infos: dict[str, ValueInfo], names: Iterable[str]) -> list[str]:
+    if isinstance(names, str):
+        names = [names]
+    out = list(dict.fromkeys(names))
+    for n in out:
+        if n not in graph_inputs:
+            raise InputError(f"{n!r} is not an input of the model (inputs: {graph_inputs})")
+        if not _is_float(infos, n):
+            raise InputError(f"input {n!r} is not floating-point: it cannot have a gradient")
+    return out
+
+
+def _select_outputs(out_names: list[str], infos: dict[str, ValueInfo], outputs: Iterable[str] | None) -> list[str]:
+    if outputs is None:
+        return [o for o in out_names if _is_float(infos, o)]
+    if isinstance(outputs, str):
+        outputs = [outputs]
+    selected = list(dict.fromkeys(outputs))
+    for o in selected:
+        if o not in out_names:
+            raise InputError(f"{o!r} is not an output of the model (outputs: {out_names})")
+        if not _is_float(infos, o):
+            raise InputError(f"output {o!r} is not floating-point: it cannot take a gradient")
+    return selected
+
+
+def _is_float(infos: dict[str, ValueInfo], name: str) -> bool:
+    info = infos.get(name)
+    return info is not None and info.is_float
+
+
+def _opset(model: onnx.ModelProto, domain: str) -> int:
+    return opset_of(model, domain) or 1
+
+
+def _sum(g: GradBuilder, parts: Sequence[Var]) -> Var | None:
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    return g.op("Sum", *parts, shape=parts[0].shape)
+
+
+def _no_rule_message(model: onnx.ModelProto, node: onnx.NodeProto,
+                     toward_output: dict[str, onnx.NodeProto], grad_outs: list[str]) -> str:
+    domain = node.domain or "ai.onnx"
+    path = [f"{node.name or '<unnamed>'} ({node.op_type})"]
+    value = next((o for o in node.output if o in toward_output or o in grad_outs), node.output[0])
+    seen = 0
+    while value in toward_output and seen < 50:
+        nxt = toward_output[value]
+        path.append(f"{nxt.name or '<unnamed>'} ({nxt.op_type})")
+        value = next((o for o in nxt.output if o in toward_output or o in grad_outs), nxt.output[0])
+        seen += 1
+    path.append(f"output {value!r}")
+    return (
+        f"no gradient rule for node {node.name!r}: op {node.op_type!r}, domain {domain!r}, "
+        f"opset {_opset(model, node.domain)}; the gradient is needed on the path "
+        + " -> ".join(path)
+        + ". Mark the values before it as not trainable, or register a rule "
+        "(onnxgrad.autodiff.registry.rule)."
+    )
+
+
+# ---- assembling the two models ---------------------------------------------------------------
+def _name_outputs(g: GradBuilder, final: list[tuple[str, Var]], grad_outputs: dict[str, str]) -> None:
+    """Give each wrt gradient its output name, renaming the producing node when that is safe."""
+    producers = {o: node for node in g.nodes for o in node.output}
+    reads: dict[str, int] = {}
+    for node in g.nodes:
+        for i in node.input:
+            reads[i] = reads.get(i, 0) + 1
+    used: set[str] = set()
+    for w, var in final:
+        name = g.reserve(f"{w}_grad")
+        node = producers.get(var.name)
+        if node is not None and var.name not in used and not reads.get(var.name):
+            node.output[list(node.output).index(var.name)] = name
+            producers[name] = node
+        else:
+            g.nodes.append(helper.make_node("Identity", [g._use(var)], [name]))
+        used.add(var.name)
+        grad_outputs[w] = name
+
+
+def _opsets(model: onnx.ModelProto, default_version: int, extra: Iterable[onnx.NodeProto]) -> list:
+    domains = {imp.domain: imp.version for imp in model.opset_import if imp.domain not in ("", "ai.onnx")}
+    needed = {n.domain for n in extra if n.domain not in ("", "ai.onnx")}
+    ops = [helper.make_opsetid("", default_version)]
+    ops += [helper.make_opsetid(d, v) for d, v in domains.items() if d in needed]
+    return ops
+
+
+def _forward_model(model: onnx.ModelProto, nodes: list[onnx.NodeProto], g: GradBuilder,
+                   trainable: list[str], grad_inputs: dict[str, str],
+                   infos: dict[str, ValueInfo]) -> onnx.ModelProto:
+    graph = model.graph
+    inputs = list(graph.input)
+    declared = {i.name for i in inputs}
+    inputs += [infos[t].to_proto() for t in trainable if t not in declared]
+    input_names = {i.name for i in inputs}
+    outputs = list(graph.output)
+    out_names = {o.name for o in outputs}
+    for name, info in g.saved.items():
+        if name not in input_names and name not in out_names:
+            outputs.append(info.to_proto())
+            out_names.add(name)
+    fwd_graph = helper.make_graph(
+        list(nodes) + g.fwd_nodes,
+        graph.name or "forward",
+        inputs,
+        outputs,
+        initializer=list(graph.initializer),
+        value_info=list(graph.value_info),
+        sparse_initializer=list(graph.sparse_initializer),
+    )
+    fwd = helper.make_model(fwd_graph, opset_imports=list(model.opset_import),
+                            producer_name="onnxgrad", functions=list(model.functions))
+    fwd.ir_version = max(ir_version_for(model.opset_import), min(model.ir_version, 13))
+    return fwd
+
+
+def _backward_model(model: onnx.ModelProto, g: GradBuilder, grad_inputs: dict[str, str],
+                    grad_outputs: dict[str, str], infos: dict[str, ValueInfo]) -> onnx.ModelProto:
+    inputs = [info.to_proto() for info in g.saved.values()]
+    for out, name in grad_inputs.items():
+        inputs.append(infos[out].to_proto(name))
+    outputs = [infos[w].to_proto(name) for w, name in grad_outputs.items()]
+    bwd_graph = helper.make_graph(
+        g.nodes, "backward", inputs, outputs, initializer=list(g.initializers.values())
+    )
+    opsets = _opsets(model, g.opset, g.nodes)
+    bwd = helper.make_model(bwd_graph, opset_imports=opsets, producer_name="onnxgrad")
+    bwd.ir_version = ir_version_for(opsets)
+    return bwd
+
+
+def check_graphs(graphs: GradientGraphs) -> None:
+    """Run ``onnx.checker`` with ``full_check`` on both graphs (raises :class:`ModelError`)."""
+    for name, proto in (("forward", graphs.forward), ("backward", graphs.backward)):
+        try:
+            onnx.checker.check_model(proto, full_check=True)
+        except Exception as exc:
+            raise ModelError(f"the {name} graph does not pass the ONNX checker: {exc}") from exc

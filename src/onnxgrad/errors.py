@@ -1,0 +1,41 @@
+"""The exceptions onnxgrad raises.
+
+Every error derives from :class:`OnnxGradError`, and also from the builtin exception a caller would
+naturally catch (``ValueError`` for bad input, ``NotImplementedError`` for a missing gradient rule), so
+``except ValueError`` keeps working for code that does not know onnxgrad.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GradientNotImplementedError",
+    "InputError",
+    "ModelError",
+    "OnnxGradError",
+    "OnnxGradRuntimeError",
+    "PythonOpError",
+]
+
+
+class OnnxGradError(Exception):
+    """Base class of every onnxgrad error."""
+
+
+class ModelError(OnnxGradError, ValueError):
+    """The model itself is unusable: not ONNX, truncated, a cycle, a value used but never defined."""
+
+
+class GradientNotImplementedError(OnnxGradError, NotImplementedError):
+    """A node on the path from a trainable value to an output has no gradient rule."""
+
+
+class InputError(OnnxGradError, ValueError):
+    """An argument given to onnxgrad is wrong: unknown names, shapes or dtypes that do not match."""
+
+
+class PythonOpError(OnnxGradError, RuntimeError):
+    """A com.microsoft PythonOp / PythonOpGrad node cannot run (unregistered class, failure inside it)."""
+
+
+class OnnxGradRuntimeError(OnnxGradError, RuntimeError):
+    """Running a graph failed, or the forward/backward protocol was not followed."""

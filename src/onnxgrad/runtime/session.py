@@ -1,0 +1,379 @@
+"""Running forward and backward graphs on stock onnxruntime.
+
+What the forward hands to the backward never leaves onnxruntime: the forward's outputs are bound
+with IO binding and come back as ``OrtValue``s, which the backward binds as inputs directly. Inputs
+and parameters are wrapped around the caller's numpy buffers without copies, and outputs are
+returned as numpy views of onnxruntime's buffers.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
+
+from ..autodiff.engine import GradientGraphs, build_gradient
+from ..autodiff.graph import ValueInfo, np_dtype, to_array, value_info_from_proto
+from ..errors import InputError, OnnxGradRuntimeError
+
+Feeds = Mapping[str, Any]
+
+
+def resolve_providers(providers: str | Sequence[Any] | None) -> list[Any]:
+    """onnxruntime providers from a short name (``"cpu"``, ``"cuda"``, ``"cuda:1"``) or a list."""
+    if providers is None:
+        return ["CPUExecutionProvider"]
+    if isinstance(providers, str):
+        providers = [providers]
+    out: list[Any] = []
+    available = ort.get_available_providers()
+    for p in providers:
+        name = p[0] if isinstance(p, tuple) else p
+        if not isinstance(name, str):
+            raise InputError(f"unknown execution provider {p!r}")
+        low = name.lower()
+        if low == "cpu":
+            p = "CPUExecutionProvider"
+        elif low == "cuda" or low.startswith("cuda:"):
+            index = int(low.split(":", 1)[1]) if ":" in low else 0
+            p = ("CUDAExecutionProvider", {"device_id": index})
+        name = p[0] if isinstance(p, tuple) else p
+        if name not in available:
+            raise InputError(f"execution provider {name!r} is not available (available: {available})")
+        out.append(p)
+    if "CPUExecutionProvider" not in [q[0] if isinstance(q, tuple) else q for q in out]:
+        out.append("CPUExecutionProvider")
+    return out
+
+
+def make_session(model: onnx.ModelProto, providers: list[Any],
+                 options: ort.SessionOptions | None = None) -> ort.InferenceSession:
+    """An onnxruntime session for ``model``; failures become :class:`OnnxGradRuntimeError`."""
+    try:
+        return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=providers)
+    except Exception as exc:
+        raise OnnxGradRuntimeError(f"onnxruntime cannot load the {model.graph.name!r} graph: {exc}") from exc
+
+
+class ForwardResult:
+    """The outputs of one forward pass, and the means to run its backward exactly once."""
+
+    def __init__(self, owner: ForwardBackward, outputs: list[np.ndarray],
+                 saved: dict[str, ort.OrtValue] | None) -> None:
+        self.outputs = outputs
+        self._owner = owner
+        self._saved = saved
+        self._training = saved is not None
+        self._lock = threading.Lock()
+
+    def backward(self, grad_outputs: Mapping[str, Any] | Sequence[Any] | None = None) -> dict[str, np.ndarray]:
+        """Gradients (name -> array) of every trainable value and input that requires grad.
+
+        ``grad_outputs``: ``None`` for ones on every output that takes a gradient, a mapping
+        output name -> array (missing outputs count as zero) or a sequence aligned with outputs.
+        """
+        with self._lock:
+            if not self._training:
+                raise OnnxGradRuntimeError(
+                    "this forward ran with training=False, which keeps nothing for a backward; "
+                    "run forward(feeds, training=True)"
+                )
+            saved = self._saved
+            if saved is None:
+                raise OnnxGradRuntimeError(
+                    "backward already ran for this forward result; run forward again"
+                )
+            self._saved = None
+        return self._owner._backward(saved, grad_outputs, self.outputs)
+
+
+class ForwardBackward:
+    """Forward and backward of an ONNX model on onnxruntime, numpy in and numpy out.
+
+    ``model_or_graphs``: a model (proto, path or bytes) or the :class:`GradientGraphs` of one.
+    Several forwards may be alive at once, and forwards/backwards may run from several threads.
+    """
+
+    def __init__(
+        self,
+        model_or_graphs: GradientGraphs | onnx.ModelProto | str | os.PathLike | bytes,
+        *,
+        trainable: Iterable[str] | None = None,
+        inputs_requiring_grad: Iterable[str] = (),
+        providers: str | Sequence[Any] | None = None,
+        session_options: ort.SessionOptions | None = None,
+    ) -> None:
+        if isinstance(model_or_graphs, GradientGraphs):
+            graphs = model_or_graphs
+        else:
+            graphs = build_gradient(model_or_graphs, trainable=trainable,
+                                    inputs_requiring_grad=inputs_requiring_grad)
+        self.graphs = graphs
+        self.providers = resolve_providers(providers)
+        trainable_set = set(graphs.trainable)
+        fwd = onnx.ModelProto()
+        fwd.CopyFrom(graphs.forward)
+        self._params: dict[str, np.ndarray] = {}
+        kept = []
+        for init in fwd.graph.initializer:
+            if init.name in trainable_set:
+                self._params[init.name] = np.ascontiguousarray(to_array(init))
+            else:
+                kept.append(init)
+        del fwd.graph.initializer[:]
+        fwd.graph.initializer.extend(kept)
+        self._fwd = make_session(fwd, self.providers, session_options)
+        self._bwd = make_session(graphs.backward, self.providers, session_options)
+        inits = {i.name for i in fwd.graph.initializer}
+        self._inputs: dict[str, ValueInfo] = {}
+        for vi in fwd.graph.input:
+            info = value_info_from_proto(vi)
+            if vi.name not in trainable_set and vi.name not in inits and info is not None:
+                self._inputs[vi.name] = info
+        self._out_infos = {o.name: value_info_from_proto(o) for o in fwd.graph.output}
+        self._fwd_outputs = [o.name for o in fwd.graph.output]
+        self._param_values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in self._params.items()}
+
+    # ---- parameters --------------------------------------------------------------------------
+    @property
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Trainable values by name. These are the live buffers: updating them in place is seen by
+        the next forward without any copy (this is how the optimizers work)."""
+        return dict(self._params)
+
+    @property
+    def input_names(self) -> list[str]:
+        return list(self._inputs)
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self.graphs.outputs)
+
+    def set_parameters(self, mapping: Mapping[str, Any]) -> None:
+        """Replace parameter values (same shapes and dtypes as before)."""
+        for name, value in mapping.items():
+            if name not in self._params:
+                raise InputError(f"{name!r} is not a trainable parameter (have {list(self._params)})")
+            old = self._params[name]
+            arr = np.asarray(value)
+            if arr.shape != old.shape:
+                raise InputError(f"parameter {name!r} has shape {old.shape}, got {arr.shape}")
+            arr = np.ascontiguousarray(arr, dtype=old.dtype)
+            if arr is value:  # never alias a caller's array we do not own
+                arr = arr.copy()
+            self._params[name] = arr
+            self._param_values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+
+    def to_onnx(self) -> onnx.ModelProto:
+        """The inference model (user outputs only) carrying the current parameter values."""
+        return inference_model(self.graphs, self._params)
+
+    # ---- running -----------------------------------------------------------------------------
+    def forward(self, feeds: Feeds, *, training: bool = True) -> ForwardResult:
+        """Run the forward graph. With ``training`` the result keeps what its backward needs."""
+        bound = self._check_feeds(feeds)
+        io = self._fwd.io_binding()
+        values: dict[str, ort.OrtValue] = {}
+        for name, arr in bound.items():
+            values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+            io.bind_ortvalue_input(name, values[name])
+        for name, ov in self._param_values.items():
+            values[name] = ov
+            io.bind_ortvalue_input(name, ov)
+        wanted = self._fwd_outputs if training else self.graphs.outputs
+        for name in wanted:
+            io.bind_output(name, "cpu")
+        try:
+            self._fwd.run_with_iobinding(io)
+        except Exception as exc:
+            raise OnnxGradRuntimeError(f"the forward graph failed in onnxruntime: {exc}") from exc
+        env = dict(zip(wanted, io.get_outputs()))
+        outputs = [env[o].numpy() for o in self.graphs.outputs]
+        saved = None
+        if training:
+            env.update(values)
+            saved = {s: env[s] for s in self.graphs.saved}
+            saved["__inputs__"] = bound  # type: ignore[assignment]  # keep fed buffers alive
+        return ForwardResult(self, outputs, saved)
+
+    def _backward(self, saved: dict[str, Any], grad_outputs: Any,
+                  outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
+        grads = self._grad_feeds(grad_outputs, outputs)
+        io = self._bwd.io_binding()
+        for name in self.graphs.saved:
+            io.bind_ortvalue_input(name, saved[name])
+        keep = []
+        for out, name in self.graphs.grad_inputs.items():
+            ov = ort.OrtValue.ortvalue_from_numpy(grads[out])
+            keep.append(ov)
+            io.bind_ortvalue_input(name, ov)
+        wrt = list(self.graphs.grad_outputs)
+        for w in wrt:
+            io.bind_output(self.graphs.grad_outputs[w], "cpu")
+        try:
+            self._bwd.run_with_iobinding(io)
+        except Exception as exc:
+            raise OnnxGradRuntimeError(f"the backward graph failed in onnxruntime: {exc}") from exc
+        return {w: ov.numpy() for w, ov in zip(wrt, io.get_outputs())}
+
+    # ---- validation --------------------------------------------------------------------------
+    def _check_feeds(self, feeds: Feeds) -> dict[str, np.ndarray]:
+        if not isinstance(feeds, Mapping):
+            raise InputError(f"feeds must be a mapping input name -> array, got {type(feeds).__name__}")
+        unknown = [k for k in feeds if k not in self._inputs]
+        if unknown:
+            raise InputError(f"unknown input name(s) {unknown}; the model's inputs are {list(self._inputs)}")
+        missing = [k for k in self._inputs if k not in feeds]
+        if missing:
+            raise InputError(f"missing input(s) {missing}; the model's inputs are {list(self._inputs)}")
+        return {name: check_array(name, feeds[name], self._inputs[name]) for name in self._inputs}
+
+    def _grad_feeds(self, grad_outputs: Any, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
+        by_name = dict(zip(self.graphs.outputs, outputs))
+        if grad_outputs is None:
+            given: dict[str, Any] = {o: None for o in self.graphs.grad_inputs}
+        elif isinstance(grad_outputs, Mapping):
+            unknown = [k for k in grad_outputs if k not in self.graphs.grad_inputs]
+            if unknown:
+                raise InputError(
+                    f"no gradient can be given for {unknown}; outputs that take one: "
+                    f"{list(self.graphs.grad_inputs)}"
+                )
+            given = dict(grad_outputs)
+        else:
+            seq = list(grad_outputs)
+            if len(seq) != len(self.graphs.outputs):
+                raise InputError(
+                    f"expected {len(self.graphs.outputs)} output gradients (one per output), got {len(seq)}"
+                )
+            given = {o: g for o, g in zip(self.graphs.outputs, seq) if o in self.graphs.grad_inputs}
+        feeds = {}
+        for out in self.graphs.grad_inputs:
+            ref = by_name[out]
+            if grad_outputs is None:
+                feeds[out] = np.ones_like(ref)
+            elif given.get(out) is None:
+                feeds[out] = np.zeros_like(ref)
+            else:
+                arr = np.asarray(given[out])
+                if not isinstance(given[out], np.ndarray):
+                    arr = arr.astype(ref.dtype)
+                if arr.dtype != ref.dtype:
+                    raise InputError(
+                        f"gradient of output {out!r} has dtype {arr.dtype}, expected {ref.dtype}"
+                    )
+                if arr.shape != ref.shape:
+                    raise InputError(
+                        f"gradient of output {out!r} has shape {arr.shape}, the output has {ref.shape}"
+                    )
+                feeds[out] = np.ascontiguousarray(arr)
+        return feeds
+
+
+def check_array(name: str, value: Any, info: ValueInfo) -> np.ndarray:
+    """``value`` as a contiguous array of ``info``'s dtype and shape, or :class:`InputError`."""
+    expected = np_dtype(info.dtype)
+    if isinstance(value, np.ndarray):
+        arr = value
+        if arr.dtype != expected:
+            raise InputError(f"input {name!r} has dtype {arr.dtype}, the model expects {expected}")
+    else:
+        try:
+            arr = np.asarray(value, dtype=expected)
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"input {name!r} cannot be converted to {expected}: {exc}") from exc
+    if info.shape is not None:
+        if arr.ndim != len(info.shape):
+            raise InputError(
+                f"input {name!r} has rank {arr.ndim} (shape {arr.shape}), the model expects rank "
+                f"{len(info.shape)} (shape {_fmt_shape(info.shape)})"
+            )
+        for i, (d, want) in enumerate(zip(arr.shape, info.shape)):
+            if isinstance(want, int) and d != want:
+                raise InputError(
+                    f"input {name!r} has shape {arr.shape}, the model expects "
+                    f"{_fmt_shape(info.shape)} (dimension {i} must be {want})"
+                )
+    return np.ascontiguousarray(arr)
+
+
+def _fmt_shape(shape: tuple) -> str:
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
+
+
+def inference_model(graphs: GradientGraphs, params: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """The forward graph reduced to the user outputs, with ``params`` as its initializers."""
+    model = onnx.ModelProto()
+    model.CopyFrom(graphs.forward)
+    g = model.graph
+    outputs = [o for o in g.output if o.name in set(graphs.outputs)]
+    del g.output[:]
+    g.output.extend(outputs)
+    trainable = set(graphs.trainable)
+    inputs = [i for i in g.input if i.name not in trainable]
+    del g.input[:]
+    g.input.extend(inputs)
+    inits = []
+    for init in g.initializer:
+        if init.name in params:
+            inits.append(numpy_helper.from_array(np.asarray(params[init.name]), init.name))
+        else:
+            inits.append(init)
+    del g.initializer[:]
+    g.initializer.extend(inits)
+    # drop what only the backward needed: extra nodes and extra outputs of kept nodes
+    needed = {o.name for o in g.output}
+    keep = []
+    for node in reversed(list(g.node)):
+        if any(o in needed for o in node.output):
+            keep.append(node)
+            needed.update(i for i in node.input if i)
+    keep.reverse()
+    del g.node[:]
+    g.node.extend(keep)
+    model.producer_name = "onnxgrad"
+    return model
+
+
+def gradients(
+    model: onnx.ModelProto | str | os.PathLike | bytes,
+    feeds: Feeds,
+    grad_outputs: Mapping[str, Any] | None = None,
+    *,
+    wrt: Iterable[str] | None = None,
+    providers: str | Sequence[Any] | None = None,
+) -> dict[str, np.ndarray]:
+    """Gradients of the model's outputs at ``feeds``, in one call.
+
+    ``grad_outputs``: output name -> array (``None``: ones for every floating-point output).
+    ``wrt``: initializer and/or input names (``None``: every trainable initializer).
+    """
+    from ..autodiff.graph import load_model
+
+    proto = load_model(model)
+    inits = {i.name for i in proto.graph.initializer}
+    inputs = [i.name for i in proto.graph.input if i.name not in inits]
+    if wrt is None:
+        trainable, req = None, []
+    else:
+        wrt = [wrt] if isinstance(wrt, str) else list(wrt)
+        bad = [w for w in wrt if w not in inits and w not in inputs]
+        if bad:
+            raise InputError(f"{bad} are neither initializers nor inputs of the model")
+        trainable = [w for w in wrt if w in inits]
+        req = [w for w in wrt if w in inputs]
+    outputs = None if grad_outputs is None else list(grad_outputs)
+    graphs = build_gradient(proto, trainable=trainable, inputs_requiring_grad=req, outputs=outputs)
+    fb = ForwardBackward(graphs, providers=providers)
+    result = fb.forward(feeds, training=True)
+    grads = result.backward(grad_outputs)
+    return {w: grads[w] for w in (wrt if wrt is not None else graphs.wrt)}
+
+
+__all__ = ["ForwardBackward", "ForwardResult", "gradients", "inference_model"]
