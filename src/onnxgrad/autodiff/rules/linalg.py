@@ -39,6 +39,8 @@ def matmul(g: GradBuilder, n: NodeContext) -> list[Var | None]:
             dy2 = g.Reshape(dy, [-1, cols])
             db = g.Gemm(a2, dy2, transA=1)
         return [da, db]
+    if a.rank == 1 and b.rank == 1:  # dot product
+        return [dy * b if n.needs[0] else None, dy * a if n.needs[1] else None]
     # General case (batched, broadcast, 1-D): promote vectors to matrices, then undo it.
     nb = max(a.rank, b.rank, 2) - 2  # batch dims of the product
     a2 = g.Unsqueeze(a, [0]) if a.rank == 1 else a

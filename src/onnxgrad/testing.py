@@ -1,0 +1,249 @@
+"""The correctness harness: gradients against central finite differences.
+
+:func:`check_gradients` compares the backward graph of any model with finite differences of its
+forward graph, in float64, through onnxruntime or ``onnx.reference`` (for ops onnxruntime has no
+float64 kernel for). :func:`node_model` and :func:`check_op` make one-node models so each rule is
+checked in isolation, at any shape. The command ``onnxgrad check`` uses the same code.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+from .autodiff.engine import GradientGraphs, build_gradient
+from .autodiff.graph import FLOAT_TYPES, ir_version_for, load_model, onnx_dtype
+
+Backend = Literal["onnxruntime", "reference"]
+
+
+def run_model(model: onnx.ModelProto, backend: Backend = "onnxruntime") -> Any:
+    """A function feeds -> {output name: array} running ``model`` on ``backend``.
+
+    onnxruntime runs at the basic optimization level: its extended fusions (e.g. FusedMatMul) are
+    float32-only and would reject float64 graphs.
+    """
+    names = [o.name for o in model.graph.output]
+    if backend == "reference":
+        from onnx.reference import ReferenceEvaluator
+
+        ev = ReferenceEvaluator(model, new_ops=_precise_ops())
+        return lambda feeds: dict(zip(names, ev.run(None, dict(feeds))))
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return lambda feeds: dict(zip(names, sess.run(None, dict(feeds))))
+
+
+def _precise_ops() -> list[type]:
+    """onnx.reference computes Erf and Gelu in float32; these keep float64 precise."""
+    import math
+
+    from onnx.reference.op_run import OpRun
+
+    erf = np.vectorize(math.erf, otypes=[np.float64])
+
+    class Erf(OpRun):
+        op_domain = ""
+
+        def _run(self, x):  # type: ignore[override]
+            return (erf(x).astype(x.dtype),)
+
+    class Gelu(OpRun):
+        op_domain = ""
+
+        def _run(self, x, approximate="none"):  # type: ignore[override]
+            if approximate == "tanh":
+                y = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+            else:
+                y = 0.5 * x * (1 + erf(x / math.sqrt(2)))
+            return (y.astype(x.dtype),)
+
+    return [Erf, Gelu]
+
+
+@dataclass
+class Mismatch:
+    name: str
+    index: tuple[int, ...]
+    analytic: float
+    numeric: float
+
+
+@dataclass
+class GradCheckResult:
+    """Analytic and numeric gradients, and where they disagree."""
+
+    analytic: dict[str, np.ndarray]
+    numeric: dict[str, np.ndarray]  # NaN where an element was not probed
+    mismatches: list[Mismatch] = field(default_factory=list)
+    max_error: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def report(self) -> str:
+        lines = [f"{'value':40s} {'max |analytic - numeric|':>26s}  status"]
+        bad = {m.name for m in self.mismatches}
+        for name, err in self.max_error.items():
+            lines.append(f"{name:40s} {err:26.3e}  {'FAIL' if name in bad else 'ok'}")
+        for m in self.mismatches[:10]:
+            lines.append(f"  {m.name}{list(m.index)}: analytic {m.analytic:.8g}, numeric {m.numeric:.8g}")
+        return "\n".join(lines)
+
+
+def check_gradients(
+    model: onnx.ModelProto | str | os.PathLike | bytes,
+    feeds: Mapping[str, np.ndarray],
+    *,
+    wrt: Iterable[str] | None = None,
+    backend: Backend = "onnxruntime",
+    eps: float | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    max_elements: int = 48,
+    seed: int = 0,
+    graphs: GradientGraphs | None = None,
+) -> GradCheckResult:
+    """Compare onnxgrad's gradients of ``model`` with central finite differences.
+
+    The scalar differentiated is ``sum_i <c_i, output_i>`` with random cotangents ``c_i``.
+    ``wrt``: initializer and input names (``None``: every floating-point initializer and input).
+    At most ``max_elements`` elements per value are probed (chosen at random, seeded).
+    Tolerances default to float64 ones; float32 models get looser defaults.
+    """
+    proto = load_model(model)
+    inits = {i.name: i for i in proto.graph.initializer}
+    inputs = {i.name: i for i in proto.graph.input if i.name not in inits}
+    if wrt is None:
+        trainable = [n for n, t in inits.items() if t.data_type in FLOAT_TYPES]
+        req = [n for n in inputs if n in feeds and np.asarray(feeds[n]).dtype.kind == "f"]
+    else:
+        wrt = list(wrt)
+        trainable = [w for w in wrt if w in inits]
+        req = [w for w in wrt if w not in inits]
+    if graphs is None:
+        graphs = build_gradient(proto, trainable=trainable, inputs_requiring_grad=req)
+    fwd, bwd = run_model(graphs.forward, backend), run_model(graphs.backward, backend)
+    params = {n: numpy_helper.to_array(inits[n]) for n in graphs.trainable}
+    values = {**{k: np.asarray(v) for k, v in feeds.items()}, **params}
+    low_precision = any(v.dtype != np.float64 for k, v in values.items() if k in graphs.grad_outputs)
+    eps = eps if eps is not None else (1e-3 if low_precision else 1e-6)
+    rtol = rtol if rtol is not None else (5e-2 if low_precision else 1e-5)
+    atol = atol if atol is not None else (5e-3 if low_precision else 1e-7)
+
+    rng = np.random.default_rng(seed)
+    out = fwd(values)
+    cot = {o: rng.standard_normal(np.shape(out[o])).astype(out[o].dtype) for o in graphs.grad_inputs}
+
+    def loss(vals: Mapping[str, np.ndarray]) -> float:
+        res = fwd(vals)
+        return float(sum(np.sum(res[o].astype(np.float64) * cot[o]) for o in cot))
+
+    bfeeds = {s: out[s] if s in out else values[s] for s in graphs.saved}
+    bfeeds.update({graphs.grad_inputs[o]: c for o, c in cot.items()})
+    bres = bwd(bfeeds)
+    analytic = {w: bres[name] for w, name in graphs.grad_outputs.items()}
+
+    result = GradCheckResult(analytic=analytic, numeric={})
+    for w in graphs.grad_outputs:
+        base = values[w]
+        num = np.full(base.shape, np.nan)
+        flat_idx = np.arange(base.size)
+        if base.size > max_elements:
+            flat_idx = rng.choice(base.size, max_elements, replace=False)
+        worst = 0.0
+        for k in flat_idx:
+            idx = np.unravel_index(k, base.shape)
+            plus, minus = base.copy(), base.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            num[idx] = (loss({**values, w: plus}) - loss({**values, w: minus})) / (2 * eps)
+            a = float(analytic[w][idx])
+            err = abs(a - num[idx])
+            worst = max(worst, err)
+            if not np.isfinite(a) or err > atol + rtol * abs(num[idx]):
+                result.mismatches.append(Mismatch(w, tuple(int(i) for i in idx), a, float(num[idx])))
+        result.numeric[w] = num
+        result.max_error[w] = worst
+        if analytic[w].shape != base.shape or analytic[w].dtype != base.dtype:
+            result.mismatches.append(Mismatch(w, (), float("nan"), float("nan")))
+    return result
+
+
+def node_model(
+    op_type: str,
+    inputs: Sequence[np.ndarray | None],
+    *,
+    attrs: Mapping[str, Any] | None = None,
+    n_outputs: int = 1,
+    opset: int = 18,
+    domain: str = "",
+    constant: Iterable[int] = (),
+    dynamic: bool = False,
+    output_dtypes: Sequence[np.dtype | type] | None = None,
+) -> onnx.ModelProto:
+    """A model with one ``op_type`` node, for testing its rule.
+
+    Floating-point inputs become graph inputs ``in0``, ``in1``... (with symbolic dims when
+    ``dynamic``); integer and bool inputs, and those whose index is in ``constant``, become
+    initializers; ``None`` is an absent optional input. Outputs are ``out0``, ``out1``...
+    """
+    constant = set(constant)
+    graph_inputs, inits, names = [], [], []
+    for i, arr in enumerate(inputs):
+        if arr is None:
+            names.append("")
+            continue
+        arr = np.asarray(arr)
+        name = f"in{i}"
+        names.append(name)
+        if arr.dtype.kind == "f" and i not in constant:
+            shape = [f"d{i}_{j}" for j in range(arr.ndim)] if dynamic else list(arr.shape)
+            graph_inputs.append(helper.make_tensor_value_info(name, onnx_dtype(arr.dtype), shape))
+        else:
+            inits.append(numpy_helper.from_array(arr, name))
+    first = next(np.asarray(a).dtype for a in inputs if a is not None and np.asarray(a).dtype.kind == "f")
+    dtypes = list(output_dtypes) if output_dtypes is not None else [first] * n_outputs
+    outs = [helper.make_tensor_value_info(f"out{k}", onnx_dtype(dtypes[k]), None) for k in range(n_outputs)]
+    node = helper.make_node(op_type, names, [o.name for o in outs], domain=domain or None, **(attrs or {}))
+    graph = helper.make_graph([node], f"test_{op_type}", graph_inputs, outs, initializer=inits)
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = ir_version_for(model.opset_import)
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def check_op(
+    op_type: str,
+    inputs: Sequence[np.ndarray | None],
+    *,
+    attrs: Mapping[str, Any] | None = None,
+    n_outputs: int = 1,
+    opset: int = 18,
+    constant: Iterable[int] = (),
+    dynamic: bool = False,
+    backend: Backend = "onnxruntime",
+    output_dtypes: Sequence[np.dtype | type] | None = None,
+    **tolerances: Any,
+) -> GradCheckResult:
+    """Check the rule of ``op_type`` on these inputs; raises ``AssertionError`` with a report on failure."""
+    model = node_model(op_type, inputs, attrs=attrs, n_outputs=n_outputs, opset=opset,
+                       constant=constant, dynamic=dynamic, output_dtypes=output_dtypes)
+    feeds = {i.name: np.asarray(inputs[int(i.name[2:])]) for i in model.graph.input}
+    wrt = [i.name for i in model.graph.input] + [
+        t.name for t in model.graph.initializer if t.data_type in FLOAT_TYPES
+    ]
+    result = check_gradients(model, feeds, wrt=wrt, backend=backend, **tolerances)
+    if not result.ok:
+        raise AssertionError(f"gradient check of {op_type} failed:\n{result.report()}")
+    return result
