@@ -70,6 +70,34 @@ def _precise_ops() -> list[type]:
     return [Erf, Gelu]
 
 
+def _backward(graphs: GradientGraphs, bwd: Any, values: Mapping[str, np.ndarray],
+              out: Mapping[str, np.ndarray], cot: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    feeds = {s: out[s] if s in out else values[s] for s in graphs.saved}
+    feeds.update({graphs.grad_inputs[o]: c for o, c in cot.items()})
+    res = bwd(feeds)
+    return {w: res[name] for w, name in graphs.grad_outputs.items()}
+
+
+def run_gradients(
+    graphs: GradientGraphs,
+    feeds: Mapping[str, np.ndarray],
+    grad_outputs: Mapping[str, np.ndarray] | None = None,
+    backend: Backend = "onnxruntime",
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Run forward then backward graphs on ``backend``: (outputs, gradients by wrt name).
+
+    Trainable values take their initializer values; ``grad_outputs=None`` means ones.
+    """
+    inits = {i.name: numpy_helper.to_array(i) for i in graphs.forward.graph.initializer}
+    values = {**{t: inits[t] for t in graphs.trainable}, **feeds}
+    out = run_model(graphs.forward, backend)(values)
+    if grad_outputs is None:
+        grad_outputs = {o: np.ones_like(out[o]) for o in graphs.grad_inputs}
+    cot = {o: grad_outputs.get(o, np.zeros_like(out[o])) for o in graphs.grad_inputs}
+    bwd = run_model(graphs.backward, backend)
+    return out, _backward(graphs, bwd, values, out, cot)
+
+
 @dataclass
 class Mismatch:
     name: str
@@ -149,10 +177,7 @@ def check_gradients(
         res = fwd(vals)
         return float(sum(np.sum(res[o].astype(np.float64) * cot[o]) for o in cot))
 
-    bfeeds = {s: out[s] if s in out else values[s] for s in graphs.saved}
-    bfeeds.update({graphs.grad_inputs[o]: c for o, c in cot.items()})
-    bres = bwd(bfeeds)
-    analytic = {w: bres[name] for w, name in graphs.grad_outputs.items()}
+    analytic = _backward(graphs, bwd, values, out, cot)
 
     result = GradCheckResult(analytic=analytic, numeric={})
     for w in graphs.grad_outputs:

@@ -88,7 +88,7 @@ def build_gradient(
     _load_rules()
     model = _prepare(load_model(model))
     graph = model.graph
-    nodes = topological_order(graph)
+    nodes = list(graph.node)
     infos = infer_value_infos(model)
     opset = opset_of(model)
 
@@ -107,7 +107,8 @@ def build_gradient(
         if r is not None and r.kind == "zero":
             continue
         if any(i in requires for i in node.input if i):
-            requires.update(o for o in node.output if o and _is_float(infos, o))
+            # unknown types count as float: better an error for a missing rule than a silent zero
+            requires.update(o for o in node.output if o and _may_be_float(infos, o))
     reaches = set(grad_outs)
     toward_output: dict[str, onnx.NodeProto] = {}  # value -> the consumer that leads to an output
     for node in reversed(nodes):
@@ -118,7 +119,10 @@ def build_gradient(
                     toward_output.setdefault(i, node)
 
     # 2. reverse pass
-    consts = {k: v for k, v in constant_values(model).items() if k not in trainable_names}
+    # Known tensors are copied into the backward rather than saved; an initializer that is also a
+    # graph input can be overridden at run time, so it is not one of them.
+    overridable = set(trainable_names) | {i.name for i in graph.input}
+    consts = {k: v for k, v in constant_values(model).items() if k not in overridable}
     taken = set(infos) | {o for n in nodes for o in n.output} | set(inits)
     bwd_opset = max(opset, MIN_BACKWARD_OPSET)
     g = GradBuilder(infos, consts, taken, bwd_opset)
@@ -140,6 +144,9 @@ def build_gradient(
         if r is None or r.fn is None:
             raise GradientNotImplementedError(_no_rule_message(model, node, toward_output, grad_outs))
         needs = [bool(i) and i in requires for i in node.input]
+        for name in node.input:
+            if name and name not in infos:  # shape inference could not type it (custom op)
+                infos[name] = ValueInfo(name, next(d for d in dout if d is not None).dtype, None)
         ctx = NodeContext(
             node=node,
             inputs=[g.fwd(i) if i else None for i in node.input],
@@ -182,6 +189,9 @@ def build_gradient(
 def _prepare(model: onnx.ModelProto) -> onnx.ModelProto:
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
+    ordered = topological_order(copy.graph)  # the checker insists on sorted nodes; we sort them
+    del copy.graph.node[:]
+    copy.graph.node.extend(ordered)
     check_model(copy)
     if copy.functions:  # model-local functions: differentiate their bodies
         from onnx import inliner
@@ -236,6 +246,11 @@ def _select_outputs(out_names: list[str], infos: dict[str, ValueInfo], outputs: 
 def _is_float(infos: dict[str, ValueInfo], name: str) -> bool:
     info = infos.get(name)
     return info is not None and info.is_float
+
+
+def _may_be_float(infos: dict[str, ValueInfo], name: str) -> bool:
+    info = infos.get(name)
+    return info is None or info.is_float
 
 
 def _opset(model: onnx.ModelProto, domain: str) -> int:

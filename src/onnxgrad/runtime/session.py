@@ -78,19 +78,17 @@ class ForwardResult:
         ``grad_outputs``: ``None`` for ones on every output that takes a gradient, a mapping
         output name -> array (missing outputs count as zero) or a sequence aligned with outputs.
         """
+        if not self._training:
+            raise OnnxGradRuntimeError(
+                "this forward ran with training=False, which keeps nothing for a backward; "
+                "run forward(feeds, training=True)"
+            )
+        feeds = self._owner._grad_feeds(grad_outputs, self.outputs)  # validate before consuming
         with self._lock:
-            if not self._training:
-                raise OnnxGradRuntimeError(
-                    "this forward ran with training=False, which keeps nothing for a backward; "
-                    "run forward(feeds, training=True)"
-                )
-            saved = self._saved
-            if saved is None:
-                raise OnnxGradRuntimeError(
-                    "backward already ran for this forward result; run forward again"
-                )
-            self._saved = None
-        return self._owner._backward(saved, grad_outputs, self.outputs)
+            saved, self._saved = self._saved, None
+        if saved is None:
+            raise OnnxGradRuntimeError("backward already ran for this forward result; run forward again")
+        return self._owner._backward(saved, feeds)
 
 
 class ForwardBackward:
@@ -123,7 +121,7 @@ class ForwardBackward:
         kept = []
         for init in fwd.graph.initializer:
             if init.name in trainable_set:
-                self._params[init.name] = np.ascontiguousarray(to_array(init))
+                self._params[init.name] = np.array(to_array(init), copy=True, order="C")
             else:
                 kept.append(init)
         del fwd.graph.initializer[:]
@@ -202,9 +200,7 @@ class ForwardBackward:
             saved["__inputs__"] = bound  # type: ignore[assignment]  # keep fed buffers alive
         return ForwardResult(self, outputs, saved)
 
-    def _backward(self, saved: dict[str, Any], grad_outputs: Any,
-                  outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
-        grads = self._grad_feeds(grad_outputs, outputs)
+    def _backward(self, saved: dict[str, Any], grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         io = self._bwd.io_binding()
         for name in self.graphs.saved:
             io.bind_ortvalue_input(name, saved[name])

@@ -1,0 +1,226 @@
+"""The engine: graph structure, what is saved, accumulation, stopping, zero gradients, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import onnxgrad
+from onnxgrad.autodiff.engine import check_graphs
+from onnxgrad.errors import GradientNotImplementedError, InputError, ModelError
+from onnxgrad.testing import check_gradients
+from tests.models import make_model, mlp, numpy_mlp_grads
+
+RNG = np.random.default_rng(0)
+
+
+def test_graphs_are_plain_onnx_that_onnxruntime_loads():
+    graphs = onnxgrad.build_gradient(mlp())
+    check_graphs(graphs)  # onnx.checker with full_check on both
+    for proto in (graphs.forward, graphs.backward):
+        assert 8 <= proto.ir_version <= 13
+        assert all(o.version <= 26 for o in proto.opset_import)
+    # trainable initializers are inputs of the forward graph (new values need no rebuild)
+    fwd_inputs = [i.name for i in graphs.forward.graph.input]
+    assert fwd_inputs == ["x", "W1", "b1", "W2", "b2"]
+    assert graphs.trainable == ["W1", "b1", "W2", "b2"]
+
+
+def test_forward_keeps_exactly_what_the_backward_reads():
+    graphs = onnxgrad.build_gradient(mlp())
+    # Gemm needs its other operand, Relu its output (which fc2 saves anyway), Sigmoid its output.
+    assert sorted(graphs.saved) == ["W2", "r", "x", "y"]
+    bwd_inputs = {i.name for i in graphs.backward.graph.input}
+    assert bwd_inputs == set(graphs.saved) | set(graphs.grad_inputs.values())
+    read = {i for n in graphs.backward.graph.node for i in n.input}
+    assert set(graphs.saved) <= read
+    # outputs of the forward: the user output plus saved values that are not inputs
+    fwd_outputs = [o.name for o in graphs.forward.graph.output]
+    assert fwd_outputs == ["y", "r"]
+
+
+def test_mlp_gradients_match_numpy_reference():
+    model = mlp()
+    x = RNG.standard_normal((6, 4))
+    dy = RNG.standard_normal((6, 3))
+    got = onnxgrad.gradients(model, {"x": x}, {"y": dy}, wrt=["W1", "b1", "W2", "b2", "x"])
+    want = numpy_mlp_grads(model, x, dy)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-12)
+        assert got[k].dtype == np.float64
+
+
+def test_value_used_several_times_sums_gradients():
+    # y = x * x + x  ->  dy/dx = 2x + 1
+    model = make_model(
+        [helper.make_node("Mul", ["x", "x"], ["sq"]), helper.make_node("Add", ["sq", "x"], ["y"])],
+        [("x", np.float64, [3])],
+        [("y", np.float64, [3])],
+    )
+    x = np.array([1.0, -2.0, 0.5])
+    got = onnxgrad.gradients(model, {"x": x}, wrt=["x"])
+    np.testing.assert_allclose(got["x"], 2 * x + 1)
+
+
+def test_tied_initializers_get_the_sum():
+    # One weight used by two nodes directly and through an Identity (as TorchScript export ties).
+    w = RNG.standard_normal((3, 3))
+    model = make_model(
+        [
+            helper.make_node("Identity", ["W"], ["W_tied"]),
+            helper.make_node("MatMul", ["x", "W"], ["h"]),
+            helper.make_node("MatMul", ["h", "W_tied"], ["y"]),
+        ],
+        [("x", np.float64, [2, 3])],
+        [("y", np.float64, [2, 3])],
+        {"W": w},
+    )
+    x = RNG.standard_normal((2, 3))
+    got = onnxgrad.gradients(model, {"x": x})
+    h = x @ w
+    dy = np.ones((2, 3))
+    np.testing.assert_allclose(got["W"], x.T @ (dy @ w.T) + h.T @ dy, rtol=1e-12)
+
+
+def test_unused_trainable_gets_zero_gradient_of_its_shape():
+    model = make_model(
+        [helper.make_node("Mul", ["x", "a"], ["y"])],
+        [("x", np.float32, ["N", 2])],
+        [("y", np.float32, ["N", 2])],
+        {"a": np.ones(2, np.float32), "unused": np.ones((4, 5), np.float32)},
+    )
+    got = onnxgrad.gradients(model, {"x": np.ones((3, 2), np.float32)})
+    assert got["unused"].shape == (4, 5) and got["unused"].dtype == np.float32
+    assert not got["unused"].any()
+    np.testing.assert_allclose(got["a"], [3.0, 3.0])
+
+
+def test_outputs_without_a_gradient_count_as_zero():
+    model = make_model(
+        [helper.make_node("Mul", ["x", "a"], ["y1"]), helper.make_node("Mul", ["x", "b"], ["y2"])],
+        [("x", np.float64, [2])],
+        [("y1", np.float64, [2]), ("y2", np.float64, [2])],
+        {"a": np.array([2.0, 3.0]), "b": np.array([5.0, 7.0])},
+    )
+    x = np.array([1.0, 2.0])
+    fb = onnxgrad.ForwardBackward(model)
+    grads = fb.forward({"x": x}).backward({"y1": np.ones(2)})
+    np.testing.assert_allclose(grads["a"], x)
+    np.testing.assert_allclose(grads["b"], 0.0)
+    # outputs= restricts which outputs take a gradient at all
+    graphs = onnxgrad.build_gradient(model, outputs=["y2"])
+    assert list(graphs.grad_inputs) == ["y2"]
+
+
+def test_integer_and_shape_paths_stop_the_gradient():
+    # Reshape's shape comes from Shape(x) (int64): no gradient flows there, and none is needed.
+    model = make_model(
+        [
+            helper.make_node("Shape", ["x"], ["s"]),
+            helper.make_node("Exp", ["x"], ["e"]),
+            helper.make_node("Reshape", ["e", "s"], ["y"]),
+        ],
+        [("x", np.float64, ["N", 3])],
+        [("y", np.float64, ["N", 3])],
+    )
+    x = RNG.standard_normal((2, 3))
+    got = onnxgrad.gradients(model, {"x": x}, wrt=["x"])
+    np.testing.assert_allclose(got["x"], np.exp(x))
+
+
+def test_missing_rule_names_node_op_domain_opset_and_path():
+    model = make_model(
+        [
+            helper.make_node("Exp", ["x"], ["e"], name="exp"),
+            helper.make_node("Foo", ["e"], ["f"], name="mystery", domain="my.domain"),
+            helper.make_node("Tanh", ["f"], ["y"], name="tanh"),
+        ],
+        [("x", np.float32, [2])],
+        [("y", np.float32, [2])],
+    )
+    model.opset_import.append(helper.make_opsetid("my.domain", 3))
+    with pytest.raises(GradientNotImplementedError) as err:
+        onnxgrad.build_gradient(model, inputs_requiring_grad=["x"])
+    msg = str(err.value)
+    assert "'mystery'" in msg and "'Foo'" in msg and "'my.domain'" in msg and "opset 3" in msg
+    assert "mystery (Foo) -> tanh (Tanh) -> output 'y'" in msg
+
+
+def test_bad_arguments_raise_input_errors():
+    model = mlp()
+    with pytest.raises(InputError, match="'nope' is not an initializer"):
+        onnxgrad.build_gradient(model, trainable=["nope"])
+    with pytest.raises(InputError, match="'W1' is not an input"):
+        onnxgrad.build_gradient(model, inputs_requiring_grad=["W1"])
+    with pytest.raises(InputError, match="'zz' is not an output"):
+        onnxgrad.build_gradient(model, outputs=["zz"])
+    ints = make_model(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"])],
+        [("x", np.float32, [2, 3])],
+        [("y", np.float32, [6])],
+        {"shape": np.array([6], np.int64)},
+    )
+    with pytest.raises(InputError, match="only floating-point initializers can be trained"):
+        onnxgrad.build_gradient(ints, trainable=["shape"])
+    assert onnxgrad.build_gradient(ints).trainable == []
+
+
+def test_malformed_models_raise_model_errors(tmp_path):
+    with pytest.raises(ModelError, match="not a valid ONNX file"):
+        onnxgrad.build_gradient(b"\x08\x07garbage-bytes\xff\xff")
+    with pytest.raises(ModelError, match="does not exist"):
+        onnxgrad.build_gradient(str(tmp_path / "missing.onnx"))
+    path = tmp_path / "truncated.onnx"
+    path.write_bytes(mlp().SerializeToString()[:50])
+    with pytest.raises(ModelError):
+        onnxgrad.build_gradient(str(path))
+
+
+def test_cycle_and_undefined_value_are_model_errors():
+    cyc = make_model(
+        [helper.make_node("Exp", ["b"], ["a"]), helper.make_node("Exp", ["a"], ["b"])],
+        [("x", np.float32, [2])],
+        [("a", np.float32, [2])],
+    )
+    with pytest.raises(ModelError):
+        onnxgrad.build_gradient(cyc, inputs_requiring_grad=["x"])
+
+
+def test_unsorted_graph_is_accepted():
+    model = mlp()
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(nodes))
+    x = RNG.standard_normal((2, 4))
+    got = onnxgrad.gradients(model, {"x": x}, wrt=["W1"])
+    want = numpy_mlp_grads(mlp(), x, np.ones((2, 3)))
+    np.testing.assert_allclose(got["W1"], want["W1"], rtol=1e-10)
+
+
+def test_symbolic_broadcast_is_undone_at_run_time():
+    # b has a symbolic dim that may or may not broadcast: decided when the graph runs.
+    model = make_model(
+        [helper.make_node("Mul", ["a", "b"], ["y"])],
+        [("a", np.float64, ["N", "M"]), ("b", np.float64, ["K", "M"])],
+        [("y", np.float64, ["N", "M"])],
+    )
+    a = RNG.standard_normal((4, 3))
+    for b in (RNG.standard_normal((1, 3)), RNG.standard_normal((4, 3))):
+        res = check_gradients(model, {"a": a, "b": b}, wrt=["a", "b"])
+        assert res.ok, res.report()
+        assert res.analytic["b"].shape == b.shape
+
+
+def test_save_writes_both_graphs(tmp_path):
+    graphs = onnxgrad.build_gradient(mlp())
+    paths = graphs.save(tmp_path)
+    for p in paths:
+        onnx.checker.check_model(onnx.load(p), full_check=True)
+
+
+def test_supported_ops_lists_first_wave():
+    ops = onnxgrad.supported_ops()
+    for op in ["Add", "Mul", "MatMul", "Gemm", "Relu", "Sigmoid", "Tanh", "Exp"]:
+        assert ops[op] in ("rule", "formula")

@@ -1,0 +1,123 @@
+"""ForwardBackward: the numpy-in, numpy-out runtime on onnxruntime."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import onnxgrad
+from onnxgrad.errors import InputError, OnnxGradRuntimeError
+from tests.models import mlp, numpy_mlp_grads
+
+RNG = np.random.default_rng(1)
+
+
+def test_forward_matches_plain_onnxruntime_and_backward_matches_numpy():
+    model = mlp()
+    fb = onnxgrad.ForwardBackward(model, inputs_requiring_grad=["x"])
+    x = RNG.standard_normal((7, 4))
+    res = fb.forward({"x": x})
+    plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(res.outputs[0], plain.run(None, {"x": x})[0], rtol=1e-12)
+    dy = RNG.standard_normal((7, 3))
+    grads = res.backward([dy])
+    want = numpy_mlp_grads(model, x, dy)
+    assert set(grads) == set(want)
+    for k, v in want.items():
+        np.testing.assert_allclose(grads[k], v, rtol=1e-10, atol=1e-12)
+
+
+def test_saved_values_stay_in_onnxruntime_and_inputs_are_not_copied():
+    fb = onnxgrad.ForwardBackward(mlp())
+    x = np.ascontiguousarray(RNG.standard_normal((3, 4)))
+    res = fb.forward({"x": x})
+    saved = res._saved
+    assert all(isinstance(saved[s], ort.OrtValue) for s in fb.graphs.saved)
+    # the input x is saved for the backward: it is the caller's buffer, wrapped, not copied
+    assert saved["x"].data_ptr() == x.ctypes.data
+    # parameters are wrapped around the live numpy buffers
+    assert saved["W2"].data_ptr() == fb.parameters["W2"].ctypes.data
+
+
+def test_several_forwards_alive_then_backwards_in_any_order():
+    fb = onnxgrad.ForwardBackward(mlp())
+    xs = [RNG.standard_normal((2, 4)) for _ in range(3)]
+    results = [fb.forward({"x": x}) for x in xs]
+    for i in (2, 0, 1):
+        grads = results[i].backward()
+        want = numpy_mlp_grads(mlp(), xs[i], np.ones((2, 3)))
+        np.testing.assert_allclose(grads["W1"], want["W1"], rtol=1e-10)
+
+
+def test_backward_protocol_errors():
+    fb = onnxgrad.ForwardBackward(mlp())
+    x = RNG.standard_normal((2, 4))
+    res = fb.forward({"x": x})
+    res.backward()
+    with pytest.raises(OnnxGradRuntimeError, match="backward already ran"):
+        res.backward()
+    inf = fb.forward({"x": x}, training=False)
+    np.testing.assert_allclose(inf.outputs[0], res.outputs[0])
+    with pytest.raises(OnnxGradRuntimeError, match="training=False"):
+        inf.backward()
+
+
+def test_input_validation():
+    fb = onnxgrad.ForwardBackward(mlp())
+    with pytest.raises(InputError, match=r"unknown input name\(s\) \['y'\]"):
+        fb.forward({"x": np.zeros((2, 4)), "y": np.zeros(1)})
+    with pytest.raises(InputError, match=r"missing input\(s\) \['x'\]"):
+        fb.forward({})
+    with pytest.raises(InputError, match="has dtype float32, the model expects float64"):
+        fb.forward({"x": np.zeros((2, 4), np.float32)})
+    with pytest.raises(InputError, match=r"dimension 1 must be 4"):
+        fb.forward({"x": np.zeros((2, 5))})
+    with pytest.raises(InputError, match="expects rank 2"):
+        fb.forward({"x": np.zeros(4)})
+    res = fb.forward({"x": np.zeros((2, 4))})
+    with pytest.raises(InputError, match=r"has shape \(3, 3\), the output has \(2, 3\)"):
+        res.backward({"y": np.zeros((3, 3))})
+    with pytest.raises(InputError, match="no gradient can be given for"):
+        res.backward({"nope": np.zeros((2, 3))})
+
+
+def test_set_parameters_and_to_onnx_round_trip():
+    fb = onnxgrad.ForwardBackward(mlp())
+    x = RNG.standard_normal((5, 4))
+    new = {k: v * 0.5 for k, v in fb.parameters.items()}
+    fb.set_parameters(new)
+    out = fb.forward({"x": x}, training=False).outputs[0]
+    exported = fb.to_onnx()
+    assert [o.name for o in exported.graph.output] == ["y"]
+    sess = ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], out, rtol=1e-12)
+    with pytest.raises(InputError, match="has shape"):
+        fb.set_parameters({"W1": np.zeros((2, 2))})
+    with pytest.raises(InputError, match="is not a trainable parameter"):
+        fb.set_parameters({"nope": np.zeros(1)})
+
+
+def test_in_place_parameter_updates_are_seen_without_rebuild():
+    fb = onnxgrad.ForwardBackward(mlp())
+    x = RNG.standard_normal((2, 4))
+    before = fb.forward({"x": x}, training=False).outputs[0].copy()
+    fb.parameters["b2"][:] += 10.0  # live buffer
+    after = fb.forward({"x": x}, training=False).outputs[0]
+    assert np.all(after > before)
+
+
+def test_unknown_provider_is_an_input_error():
+    with pytest.raises(InputError, match="not available"):
+        onnxgrad.ForwardBackward(mlp(), providers=["NoSuchExecutionProvider"])
+
+
+def test_gradients_with_respect_to_inputs_and_initializers():
+    model = mlp()
+    x = RNG.standard_normal((3, 4))
+    got = onnxgrad.gradients(model, {"x": x}, wrt=["x", "b1"])
+    assert list(got) == ["x", "b1"]
+    want = numpy_mlp_grads(model, x, np.ones((3, 3)))
+    np.testing.assert_allclose(got["x"], want["x"], rtol=1e-10)
+    with pytest.raises(InputError, match="neither initializers nor inputs"):
+        onnxgrad.gradients(model, {"x": x}, wrt=["nope"])
