@@ -61,6 +61,82 @@ def make_session(model: onnx.ModelProto, providers: list[Any],
         raise OnnxGradRuntimeError(f"onnxruntime cannot load the {model.graph.name!r} graph: {exc}") from exc
 
 
+class Runner:
+    """The two onnxruntime sessions of a :class:`GradientGraphs`, driven through IO binding.
+
+    Values go in and come out as ``OrtValue``s; this is the layer both the numpy runtime and the
+    PyTorch bridge sit on. Trainable initializers are stripped from the forward session (their
+    values are bound at each call), so weights are held once, by the caller.
+    """
+
+    def __init__(self, graphs: GradientGraphs, providers: list[Any],
+                 session_options: ort.SessionOptions | None = None) -> None:
+        self.graphs = graphs
+        trainable = set(graphs.trainable)
+        fwd = onnx.ModelProto()
+        fwd.CopyFrom(graphs.forward)
+        self.initial_values: dict[str, np.ndarray] = {}
+        kept = []
+        for init in fwd.graph.initializer:
+            if init.name in trainable:
+                self.initial_values[init.name] = np.array(to_array(init), copy=True, order="C")
+            else:
+                kept.append(init)
+        del fwd.graph.initializer[:]
+        fwd.graph.initializer.extend(kept)
+        self.fwd = make_session(fwd, providers, session_options)
+        self._bwd: ort.InferenceSession | None = None  # made on the first backward
+        self._providers, self._options = providers, session_options
+        self._lock = threading.Lock()
+        inits = {i.name for i in fwd.graph.initializer}
+        self.inputs: dict[str, ValueInfo] = {}
+        for vi in fwd.graph.input:
+            info = value_info_from_proto(vi)
+            if vi.name not in trainable and vi.name not in inits and info is not None:
+                self.inputs[vi.name] = info
+        self.fwd_outputs = [o.name for o in fwd.graph.output]
+        self.wrt = list(graphs.grad_outputs)
+
+    def forward(self, values: Mapping[str, ort.OrtValue], training: bool
+                ) -> tuple[list[ort.OrtValue], dict[str, ort.OrtValue] | None]:
+        """Run the forward on bound inputs and parameters: (user outputs, saved values or None)."""
+        io = self.fwd.io_binding()
+        for name, ov in values.items():
+            io.bind_ortvalue_input(name, ov)
+        wanted = self.fwd_outputs if training else self.graphs.outputs
+        for name in wanted:
+            io.bind_output(name, "cpu")
+        try:
+            self.fwd.run_with_iobinding(io)
+        except Exception as exc:
+            raise OnnxGradRuntimeError(f"the forward graph failed in onnxruntime: {exc}") from exc
+        env = dict(zip(wanted, io.get_outputs()))
+        outputs = [env[o] for o in self.graphs.outputs]
+        if not training:
+            return outputs, None
+        return outputs, {s: env[s] if s in env else values[s] for s in self.graphs.saved}
+
+    def backward(self, saved: Mapping[str, ort.OrtValue],
+                 grads: Mapping[str, ort.OrtValue]) -> list[ort.OrtValue]:
+        """Run the backward: one gradient per name of ``self.wrt``. ``grads`` by user output name."""
+        with self._lock:
+            if self._bwd is None:
+                self._bwd = make_session(self.graphs.backward, self._providers, self._options)
+        bwd = self._bwd
+        io = bwd.io_binding()
+        for name in self.graphs.saved:
+            io.bind_ortvalue_input(name, saved[name])
+        for out, name in self.graphs.grad_inputs.items():
+            io.bind_ortvalue_input(name, grads[out])
+        for w in self.wrt:
+            io.bind_output(self.graphs.grad_outputs[w], "cpu")
+        try:
+            bwd.run_with_iobinding(io)
+        except Exception as exc:
+            raise OnnxGradRuntimeError(f"the backward graph failed in onnxruntime: {exc}") from exc
+        return list(io.get_outputs())
+
+
 class ForwardResult:
     """The outputs of one forward pass, and the means to run its backward exactly once."""
 
@@ -114,28 +190,9 @@ class ForwardBackward:
                                     inputs_requiring_grad=inputs_requiring_grad)
         self.graphs = graphs
         self.providers = resolve_providers(providers)
-        trainable_set = set(graphs.trainable)
-        fwd = onnx.ModelProto()
-        fwd.CopyFrom(graphs.forward)
-        self._params: dict[str, np.ndarray] = {}
-        kept = []
-        for init in fwd.graph.initializer:
-            if init.name in trainable_set:
-                self._params[init.name] = np.array(to_array(init), copy=True, order="C")
-            else:
-                kept.append(init)
-        del fwd.graph.initializer[:]
-        fwd.graph.initializer.extend(kept)
-        self._fwd = make_session(fwd, self.providers, session_options)
-        self._bwd = make_session(graphs.backward, self.providers, session_options)
-        inits = {i.name for i in fwd.graph.initializer}
-        self._inputs: dict[str, ValueInfo] = {}
-        for vi in fwd.graph.input:
-            info = value_info_from_proto(vi)
-            if vi.name not in trainable_set and vi.name not in inits and info is not None:
-                self._inputs[vi.name] = info
-        self._out_infos = {o.name: value_info_from_proto(o) for o in fwd.graph.output}
-        self._fwd_outputs = [o.name for o in fwd.graph.output]
+        self._runner = Runner(graphs, self.providers, session_options)
+        self._inputs = self._runner.inputs
+        self._params: dict[str, np.ndarray] = self._runner.initial_values
         self._param_values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in self._params.items()}
 
     # ---- parameters --------------------------------------------------------------------------
@@ -176,47 +233,16 @@ class ForwardBackward:
     def forward(self, feeds: Feeds, *, training: bool = True) -> ForwardResult:
         """Run the forward graph. With ``training`` the result keeps what its backward needs."""
         bound = self._check_feeds(feeds)
-        io = self._fwd.io_binding()
-        values: dict[str, ort.OrtValue] = {}
-        for name, arr in bound.items():
-            values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
-            io.bind_ortvalue_input(name, values[name])
-        for name, ov in self._param_values.items():
-            values[name] = ov
-            io.bind_ortvalue_input(name, ov)
-        wanted = self._fwd_outputs if training else self.graphs.outputs
-        for name in wanted:
-            io.bind_output(name, "cpu")
-        try:
-            self._fwd.run_with_iobinding(io)
-        except Exception as exc:
-            raise OnnxGradRuntimeError(f"the forward graph failed in onnxruntime: {exc}") from exc
-        env = dict(zip(wanted, io.get_outputs()))
-        outputs = [env[o].numpy() for o in self.graphs.outputs]
-        saved = None
-        if training:
-            env.update(values)
-            saved = {s: env[s] for s in self.graphs.saved}
+        values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in bound.items()}
+        values.update(self._param_values)
+        outs, saved = self._runner.forward(values, training)
+        if saved is not None:
             saved["__inputs__"] = bound  # type: ignore[assignment]  # keep fed buffers alive
-        return ForwardResult(self, outputs, saved)
+        return ForwardResult(self, [ov.numpy() for ov in outs], saved)
 
     def _backward(self, saved: dict[str, Any], grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        io = self._bwd.io_binding()
-        for name in self.graphs.saved:
-            io.bind_ortvalue_input(name, saved[name])
-        keep = []
-        for out, name in self.graphs.grad_inputs.items():
-            ov = ort.OrtValue.ortvalue_from_numpy(grads[out])
-            keep.append(ov)
-            io.bind_ortvalue_input(name, ov)
-        wrt = list(self.graphs.grad_outputs)
-        for w in wrt:
-            io.bind_output(self.graphs.grad_outputs[w], "cpu")
-        try:
-            self._bwd.run_with_iobinding(io)
-        except Exception as exc:
-            raise OnnxGradRuntimeError(f"the backward graph failed in onnxruntime: {exc}") from exc
-        return {w: ov.numpy() for w, ov in zip(wrt, io.get_outputs())}
+        values = {out: ort.OrtValue.ortvalue_from_numpy(arr) for out, arr in grads.items()}
+        return {w: ov.numpy() for w, ov in zip(self._runner.wrt, self._runner.backward(saved, values))}
 
     # ---- validation --------------------------------------------------------------------------
     def _check_feeds(self, feeds: Feeds) -> dict[str, np.ndarray]:

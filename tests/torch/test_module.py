@@ -1,0 +1,146 @@
+"""OnnxModule: an ONNX graph as a PyTorch layer, checked against the same network in torch."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxgrad.errors import InputError  # noqa: E402
+from onnxgrad.torch import OnnxModule  # noqa: E402
+
+
+def _export(net, example):
+    import onnx
+
+    buf = io.BytesIO()
+    torch.onnx.export(net, (example,), buf, dynamo=False, input_names=["x"],
+                      dynamic_axes={"x": {0: "batch"}})
+    return onnx.load_from_string(buf.getvalue())
+
+
+@pytest.fixture
+def net64():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
+    ).double()
+
+
+def test_parameters_named_for_torch_and_mapped_to_onnx(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    assert m.onnx_names == {"p_0_weight": "0.weight", "p_0_bias": "0.bias",
+                            "p_2_weight": "2.weight", "p_2_bias": "2.bias"}
+    assert all(isinstance(p, torch.nn.Parameter) for p in m.parameters())
+    assert "<- ONNX '0.weight'" in repr(m)
+
+
+def test_gradcheck_float64_inputs_and_parameters(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(m, (x,))
+    w = m.p_0_weight
+
+    def f(x, w):
+        return torch.func.functional_call(m, {"p_0_weight": w}, (x,))
+
+    assert torch.autograd.gradcheck(f, (x, w.detach().clone().requires_grad_()))
+
+
+def test_gradients_equal_torch_and_frozen_parameters_are_skipped(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    x = torch.randn(7, 4, dtype=torch.float64)
+    m.p_2_bias.requires_grad_(False)
+    m(x).pow(2).sum().backward()
+    net64(x).pow(2).sum().backward()
+    for tname, p in m.named_parameters():
+        ref = dict(net64.named_parameters())[m.onnx_names[tname]]
+        if tname == "p_2_bias":
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, ref.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_several_forwards_before_backwards(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    xs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    ys = [m(x) for x in xs]
+    for x, y in reversed(list(zip(xs, ys))):
+        (gx,) = torch.autograd.grad(y.sum(), x)
+        xr = x.detach().requires_grad_()
+        (want,) = torch.autograd.grad(net64(xr).sum(), xr)
+        torch.testing.assert_close(gx, want)
+
+
+def test_second_backward_raises_torch_error(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    loss = m(torch.randn(2, 4, dtype=torch.float64)).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
+def test_no_grad_keeps_nothing_and_matches(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    x = torch.randn(2, 4, dtype=torch.float64)
+    with torch.no_grad():
+        y = m(x)
+    assert y.grad_fn is None
+    torch.testing.assert_close(y, net64(x).detach())
+
+
+def test_mixed_network_trains_like_torch():
+    torch.manual_seed(0)
+    middle = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    onnx_middle = OnnxModule(_export(middle, torch.randn(2, 8)))
+
+    def wrap(mid):
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Linear(3, 8), mid, torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    ours, ref = wrap(onnx_middle), wrap(copy.deepcopy(middle))
+    opt_a = torch.optim.Adam(ours.parameters(), lr=1e-2)
+    opt_b = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(2)
+    x, t = torch.randn(32, 3, generator=gen), torch.randn(32, 1, generator=gen)
+    losses = []
+    for _ in range(20):
+        for net, opt in ((ours, opt_a), (ref, opt_b)):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(net(x), t)
+            loss.backward()
+            opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-4, atol=1e-5)
+
+
+def test_state_dict_copy_pickle_and_to_onnx(net64, tmp_path):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    with torch.no_grad():
+        m.p_0_bias.add_(1.0)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    want = m(x).detach()
+    other = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    other.load_state_dict(m.state_dict())
+    torch.testing.assert_close(other(x), want)
+    torch.testing.assert_close(copy.deepcopy(m)(x), want)
+    torch.testing.assert_close(pickle.loads(pickle.dumps(m))(x), want)
+    torch.save(m, tmp_path / "m.pt")
+    torch.testing.assert_close(torch.load(tmp_path / "m.pt", weights_only=False)(x), want)
+    sess = ort.InferenceSession(m.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(sess.run(None, {"x": x.numpy()})[0], want.numpy(), rtol=1e-12)
+
+
+def test_bad_calls(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    with pytest.raises(InputError, match=r"expected 1 input tensor\(s\) \['x'\], got 2"):
+        m(torch.zeros(1, 4), torch.zeros(1, 4))
+    with pytest.raises(InputError, match="is not an initializer"):
+        OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)), trainable=["nope"])
