@@ -1,0 +1,127 @@
+"""Training-step time of onnxgrad against PyTorch eager on the anchor models.
+
+One step = forward + backward with an output gradient of ones, gradients of every weight. In one
+process, the contenders are interleaved (one step each, in turn) and the median is reported:
+onnxgrad's numpy path (``ForwardBackward``), ``OnnxModule`` under torch autograd, and PyTorch eager.
+Peak memory is measured per contender in a fresh subprocess (resident set growth during steps).
+
+    python bench/compare_torch.py [--models mlp cnn transformer tiny] [--steps 30] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import anchors  # noqa: E402
+
+import onnxgrad  # noqa: E402
+from onnxgrad.torch import OnnxModule  # noqa: E402
+
+THREADS = 2
+
+
+def _tiny() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.nn.Linear(16, 16), torch.randn(4, 16)
+
+
+def setup(name: str) -> dict[str, Callable[[], None]]:
+    """The step function of each contender for model ``name``."""
+    if name == "tiny":
+        module, x = _tiny()
+    else:
+        module, x = anchors.build(name), anchors.example_input(name)
+    model = anchors.export(module, x[:1])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = THREADS
+    opts.inter_op_num_threads = 1
+    fb = onnxgrad.ForwardBackward(model, session_options=opts)
+    feeds = {"input": x.numpy()}
+    om = OnnxModule(model, session_options=opts)
+    ones = torch.ones_like(module(x))
+
+    def numpy_step() -> None:
+        fb.forward(feeds).backward()
+
+    def module_step() -> None:
+        om.zero_grad(set_to_none=True)
+        om(x).backward(ones)
+
+    def torch_step() -> None:
+        module.zero_grad(set_to_none=True)
+        module(x).backward(ones)
+
+    return {"onnxgrad numpy": numpy_step, "onnxgrad OnnxModule": module_step, "torch eager": torch_step}
+
+
+def time_steps(name: str, steps: int, warmup: int = 3) -> dict[str, float]:
+    """Median milliseconds per step of each contender, interleaved."""
+    fns = setup(name)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(steps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def peak_memory(name: str, contender: str, steps: int = 5) -> float:
+    """Resident-set growth (MiB) of ``steps`` steps of one contender, in a fresh process."""
+    code = (
+        "import resource, sys; sys.path.insert(0, %r); from bench.compare_torch import setup;"
+        "fn = setup(%r)[%r]; base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+        "[fn() for _ in range(%d)];"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)"
+    ) % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name, contender, steps)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["tiny", "mlp", "cnn", "transformer"])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    parser.add_argument("--json", help="write every figure to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(THREADS)
+    _ = resource  # imported for the subprocess code path
+    results: dict[str, dict] = {}
+    header = f"{'model':12s} {'contender':22s} {'ms/step':>9s} {'vs torch':>9s} {'peak MiB':>9s}"
+    print(header)
+    print("-" * len(header))
+    for name in args.models:
+        medians = time_steps(name, args.steps)
+        ref = medians["torch eager"]
+        results[name] = {}
+        for k, ms in medians.items():
+            mem = float("nan") if args.no_memory else peak_memory(name, k)
+            results[name][k] = {"ms": ms, "ratio": ms / ref, "peak_mib": mem}
+            print(f"{name:12s} {k:22s} {ms:9.3f} {ms / ref:9.2f} {mem:9.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": THREADS, "steps": args.steps, "results": results}, f, indent=2)
+    _ = np
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

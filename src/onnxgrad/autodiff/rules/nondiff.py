@@ -1,0 +1,30 @@
+"""Ops that stop gradients: their outputs are integers, booleans, shapes, random draws, or
+piecewise-constant functions of their inputs (derivative zero almost everywhere).
+
+Declaring them keeps a gradient path from failing with "no rule" when such an op sits between a
+trainable value and an output (``Shape -> ConstantOfShape``, ``Greater -> Where``...): the engine
+treats their outputs as not requiring a gradient.
+"""
+
+from __future__ import annotations
+
+from ..registry import zero
+
+zero("Constant", "Shape", "Size", "ConstantOfShape", "EyeLike", "Range",
+     note="shapes, sizes and constants: they depend on shapes or attributes, not on values")
+zero("Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Xor",
+     "IsNaN", "IsInf", "NonZero",
+     note="boolean results or indices: not differentiable")
+zero("ArgMax", "ArgMin", "OneHot", "NonMaxSuppression", "Hardmax",
+     note="indices or one-hot selections: piecewise constant")
+zero("Floor", "Ceil", "Round", "Sign",
+     note="piecewise constant: the derivative is zero almost everywhere")
+zero("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+     "Bernoulli",
+     note="random draws: independent of the input values")
+zero("BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot",
+     note="integer bit operations")
+zero("StringNormalizer", "StringConcat", "StringSplit", "RegexFullMatch", "TfIdfVectorizer",
+     note="string and text ops: no floating-point path")
+zero("HannWindow", "HammingWindow", "BlackmanWindow",
+     note="window functions of an integer size")
