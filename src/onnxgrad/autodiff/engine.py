@@ -144,13 +144,13 @@ def build_gradient(
         if r is None or r.fn is None:
             raise GradientNotImplementedError(_no_rule_message(model, node, toward_output, grad_outs))
         needs = [bool(i) and i in requires for i in node.input]
-        for name in node.input:
+        for name in [*node.input, *node.output]:
             if name and name not in infos:  # shape inference could not type it (custom op)
                 infos[name] = ValueInfo(name, next(d for d in dout if d is not None).dtype, None)
         ctx = NodeContext(
             node=node,
             inputs=[g.fwd(i) if i else None for i in node.input],
-            outputs=[g.fwd(o) if o and o in infos else None for o in node.output],
+            outputs=[g.fwd(o) if o else None for o in node.output],
             dout=dout,
             needs=needs,
             opset=_opset(model, node.domain),
