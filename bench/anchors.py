@@ -66,10 +66,18 @@ def build(name: str, seed: int = 0) -> nn.Module:
         )
     if name == "cnn":
         return nn.Sequential(
-            nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(1, 6, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
             nn.Flatten(),
-            nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10),
+            nn.Linear(400, 120),
+            nn.ReLU(),
+            nn.Linear(120, 84),
+            nn.ReLU(),
+            nn.Linear(84, 10),
         )
     if name == "transformer":
         return EncoderLayer()
@@ -80,8 +88,13 @@ def export(module: nn.Module, example: torch.Tensor, opset: int = 17) -> onnx.Mo
     """``torch.onnx.export`` (TorchScript exporter, weights as initializers, dynamic batch)."""
     buf = io.BytesIO()
     torch.onnx.export(
-        module, (example,), buf, opset_version=opset, dynamo=False,
-        input_names=["input"], output_names=["output"],
+        module,
+        (example,),
+        buf,
+        opset_version=opset,
+        dynamo=False,
+        input_names=["input"],
+        output_names=["output"],
         dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
     )
     model = onnx.load_from_string(buf.getvalue())
@@ -89,8 +102,13 @@ def export(module: nn.Module, example: torch.Tensor, opset: int = 17) -> onnx.Mo
     return model
 
 
-def example_input(name: str, batch: int | None = None, dtype: torch.dtype = torch.float32,
-                  seq: int | None = None, seed: int = 1) -> torch.Tensor:
+def example_input(
+    name: str,
+    batch: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    seq: int | None = None,
+    seed: int = 1,
+) -> torch.Tensor:
     """A random input of the anchor's shape (optionally a smaller batch / sequence)."""
     shape = list(INPUT_SHAPES[name])
     if batch is not None:

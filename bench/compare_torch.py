@@ -13,23 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 
-import numpy as np
 import onnxruntime as ort
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import anchors  # noqa: E402
-
-import onnxgrad  # noqa: E402
-from onnxgrad.torch import OnnxModule  # noqa: E402
+import onnxgrad
+from bench import anchors
+from onnxgrad.torch import OnnxModule
 
 THREADS = 2
 
@@ -65,7 +62,11 @@ def setup(name: str) -> dict[str, Callable[[], None]]:
         module.zero_grad(set_to_none=True)
         module(x).backward(ones)
 
-    return {"onnxgrad numpy": numpy_step, "onnxgrad OnnxModule": module_step, "torch eager": torch_step}
+    return {
+        "onnxgrad numpy": numpy_step,
+        "onnxgrad OnnxModule": module_step,
+        "torch eager": torch_step,
+    }
 
 
 def time_steps(name: str, steps: int, warmup: int = 3) -> dict[str, float]:
@@ -85,12 +86,13 @@ def time_steps(name: str, steps: int, warmup: int = 3) -> dict[str, float]:
 
 def peak_memory(name: str, contender: str, steps: int = 5) -> float:
     """Resident-set growth (MiB) of ``steps`` steps of one contender, in a fresh process."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = (
-        "import resource, sys; sys.path.insert(0, %r); from bench.compare_torch import setup;"
-        "fn = setup(%r)[%r]; base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
-        "[fn() for _ in range(%d)];"
+        f"import resource, sys; sys.path.insert(0, {root!r}); from bench.compare_torch import setup;"
+        f"fn = setup({name!r})[{contender!r}]; base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+        f"[fn() for _ in range({steps})];"
         "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)"
-    ) % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name, contender, steps)
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -103,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write every figure to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(THREADS)
-    _ = resource  # imported for the subprocess code path
     results: dict[str, dict] = {}
     header = f"{'model':12s} {'contender':22s} {'ms/step':>9s} {'vs torch':>9s} {'peak MiB':>9s}"
     print(header)
@@ -119,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": THREADS, "steps": args.steps, "results": results}, f, indent=2)
-    _ = np
     return 0
 
 

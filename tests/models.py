@@ -31,7 +31,9 @@ def make_model(
     return model
 
 
-def mlp(dtype: type = np.float64, seed: int = 0, n_in: int = 4, hidden: int = 5, n_out: int = 3) -> onnx.ModelProto:
+def mlp(
+    dtype: type = np.float64, seed: int = 0, n_in: int = 4, hidden: int = 5, n_out: int = 3
+) -> onnx.ModelProto:
     """x -> Gemm -> Relu -> Gemm -> Sigmoid, batch dimension symbolic."""
     rng = np.random.default_rng(seed)
     inits = {

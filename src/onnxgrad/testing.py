@@ -70,8 +70,13 @@ def _precise_ops() -> list[type]:
     return [Erf, Gelu]
 
 
-def _backward(graphs: GradientGraphs, bwd: Any, values: Mapping[str, np.ndarray],
-              out: Mapping[str, np.ndarray], cot: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _backward(
+    graphs: GradientGraphs,
+    bwd: Any,
+    values: Mapping[str, np.ndarray],
+    out: Mapping[str, np.ndarray],
+    cot: Mapping[str, np.ndarray],
+) -> dict[str, np.ndarray]:
     feeds = {s: out[s] if s in out else values[s] for s in graphs.saved}
     feeds.update({graphs.grad_inputs[o]: c for o, c in cot.items()})
     res = bwd(feeds)
@@ -125,7 +130,9 @@ class GradCheckResult:
         for name, err in self.max_error.items():
             lines.append(f"{name:40s} {err:26.3e}  {'FAIL' if name in bad else 'ok'}")
         for m in self.mismatches[:10]:
-            lines.append(f"  {m.name}{list(m.index)}: analytic {m.analytic:.8g}, numeric {m.numeric:.8g}")
+            lines.append(
+                f"  {m.name}{list(m.index)}: analytic {m.analytic:.8g}, numeric {m.numeric:.8g}"
+            )
         return "\n".join(lines)
 
 
@@ -164,14 +171,18 @@ def check_gradients(
     fwd, bwd = run_model(graphs.forward, backend), run_model(graphs.backward, backend)
     params = {n: numpy_helper.to_array(inits[n]) for n in graphs.trainable}
     values = {**{k: np.asarray(v) for k, v in feeds.items()}, **params}
-    low_precision = any(v.dtype != np.float64 for k, v in values.items() if k in graphs.grad_outputs)
+    low_precision = any(
+        v.dtype != np.float64 for k, v in values.items() if k in graphs.grad_outputs
+    )
     eps = eps if eps is not None else (1e-3 if low_precision else 1e-6)
     rtol = rtol if rtol is not None else (5e-2 if low_precision else 1e-5)
     atol = atol if atol is not None else (5e-3 if low_precision else 1e-7)
 
     rng = np.random.default_rng(seed)
     out = fwd(values)
-    cot = {o: rng.standard_normal(np.shape(out[o])).astype(out[o].dtype) for o in graphs.grad_inputs}
+    cot = {
+        o: rng.standard_normal(np.shape(out[o])).astype(out[o].dtype) for o in graphs.grad_inputs
+    }
 
     def loss(vals: Mapping[str, np.ndarray]) -> float:
         res = fwd(vals)
@@ -197,7 +208,9 @@ def check_gradients(
             err = abs(a - num[idx])
             worst = max(worst, err)
             if not np.isfinite(a) or err > atol + rtol * abs(num[idx]):
-                result.mismatches.append(Mismatch(w, tuple(int(i) for i in idx), a, float(num[idx])))
+                result.mismatches.append(
+                    Mismatch(w, tuple(int(i) for i in idx), a, float(num[idx]))
+                )
         result.numeric[w] = num
         result.max_error[w] = worst
         if analytic[w].shape != base.shape or analytic[w].dtype != base.dtype:
@@ -237,10 +250,17 @@ def node_model(
             graph_inputs.append(helper.make_tensor_value_info(name, onnx_dtype(arr.dtype), shape))
         else:
             inits.append(numpy_helper.from_array(arr, name))
-    first = next(np.asarray(a).dtype for a in inputs if a is not None and np.asarray(a).dtype.kind == "f")
+    first = next(
+        np.asarray(a).dtype for a in inputs if a is not None and np.asarray(a).dtype.kind == "f"
+    )
     dtypes = list(output_dtypes) if output_dtypes is not None else [first] * n_outputs
-    outs = [helper.make_tensor_value_info(f"out{k}", onnx_dtype(dtypes[k]), None) for k in range(n_outputs)]
-    node = helper.make_node(op_type, names, [o.name for o in outs], domain=domain or None, **(attrs or {}))
+    outs = [
+        helper.make_tensor_value_info(f"out{k}", onnx_dtype(dtypes[k]), None)
+        for k in range(n_outputs)
+    ]
+    node = helper.make_node(
+        op_type, names, [o.name for o in outs], domain=domain or None, **(attrs or {})
+    )
     graph = helper.make_graph([node], f"test_{op_type}", graph_inputs, outs, initializer=inits)
     opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
     model = helper.make_model(graph, opset_imports=opsets)
@@ -262,8 +282,16 @@ def check_op(
     **tolerances: Any,
 ) -> GradCheckResult:
     """Check the rule of ``op_type`` on these inputs; raises ``AssertionError`` with a report on failure."""
-    model = node_model(op_type, inputs, attrs=attrs, n_outputs=n_outputs, opset=opset,
-                       constant=constant, dynamic=dynamic, output_dtypes=output_dtypes)
+    model = node_model(
+        op_type,
+        inputs,
+        attrs=attrs,
+        n_outputs=n_outputs,
+        opset=opset,
+        constant=constant,
+        dynamic=dynamic,
+        output_dtypes=output_dtypes,
+    )
     feeds = {i.name: np.asarray(inputs[int(i.name[2:])]) for i in model.graph.input}
     wrt = [i.name for i in model.graph.input] + [
         t.name for t in model.graph.initializer if t.data_type in FLOAT_TYPES

@@ -40,7 +40,8 @@ def model(nodes, inputs, outputs, inits=(), opset: int = 18):
     """A model from nodes, (name, dtype, shape) inputs and outputs, and numpy initializers."""
     vi = helper.make_tensor_value_info
     graph = helper.make_graph(
-        nodes, "m",
+        nodes,
+        "m",
         [vi(n, helper.np_dtype_to_tensor_dtype(np.dtype(t)), s) for n, t, s in inputs],
         [vi(n, helper.np_dtype_to_tensor_dtype(np.dtype(t)), s) for n, t, s in outputs],
         initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in dict(inits).items()],
@@ -56,8 +57,9 @@ def assert_ok(result) -> None:
 
 # ---- reshapes and permutations ---------------------------------------------------------------
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(("shape", "target"), [((2, 3, 4), (6, -1)), ((5,), (1, 5, 1)),
-                                               ((2, 3), (0, 3))])
+@pytest.mark.parametrize(
+    ("shape", "target"), [((2, 3, 4), (6, -1)), ((5,), (1, 5, 1)), ((2, 3), (0, 3))]
+)
 def test_reshape(shape, target, dynamic):
     check_op("Reshape", [rand(*shape), i64(*target)], dynamic=dynamic)
 
@@ -66,8 +68,9 @@ def test_reshape_saves_only_a_shape():
     m = node_model("Reshape", [rand(2, 3, 4), i64(-1)], dynamic=True)
     graphs = onnxgrad.build_gradient(m, inputs_requiring_grad=["in0"])
     assert len(graphs.saved) == 1 and graphs.saved[0] != "in0"  # Shape(in0), not in0 itself
-    static = onnxgrad.build_gradient(node_model("Reshape", [rand(2, 3), i64(-1)]),
-                                     inputs_requiring_grad=["in0"])
+    static = onnxgrad.build_gradient(
+        node_model("Reshape", [rand(2, 3), i64(-1)]), inputs_requiring_grad=["in0"]
+    )
     assert static.saved == []
 
 
@@ -87,8 +90,9 @@ def test_squeeze_unsqueeze_opset_forms(dynamic):
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(("shape", "perm"), [((2, 3), None), ((2, 3, 4), [2, 0, 1]),
-                                             ((2, 3, 4, 5), [0, 2, 3, 1])])
+@pytest.mark.parametrize(
+    ("shape", "perm"), [((2, 3), None), ((2, 3, 4), [2, 0, 1]), ((2, 3, 4, 5), [0, 2, 3, 1])]
+)
 def test_transpose(shape, perm, dynamic):
     attrs = {} if perm is None else {"perm": perm}
     check_op("Transpose", [rand(*shape)], attrs=attrs, dynamic=dynamic)
@@ -97,8 +101,9 @@ def test_transpose(shape, perm, dynamic):
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("mode", ["DCR", "CRD"])
 def test_depth_to_space(mode, dynamic):
-    check_op("DepthToSpace", [rand(2, 8, 2, 3)], attrs={"blocksize": 2, "mode": mode},
-             dynamic=dynamic)
+    check_op(
+        "DepthToSpace", [rand(2, 8, 2, 3)], attrs={"blocksize": 2, "mode": mode}, dynamic=dynamic
+    )
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -108,12 +113,15 @@ def test_space_to_depth(dynamic):
 
 # ---- joining and splitting --------------------------------------------------------------------
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(("shapes", "axis"), [
-    ([(2, 3), (4, 3)], 0),
-    ([(2, 3, 1), (2, 3, 4), (2, 3, 2)], -1),
-    ([(2, 1, 3), (2, 5, 3)], 1),
-    ([(3, 2)], 0),
-])
+@pytest.mark.parametrize(
+    ("shapes", "axis"),
+    [
+        ([(2, 3), (4, 3)], 0),
+        ([(2, 3, 1), (2, 3, 4), (2, 3, 2)], -1),
+        ([(2, 1, 3), (2, 5, 3)], 1),
+        ([(3, 2)], 0),
+    ],
+)
 def test_concat(shapes, axis, dynamic):
     check_op("Concat", [rand(*s) for s in shapes], attrs={"axis": axis}, dynamic=dynamic)
 
@@ -138,10 +146,15 @@ def test_split_opset_forms(dynamic):
 @pytest.mark.parametrize("dims", [[3, 4], ["n", 4]])
 def test_split_with_unused_outputs_gets_zeros(dims):
     # Only piece 1 reaches an output: the others contribute zeros to dx.
-    m = model([helper.make_node("Split", ["x", "sizes"], ["a", "b", "c"], axis=0),
-                helper.make_node("Neg", ["b"], ["y"])],
-               [("x", np.float64, dims)], [("y", np.float64, None)],
-               inits={"sizes": i64(1, 1, 1)})
+    m = model(
+        [
+            helper.make_node("Split", ["x", "sizes"], ["a", "b", "c"], axis=0),
+            helper.make_node("Neg", ["b"], ["y"]),
+        ],
+        [("x", np.float64, dims)],
+        [("y", np.float64, None)],
+        inits={"sizes": i64(1, 1, 1)},
+    )
     x = rand(3, 4)
     assert_ok(check_gradients(m, {"x": x}))
     grads = onnxgrad.gradients(m, {"x": x}, {"y": np.ones((1, 4))}, wrt=["x"])
@@ -162,8 +175,13 @@ SLICES = [  # starts, ends, axes, steps
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize(("starts", "ends", "axes", "steps"), SLICES)
 def test_slice(starts, ends, axes, steps, dynamic):
-    inputs = [rand(4, 5, 3), i64(*starts), i64(*ends), None if axes is None else i64(*axes),
-              None if steps is None else i64(*steps)]
+    inputs = [
+        rand(4, 5, 3),
+        i64(*starts),
+        i64(*ends),
+        None if axes is None else i64(*axes),
+        None if steps is None else i64(*steps),
+    ]
     while inputs[-1] is None:
         inputs.pop()
     check_op("Slice", inputs, dynamic=dynamic)
@@ -171,47 +189,67 @@ def test_slice(starts, ends, axes, steps, dynamic):
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_slice_opset9_attributes(dynamic):
-    check_op("Slice", [rand(4, 5)], attrs={"starts": [1, -4], "ends": [3, 100], "axes": [0, 1]},
-             opset=9, dynamic=dynamic)
+    check_op(
+        "Slice",
+        [rand(4, 5)],
+        attrs={"starts": [1, -4], "ends": [3, 100], "axes": [0, 1]},
+        opset=9,
+        dynamic=dynamic,
+    )
     check_op("Slice", [rand(4, 5)], attrs={"starts": [1], "ends": [-1]}, opset=1)
 
 
 def test_slice_bounds_computed_at_run_time():
     # starts/ends come from the data's shape: the rule replays them, no constant folding possible
-    nodes = [helper.make_node("Shape", ["x"], ["s"]),
-             helper.make_node("Div", ["s", "two"], ["half"]),
-             helper.make_node("Slice", ["x", "half", "s", "axes", "steps"], ["y"])]
-    m = model(nodes, [("x", np.float64, ["a", "b"])], [("y", np.float64, None)],
-              inits={"two": i64(2), "axes": i64(0, 1), "steps": i64(1, 2)})
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Div", ["s", "two"], ["half"]),
+        helper.make_node("Slice", ["x", "half", "s", "axes", "steps"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [("x", np.float64, ["a", "b"])],
+        [("y", np.float64, None)],
+        inits={"two": i64(2), "axes": i64(0, 1), "steps": i64(1, 2)},
+    )
     assert_ok(check_gradients(m, {"x": rand(5, 6)}))
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(("shape", "indices", "axis"), [
-    ((5, 3), np.array([0, 2, 2, 4]), 0),  # duplicates add up
-    ((5, 3), np.array([[1, -1], [0, 1]]), 1),  # 2-D and negative indices
-    ((2, 4, 3), np.array([3, -4, 0]), -2),
-    ((2, 4, 3), np.array(2), 1),  # scalar index drops the axis
-    ((2, 4, 3), np.array([[0, 2], [2, 2]], dtype=np.int32), -1),
-])
+@pytest.mark.parametrize(
+    ("shape", "indices", "axis"),
+    [
+        ((5, 3), np.array([0, 2, 2, 4]), 0),  # duplicates add up
+        ((5, 3), np.array([[1, -1], [0, 1]]), 1),  # 2-D and negative indices
+        ((2, 4, 3), np.array([3, -4, 0]), -2),
+        ((2, 4, 3), np.array(2), 1),  # scalar index drops the axis
+        ((2, 4, 3), np.array([[0, 2], [2, 2]], dtype=np.int32), -1),
+    ],
+)
 def test_gather(shape, indices, axis, dynamic):
     check_op("Gather", [rand(*shape), indices], attrs={"axis": axis}, dynamic=dynamic)
 
 
 def test_gather_with_indices_from_an_input():
     # Token ids fed at run time (an embedding lookup), negative ones included.
-    m = model([helper.make_node("Gather", ["table", "ids"], ["y"])],
-              [("ids", np.int64, [2, 3])], [("y", np.float64, None)],
-              inits={"table": rand(6, 4)})
+    m = model(
+        [helper.make_node("Gather", ["table", "ids"], ["y"])],
+        [("ids", np.int64, [2, 3])],
+        [("y", np.float64, None)],
+        inits={"table": rand(6, 4)},
+    )
     assert_ok(check_gradients(m, {"ids": np.array([[0, 5, -1], [2, 2, 0]])}))
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(("shape", "indices"), [
-    ((4, 3), np.array([[0], [3], [0]])),  # rows, one repeated
-    ((4, 3, 2), np.array([[1, 2], [-1, 0], [1, 2]])),  # (row, col) pairs, negative, repeated
-    ((3, 2), np.array([[[2, 1]], [[0, 0]]])),  # single elements, batched index shape
-])
+@pytest.mark.parametrize(
+    ("shape", "indices"),
+    [
+        ((4, 3), np.array([[0], [3], [0]])),  # rows, one repeated
+        ((4, 3, 2), np.array([[1, 2], [-1, 0], [1, 2]])),  # (row, col) pairs, negative, repeated
+        ((3, 2), np.array([[[2, 1]], [[0, 0]]])),  # single elements, batched index shape
+    ],
+)
 def test_gather_nd(shape, indices, dynamic):
     check_op("GatherND", [rand(*shape), indices], dynamic=dynamic)
 
@@ -223,27 +261,32 @@ def test_gather_nd_batch_dims_is_refused():
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(("shape", "indices", "axis"), [
-    ((3, 4), np.array([[0, 2, 2], [1, 1, 0], [0, 0, 0]]), 1),
-    ((3, 4), np.array([[2, 0, 1, -1], [2, 2, 2, 0]]), 0),
-    ((2, 3, 2), np.array([[[1], [0]], [[2], [-3]]]), -2),
-])
+@pytest.mark.parametrize(
+    ("shape", "indices", "axis"),
+    [
+        ((3, 4), np.array([[0, 2, 2], [1, 1, 0], [0, 0, 0]]), 1),
+        ((3, 4), np.array([[2, 0, 1, -1], [2, 2, 2, 0]]), 0),
+        ((2, 3, 2), np.array([[[1], [0]], [[2], [-3]]]), -2),
+    ],
+)
 def test_gather_elements(shape, indices, axis, dynamic):
     check_op("GatherElements", [rand(*shape), indices], attrs={"axis": axis}, dynamic=dynamic)
 
 
 # ---- broadcasting, selection, clamping, casts --------------------------------------------------
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(("shape", "target"), [((3, 1), (2, 3, 4)), ((4,), (3, 1)),
-                                               ((2, 3), (2, 3)), ((1, 3), (1, 1))])
+@pytest.mark.parametrize(
+    ("shape", "target"), [((3, 1), (2, 3, 4)), ((4,), (3, 1)), ((2, 3), (2, 3)), ((1, 3), (1, 1))]
+)
 def test_expand(shape, target, dynamic):
     check_op("Expand", [rand(*shape), i64(*target)], dynamic=dynamic)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(("cshape", "ashape", "bshape"), [((2, 3), (2, 3), (2, 3)),
-                                                          ((2, 3), (3,), (2, 1)),
-                                                          ((4, 1, 3), (1, 2, 1), ())])
+@pytest.mark.parametrize(
+    ("cshape", "ashape", "bshape"),
+    [((2, 3), (2, 3), (2, 3)), ((2, 3), (3,), (2, 1)), ((4, 1, 3), (1, 2, 1), ())],
+)
 def test_where(cshape, ashape, bshape, dynamic):
     cond = RNG.random(cshape) > 0.5
     check_op("Where", [cond, rand(*ashape), rand(*bshape)], dynamic=dynamic)
@@ -266,31 +309,45 @@ def test_clip_attributes_and_inclusive_bounds():
     check_op("Clip", [x], attrs={"min": -0.5, "max": 0.7}, opset=6, backend="reference")
     check_op("Clip", [x], attrs={"max": 0.7}, opset=6, backend="reference")
     # at x == min or max the gradient passes (as torch.clamp): check it directly
-    m = node_model("Clip", [np.array([-1.0, 0.0, 1.0]), np.array(0.0), np.array(1.0)],
-                   constant=[1, 2])
-    got = onnxgrad.gradients(m, {"in0": np.array([-1.0, 0.0, 1.0])}, {"out0": np.ones(3)},
-                             wrt=["in0"])
+    m = node_model(
+        "Clip", [np.array([-1.0, 0.0, 1.0]), np.array(0.0), np.array(1.0)], constant=[1, 2]
+    )
+    got = onnxgrad.gradients(
+        m, {"in0": np.array([-1.0, 0.0, 1.0])}, {"out0": np.ones(3)}, wrt=["in0"]
+    )
     np.testing.assert_array_equal(got["in0"], [0.0, 1.0, 1.0])
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_cast(dynamic):
-    check_op("Cast", [rand(3, 4)], attrs={"to": TensorProto.FLOAT}, output_dtypes=[np.float32],
-             dynamic=dynamic, eps=1e-2, rtol=1e-4, atol=1e-5)
+    check_op(
+        "Cast",
+        [rand(3, 4)],
+        attrs={"to": TensorProto.FLOAT},
+        output_dtypes=[np.float32],
+        dynamic=dynamic,
+        eps=1e-2,
+        rtol=1e-4,
+        atol=1e-5,
+    )
     check_op("Cast", [rand(3)], attrs={"to": TensorProto.DOUBLE}, dynamic=dynamic)
     check_op("CastLike", [rand(3, 2), np.zeros(1, np.float64)], constant=[1], opset=15)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(("shape", "repeats"), [((2, 3), (2, 3)), ((2, 1, 3), (1, 4, 1)),
-                                                ((3,), (1,)), ((2, 2), (3, 1))])
+@pytest.mark.parametrize(
+    ("shape", "repeats"), [((2, 3), (2, 3)), ((2, 1, 3), (1, 4, 1)), ((3,), (1,)), ((2, 2), (3, 1))]
+)
 def test_tile(shape, repeats, dynamic):
     check_op("Tile", [rand(*shape), i64(*repeats)], dynamic=dynamic)
 
 
 def test_tile_needs_constant_repeats():
-    m = model([helper.make_node("Tile", ["x", "r"], ["y"])],
-              [("x", np.float64, [2, 3]), ("r", np.int64, [2])], [("y", np.float64, None)])
+    m = model(
+        [helper.make_node("Tile", ["x", "r"], ["y"])],
+        [("x", np.float64, [2, 3]), ("r", np.int64, [2])],
+        [("y", np.float64, None)],
+    )
     with pytest.raises(GradientNotImplementedError, match="constant repeats"):
         onnxgrad.build_gradient(m, inputs_requiring_grad=["x"])
 
@@ -308,18 +365,25 @@ def test_pad_constant(pads, dynamic):
 def test_pad_axes_input_and_run_time_pads():
     check_op("Pad", [rand(2, 3, 4), i64(1, -1, 2, 0), None, i64(-1, 0)], opset=18, dynamic=True)
     # pads computed in the forward graph (from the data's shape)
-    nodes = [helper.make_node("Shape", ["x"], ["s"]),
-             helper.make_node("Sub", ["s", "one"], ["p"]),
-             helper.make_node("Concat", ["p", "zero"], ["pads"], axis=0),
-             helper.make_node("Pad", ["x", "pads"], ["y"])]
-    m = model(nodes, [("x", np.float64, ["a", "b"])], [("y", np.float64, None)],
-              inits={"one": i64(1), "zero": i64(0, 0)})
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Sub", ["s", "one"], ["p"]),
+        helper.make_node("Concat", ["p", "zero"], ["pads"], axis=0),
+        helper.make_node("Pad", ["x", "pads"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [("x", np.float64, ["a", "b"])],
+        [("y", np.float64, None)],
+        inits={"one": i64(1), "zero": i64(0, 0)},
+    )
     assert_ok(check_gradients(m, {"x": rand(3, 2)}))
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(("mode", "opset"), [("reflect", 18), ("edge", 18), ("edge", 11),
-                                             ("wrap", 19)])
+@pytest.mark.parametrize(
+    ("mode", "opset"), [("reflect", 18), ("edge", 18), ("edge", 11), ("wrap", 19)]
+)
 def test_pad_reflect_edge_wrap(mode, opset, dynamic):
     pads = i64(2, 1, 1, 3)  # wrap and edge repeat elements: their gradients add up
     check_op("Pad", [rand(4, 5), pads], attrs={"mode": mode}, opset=opset, dynamic=dynamic)
@@ -333,8 +397,9 @@ def test_nondifferentiable_ops_in_the_path():
     # (Shape, ConstantOfShape, Greater, Floor, ArgMax) contribute no gradient.
     nodes = [
         helper.make_node("Shape", ["x"], ["s"]),
-        helper.make_node("ConstantOfShape", ["s"], ["z"],
-                         value=numpy_helper.from_array(np.zeros(1, np.float64))),
+        helper.make_node(
+            "ConstantOfShape", ["s"], ["z"], value=numpy_helper.from_array(np.zeros(1, np.float64))
+        ),
         helper.make_node("Greater", ["x", "z"], ["pos"]),
         helper.make_node("Where", ["pos", "x", "z"], ["relu"]),
         helper.make_node("Floor", ["x"], ["fl"]),
@@ -354,8 +419,21 @@ def test_nondifferentiable_ops_in_the_path():
 
 def test_nondiff_declarations():
     ops = onnxgrad.supported_ops()
-    for op in ("Shape", "Size", "ConstantOfShape", "Equal", "ArgMax", "Floor", "Round", "NonZero",
-               "RandomNormalLike", "BitwiseAnd", "Range", "OneHot", "IsNaN"):
+    for op in (
+        "Shape",
+        "Size",
+        "ConstantOfShape",
+        "Equal",
+        "ArgMax",
+        "Floor",
+        "Round",
+        "NonZero",
+        "RandomNormalLike",
+        "BitwiseAnd",
+        "Range",
+        "OneHot",
+        "IsNaN",
+    ):
         assert ops[op] == "zero", op
     for op in ("Reshape", "Slice", "Gather", "Pad", "Tile", "Clip", "Where", "DepthToSpace"):
         assert ops[op] == "rule", op

@@ -26,14 +26,22 @@ def _model_bytes() -> bytes:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     buf = io.BytesIO()
-    torch.onnx.export(net, (torch.randn(2, 6),), buf, dynamo=False, input_names=["x"],
-                      dynamic_axes={"x": {0: "batch"}})
+    torch.onnx.export(
+        net,
+        (torch.randn(2, 6),),
+        buf,
+        dynamo=False,
+        input_names=["x"],
+        dynamic_axes={"x": {0: "batch"}},
+    )
     return buf.getvalue()
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
-    return torch.randn(STEPS, WORLD * BATCH, 6, generator=gen), torch.randn(STEPS, WORLD * BATCH, 2, generator=gen)
+    return torch.randn(STEPS, WORLD * BATCH, 6, generator=gen), torch.randn(
+        STEPS, WORLD * BATCH, 2, generator=gen
+    )
 
 
 def _train(module: torch.nn.Module, xs: torch.Tensor, ts: torch.Tensor) -> None:

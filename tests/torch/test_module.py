@@ -20,8 +20,9 @@ def _export(net, example):
     import onnx
 
     buf = io.BytesIO()
-    torch.onnx.export(net, (example,), buf, dynamo=False, input_names=["x"],
-                      dynamic_axes={"x": {0: "batch"}})
+    torch.onnx.export(
+        net, (example,), buf, dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}}
+    )
     return onnx.load_from_string(buf.getvalue())
 
 
@@ -35,8 +36,12 @@ def net64():
 
 def test_parameters_named_for_torch_and_mapped_to_onnx(net64):
     m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
-    assert m.onnx_names == {"p_0_weight": "0.weight", "p_0_bias": "0.bias",
-                            "p_2_weight": "2.weight", "p_2_bias": "2.bias"}
+    assert m.onnx_names == {
+        "p_0_weight": "0.weight",
+        "p_0_bias": "0.bias",
+        "p_2_weight": "2.weight",
+        "p_2_bias": "2.bias",
+    }
     assert all(isinstance(p, torch.nn.Parameter) for p in m.parameters())
     assert "<- ONNX '0.weight'" in repr(m)
 
@@ -102,7 +107,9 @@ def test_mixed_network_trains_like_torch():
 
     def wrap(mid):
         torch.manual_seed(1)
-        return torch.nn.Sequential(torch.nn.Linear(3, 8), mid, torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        return torch.nn.Sequential(
+            torch.nn.Linear(3, 8), mid, torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        )
 
     ours, ref = wrap(onnx_middle), wrap(copy.deepcopy(middle))
     opt_a = torch.optim.Adam(ours.parameters(), lr=1e-2)

@@ -21,9 +21,21 @@ from .graph import Dim, ValueInfo, np_dtype
 INT64 = TensorProto.INT64
 BOOL = TensorProto.BOOL
 
-_BOOL_OPS = {"Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Xor",
-             "IsNaN", "IsInf"}
+_BOOL_OPS = {
+    "Equal",
+    "Greater",
+    "Less",
+    "GreaterOrEqual",
+    "LessOrEqual",
+    "Not",
+    "And",
+    "Or",
+    "Xor",
+    "IsNaN",
+    "IsInf",
+}
 _INT64_OPS = {"Shape", "Size", "NonZero", "ArgMax", "ArgMin", "Range"}
+
 
 class Var:
     """A tensor value: a name in the graph being built, its element type and (when known) its shape.
@@ -187,7 +199,7 @@ class GradBuilder:
     def _operand(self, x: Any, like: Var | None) -> Var | None:
         if x is None or isinstance(x, Var):
             return x
-        if isinstance(x, list | tuple) or isinstance(x, np.ndarray) and x.dtype.kind in "iu":
+        if isinstance(x, list | tuple) or (isinstance(x, np.ndarray) and x.dtype.kind in "iu"):
             return self.const(np.asarray(x, dtype=np.int64))
         if like is None:
             raise TypeError(f"cannot tell the dtype of constant {x!r}")
@@ -231,16 +243,23 @@ class GradBuilder:
             return lambda *a, **k: self.op(op_type, *a, **k)
         raise AttributeError(op_type)
 
-    def fwd_op(self, op_type: str, *inputs: Var, dtype: int, shape: tuple[Dim, ...] | None = None,
-               **attrs: Any) -> Var:
+    def fwd_op(
+        self,
+        op_type: str,
+        *inputs: Var,
+        dtype: int,
+        shape: tuple[Dim, ...] | None = None,
+        **attrs: Any,
+    ) -> Var:
         """Emit a node into the *forward* graph (e.g. ``Shape``); its output is saved when read."""
         name = self.fresh(f"{inputs[0].name}_{op_type.lower()}")
         self.fwd_nodes.append(helper.make_node(op_type, [x.name for x in inputs], [name], **attrs))
         self.infos[name] = ValueInfo(name, dtype, shape)
         return self.fwd(name)
 
-    def extra_output(self, node: onnx.NodeProto, slot: int, dtype: int,
-                     shape: tuple[Dim, ...] | None = None) -> Var:
+    def extra_output(
+        self, node: onnx.NodeProto, slot: int, dtype: int, shape: tuple[Dim, ...] | None = None
+    ) -> Var:
         """Output ``slot`` of a forward node, adding it to the node when the model left it unused.
 
         Used where the forward op computes what the backward needs anyway (MaxPool indices,
@@ -278,7 +297,9 @@ class GradBuilder:
         zero = numpy_helper.from_array(np.zeros(1, dtype=np_dtype(x.dtype)))
         if zero.data_type != x.dtype:
             zero = helper.make_tensor("", x.dtype, [1], [0.0])
-        return self.op("ConstantOfShape", self.shape_of(x), value=zero, dtype=x.dtype, shape=x.shape)
+        return self.op(
+            "ConstantOfShape", self.shape_of(x), value=zero, dtype=x.dtype, shape=x.shape
+        )
 
     def reduce_sum(self, x: Var, axes: Sequence[int] | Var, keepdims: bool) -> Var:
         axes_v = axes if isinstance(axes, Var) else self.const(np.array(list(axes), dtype=np.int64))
@@ -320,10 +341,16 @@ class GradBuilder:
         tshape = self.shape_of(target)
         gshape = self.op("Shape", grad, dtype=INT64)
         lead_n = self.op("Sub", self.op("Size", gshape), self.op("Size", tshape))
-        ones = self.op("ConstantOfShape", self.op("Reshape", lead_n, [1]),
-                       value=numpy_helper.from_array(np.ones(1, dtype=np.int64)), dtype=INT64)
+        ones = self.op(
+            "ConstantOfShape",
+            self.op("Reshape", lead_n, [1]),
+            value=numpy_helper.from_array(np.ones(1, dtype=np.int64)),
+            dtype=INT64,
+        )
         padded = self.op("Concat", ones, tshape, axis=0)
-        axes_v = self.op("Squeeze", self.op("NonZero", self.op("Equal", padded, self.const(1))), [0])
+        axes_v = self.op(
+            "Squeeze", self.op("NonZero", self.op("Equal", padded, self.const(1))), [0]
+        )
         summed = self.op("ReduceSum", grad, axes_v, keepdims=1, noop_with_empty_axes=1)
         return self.op("Reshape", summed, tshape, shape=target.shape)
 

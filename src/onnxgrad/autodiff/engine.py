@@ -142,7 +142,9 @@ def build_gradient(
             continue
         r = lookup(node.domain, node.op_type, _opset(model, node.domain))
         if r is None or r.fn is None:
-            raise GradientNotImplementedError(_no_rule_message(model, node, toward_output, grad_outs))
+            raise GradientNotImplementedError(
+                _no_rule_message(model, node, toward_output, grad_outs)
+            )
         needs = [bool(i) and i in requires for i in node.input]
         for name in [*node.input, *node.output]:
             if name and name not in infos:  # shape inference could not type it (custom op)
@@ -200,7 +202,9 @@ def _prepare(model: onnx.ModelProto) -> onnx.ModelProto:
     return copy
 
 
-def _select_trainable(inits: dict[str, onnx.TensorProto], trainable: Iterable[str] | None) -> list[str]:
+def _select_trainable(
+    inits: dict[str, onnx.TensorProto], trainable: Iterable[str] | None
+) -> list[str]:
     if trainable is None:
         return [n for n, t in inits.items() if t.data_type in FLOAT_TYPES]
     if isinstance(trainable, str):
@@ -217,7 +221,9 @@ def _select_trainable(inits: dict[str, onnx.TensorProto], trainable: Iterable[st
     return names
 
 
-def _select_inputs(graph_inputs: list[str], infos: dict[str, ValueInfo], names: Iterable[str]) -> list[str]:
+def _select_inputs(
+    graph_inputs: list[str], infos: dict[str, ValueInfo], names: Iterable[str]
+) -> list[str]:
     if isinstance(names, str):
         names = [names]
     out = list(dict.fromkeys(names))
@@ -229,7 +235,9 @@ def _select_inputs(graph_inputs: list[str], infos: dict[str, ValueInfo], names: 
     return out
 
 
-def _select_outputs(out_names: list[str], infos: dict[str, ValueInfo], outputs: Iterable[str] | None) -> list[str]:
+def _select_outputs(
+    out_names: list[str], infos: dict[str, ValueInfo], outputs: Iterable[str] | None
+) -> list[str]:
     if outputs is None:
         return [o for o in out_names if _is_float(infos, o)]
     if isinstance(outputs, str):
@@ -265,8 +273,12 @@ def _sum(g: GradBuilder, parts: Sequence[Var]) -> Var | None:
     return g.op("Sum", *parts, shape=parts[0].shape)
 
 
-def _no_rule_message(model: onnx.ModelProto, node: onnx.NodeProto,
-                     toward_output: dict[str, onnx.NodeProto], grad_outs: list[str]) -> str:
+def _no_rule_message(
+    model: onnx.ModelProto,
+    node: onnx.NodeProto,
+    toward_output: dict[str, onnx.NodeProto],
+    grad_outs: list[str],
+) -> str:
     domain = node.domain or "ai.onnx"
     path = [f"{node.name or '<unnamed>'} ({node.op_type})"]
     value = next((o for o in node.output if o in toward_output or o in grad_outs), node.output[0])
@@ -287,7 +299,9 @@ def _no_rule_message(model: onnx.ModelProto, node: onnx.NodeProto,
 
 
 # ---- assembling the two models ---------------------------------------------------------------
-def _name_outputs(g: GradBuilder, final: list[tuple[str, Var]], grad_outputs: dict[str, str]) -> None:
+def _name_outputs(
+    g: GradBuilder, final: list[tuple[str, Var]], grad_outputs: dict[str, str]
+) -> None:
     """Give each wrt gradient its output name, renaming the producing node when that is safe."""
     producers = {o: node for node in g.nodes for o in node.output}
     reads: dict[str, int] = {}
@@ -308,16 +322,23 @@ def _name_outputs(g: GradBuilder, final: list[tuple[str, Var]], grad_outputs: di
 
 
 def _opsets(model: onnx.ModelProto, default_version: int, extra: Iterable[onnx.NodeProto]) -> list:
-    domains = {imp.domain: imp.version for imp in model.opset_import if imp.domain not in ("", "ai.onnx")}
+    domains = {
+        imp.domain: imp.version for imp in model.opset_import if imp.domain not in ("", "ai.onnx")
+    }
     needed = {n.domain for n in extra if n.domain not in ("", "ai.onnx")}
     ops = [helper.make_opsetid("", default_version)]
     ops += [helper.make_opsetid(d, v) for d, v in domains.items() if d in needed]
     return ops
 
 
-def _forward_model(model: onnx.ModelProto, nodes: list[onnx.NodeProto], g: GradBuilder,
-                   trainable: list[str], grad_inputs: dict[str, str],
-                   infos: dict[str, ValueInfo]) -> onnx.ModelProto:
+def _forward_model(
+    model: onnx.ModelProto,
+    nodes: list[onnx.NodeProto],
+    g: GradBuilder,
+    trainable: list[str],
+    grad_inputs: dict[str, str],
+    infos: dict[str, ValueInfo],
+) -> onnx.ModelProto:
     graph = model.graph
     inputs = list(graph.input)
     declared = {i.name for i in inputs}
@@ -338,14 +359,23 @@ def _forward_model(model: onnx.ModelProto, nodes: list[onnx.NodeProto], g: GradB
         value_info=list(graph.value_info),
         sparse_initializer=list(graph.sparse_initializer),
     )
-    fwd = helper.make_model(fwd_graph, opset_imports=list(model.opset_import),
-                            producer_name="onnxgrad", functions=list(model.functions))
+    fwd = helper.make_model(
+        fwd_graph,
+        opset_imports=list(model.opset_import),
+        producer_name="onnxgrad",
+        functions=list(model.functions),
+    )
     fwd.ir_version = max(ir_version_for(model.opset_import), min(model.ir_version, 13))
     return fwd
 
 
-def _backward_model(model: onnx.ModelProto, g: GradBuilder, grad_inputs: dict[str, str],
-                    grad_outputs: dict[str, str], infos: dict[str, ValueInfo]) -> onnx.ModelProto:
+def _backward_model(
+    model: onnx.ModelProto,
+    g: GradBuilder,
+    grad_inputs: dict[str, str],
+    grad_outputs: dict[str, str],
+    infos: dict[str, ValueInfo],
+) -> onnx.ModelProto:
     inputs = [info.to_proto() for info in g.saved.values()]
     for out, name in grad_inputs.items():
         inputs.append(infos[out].to_proto(name))

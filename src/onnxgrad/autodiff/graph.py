@@ -164,7 +164,9 @@ def infer_value_infos(model: onnx.ModelProto) -> dict[str, ValueInfo]:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for attr in node.attribute:
                 if attr.name == "value":
-                    infos[node.output[0]] = ValueInfo(node.output[0], attr.t.data_type, tuple(attr.t.dims))
+                    infos[node.output[0]] = ValueInfo(
+                        node.output[0], attr.t.data_type, tuple(attr.t.dims)
+                    )
     return infos
 
 
@@ -254,7 +256,7 @@ def _node_reads(node: onnx.NodeProto) -> list[str]:
     """Names a node reads: its inputs and the outer-scope names its subgraphs use."""
     names = [n for n in node.input if n]
     for attr in node.attribute:
-        for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
             names.extend(_free_names(sub))
     return names
 

@@ -105,8 +105,13 @@ def zero(*op_types: str, domain: str = "", note: str = "") -> None:
         _add(Rule(op, domain, 1, None, "zero", note))
 
 
-def formulas(op_type: str, *per_input: Callable[..., Any] | None, broadcast: bool = False,
-             since: int = 1, domain: str = "") -> None:
+def formulas(
+    op_type: str,
+    *per_input: Callable[..., Any] | None,
+    broadcast: bool = False,
+    since: int = 1,
+    domain: str = "",
+) -> None:
     """Register an op from one formula per input, in the style of PyTorch's derivatives.yaml.
 
     Each formula is a lambda whose parameter names say what it reads: ``x`` (unary) or ``a``, ``b``
@@ -157,6 +162,7 @@ def _schema_default(n: NodeContext, name: str, default: Any) -> Any:
 
 def lookup(domain: str, op_type: str, opset: int) -> Rule | None:
     """The rule for ``op_type`` at ``opset``: the newest registered version not after it."""
+    _load_rules()
     domain = "" if domain == "ai.onnx" else domain
     found = None
     for r in _RULES.get((domain, op_type), ()):

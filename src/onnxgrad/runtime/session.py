@@ -45,20 +45,27 @@ def resolve_providers(providers: str | Sequence[Any] | None) -> list[Any]:
             p = ("CUDAExecutionProvider", {"device_id": index})
         name = p[0] if isinstance(p, tuple) else p
         if name not in available:
-            raise InputError(f"execution provider {name!r} is not available (available: {available})")
+            raise InputError(
+                f"execution provider {name!r} is not available (available: {available})"
+            )
         out.append(p)
     if "CPUExecutionProvider" not in [q[0] if isinstance(q, tuple) else q for q in out]:
         out.append("CPUExecutionProvider")
     return out
 
 
-def make_session(model: onnx.ModelProto, providers: list[Any],
-                 options: ort.SessionOptions | None = None) -> ort.InferenceSession:
+def make_session(
+    model: onnx.ModelProto, providers: list[Any], options: ort.SessionOptions | None = None
+) -> ort.InferenceSession:
     """An onnxruntime session for ``model``; failures become :class:`OnnxGradRuntimeError`."""
     try:
-        return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=providers)
+        return ort.InferenceSession(
+            model.SerializeToString(), sess_options=options, providers=providers
+        )
     except Exception as exc:
-        raise OnnxGradRuntimeError(f"onnxruntime cannot load the {model.graph.name!r} graph: {exc}") from exc
+        raise OnnxGradRuntimeError(
+            f"onnxruntime cannot load the {model.graph.name!r} graph: {exc}"
+        ) from exc
 
 
 class Runner:
@@ -69,8 +76,12 @@ class Runner:
     values are bound at each call), so weights are held once, by the caller.
     """
 
-    def __init__(self, graphs: GradientGraphs, providers: list[Any],
-                 session_options: ort.SessionOptions | None = None) -> None:
+    def __init__(
+        self,
+        graphs: GradientGraphs,
+        providers: list[Any],
+        session_options: ort.SessionOptions | None = None,
+    ) -> None:
         self.graphs = graphs
         trainable = set(graphs.trainable)
         fwd = onnx.ModelProto()
@@ -97,8 +108,9 @@ class Runner:
         self.fwd_outputs = [o.name for o in fwd.graph.output]
         self.wrt = list(graphs.grad_outputs)
 
-    def forward(self, values: Mapping[str, ort.OrtValue], training: bool
-                ) -> tuple[list[ort.OrtValue], dict[str, ort.OrtValue] | None]:
+    def forward(
+        self, values: Mapping[str, ort.OrtValue], training: bool
+    ) -> tuple[list[ort.OrtValue], dict[str, ort.OrtValue] | None]:
         """Run the forward on bound inputs and parameters: (user outputs, saved values or None)."""
         io = self.fwd.io_binding()
         for name, ov in values.items():
@@ -116,8 +128,9 @@ class Runner:
             return outputs, None
         return outputs, {s: env[s] if s in env else values[s] for s in self.graphs.saved}
 
-    def backward(self, saved: Mapping[str, ort.OrtValue],
-                 grads: Mapping[str, ort.OrtValue]) -> list[ort.OrtValue]:
+    def backward(
+        self, saved: Mapping[str, ort.OrtValue], grads: Mapping[str, ort.OrtValue]
+    ) -> list[ort.OrtValue]:
         """Run the backward: one gradient per name of ``self.wrt``. ``grads`` by user output name."""
         with self._lock:
             if self._bwd is None:
@@ -140,15 +153,21 @@ class Runner:
 class ForwardResult:
     """The outputs of one forward pass, and the means to run its backward exactly once."""
 
-    def __init__(self, owner: ForwardBackward, outputs: list[np.ndarray],
-                 saved: dict[str, ort.OrtValue] | None) -> None:
+    def __init__(
+        self,
+        owner: ForwardBackward,
+        outputs: list[np.ndarray],
+        saved: dict[str, ort.OrtValue] | None,
+    ) -> None:
         self.outputs = outputs
         self._owner = owner
         self._saved = saved
         self._training = saved is not None
         self._lock = threading.Lock()
 
-    def backward(self, grad_outputs: Mapping[str, Any] | Sequence[Any] | None = None) -> dict[str, np.ndarray]:
+    def backward(
+        self, grad_outputs: Mapping[str, Any] | Sequence[Any] | None = None
+    ) -> dict[str, np.ndarray]:
         """Gradients (name -> array) of every trainable value and input that requires grad.
 
         ``grad_outputs``: ``None`` for ones on every output that takes a gradient, a mapping
@@ -163,7 +182,9 @@ class ForwardResult:
         with self._lock:
             saved, self._saved = self._saved, None
         if saved is None:
-            raise OnnxGradRuntimeError("backward already ran for this forward result; run forward again")
+            raise OnnxGradRuntimeError(
+                "backward already ran for this forward result; run forward again"
+            )
         return self._owner._backward(saved, feeds)
 
 
@@ -180,20 +201,27 @@ class ForwardBackward:
         *,
         trainable: Iterable[str] | None = None,
         inputs_requiring_grad: Iterable[str] = (),
+        outputs: Iterable[str] | None = None,
         providers: str | Sequence[Any] | None = None,
         session_options: ort.SessionOptions | None = None,
     ) -> None:
         if isinstance(model_or_graphs, GradientGraphs):
             graphs = model_or_graphs
         else:
-            graphs = build_gradient(model_or_graphs, trainable=trainable,
-                                    inputs_requiring_grad=inputs_requiring_grad)
+            graphs = build_gradient(
+                model_or_graphs,
+                trainable=trainable,
+                inputs_requiring_grad=inputs_requiring_grad,
+                outputs=outputs,
+            )
         self.graphs = graphs
         self.providers = resolve_providers(providers)
         self._runner = Runner(graphs, self.providers, session_options)
         self._inputs = self._runner.inputs
         self._params: dict[str, np.ndarray] = self._runner.initial_values
-        self._param_values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in self._params.items()}
+        self._param_values = {
+            k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in self._params.items()
+        }
 
     # ---- parameters --------------------------------------------------------------------------
     @property
@@ -214,7 +242,9 @@ class ForwardBackward:
         """Replace parameter values (same shapes and dtypes as before)."""
         for name, value in mapping.items():
             if name not in self._params:
-                raise InputError(f"{name!r} is not a trainable parameter (have {list(self._params)})")
+                raise InputError(
+                    f"{name!r} is not a trainable parameter (have {list(self._params)})"
+                )
             old = self._params[name]
             arr = np.asarray(value)
             if arr.shape != old.shape:
@@ -240,20 +270,30 @@ class ForwardBackward:
             saved["__inputs__"] = bound  # type: ignore[assignment]  # keep fed buffers alive
         return ForwardResult(self, [ov.numpy() for ov in outs], saved)
 
-    def _backward(self, saved: dict[str, Any], grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _backward(
+        self, saved: dict[str, Any], grads: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         values = {out: ort.OrtValue.ortvalue_from_numpy(arr) for out, arr in grads.items()}
-        return {w: ov.numpy() for w, ov in zip(self._runner.wrt, self._runner.backward(saved, values))}
+        return {
+            w: ov.numpy() for w, ov in zip(self._runner.wrt, self._runner.backward(saved, values))
+        }
 
     # ---- validation --------------------------------------------------------------------------
     def _check_feeds(self, feeds: Feeds) -> dict[str, np.ndarray]:
         if not isinstance(feeds, Mapping):
-            raise InputError(f"feeds must be a mapping input name -> array, got {type(feeds).__name__}")
+            raise InputError(
+                f"feeds must be a mapping input name -> array, got {type(feeds).__name__}"
+            )
         unknown = [k for k in feeds if k not in self._inputs]
         if unknown:
-            raise InputError(f"unknown input name(s) {unknown}; the model's inputs are {list(self._inputs)}")
+            raise InputError(
+                f"unknown input name(s) {unknown}; the model's inputs are {list(self._inputs)}"
+            )
         missing = [k for k in self._inputs if k not in feeds]
         if missing:
-            raise InputError(f"missing input(s) {missing}; the model's inputs are {list(self._inputs)}")
+            raise InputError(
+                f"missing input(s) {missing}; the model's inputs are {list(self._inputs)}"
+            )
         return {name: check_array(name, feeds[name], self._inputs[name]) for name in self._inputs}
 
     def _grad_feeds(self, grad_outputs: Any, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:

@@ -27,6 +27,7 @@ from ..autodiff.graph import FLOAT_TYPES, load_model, to_array
 from ..errors import InputError
 from ..runtime.session import Runner, resolve_providers
 
+
 def _to_ort(t: torch.Tensor) -> ort.OrtValue:
     # DLPack shares the buffer; contiguous() copies only when the tensor is a strided view.
     return ort.OrtValue.from_dlpack(t.detach().contiguous())
@@ -52,17 +53,26 @@ def torch_name(onnx_name: str, taken: set[str]) -> str:
 class _Variant:
     """The graphs and sessions for one choice of what requires grad."""
 
-    def __init__(self, model: onnx.ModelProto, trainable: list[str], inputs: list[str],
-                 as_inputs: list[str], providers: list[Any],
-                 options: ort.SessionOptions | None) -> None:
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        trainable: list[str],
+        inputs: list[str],
+        as_inputs: list[str],
+        providers: list[Any],
+        options: ort.SessionOptions | None,
+    ) -> None:
         # Floating-point initializers that are not differentiated here are fed at each call (their
         # live values are buffers, or parameters with requires_grad=False): make them inputs.
         proto = onnx.ModelProto()
         proto.CopyFrom(model)
         moved = set(as_inputs)
         kept = [i for i in proto.graph.initializer if i.name not in moved]
-        added = [onnx.helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
-                 for i in proto.graph.initializer if i.name in moved]
+        added = [
+            onnx.helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+            for i in proto.graph.initializer
+            if i.name in moved
+        ]
         del proto.graph.initializer[:]
         proto.graph.initializer.extend(kept)
         declared = {i.name for i in proto.graph.input}
@@ -81,17 +91,20 @@ class _OnnxFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, variant: _Variant, names: Sequence[str],
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, variant: _Variant, names: Sequence[str], *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         keep = [t.detach().contiguous() for t in tensors]
         values = {n: ort.OrtValue.from_dlpack(t) for n, t in zip(names, keep)}
         outs, saved = variant.runner.forward(values, training=True)
         position = {n: i for i, n in enumerate(names)}
         saved_names = list(saved or {})
-        ctx.save_for_backward(*[
-            tensors[position[n]] if n in position else _to_torch(saved[n])  # type: ignore[index]
-            for n in saved_names
-        ])
+        ctx.save_for_backward(
+            *[
+                tensors[position[n]] if n in position else _to_torch(saved[n])  # type: ignore[index]
+                for n in saved_names
+            ]
+        )
         ctx.variant, ctx.names, ctx.saved_names = variant, names, saved_names
         results = tuple(_to_torch(o) for o in outs)
         ctx.out_meta = [(r.shape, r.dtype) for r in results]
@@ -146,7 +159,9 @@ class OnnxModule(nn.Module):
                 if n not in inits:
                     raise InputError(f"trainable name {n!r} is not an initializer of the model")
                 if n not in floats:
-                    raise InputError(f"initializer {n!r} is not floating-point: it cannot be trained")
+                    raise InputError(
+                        f"initializer {n!r} is not floating-point: it cannot be trained"
+                    )
         taken: set[str] = set()
         self.onnx_names: dict[str, str] = {}  # torch attribute name -> ONNX initializer name
         for n in floats:
@@ -170,9 +185,14 @@ class OnnxModule(nn.Module):
             variant = self._variants.get(key)
             if variant is None:
                 others = [n for n in self.onnx_names.values() if n not in wrt_params]
-                variant = _Variant(onnx.load_from_string(self._proto_bytes), list(wrt_params),
-                                   list(wrt_inputs), others, resolve_providers(self._providers),
-                                   self._session_options)
+                variant = _Variant(
+                    onnx.load_from_string(self._proto_bytes),
+                    list(wrt_params),
+                    list(wrt_inputs),
+                    others,
+                    resolve_providers(self._providers),
+                    self._session_options,
+                )
                 self._variants[key] = variant
         return variant
 
@@ -189,8 +209,11 @@ class OnnxModule(nn.Module):
         values = [(n, getattr(self, t)) for t, n in self.onnx_names.items()]
         grad = torch.is_grad_enabled()
         wrt_params = tuple(n for n, v in values if grad and v.requires_grad)
-        wrt_inputs = tuple(n for n, t in zip(self.input_names, tensors)
-                           if grad and t.requires_grad and t.is_floating_point())
+        wrt_inputs = tuple(
+            n
+            for n, t in zip(self.input_names, tensors)
+            if grad and t.requires_grad and t.is_floating_point()
+        )
         variant = self._variant(wrt_params, wrt_inputs)
         names = list(self.input_names) + [n for n, _ in values]
         all_tensors = list(tensors) + [v for _, v in values]
@@ -206,8 +229,10 @@ class OnnxModule(nn.Module):
         """The ONNX model carrying the module's current parameter and buffer values."""
         proto = onnx.load_from_string(self._proto_bytes)
         values = {n: getattr(self, t).detach().cpu().numpy() for t, n in self.onnx_names.items()}
-        inits = [numpy_helper.from_array(values[i.name], i.name) if i.name in values else i
-                 for i in proto.graph.initializer]
+        inits = [
+            numpy_helper.from_array(values[i.name], i.name) if i.name in values else i
+            for i in proto.graph.initializer
+        ]
         del proto.graph.initializer[:]
         proto.graph.initializer.extend(inits)
         return proto

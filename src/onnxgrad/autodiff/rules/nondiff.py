@@ -10,21 +10,63 @@ from __future__ import annotations
 
 from ..registry import zero
 
-zero("Constant", "Shape", "Size", "ConstantOfShape", "EyeLike", "Range",
-     note="shapes, sizes and constants: they depend on shapes or attributes, not on values")
-zero("Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Xor",
-     "IsNaN", "IsInf", "NonZero",
-     note="boolean results or indices: not differentiable")
-zero("ArgMax", "ArgMin", "OneHot", "NonMaxSuppression", "Hardmax",
-     note="indices or one-hot selections: piecewise constant")
-zero("Floor", "Ceil", "Round", "Sign",
-     note="piecewise constant: the derivative is zero almost everywhere")
-zero("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
-     "Bernoulli",
-     note="random draws: independent of the input values")
-zero("BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot",
-     note="integer bit operations")
-zero("StringNormalizer", "StringConcat", "StringSplit", "RegexFullMatch", "TfIdfVectorizer",
-     note="string and text ops: no floating-point path")
-zero("HannWindow", "HammingWindow", "BlackmanWindow",
-     note="window functions of an integer size")
+zero(
+    "Constant",
+    "Shape",
+    "Size",
+    "ConstantOfShape",
+    "EyeLike",
+    "Range",
+    note="shapes, sizes and constants: they depend on shapes or attributes, not on values",
+)
+zero(
+    "Equal",
+    "Greater",
+    "Less",
+    "GreaterOrEqual",
+    "LessOrEqual",
+    "Not",
+    "And",
+    "Or",
+    "Xor",
+    "IsNaN",
+    "IsInf",
+    "NonZero",
+    note="boolean results or indices: not differentiable",
+)
+zero(
+    "ArgMax",
+    "ArgMin",
+    "OneHot",
+    "NonMaxSuppression",
+    "Hardmax",
+    note="indices or one-hot selections: piecewise constant",
+)
+zero(
+    "Floor",
+    "Ceil",
+    "Round",
+    "Sign",
+    note="piecewise constant: the derivative is zero almost everywhere",
+)
+zero(
+    "RandomNormal",
+    "RandomUniform",
+    "RandomNormalLike",
+    "RandomUniformLike",
+    "Multinomial",
+    "Bernoulli",
+    note="random draws: independent of the input values",
+)
+zero(
+    "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", note="integer bit operations"
+)
+zero(
+    "StringNormalizer",
+    "StringConcat",
+    "StringSplit",
+    "RegexFullMatch",
+    "TfIdfVectorizer",
+    note="string and text ops: no floating-point path",
+)
+zero("HannWindow", "HammingWindow", "BlackmanWindow", note="window functions of an integer size")

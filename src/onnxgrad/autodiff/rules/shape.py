@@ -212,8 +212,9 @@ def _slice_params(n: NodeContext) -> tuple[list[np.ndarray | None], list[Var | N
     return consts, [n.inputs[i] if i < len(n.inputs) else None for i in range(1, 5)]
 
 
-def _slice_pads(n: NodeContext, consts: list[np.ndarray | None], vars_: list[Var | None]
-                ) -> list[int] | None:
+def _slice_pads(
+    n: NodeContext, consts: list[np.ndarray | None], vars_: list[Var | None]
+) -> list[int] | None:
     """Pads that undo a unit-step Slice with constant bounds on static dims; None otherwise."""
     starts, ends, axes, steps = consts
     x = n.x
@@ -304,8 +305,14 @@ def gather_elements(g: GradBuilder, n: NodeContext) -> Grads:
     """y[i][j] = x[idx[i][j]][j] (axis 0): dx = scatter-add of dy at idx (negatives allowed)."""
     if not n.needs[0]:
         return [None, None]
-    dx = g.ScatterElements(g.zeros_like(n.x), n.inputs[1], n.dy, axis=int(n.attr("axis", 0)),
-                           reduction="add", shape=n.x.shape)
+    dx = g.ScatterElements(
+        g.zeros_like(n.x),
+        n.inputs[1],
+        n.dy,
+        axis=int(n.attr("axis", 0)),
+        reduction="add",
+        shape=n.x.shape,
+    )
     return [dx, None]
 
 
@@ -422,4 +429,3 @@ def pad(g: GradBuilder, n: NodeContext) -> Grads:
         pos = g.Pad(_positions(g, n.x), pads_v, None, axes, mode=mode, dtype=INT64)
         grads[0] = _scatter_positions(g, n.x, pos, n.dy, accumulate=True)
     return grads
-

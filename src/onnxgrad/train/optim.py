@@ -1,0 +1,170 @@
+"""Optimizers that update numpy parameter arrays in place, with the math of ``torch.optim``.
+
+They work on the live buffers of :attr:`onnxgrad.ForwardBackward.parameters`: an update made by
+:meth:`Optimizer.step` is what the next forward sees, with no copy. Apart from the optimizer state
+(momentum, moments), each parameter gets at most two scratch buffers, allocated once; a step
+allocates nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+
+__all__ = ["SGD", "Adam", "Optimizer"]
+
+
+class Optimizer:
+    """Base class: holds the parameters by name, their state and scratch buffers.
+
+    ``params``: name -> float numpy array, updated in place. Replacing an array elsewhere (e.g. with
+    ``ForwardBackward.set_parameters``) detaches it from the optimizer: build a new one then.
+    """
+
+    def __init__(self, params: Mapping[str, np.ndarray], lr: float) -> None:
+        self.params: dict[str, np.ndarray] = {}
+        for name, p in params.items():
+            if not isinstance(p, np.ndarray) or not np.issubdtype(p.dtype, np.floating):
+                raise InputError(f"parameter {name!r} must be a floating-point numpy array")
+            if not p.flags.writeable:
+                raise InputError(f"parameter {name!r} is read-only: it cannot be updated in place")
+            self.params[name] = p
+        _check_non_negative(lr=lr)
+        self.lr = float(lr)
+        self.state: dict[str, dict[str, Any]] = {name: {} for name in self.params}
+        self._scratch: dict[str, list[np.ndarray]] = {name: [] for name in self.params}
+
+    def step(self, grads: Mapping[str, np.ndarray]) -> None:
+        """Apply one update from ``grads`` (name -> gradient); parameters without one are left."""
+        unknown = [k for k in grads if k not in self.params]
+        if unknown:
+            raise InputError(f"gradients given for {unknown}, which are not optimizer parameters")
+        for name, grad in grads.items():
+            p = self.params[name]
+            grad = np.asarray(grad)
+            if grad.shape != p.shape:
+                raise InputError(f"gradient of {name!r} has shape {grad.shape}, the parameter has {p.shape}")
+            self._update(name, p, grad)
+
+    def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _buffer(self, name: str, index: int) -> np.ndarray:
+        """Scratch buffer ``index`` of parameter ``name``, allocated on first use."""
+        bufs = self._scratch[name]
+        while len(bufs) <= index:
+            bufs.append(np.empty_like(self.params[name]))
+        return bufs[index]
+
+    def _decayed(self, name: str, p: np.ndarray, grad: np.ndarray, weight_decay: float) -> np.ndarray:
+        """``grad + weight_decay * p`` (L2 penalty, as torch), in scratch buffer 1 when needed."""
+        if not weight_decay:
+            return grad
+        d = self._buffer(name, 1)
+        np.multiply(p, weight_decay, out=d)
+        d += grad
+        return d
+
+
+def _check_non_negative(**values: float) -> None:
+    for key, value in values.items():
+        if not value >= 0:
+            raise InputError(f"{key} must be >= 0, got {value}")
+
+
+def _add_scaled(p: np.ndarray, alpha: float, x: np.ndarray, scratch: np.ndarray) -> None:
+    """``p += alpha * x`` through ``scratch`` (which may be ``x`` itself), without allocating."""
+    np.multiply(x, alpha, out=scratch)
+    p += scratch
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with momentum, dampening, Nesterov and L2 weight decay.
+
+    Same update as ``torch.optim.SGD``: ``d = g + wd p``; ``b = d`` on the first step, then
+    ``b = μ b + (1 - dampening) d``; ``d = d + μ b`` (Nesterov) or ``d = b``; ``p -= lr d``.
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, np.ndarray],
+        lr: float,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        dampening: float = 0.0,
+    ) -> None:
+        super().__init__(params, lr)
+        _check_non_negative(momentum=momentum, weight_decay=weight_decay, dampening=dampening)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise InputError("Nesterov momentum requires momentum > 0 and dampening = 0")
+        self.momentum, self.nesterov = float(momentum), nesterov
+        self.weight_decay, self.dampening = float(weight_decay), float(dampening)
+
+    def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
+        s = self._buffer(name, 0)
+        d = self._decayed(name, p, grad, self.weight_decay)
+        if not self.momentum:
+            _add_scaled(p, -self.lr, d, s)
+            return
+        state = self.state[name]
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = np.array(d, dtype=p.dtype, copy=True)
+        else:
+            buf *= self.momentum
+            if self.dampening:
+                _add_scaled(buf, 1.0 - self.dampening, d, s)
+            else:
+                buf += d
+        if self.nesterov:  # p -= lr (d + μ b), as two scaled adds to stay allocation-free
+            _add_scaled(p, -self.lr, d, s)
+            _add_scaled(p, -self.lr * self.momentum, buf, s)
+        else:
+            _add_scaled(p, -self.lr, buf, s)
+
+
+class Adam(Optimizer):
+    """Adam with bias correction and L2 weight decay, the update of ``torch.optim.Adam``."""
+
+    def __init__(
+        self,
+        params: Mapping[str, np.ndarray],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(params, lr)
+        beta1, beta2 = betas
+        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+            raise InputError(f"betas must be in [0, 1), got {betas}")
+        _check_non_negative(eps=eps, weight_decay=weight_decay)
+        self.betas = (float(beta1), float(beta2))
+        self.eps, self.weight_decay = float(eps), float(weight_decay)
+
+    def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
+        beta1, beta2 = self.betas
+        state = self.state[name]
+        if not state:
+            state.update(step=0, exp_avg=np.zeros_like(p), exp_avg_sq=np.zeros_like(p))
+        state["step"] += 1
+        m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        s = self._buffer(name, 0)
+        g = self._decayed(name, p, grad, self.weight_decay)
+        np.subtract(g, m, out=s)  # m.lerp_(g, 1 - β1), as torch writes it
+        _add_scaled(m, 1.0 - beta1, s, s)
+        v *= beta2
+        np.multiply(g, g, out=s)
+        _add_scaled(v, 1.0 - beta2, s, s)
+        bias1, bias2 = 1.0 - beta1**t, 1.0 - beta2**t
+        np.sqrt(v, out=s)
+        s /= math.sqrt(bias2)
+        s += self.eps
+        np.divide(m, s, out=s)
+        _add_scaled(p, -self.lr / bias1, s, s)
