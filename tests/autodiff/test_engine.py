@@ -64,6 +64,19 @@ def test_value_used_several_times_sums_gradients():
     np.testing.assert_allclose(got["x"], 2 * x + 1)
 
 
+def test_one_gradient_value_shared_by_two_inputs():
+    # d(Relu(a + b))/da and /db are the same value: both outputs must name it validly.
+    model = make_model(
+        [helper.make_node("Add", ["a", "b"], ["s"]), helper.make_node("Relu", ["s"], ["y"])],
+        [("a", np.float64, [3]), ("b", np.float64, [3])],
+        [("y", np.float64, [3])],
+    )
+    a, b = np.array([1.0, -2.0, 0.5]), np.array([0.5, 0.5, -1.0])
+    got = onnxgrad.gradients(model, {"a": a, "b": b}, wrt=["a", "b"])
+    np.testing.assert_array_equal(got["a"], (a + b > 0).astype(float))
+    np.testing.assert_array_equal(got["b"], got["a"])
+
+
 def test_tied_initializers_get_the_sum():
     # One weight used by two nodes directly and through an Identity (as TorchScript export ties).
     w = RNG.standard_normal((3, 3))

@@ -309,14 +309,16 @@ def _name_outputs(
         for i in node.input:
             reads[i] = reads.get(i, 0) + 1
     used: set[str] = set()
+    renamed: dict[str, str] = {}  # a value already renamed to an earlier output keeps that name
     for w, var in final:
         name = g.reserve(f"{w}_grad")
         node = producers.get(var.name)
         if node is not None and var.name not in used and not reads.get(var.name):
             node.output[list(node.output).index(var.name)] = name
             producers[name] = node
+            renamed[var.name] = name
         else:
-            g.nodes.append(helper.make_node("Identity", [g._use(var)], [name]))
+            g.nodes.append(helper.make_node("Identity", [renamed.get(var.name) or g._use(var)], [name]))
         used.add(var.name)
         grad_outputs[w] = name
 

@@ -4,14 +4,33 @@ Parameter names say what a formula reads: ``x`` (or ``a``, ``b``) the inputs, ``
 ``dy`` the output gradient, any other name the node attribute of that name. Reading ``y`` instead of
 ``x`` is a deliberate choice: it keeps the output alive for the backward, which the next node
 usually saves anyway, and lets the input be freed.
+
+Where PyTorch (``tools/autograd/derivatives.yaml``) makes a choice, at kinks and ties, so do these
+rules: a kink takes the derivative of the branch torch's backward kernel picks there, and
+Max/Min split the gradient evenly between tied inputs (see :func:`max_min`).
 """
 
 from __future__ import annotations
 
 import math
 
-from ..builder import cast, erf, exp, log, sigmoid, sign, where
-from ..registry import formulas
+from ..builder import (
+    GradBuilder,
+    Var,
+    abs_,
+    cast,
+    cos,
+    erf,
+    exp,
+    log,
+    sigmoid,
+    sign,
+    sin,
+    sqrt,
+    tanh,
+    where,
+)
+from ..registry import NodeContext, formulas, rule
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
@@ -27,18 +46,46 @@ formulas("Sqrt",       lambda y, dy: dy / (y * 2))
 formulas("Reciprocal", lambda y, dy: -dy * y * y)
 formulas("Abs",        lambda x, dy: dy * sign(x))
 formulas("Relu",       lambda y, dy: where(y > 0, dy, 0))
-formulas("LeakyRelu",  lambda x, dy, alpha=0.01: where(x > 0, dy, dy * alpha))
+formulas("LeakyRelu",  lambda x, dy, alpha: where(x > 0, dy, dy * alpha))
 formulas("Elu",        lambda x, y, dy, alpha=1.0: where(x > 0, dy, dy * (y + alpha)))
 formulas("Sigmoid",    lambda y, dy: dy * y * (1 - y))
 formulas("Tanh",       lambda y, dy: dy * (1 - y * y))
 formulas("Softplus",   lambda x, dy: dy * sigmoid(x))
 formulas("Erf",        lambda x, dy: dy * TWO_OVER_SQRT_PI * exp(-(x * x)))
+formulas("Sin",        lambda x, dy: dy * cos(x))
+formulas("Cos",        lambda x, dy: -dy * sin(x))
+formulas("Tan",        lambda y, dy: dy * (y * y + 1))
+formulas("Asin",       lambda x, dy: dy / sqrt(1 - x * x))
+formulas("Acos",       lambda x, dy: -dy / sqrt(1 - x * x))
+formulas("Atan",       lambda x, dy: dy / (x * x + 1))
+formulas("Sinh",       lambda x, dy: dy * x.g.Cosh(x))
+formulas("Cosh",       lambda x, dy: dy * x.g.Sinh(x))
+formulas("Asinh",      lambda x, dy: dy / sqrt(x * x + 1))
+formulas("Acosh",      lambda x, dy: dy / sqrt(x * x - 1))
+formulas("Atanh",      lambda x, dy: dy / (1 - x * x))
+formulas("Softsign",   lambda x, dy: dy / (abs_(x) + 1) ** 2)
+# Kinks as torch: Selu/Celu take the x <= 0 branch at 0 (elu_backward; y > 0 iff x > 0), Shrink and
+# ThresholdedRelu pass no gradient at |x| == lambd / x == alpha (softshrink/threshold_backward),
+# HardSigmoid none at its corners (hardsigmoid_backward), HardSwish the outer pieces at -3 and 3
+# (0 and dy, as hardswish_backward in torch 2.x).
+formulas("Selu",       lambda y, dy, alpha, gamma: where(y > 0, dy * gamma, dy * (y + alpha * gamma)))
+formulas("Celu",       lambda y, dy, alpha=1.0: where(y > 0, dy, dy * (y / alpha + 1)))
+formulas("Shrink",     lambda x, dy, lambd=0.5: where(abs_(x) > lambd, dy, 0))
+formulas("ThresholdedRelu", lambda x, dy, alpha=1.0: where(x > alpha, dy, 0))
+formulas("HardSigmoid", lambda y, dy, alpha: where(y.g.And(y > 0, y < 1), dy * alpha, 0))
+formulas("HardSwish",  lambda x, dy: where(x <= -3, 0, where(x < 3, dy * (x / 3 + 0.5), dy)))
 
 # ---- binary, with broadcasting undone --------------------------------------------------------
 formulas("Add", lambda dy: dy, lambda dy: dy, broadcast=True)
 formulas("Sub", lambda dy: dy, lambda dy: -dy, broadcast=True)
 formulas("Mul", lambda b, dy: dy * b, lambda a, dy: dy * a, broadcast=True)
 formulas("Div", lambda b, dy: dy / b, lambda b, y, dy: -dy * y / b, broadcast=True)
+# PRelu: slope broadcasts to x (unidirectionally); at x == 0 the slope branch, as torch.
+formulas("PRelu", lambda a, b, dy: where(a > 0, dy, dy * b), lambda a, dy: where(a > 0, 0, dy * a),
+         broadcast=True)
+# Mod: y = a - b * q with q = trunc(a / b) (fmod=1, floats) or floor(a / b) (fmod=0), so
+# da = dy and db = -dy * q; q is read back from the exact forward result as round((a - y) / b).
+formulas("Mod", lambda dy: dy, lambda a, b, y, dy: -dy * b.g.Round((a - y) / b), broadcast=True)
 # d/da a^b = b a^(b-1); d/db a^b = a^b log a, taken as 0 where a == 0 and b >= 0 (as PyTorch does).
 # fmt: on
 
@@ -71,3 +118,56 @@ def _gelu(x, dy, approximate="none"):
 
 
 formulas("Gelu", _gelu)
+
+
+def _mish(x, dy):
+    """y = x tanh(softplus(x)): dy (t + x sigmoid(x) (1 - t^2)), t = tanh(softplus(x)), as torch."""
+    t = tanh(x.g.Softplus(x))
+    return dy * (t + x * sigmoid(x) * (1 - t * t))
+
+
+def _swish(x, dy, alpha=1.0):
+    """y = x sigmoid(alpha x): dy (s + alpha x s (1 - s)), s = sigmoid(alpha x)."""
+    s = sigmoid(x * alpha)
+    return dy * (s + x * alpha * s * (1 - s))
+
+
+formulas("Mish", _mish)
+formulas("Swish", _swish, since=24)
+
+
+# ---- variadic, with broadcasting undone ------------------------------------------------------
+Grads = list[Var | None]
+
+
+@rule("Sum")
+def sum_(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = x1 + x2 + ...: dxi = dy, summed back to each input's shape."""
+    return [g.unbroadcast(n.dy, x, n.y.shape) if need else None  # type: ignore[arg-type]
+            for x, need in zip(n.inputs, n.needs)]
+
+
+@rule("Mean")
+def mean(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = (x1 + ... + xk) / k: dxi = dy / k, summed back to each input's shape."""
+    k = len(n.inputs)
+    # scaled after un-broadcasting: on the smaller tensor
+    return [(g.unbroadcast(n.dy, x, n.y.shape) / k if k > 1 else n.dy)  # type: ignore[arg-type]
+            if need else None
+            for x, need in zip(n.inputs, n.needs)]
+
+
+@rule("Max", "Min")
+def max_min(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = max(x1, ..., xk) (or min): the gradient goes to the inputs equal to y, split evenly
+    between ties: dxi = dy * [xi == y] / #{j : xj == y}. For two inputs this is
+    torch.maximum/minimum's rule (half each on a tie); for more, torch.amax/amin's."""
+    if len(n.inputs) == 1:
+        return [n.dy if n.needs[0] else None]
+    if not any(n.needs):
+        return [None] * len(n.inputs)
+    y = n.y
+    masks = [g.Cast(g.Equal(x, y), to=y.dtype) for x in n.inputs]  # type: ignore[arg-type]
+    share = n.dy / g.Sum(*masks)
+    return [g.unbroadcast(share * m, x, y.shape) if need else None  # type: ignore[arg-type]
+            for x, m, need in zip(n.inputs, masks, n.needs)]
