@@ -44,10 +44,11 @@ def run_model(model: onnx.ModelProto, backend: Backend = "onnxruntime") -> Any:
 
 
 def _precise_ops() -> list[type]:
-    """onnx.reference computes Erf and Gelu in float32; these keep float64 precise."""
+    """Replacements for onnx.reference kernels: Erf and Gelu in float64, grouped ConvTranspose fixed."""
     import math
 
     from onnx.reference.op_run import OpRun
+    from onnx.reference.ops.op_conv_transpose import ConvTranspose as _RefConvTranspose
 
     erf = np.vectorize(math.erf, otypes=[np.float64])
 
@@ -67,7 +68,27 @@ def _precise_ops() -> list[type]:
                 y = 0.5 * x * (1 + erf(x / math.sqrt(2)))
             return (y.astype(x.dtype),)
 
-    return [Erf, Gelu]
+    class ConvTranspose(OpRun):
+        """onnx 1.23's ConvTranspose slices W by output channel when group > 1: run group by group."""
+
+        op_domain = ""
+
+        def _run(self, X, W, B=None, group=None, **kw):  # type: ignore[override]
+            run = _RefConvTranspose._run  # the reference implementation, one group at a time
+            group = group or 1
+            if group == 1:
+                return run(self, X, W, B, group=1, **kw)
+            c = X.shape[1] // group
+            parts = [
+                run(self, X[:, i * c : (i + 1) * c], W[i * c : (i + 1) * c], None, group=1, **kw)[0]
+                for i in range(group)
+            ]
+            y = np.concatenate(parts, axis=1)
+            if B is not None:
+                y = y + B.reshape(1, -1, *(1,) * (y.ndim - 2))
+            return (y.astype(X.dtype),)
+
+    return [Erf, Gelu, ConvTranspose]
 
 
 def _backward(
@@ -130,9 +151,7 @@ class GradCheckResult:
         for name, err in self.max_error.items():
             lines.append(f"{name:40s} {err:26.3e}  {'FAIL' if name in bad else 'ok'}")
         for m in self.mismatches[:10]:
-            lines.append(
-                f"  {m.name}{list(m.index)}: analytic {m.analytic:.8g}, numeric {m.numeric:.8g}"
-            )
+            lines.append(f"  {m.name}{list(m.index)}: analytic {m.analytic:.8g}, numeric {m.numeric:.8g}")
         return "\n".join(lines)
 
 
@@ -171,18 +190,14 @@ def check_gradients(
     fwd, bwd = run_model(graphs.forward, backend), run_model(graphs.backward, backend)
     params = {n: numpy_helper.to_array(inits[n]) for n in graphs.trainable}
     values = {**{k: np.asarray(v) for k, v in feeds.items()}, **params}
-    low_precision = any(
-        v.dtype != np.float64 for k, v in values.items() if k in graphs.grad_outputs
-    )
+    low_precision = any(v.dtype != np.float64 for k, v in values.items() if k in graphs.grad_outputs)
     eps = eps if eps is not None else (1e-3 if low_precision else 1e-6)
     rtol = rtol if rtol is not None else (5e-2 if low_precision else 1e-5)
     atol = atol if atol is not None else (5e-3 if low_precision else 1e-7)
 
     rng = np.random.default_rng(seed)
     out = fwd(values)
-    cot = {
-        o: rng.standard_normal(np.shape(out[o])).astype(out[o].dtype) for o in graphs.grad_inputs
-    }
+    cot = {o: rng.standard_normal(np.shape(out[o])).astype(out[o].dtype) for o in graphs.grad_inputs}
 
     def loss(vals: Mapping[str, np.ndarray]) -> float:
         res = fwd(vals)
@@ -208,9 +223,7 @@ def check_gradients(
             err = abs(a - num[idx])
             worst = max(worst, err)
             if not np.isfinite(a) or err > atol + rtol * abs(num[idx]):
-                result.mismatches.append(
-                    Mismatch(w, tuple(int(i) for i in idx), a, float(num[idx]))
-                )
+                result.mismatches.append(Mismatch(w, tuple(int(i) for i in idx), a, float(num[idx])))
         result.numeric[w] = num
         result.max_error[w] = worst
         if analytic[w].shape != base.shape or analytic[w].dtype != base.dtype:
@@ -250,17 +263,10 @@ def node_model(
             graph_inputs.append(helper.make_tensor_value_info(name, onnx_dtype(arr.dtype), shape))
         else:
             inits.append(numpy_helper.from_array(arr, name))
-    first = next(
-        np.asarray(a).dtype for a in inputs if a is not None and np.asarray(a).dtype.kind == "f"
-    )
+    first = next(np.asarray(a).dtype for a in inputs if a is not None and np.asarray(a).dtype.kind == "f")
     dtypes = list(output_dtypes) if output_dtypes is not None else [first] * n_outputs
-    outs = [
-        helper.make_tensor_value_info(f"out{k}", onnx_dtype(dtypes[k]), None)
-        for k in range(n_outputs)
-    ]
-    node = helper.make_node(
-        op_type, names, [o.name for o in outs], domain=domain or None, **(attrs or {})
-    )
+    outs = [helper.make_tensor_value_info(f"out{k}", onnx_dtype(dtypes[k]), None) for k in range(n_outputs)]
+    node = helper.make_node(op_type, names, [o.name for o in outs], domain=domain or None, **(attrs or {}))
     graph = helper.make_graph([node], f"test_{op_type}", graph_inputs, outs, initializer=inits)
     opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
     model = helper.make_model(graph, opset_imports=opsets)

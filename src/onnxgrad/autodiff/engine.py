@@ -142,9 +142,7 @@ def build_gradient(
             continue
         r = lookup(node.domain, node.op_type, _opset(model, node.domain))
         if r is None or r.fn is None:
-            raise GradientNotImplementedError(
-                _no_rule_message(model, node, toward_output, grad_outs)
-            )
+            raise GradientNotImplementedError(_no_rule_message(model, node, toward_output, grad_outs))
         needs = [bool(i) and i in requires for i in node.input]
         for name in [*node.input, *node.output]:
             if name and name not in infos:  # shape inference could not type it (custom op)
@@ -202,9 +200,7 @@ def _prepare(model: onnx.ModelProto) -> onnx.ModelProto:
     return copy
 
 
-def _select_trainable(
-    inits: dict[str, onnx.TensorProto], trainable: Iterable[str] | None
-) -> list[str]:
+def _select_trainable(inits: dict[str, onnx.TensorProto], trainable: Iterable[str] | None) -> list[str]:
     if trainable is None:
         return [n for n, t in inits.items() if t.data_type in FLOAT_TYPES]
     if isinstance(trainable, str):
@@ -221,9 +217,7 @@ def _select_trainable(
     return names
 
 
-def _select_inputs(
-    graph_inputs: list[str], infos: dict[str, ValueInfo], names: Iterable[str]
-) -> list[str]:
+def _select_inputs(graph_inputs: list[str], infos: dict[str, ValueInfo], names: Iterable[str]) -> list[str]:
     if isinstance(names, str):
         names = [names]
     out = list(dict.fromkeys(names))
@@ -299,9 +293,7 @@ def _no_rule_message(
 
 
 # ---- assembling the two models ---------------------------------------------------------------
-def _name_outputs(
-    g: GradBuilder, final: list[tuple[str, Var]], grad_outputs: dict[str, str]
-) -> None:
+def _name_outputs(g: GradBuilder, final: list[tuple[str, Var]], grad_outputs: dict[str, str]) -> None:
     """Give each wrt gradient its output name, renaming the producing node when that is safe."""
     producers = {o: node for node in g.nodes for o in node.output}
     reads: dict[str, int] = {}
@@ -324,9 +316,7 @@ def _name_outputs(
 
 
 def _opsets(model: onnx.ModelProto, default_version: int, extra: Iterable[onnx.NodeProto]) -> list:
-    domains = {
-        imp.domain: imp.version for imp in model.opset_import if imp.domain not in ("", "ai.onnx")
-    }
+    domains = {imp.domain: imp.version for imp in model.opset_import if imp.domain not in ("", "ai.onnx")}
     needed = {n.domain for n in extra if n.domain not in ("", "ai.onnx")}
     ops = [helper.make_opsetid("", default_version)]
     ops += [helper.make_opsetid(d, v) for d, v in domains.items() if d in needed]
@@ -378,9 +368,12 @@ def _backward_model(
     grad_outputs: dict[str, str],
     infos: dict[str, ValueInfo],
 ) -> onnx.ModelProto:
-    inputs = [info.to_proto() for info in g.saved.values()]
+    # Inputs are declared by rank only: onnxruntime rejects a feed whose dims differ from the
+    # declared ones, and ONNX shape inference and onnxruntime disagree on a few ops (pooling
+    # with ceil_mode drops a last window starting in the padding in onnxruntime only).
+    inputs = [_rank_only(info).to_proto() for info in g.saved.values()]
     for out, name in grad_inputs.items():
-        inputs.append(infos[out].to_proto(name))
+        inputs.append(_rank_only(infos[out]).to_proto(name))
     outputs = [infos[w].to_proto(name) for w, name in grad_outputs.items()]
     bwd_graph = helper.make_graph(
         g.nodes, "backward", inputs, outputs, initializer=list(g.initializers.values())
@@ -389,6 +382,12 @@ def _backward_model(
     bwd = helper.make_model(bwd_graph, opset_imports=opsets, producer_name="onnxgrad")
     bwd.ir_version = ir_version_for(opsets)
     return bwd
+
+
+def _rank_only(info: ValueInfo) -> ValueInfo:
+    if info.shape is None:
+        return info
+    return ValueInfo(info.name, info.dtype, tuple(d if isinstance(d, str) else None for d in info.shape))
 
 
 def check_graphs(graphs: GradientGraphs) -> None:

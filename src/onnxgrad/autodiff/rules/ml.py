@@ -1,11 +1,11 @@
 """Rules for the ``ai.onnx.ml`` ops that scikit-learn converters (skl2onnx) emit on a float path.
 
-skl2onnx converts ``LinearRegression`` to ``LinearRegressor`` (float32 inputs) and ``StandardScaler``
-to ``Scaler``. Both keep their parameters in node *attributes*, so nothing in them is trainable: the
-rules only carry the gradient back to the input ``X``, which is what lets a pipeline such as
-``StandardScaler -> MLPRegressor`` differentiate with respect to its features. To train the
-coefficients of a linear model, convert it with ``black_op={'LinearRegressor'}`` so that they become
-initializers of a ``MatMul`` + ``Add``.
+skl2onnx converts ``LinearRegression`` to ``LinearRegressor`` (float32 inputs) and
+``StandardScaler`` to ``Scaler``. Both keep their parameters in node *attributes*, so nothing in
+them is trainable: the rules only carry the gradient back to the input ``X``, which is what lets a
+pipeline such as ``StandardScaler -> MLPRegressor`` differentiate with respect to its features. To
+train the coefficients of a linear model, convert it with ``black_op={'LinearRegressor'}`` so that
+they become initializers of a ``MatMul`` + ``Add``.
 
 Both ops return ``tensor(float)`` whatever the input type, so the gradient is cast back to the
 input's dtype (double inputs).
