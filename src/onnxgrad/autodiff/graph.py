@@ -16,9 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import ModelError
 
-FLOAT_TYPES = frozenset(
-    {TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE}
-)
+FLOAT_TYPES = frozenset({TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE})
 
 # onnxruntime 1.31 loads IR <= 13 and opset <= 26; onnx 1.23 writes IR 14 unless told otherwise.
 MAX_IR_VERSION = 13
@@ -82,9 +80,7 @@ def load_model(model: onnx.ModelProto | str | os.PathLike | bytes) -> onnx.Model
                 raise ModelError(f"model file {os.fspath(model)!r} does not exist")
             proto = onnx.load(os.fspath(model))
         else:
-            raise ModelError(
-                f"expected an onnx.ModelProto, a path or bytes, got {type(model).__name__}"
-            )
+            raise ModelError(f"expected an onnx.ModelProto, a path or bytes, got {type(model).__name__}")
     except ModelError:
         raise
     except Exception as exc:  # protobuf raises DecodeError and friends
@@ -142,13 +138,54 @@ def value_info_from_proto(vi: onnx.ValueInfoProto) -> ValueInfo | None:
     return ValueInfo(vi.name, vi.type.tensor_type.elem_type, _shape_of(vi.type))
 
 
-def infer_value_infos(model: onnx.ModelProto) -> dict[str, ValueInfo]:
-    """Types and shapes of every value of the main graph, after ONNX shape inference."""
+# ai.onnx.ml ops that ONNX shape inference leaves untyped: float32 with the shape of input 0.
+_ML_ELEMENTWISE = {"Scaler", "Normalizer", "Imputer", "Binarizer"}
+
+
+def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception:
         # A graph that shape inference rejects may still run; keep what the file declares.
-        inferred = model
+        return model
+
+
+def _type_ml_outputs(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A copy of ``model`` declaring the outputs of untyped ai.onnx.ml ops, or None if none."""
+    typed = {vi.name for vi in [*model.graph.value_info, *model.graph.input, *model.graph.output]}
+    typed |= {i.name for i in model.graph.initializer}
+    shapes = {vi.name: vi for vi in [*model.graph.value_info, *model.graph.input]}
+    added = []
+    for node in model.graph.node:
+        if node.domain != "ai.onnx.ml" or not node.output or node.output[0] in typed:
+            continue
+        src = shapes.get(node.input[0]) if node.input else None
+        if node.op_type in _ML_ELEMENTWISE and src is not None:
+            dims = [d.dim_value or d.dim_param or None for d in src.type.tensor_type.shape.dim]
+            added.append(helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, dims))
+        elif node.op_type == "LinearRegressor":
+            targets = next((a.i for a in node.attribute if a.name == "targets"), 1)
+            added.append(helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, [None, targets]))
+    if not added:
+        return None
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    copy.graph.value_info.extend(added)
+    return copy
+
+
+def infer_value_infos(model: onnx.ModelProto) -> dict[str, ValueInfo]:
+    """Types and shapes of every value of the main graph, after ONNX shape inference.
+
+    ONNX infers nothing for most ai.onnx.ml ops; their outputs are typed from a small table and
+    inference is run again, so the values after them keep known ranks.
+    """
+    inferred = _infer(model)
+    for _ in range(len(model.graph.node)):
+        retyped = _type_ml_outputs(inferred)
+        if retyped is None:
+            break
+        inferred = _infer(retyped)
     infos: dict[str, ValueInfo] = {}
     g = inferred.graph
     for vi in list(g.value_info) + list(g.input) + list(g.output):
@@ -164,9 +201,7 @@ def infer_value_infos(model: onnx.ModelProto) -> dict[str, ValueInfo]:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for attr in node.attribute:
                 if attr.name == "value":
-                    infos[node.output[0]] = ValueInfo(
-                        node.output[0], attr.t.data_type, tuple(attr.t.dims)
-                    )
+                    infos[node.output[0]] = ValueInfo(node.output[0], attr.t.data_type, tuple(attr.t.dims))
     return infos
 
 

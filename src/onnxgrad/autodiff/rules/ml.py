@@ -31,8 +31,7 @@ def linear_regressor(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     post = n.attr("post_transform", "NONE")
     if post != "NONE":
         raise GradientNotImplementedError(
-            f"LinearRegressor {n.node.name!r}: post_transform={post!r} has no gradient rule, "
-            "only 'NONE'"
+            f"LinearRegressor {n.node.name!r}: post_transform={post!r} has no gradient rule, only 'NONE'"
         )
     targets = int(n.attr("targets", 1))
     coefs = np.asarray(n.attr("coefficients", []), dtype=np.float32).reshape((targets, -1))
