@@ -20,18 +20,14 @@ def _export(net, example):
     import onnx
 
     buf = io.BytesIO()
-    torch.onnx.export(
-        net, (example,), buf, dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}}
-    )
+    torch.onnx.export(net, (example,), buf, dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}})
     return onnx.load_from_string(buf.getvalue())
 
 
 @pytest.fixture
 def net64():
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
-    ).double()
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
 
 
 def test_parameters_named_for_torch_and_mapped_to_onnx(net64):
@@ -107,9 +103,7 @@ def test_mixed_network_trains_like_torch():
 
     def wrap(mid):
         torch.manual_seed(1)
-        return torch.nn.Sequential(
-            torch.nn.Linear(3, 8), mid, torch.nn.Tanh(), torch.nn.Linear(8, 1)
-        )
+        return torch.nn.Sequential(torch.nn.Linear(3, 8), mid, torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
     ours, ref = wrap(onnx_middle), wrap(copy.deepcopy(middle))
     opt_a = torch.optim.Adam(ours.parameters(), lr=1e-2)
@@ -151,3 +145,29 @@ def test_bad_calls(net64):
         m(torch.zeros(1, 4), torch.zeros(1, 4))
     with pytest.raises(InputError, match="is not an initializer"):
         OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)), trainable=["nope"])
+
+
+def test_tensors_cross_without_copies(net64, monkeypatch):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    seen = {}
+    runner_cls = type(m._variant(tuple(m.onnx_names.values()), ("x",)).runner)
+    original = runner_cls.forward
+
+    def spy(self, values, training):
+        outs, saved = original(self, values, training)
+        seen.update(inputs={k: v.data_ptr() for k, v in values.items()}, outputs=[o.data_ptr() for o in outs])
+        return outs, saved
+
+    monkeypatch.setattr(runner_cls, "forward", spy)
+    y = m(x)
+    assert seen["inputs"]["x"] == x.data_ptr()  # torch -> onnxruntime: the same buffer
+    assert seen["inputs"]["0.weight"] == m.p_0_weight.data_ptr()
+    assert seen["outputs"] == [y.data_ptr()]  # onnxruntime -> torch: the same buffer
+
+
+def test_create_graph_is_refused_clearly(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="does not support create_graph=True"):
+        torch.autograd.grad(m(x).sum(), x, create_graph=True)

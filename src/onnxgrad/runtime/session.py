@@ -21,6 +21,7 @@ from onnx import numpy_helper
 from ..autodiff.engine import GradientGraphs, build_gradient
 from ..autodiff.graph import ValueInfo, np_dtype, to_array, value_info_from_proto
 from ..errors import InputError, OnnxGradRuntimeError
+from .values import C, OrtValueLike, from_numpy, run
 
 Feeds = Mapping[str, Any]
 
@@ -45,9 +46,7 @@ def resolve_providers(providers: str | Sequence[Any] | None) -> list[Any]:
             p = ("CUDAExecutionProvider", {"device_id": index})
         name = p[0] if isinstance(p, tuple) else p
         if name not in available:
-            raise InputError(
-                f"execution provider {name!r} is not available (available: {available})"
-            )
+            raise InputError(f"execution provider {name!r} is not available (available: {available})")
         out.append(p)
     if "CPUExecutionProvider" not in [q[0] if isinstance(q, tuple) else q for q in out]:
         out.append("CPUExecutionProvider")
@@ -59,21 +58,17 @@ def make_session(
 ) -> ort.InferenceSession:
     """An onnxruntime session for ``model``; failures become :class:`OnnxGradRuntimeError`."""
     try:
-        return ort.InferenceSession(
-            model.SerializeToString(), sess_options=options, providers=providers
-        )
+        return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=providers)
     except Exception as exc:
-        raise OnnxGradRuntimeError(
-            f"onnxruntime cannot load the {model.graph.name!r} graph: {exc}"
-        ) from exc
+        raise OnnxGradRuntimeError(f"onnxruntime cannot load the {model.graph.name!r} graph: {exc}") from exc
 
 
 class Runner:
-    """The two onnxruntime sessions of a :class:`GradientGraphs`, driven through IO binding.
+    """The two onnxruntime sessions of a :class:`GradientGraphs`.
 
-    Values go in and come out as ``OrtValue``s; this is the layer both the numpy runtime and the
-    PyTorch bridge sit on. Trainable initializers are stripped from the forward session (their
-    values are bound at each call), so weights are held once, by the caller.
+    Values go in and come out as ``OrtValue``s (see :mod:`.values`); this is the layer both the
+    numpy runtime and the PyTorch bridge sit on. Trainable initializers are stripped from the
+    forward session (their values are bound at each call), so weights are held once, by the caller.
     """
 
     def __init__(
@@ -109,45 +104,38 @@ class Runner:
         self.wrt = list(graphs.grad_outputs)
 
     def forward(
-        self, values: Mapping[str, ort.OrtValue], training: bool
-    ) -> tuple[list[ort.OrtValue], dict[str, ort.OrtValue] | None]:
-        """Run the forward on bound inputs and parameters: (user outputs, saved values or None)."""
-        io = self.fwd.io_binding()
-        for name, ov in values.items():
-            io.bind_ortvalue_input(name, ov)
+        self, values: Mapping[str, OrtValueLike], training: bool
+    ) -> tuple[list[C.OrtValue], dict[str, OrtValueLike] | None]:
+        """Run the forward on inputs and parameters: (user outputs, saved values or None)."""
         wanted = self.fwd_outputs if training else self.graphs.outputs
-        for name in wanted:
-            io.bind_output(name, "cpu")
         try:
-            self.fwd.run_with_iobinding(io)
+            results = run(self.fwd, values, wanted)
         except Exception as exc:
             raise OnnxGradRuntimeError(f"the forward graph failed in onnxruntime: {exc}") from exc
-        env = dict(zip(wanted, io.get_outputs()))
+        env = dict(zip(wanted, results))
         outputs = [env[o] for o in self.graphs.outputs]
         if not training:
             return outputs, None
         return outputs, {s: env[s] if s in env else values[s] for s in self.graphs.saved}
 
-    def backward(
-        self, saved: Mapping[str, ort.OrtValue], grads: Mapping[str, ort.OrtValue]
-    ) -> list[ort.OrtValue]:
-        """Run the backward: one gradient per name of ``self.wrt``. ``grads`` by user output name."""
+    def backward_session(self) -> ort.InferenceSession:
+        """The backward session, made on first use (inference-only users never pay for it)."""
         with self._lock:
             if self._bwd is None:
                 self._bwd = make_session(self.graphs.backward, self._providers, self._options)
-        bwd = self._bwd
-        io = bwd.io_binding()
-        for name in self.graphs.saved:
-            io.bind_ortvalue_input(name, saved[name])
-        for out, name in self.graphs.grad_inputs.items():
-            io.bind_ortvalue_input(name, grads[out])
-        for w in self.wrt:
-            io.bind_output(self.graphs.grad_outputs[w], "cpu")
+        return self._bwd
+
+    def backward(
+        self, saved: Mapping[str, OrtValueLike], grads: Mapping[str, OrtValueLike]
+    ) -> list[C.OrtValue]:
+        """Run the backward: one gradient per name of ``self.wrt``. ``grads`` by user output name."""
+        feeds = {name: saved[name] for name in self.graphs.saved}
+        feeds.update({name: grads[out] for out, name in self.graphs.grad_inputs.items()})
+        names = [self.graphs.grad_outputs[w] for w in self.wrt]
         try:
-            bwd.run_with_iobinding(io)
+            return run(self.backward_session(), feeds, names)
         except Exception as exc:
             raise OnnxGradRuntimeError(f"the backward graph failed in onnxruntime: {exc}") from exc
-        return list(io.get_outputs())
 
 
 class ForwardResult:
@@ -182,9 +170,7 @@ class ForwardResult:
         with self._lock:
             saved, self._saved = self._saved, None
         if saved is None:
-            raise OnnxGradRuntimeError(
-                "backward already ran for this forward result; run forward again"
-            )
+            raise OnnxGradRuntimeError("backward already ran for this forward result; run forward again")
         return self._owner._backward(saved, feeds)
 
 
@@ -219,9 +205,7 @@ class ForwardBackward:
         self._runner = Runner(graphs, self.providers, session_options)
         self._inputs = self._runner.inputs
         self._params: dict[str, np.ndarray] = self._runner.initial_values
-        self._param_values = {
-            k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in self._params.items()
-        }
+        self._param_values = {k: from_numpy(v) for k, v in self._params.items()}
 
     # ---- parameters --------------------------------------------------------------------------
     @property
@@ -242,9 +226,7 @@ class ForwardBackward:
         """Replace parameter values (same shapes and dtypes as before)."""
         for name, value in mapping.items():
             if name not in self._params:
-                raise InputError(
-                    f"{name!r} is not a trainable parameter (have {list(self._params)})"
-                )
+                raise InputError(f"{name!r} is not a trainable parameter (have {list(self._params)})")
             old = self._params[name]
             arr = np.asarray(value)
             if arr.shape != old.shape:
@@ -253,7 +235,7 @@ class ForwardBackward:
             if arr is value:  # never alias a caller's array we do not own
                 arr = arr.copy()
             self._params[name] = arr
-            self._param_values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+            self._param_values[name] = from_numpy(arr)
 
     def to_onnx(self) -> onnx.ModelProto:
         """The inference model (user outputs only) carrying the current parameter values."""
@@ -263,37 +245,27 @@ class ForwardBackward:
     def forward(self, feeds: Feeds, *, training: bool = True) -> ForwardResult:
         """Run the forward graph. With ``training`` the result keeps what its backward needs."""
         bound = self._check_feeds(feeds)
-        values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in bound.items()}
+        values = {name: from_numpy(arr) for name, arr in bound.items()}
         values.update(self._param_values)
         outs, saved = self._runner.forward(values, training)
         if saved is not None:
             saved["__inputs__"] = bound  # type: ignore[assignment]  # keep fed buffers alive
         return ForwardResult(self, [ov.numpy() for ov in outs], saved)
 
-    def _backward(
-        self, saved: dict[str, Any], grads: dict[str, np.ndarray]
-    ) -> dict[str, np.ndarray]:
-        values = {out: ort.OrtValue.ortvalue_from_numpy(arr) for out, arr in grads.items()}
-        return {
-            w: ov.numpy() for w, ov in zip(self._runner.wrt, self._runner.backward(saved, values))
-        }
+    def _backward(self, saved: dict[str, Any], grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = {out: from_numpy(arr) for out, arr in grads.items()}
+        return {w: ov.numpy() for w, ov in zip(self._runner.wrt, self._runner.backward(saved, values))}
 
     # ---- validation --------------------------------------------------------------------------
     def _check_feeds(self, feeds: Feeds) -> dict[str, np.ndarray]:
         if not isinstance(feeds, Mapping):
-            raise InputError(
-                f"feeds must be a mapping input name -> array, got {type(feeds).__name__}"
-            )
+            raise InputError(f"feeds must be a mapping input name -> array, got {type(feeds).__name__}")
         unknown = [k for k in feeds if k not in self._inputs]
         if unknown:
-            raise InputError(
-                f"unknown input name(s) {unknown}; the model's inputs are {list(self._inputs)}"
-            )
+            raise InputError(f"unknown input name(s) {unknown}; the model's inputs are {list(self._inputs)}")
         missing = [k for k in self._inputs if k not in feeds]
         if missing:
-            raise InputError(
-                f"missing input(s) {missing}; the model's inputs are {list(self._inputs)}"
-            )
+            raise InputError(f"missing input(s) {missing}; the model's inputs are {list(self._inputs)}")
         return {name: check_array(name, feeds[name], self._inputs[name]) for name in self._inputs}
 
     def _grad_feeds(self, grad_outputs: Any, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:

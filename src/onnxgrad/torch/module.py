@@ -20,21 +20,17 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ..autodiff.engine import build_gradient
 from ..autodiff.graph import FLOAT_TYPES, load_model, to_array
 from ..errors import InputError
 from ..runtime.session import Runner, resolve_providers
+from ..runtime.values import from_torch, to_torch
 
 
-def _to_ort(t: torch.Tensor) -> ort.OrtValue:
+def _to_ort(t: torch.Tensor) -> Any:
     # DLPack shares the buffer; contiguous() copies only when the tensor is a strided view.
-    return ort.OrtValue.from_dlpack(t.detach().contiguous())
-
-
-def _to_torch(ov: ort.OrtValue) -> torch.Tensor:
-    return torch.from_dlpack(ov)
+    return from_torch(t.detach().contiguous())
 
 
 def torch_name(onnx_name: str, taken: set[str]) -> str:
@@ -95,25 +91,29 @@ class _OnnxFunction(torch.autograd.Function):
         ctx: Any, variant: _Variant, names: Sequence[str], *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         keep = [t.detach().contiguous() for t in tensors]
-        values = {n: ort.OrtValue.from_dlpack(t) for n, t in zip(names, keep)}
+        values = {n: from_torch(t) for n, t in zip(names, keep)}
         outs, saved = variant.runner.forward(values, training=True)
         position = {n: i for i, n in enumerate(names)}
         saved_names = list(saved or {})
         ctx.save_for_backward(
             *[
-                tensors[position[n]] if n in position else _to_torch(saved[n])  # type: ignore[index]
+                tensors[position[n]] if n in position else to_torch(saved[n])  # type: ignore[index]
                 for n in saved_names
             ]
         )
         ctx.variant, ctx.names, ctx.saved_names = variant, names, saved_names
-        results = tuple(_to_torch(o) for o in outs)
+        results = tuple(to_torch(o) for o in outs)
         ctx.out_meta = [(r.shape, r.dtype) for r in results]
         ctx.mark_non_differentiable(*[r for r in results if not r.is_floating_point()])
         return results
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # backward(create_graph=True) asks for a differentiable backward
+            raise RuntimeError(
+                "OnnxModule does not support create_graph=True: its backward runs on onnxruntime "
+                "and is not itself differentiable by torch (second-order gradients)"
+            )
         saved = {n: _to_ort(t) for n, t in zip(ctx.saved_names, ctx.saved_tensors)}
         variant: _Variant = ctx.variant
         graphs = variant.graphs
@@ -125,7 +125,7 @@ class _OnnxFunction(torch.autograd.Function):
                     g = torch.zeros(*ctx.out_meta[i])
                 gvals[out] = _to_ort(g)
         res = dict(zip(variant.runner.wrt, variant.runner.backward(saved, gvals)))
-        return (None, None, *[_to_torch(res[n]) if n in res else None for n in ctx.names])
+        return (None, None, *[to_torch(res[n]) if n in res else None for n in ctx.names])
 
 
 class OnnxModule(nn.Module):
@@ -159,9 +159,7 @@ class OnnxModule(nn.Module):
                 if n not in inits:
                     raise InputError(f"trainable name {n!r} is not an initializer of the model")
                 if n not in floats:
-                    raise InputError(
-                        f"initializer {n!r} is not floating-point: it cannot be trained"
-                    )
+                    raise InputError(f"initializer {n!r} is not floating-point: it cannot be trained")
         taken: set[str] = set()
         self.onnx_names: dict[str, str] = {}  # torch attribute name -> ONNX initializer name
         for n in floats:
@@ -210,9 +208,7 @@ class OnnxModule(nn.Module):
         grad = torch.is_grad_enabled()
         wrt_params = tuple(n for n, v in values if grad and v.requires_grad)
         wrt_inputs = tuple(
-            n
-            for n, t in zip(self.input_names, tensors)
-            if grad and t.requires_grad and t.is_floating_point()
+            n for n, t in zip(self.input_names, tensors) if grad and t.requires_grad and t.is_floating_point()
         )
         variant = self._variant(wrt_params, wrt_inputs)
         names = list(self.input_names) + [n for n, _ in values]
@@ -221,7 +217,7 @@ class OnnxModule(nn.Module):
             outs = _OnnxFunction.apply(variant, names, *all_tensors)
         else:  # nothing requires grad: inference, nothing is kept for a backward
             feeds = {n: _to_ort(t) for n, t in zip(names, all_tensors)}
-            outs = tuple(_to_torch(o) for o in variant.runner.forward(feeds, training=False)[0])
+            outs = tuple(to_torch(o) for o in variant.runner.forward(feeds, training=False)[0])
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     # ---- export, copies, pickling ----------------------------------------------------------------

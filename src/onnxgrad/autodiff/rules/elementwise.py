@@ -45,7 +45,7 @@ formulas("Log",        lambda x, dy: dy / x)
 formulas("Sqrt",       lambda y, dy: dy / (y * 2))
 formulas("Reciprocal", lambda y, dy: -dy * y * y)
 formulas("Abs",        lambda x, dy: dy * sign(x))
-formulas("Relu",       lambda y, dy: where(y > 0, dy, 0))
+formulas("Relu",       lambda y, dy: dy * cast(y > 0, dy))  # Where with a scalar is 2x slower in onnxruntime
 formulas("LeakyRelu",  lambda x, dy, alpha: where(x > 0, dy, dy * alpha))
 formulas("Elu",        lambda x, y, dy, alpha=1.0: where(x > 0, dy, dy * (y + alpha)))
 formulas("Sigmoid",    lambda y, dy: dy * y * (1 - y))
