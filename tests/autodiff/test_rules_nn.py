@@ -576,13 +576,6 @@ def test_batch_norm_constant_statistics() -> None:
     check_op("BatchNormalization", inputs, opset=15, constant={3, 4})
 
 
-def test_batch_norm_training_is_unsupported() -> None:
-    inputs = [rnd(2, 3, 4), rnd(3), rnd(3), rnd(3), pos(3)]
-    model = node_model("BatchNormalization", inputs, attrs={"training_mode": 1}, opset=15, n_outputs=3)
-    with pytest.raises(GradientNotImplementedError, match="training"):
-        build_gradient(model, inputs_requiring_grad=["in0"])
-
-
 def test_batch_norm_versus_torch() -> None:
     x, s, b, m, v = rnd(2, 3, 4, 3), rnd(3), rnd(3), rnd(3), pos(3)
     versus_torch(
@@ -609,20 +602,6 @@ def test_dropout_inference_is_identity(opset: int) -> None:
             n_outputs=2,
             output_dtypes=[np.float64, np.bool_],
         )
-
-
-def test_dropout_training_is_unsupported() -> None:
-    x = rnd(3, 4)
-    model = node_model("Dropout", [x, np.array(0.5), np.array(True)], opset=13, constant={1})
-    with pytest.raises(GradientNotImplementedError, match="Dropout"):
-        build_gradient(model, inputs_requiring_grad=["in0"])
-    # training_mode known only at run time
-    model = node_model("Dropout", [x, np.array(0.5), np.array(False)], opset=13, constant={1})
-    flag = next(i for i in model.graph.initializer if i.name == "in2")
-    model.graph.initializer.remove(flag)
-    model.graph.input.append(helper.make_tensor_value_info("in2", TensorProto.BOOL, []))
-    with pytest.raises(GradientNotImplementedError, match="training"):
-        build_gradient(model, inputs_requiring_grad=["in0"])
 
 
 def test_layers_in_a_small_network() -> None:

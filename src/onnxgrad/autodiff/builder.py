@@ -34,17 +34,27 @@ _BOOL_OPS = {
     "IsNaN",
     "IsInf",
 }
-_INT64_OPS = {"Shape", "Size", "NonZero", "ArgMax", "ArgMin", "Range"}
+_INT64_OPS = {"Shape", "Size", "NonZero", "ArgMax", "ArgMin", "Range", "SequenceLength"}
+# ops whose output is a sequence of tensors
+_SEQUENCE_OPS = {
+    "SequenceConstruct",
+    "SequenceEmpty",
+    "SequenceInsert",
+    "SequenceErase",
+    "SplitToSequence",
+    "SequenceMap",
+}
 
 
 class Var:
     """A tensor value: a name in the graph being built, its element type and (when known) its shape.
 
     ``forward`` is true for values of the forward graph; a backward node that reads one makes it
-    saved (or, for constants, copied into the backward graph).
+    saved (or, for constants, copied into the backward graph). ``sequence`` marks a sequence of
+    tensors (``dtype`` and ``shape`` are then those of its elements).
     """
 
-    __slots__ = ("dtype", "forward", "g", "name", "shape")
+    __slots__ = ("dtype", "forward", "g", "name", "sequence", "shape")
 
     def __init__(
         self,
@@ -53,12 +63,19 @@ class Var:
         dtype: int,
         shape: tuple[Dim, ...] | None = None,
         forward: bool = False,
+        sequence: bool = False,
     ) -> None:
         self.g, self.name, self.dtype, self.shape, self.forward = g, name, dtype, shape, forward
+        self.sequence = sequence
 
     def __repr__(self) -> str:
         where = "fwd" if self.forward else "bwd"
-        return f"Var({self.name!r}, {helper.tensor_dtype_to_string(self.dtype)}, {self.shape}, {where})"
+        kind = "seq " if self.sequence else ""
+        return f"Var({self.name!r}, {kind}{helper.tensor_dtype_to_string(self.dtype)}, {self.shape}, {where})"
+
+    @property
+    def info(self) -> ValueInfo:
+        return ValueInfo(self.name, self.dtype, self.shape, self.sequence)
 
     @property
     def rank(self) -> int | None:
@@ -124,6 +141,11 @@ class GradBuilder:
 
     ``infos`` are the forward graph's value types; ``consts`` its known tensors (non-trainable
     initializers and ``Constant`` outputs), which the backward copies instead of saving.
+
+    A builder made by :meth:`child` builds the backward of one subgraph (an If branch, a Loop or Scan
+    body): its nodes become the backward subgraph, its ``saved`` values are those of the forward
+    subgraph that the backward subgraph reads (the control-flow rule exports them), and a value of
+    an enclosing scope is read through the parent, which saves or copies it in its own scope.
     """
 
     def __init__(
@@ -146,6 +168,29 @@ class GradBuilder:
         self._const_cache: dict[tuple, Var] = {}
         self._shape_cache: dict[str, Var] = {}
         self._fwd_vars: dict[str, Var] = {}
+        self.versions: dict[str, int] = {}  # opset of each domain of the model ("" for ai.onnx)
+        self.parent: GradBuilder | None = None
+        self.local: set[str] = set()  # forward values of this scope (for a child builder)
+
+    def child(self, local: set[str], consts: dict[str, onnx.TensorProto]) -> GradBuilder:
+        """A builder for the backward of a subgraph whose own values are ``local``.
+
+        It shares the name space, the value types and the opsets with this builder; ``consts`` are
+        the subgraph's known tensors.
+        """
+        sub = GradBuilder(self.infos, {**self.consts, **consts}, set(), self.opset)
+        sub._taken = self._taken  # one name space over every scope: no shadowing
+        sub.versions, sub.parent, sub.local = self.versions, self, set(local)
+        return sub
+
+    def outer(self, var: Var) -> Var:
+        """A value of the enclosing scope (forward or backward), as a Var of this child builder."""
+        assert self.parent is not None and var.g is self.parent
+        self.parent._use(var)  # saved or copied in the parent's scope if it is a forward value there
+        return Var(self, var.name, var.dtype, var.shape, sequence=var.sequence)
+
+    def _is_outer(self, var: Var) -> bool:
+        return self.parent is not None and var.forward and var.name not in self.local
 
     # ---- names and values -------------------------------------------------------------------
     def fresh(self, hint: str) -> str:
@@ -171,7 +216,7 @@ class GradBuilder:
             info = self.infos.get(name)
             if info is None:
                 raise KeyError(name)
-            var = Var(self, name, info.dtype, info.shape, forward=True)
+            var = Var(self, name, info.dtype, info.shape, forward=True, sequence=info.sequence)
             self._fwd_vars[name] = var
         return var
 
@@ -207,12 +252,14 @@ class GradBuilder:
 
     def _use(self, var: Var) -> str:
         """Record that the backward reads ``var``; returns the name to use."""
-        if var.forward:
+        if self._is_outer(var):  # a value of an enclosing scope: that scope saves or copies it
+            self.parent._use(self.parent.fwd(var.name))  # type: ignore[union-attr]
+        elif var.forward:
             const = self.consts.get(var.name)
             if const is not None:
                 self.initializers.setdefault(var.name, const)
             elif var.name not in self.saved:
-                self.saved[var.name] = ValueInfo(var.name, var.dtype, var.shape)
+                self.saved[var.name] = var.info
         return var.name
 
     # ---- emitting nodes ----------------------------------------------------------------------
@@ -234,7 +281,8 @@ class GradBuilder:
         outs = [self.fresh(op_type.lower()) for _ in range(outputs)]
         attrs = {k: v for k, v in attrs.items() if v is not None}
         self.nodes.append(helper.make_node(op_type, names, outs, domain=domain or None, **attrs))
-        vars_ = tuple(Var(self, n, out_dtype, shape) for n in outs)
+        seq = op_type in _SEQUENCE_OPS or (op_type == "Identity" and bool(ins) and ins[0].sequence)
+        vars_ = tuple(Var(self, n, out_dtype, shape, sequence=seq) for n in outs)
         return vars_[0] if outputs == 1 else vars_
 
     def __getattr__(self, op_type: str) -> Any:
@@ -249,13 +297,21 @@ class GradBuilder:
         *inputs: Var,
         dtype: int,
         shape: tuple[Dim, ...] | None = None,
+        sequence: bool = False,
         **attrs: Any,
     ) -> Var:
         """Emit a node into the *forward* graph (e.g. ``Shape``); its output is saved when read."""
-        name = self.fresh(f"{inputs[0].name}_{op_type.lower()}")
+        info = ValueInfo("", dtype, shape, sequence)
+        name = self.new_fwd_value(f"{inputs[0].name}_{op_type.lower()}", info)
         self.fwd_nodes.append(helper.make_node(op_type, [x.name for x in inputs], [name], **attrs))
-        self.infos[name] = ValueInfo(name, dtype, shape)
         return self.fwd(name)
+
+    def new_fwd_value(self, hint: str, info: ValueInfo) -> str:
+        """Reserve a name for a value added to this scope's forward graph, of type ``info``."""
+        name = self.fresh(hint)
+        self.infos[name] = ValueInfo(name, info.dtype, info.shape, info.sequence)
+        self.local.add(name)
+        return name
 
     def extra_output(
         self, node: onnx.NodeProto, slot: int, dtype: int, shape: tuple[Dim, ...] | None = None
@@ -270,36 +326,140 @@ class GradBuilder:
         key = f"{id(node)}:{slot}"
         name = self.fwd_extra_outputs.get(key)
         if name is None:
-            name = self.fresh(f"{node.output[0]}_out{slot}")
+            name = self.new_fwd_value(f"{node.output[0]}_out{slot}", ValueInfo("", dtype, shape))
             while len(node.output) <= slot:
                 node.output.append("")
             node.output[slot] = name
             self.fwd_extra_outputs[key] = name
-            self.infos[name] = ValueInfo(name, dtype, shape)
         return self.fwd(name)
 
     # ---- shapes ------------------------------------------------------------------------------
     def shape_of(self, x: Var) -> Var:
-        """``Shape(x)`` as an int64 Var: a constant when static, else computed in the forward."""
+        """``Shape(x)`` as an int64 Var: a constant when static, else computed in the forward.
+
+        For a sequence: its elements' shapes stacked, an ``[n, rank]`` tensor (computed by a Loop in
+        the forward, so that it also works below opset 17, which brought ``SequenceMap``).
+        """
         static = x.static_shape
-        if static is not None:
+        if static is not None and not x.sequence:
             return self.const(np.array(static, dtype=np.int64))
         if not x.forward:
-            return self.op("Shape", x)
+            if not x.sequence:
+                return self.op("Shape", x)
+            body = self.map_body(lambda i, o: [helper.make_node("Shape", i, [o])], [x.dtype], INT64)
+            shapes = self.op("SequenceMap", x, body=body, dtype=INT64)
+            return self.op(
+                "ConcatFromSequence", shapes, axis=0, new_axis=1, dtype=INT64, shape=(None, x.rank)
+            )
+        if self._is_outer(x):  # computed once in the scope that defines x, not at every iteration
+            assert self.parent is not None
+            return self.outer(self.parent.shape_of(self.parent.fwd(x.name)))
         var = self._shape_cache.get(x.name)
         if var is None:
-            var = self.fwd_op("Shape", x, dtype=INT64, shape=(x.rank,))
+            if x.sequence:
+                var = self._fwd_sequence_shapes(x)
+            else:
+                var = self.fwd_op("Shape", x, dtype=INT64, shape=(x.rank,))
             self._shape_cache[x.name] = var
         return var
 
-    def zeros_like(self, x: Var) -> Var:
-        """Zeros with the shape and dtype of ``x``."""
-        zero = numpy_helper.from_array(np.zeros(1, dtype=np_dtype(x.dtype)))
-        if zero.data_type != x.dtype:
-            zero = helper.make_tensor("", x.dtype, [1], [0.0])
-        return self.op(
-            "ConstantOfShape", self.shape_of(x), value=zero, dtype=x.dtype, shape=x.shape
+    def length_of(self, x: Var) -> Var:
+        """``SequenceLength(x)`` of a forward sequence, computed once in the forward graph."""
+        if self._is_outer(x):
+            assert self.parent is not None
+            return self.outer(self.parent.length_of(self.parent.fwd(x.name)))
+        key = f"{x.name}#length"
+        var = self._shape_cache.get(key)
+        if var is None:
+            var = self._shape_cache[key] = self.fwd_op("SequenceLength", x, dtype=INT64, shape=())
+        return var
+
+    def _fwd_sequence_shapes(self, x: Var) -> Var:
+        length = self.length_of(x)
+        i, cond, cond_out, elem, shape = (self.fresh(h) for h in ("i", "cond", "cond", "elem", "shape"))
+        body = helper.make_graph(
+            [
+                helper.make_node("Identity", [cond], [cond_out]),
+                helper.make_node("SequenceAt", [x.name, i], [elem]),
+                helper.make_node("Shape", [elem], [shape]),
+            ],
+            "element_shapes",
+            [helper.make_tensor_value_info(i, INT64, []), helper.make_tensor_value_info(cond, BOOL, [])],
+            [
+                helper.make_tensor_value_info(cond_out, BOOL, []),
+                helper.make_tensor_value_info(shape, INT64, None if x.rank is None else [x.rank]),
+            ],
         )
+        name = self.new_fwd_value(f"{x.name}_shapes", ValueInfo("", INT64, (None, x.rank)))
+        self.fwd_nodes.append(helper.make_node("Loop", [length.name, ""], [name], body=body))
+        return self.fwd(name)
+
+    def fwd_const(self, value: Any) -> Var:
+        """A constant of the *forward* graph (a ``Constant`` node), e.g. an index for a forward op."""
+        arr = np.asarray(value)
+        if arr.dtype.kind in "iu":
+            arr = arr.astype(np.int64)
+        key = ("fwd", arr.dtype.str, arr.shape, arr.tobytes())
+        var = self._const_cache.get(key)
+        if var is None:
+            info = ValueInfo("", helper.np_dtype_to_tensor_dtype(arr.dtype), tuple(arr.shape))
+            name = self.new_fwd_value("fwd_const", info)
+            self.fwd_nodes.append(
+                helper.make_node("Constant", [], [name], value=numpy_helper.from_array(arr))
+            )
+            self.consts[name] = numpy_helper.from_array(arr, name)  # the backward copies, never saves, it
+            var = self._const_cache[key] = self.fwd(name)
+        return var
+
+    def map_body(self, make: Any, in_dtypes: Sequence[int], out_dtype: int) -> onnx.GraphProto:
+        """The body of a ``SequenceMap``: ``make(input names, output name)`` returns its nodes."""
+        ins = [self.fresh("elem") for _ in in_dtypes]
+        out = self.fresh("mapped")
+        return helper.make_graph(
+            make(ins, out),
+            "map",
+            [helper.make_tensor_value_info(n, d, None) for n, d in zip(ins, in_dtypes)],
+            [helper.make_tensor_value_info(out, out_dtype, None)],
+        )
+
+    def zeros_like(self, x: Var) -> Var:
+        """Zeros with the shape and dtype of ``x`` (for a sequence: a sequence of zero tensors).
+
+        Made once per forward value: every rule asking for zeros like it shares them.
+        """
+        if not x.forward:
+            return self._zeros(x)
+        key = f"{x.name}#zeros"
+        var = self._shape_cache.get(key)
+        if var is None:
+            var = self._shape_cache[key] = self._zeros(x)
+        return var
+
+    def _zeros(self, x: Var) -> Var:
+        if x.sequence:
+            shapes = self.op("SplitToSequence", self.shape_of(x), axis=0, keepdims=0, dtype=INT64)
+            body = self.map_body(
+                lambda i, o: [helper.make_node("ConstantOfShape", i, [o], value=zero_tensor(x.dtype))],
+                [INT64],
+                x.dtype,
+            )
+            return self.op("SequenceMap", shapes, body=body, dtype=x.dtype, shape=x.shape)
+        return self.op(
+            "ConstantOfShape", self.shape_of(x), value=zero_tensor(x.dtype), dtype=x.dtype, shape=x.shape
+        )
+
+    def sum(self, parts: Sequence[Var]) -> Var | None:
+        """The sum of gradient contributions (``None`` for none); sequences add element by element."""
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        if not parts[0].sequence:
+            return self.op("Sum", *parts, shape=parts[0].shape)
+        body = self.map_body(
+            lambda i, o: [helper.make_node("Sum", i, [o])], [p.dtype for p in parts], parts[0].dtype
+        )
+        return self.op("SequenceMap", *parts, body=body, shape=parts[0].shape)
 
     def reduce_sum(self, x: Var, axes: Sequence[int] | Var, keepdims: bool) -> Var:
         axes_v = axes if isinstance(axes, Var) else self.const(np.array(list(axes), dtype=np.int64))
@@ -348,11 +508,17 @@ class GradBuilder:
             dtype=INT64,
         )
         padded = self.op("Concat", ones, tshape, axis=0)
-        axes_v = self.op(
-            "Squeeze", self.op("NonZero", self.op("Equal", padded, self.const(1))), [0]
-        )
+        axes_v = self.op("Squeeze", self.op("NonZero", self.op("Equal", padded, self.const(1))), [0])
         summed = self.op("ReduceSum", grad, axes_v, keepdims=1, noop_with_empty_axes=1)
         return self.op("Reshape", summed, tshape, shape=target.shape)
+
+
+def zero_tensor(dtype: int) -> onnx.TensorProto:
+    """A one-element zero tensor of ``dtype`` (the ``value`` of a ConstantOfShape)."""
+    zero = numpy_helper.from_array(np.zeros(1, dtype=np_dtype(dtype)))
+    if zero.data_type != dtype:  # bfloat16 and friends
+        zero = helper.make_tensor("", dtype, [1], [0.0])
+    return zero
 
 
 def _result_dtype(op_type: str, ins: list[Var | None], attrs: dict[str, Any]) -> int:

@@ -8,6 +8,9 @@ The whole pass in one screen (:func:`build_gradient`):
    gradients of its outputs and call its rule, which returns gradients for its inputs;
 3. the forward graph is the model with trainable initializers turned into inputs, plus, as outputs,
    exactly the values the backward read (see :class:`~onnxgrad.autodiff.builder.GradBuilder`).
+
+Steps 1 and 2 (:func:`mark`, :func:`reverse_pass`) also run on subgraphs: the rules of If, Loop and
+Scan (``rules/control_flow.py``) differentiate their branches and bodies with them.
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ from .graph import (
     FLOAT_TYPES,
     MIN_BACKWARD_OPSET,
     ValueInfo,
+    all_names,
     check_model,
     constant_values,
     infer_value_infos,
     ir_version_for,
     load_model,
+    node_operands,
     opset_of,
+    sort_nodes,
     topological_order,
 )
 from .registry import NodeContext, _load_rules, lookup
@@ -91,6 +97,7 @@ def build_gradient(
     nodes = list(graph.node)
     infos = infer_value_infos(model)
     opset = opset_of(model)
+    versions = {"" if i.domain == "ai.onnx" else i.domain: i.version for i in model.opset_import}
 
     inits = {i.name: i for i in graph.initializer}
     graph_inputs = [i.name for i in graph.input if i.name not in inits]
@@ -101,69 +108,28 @@ def build_gradient(
     wrt = trainable_names + input_names
 
     # 1. which values require grad, which reach an output with a gradient
-    requires = set(wrt)
-    for node in nodes:
-        r = lookup(node.domain, node.op_type, _opset(model, node.domain))
-        if r is not None and r.kind == "zero":
-            continue
-        if any(i in requires for i in node.input if i):
-            # unknown types count as float: better an error for a missing rule than a silent zero
-            requires.update(o for o in node.output if o and _may_be_float(infos, o))
-    reaches = set(grad_outs)
-    toward_output: dict[str, onnx.NodeProto] = {}  # value -> the consumer that leads to an output
-    for node in reversed(nodes):
-        if any(o in reaches for o in node.output):
-            for i in node.input:
-                if i and i in requires:
-                    reaches.add(i)
-                    toward_output.setdefault(i, node)
+    marks = mark(nodes, wrt, grad_outs, infos, versions)
 
     # 2. reverse pass
     # Known tensors are copied into the backward rather than saved; an initializer that is also a
     # graph input can be overridden at run time, so it is not one of them.
     overridable = set(trainable_names) | {i.name for i in graph.input}
     consts = {k: v for k, v in constant_values(model).items() if k not in overridable}
-    taken = set(infos) | {o for n in nodes for o in n.output} | set(inits)
-    bwd_opset = max(opset, MIN_BACKWARD_OPSET)
-    g = GradBuilder(infos, consts, taken, bwd_opset)
+    taken = set(infos) | all_names(graph)
+    g = GradBuilder(infos, consts, taken, max(opset, MIN_BACKWARD_OPSET))
+    g.versions = versions
     grads: dict[str, list[Var]] = {}
     grad_inputs: dict[str, str] = {}
     for out in grad_outs:
         info = infos[out]
-        name = g.reserve(f"{out}_grad")
-        grad_inputs[out] = name
-        grads.setdefault(out, []).append(Var(g, name, info.dtype, info.shape))
-
-    for node in reversed(nodes):
-        if not any(o in requires and o in reaches for o in node.output):
-            continue
-        dout = [_sum(g, grads.get(o, [])) if o else None for o in node.output]
-        if all(d is None for d in dout):
-            continue
-        r = lookup(node.domain, node.op_type, _opset(model, node.domain))
-        if r is None or r.fn is None:
-            raise GradientNotImplementedError(_no_rule_message(model, node, toward_output, grad_outs))
-        needs = [bool(i) and i in requires for i in node.input]
-        for name in [*node.input, *node.output]:
-            if name and name not in infos:  # shape inference could not type it (custom op)
-                infos[name] = ValueInfo(name, next(d for d in dout if d is not None).dtype, None)
-        ctx = NodeContext(
-            node=node,
-            inputs=[g.fwd(i) if i else None for i in node.input],
-            outputs=[g.fwd(o) if o else None for o in node.output],
-            dout=dout,
-            needs=needs,
-            opset=_opset(model, node.domain),
-            g=g,
-        )
-        for name, need, grad in zip(node.input, needs, r.fn(g, ctx)):
-            if need and grad is not None:
-                grads.setdefault(name, []).append(grad)
+        grad_inputs[out] = g.reserve(f"{out}_grad")
+        grads.setdefault(out, []).append(Var(g, grad_inputs[out], info.dtype, info.shape))
+    reverse_pass(g, nodes, marks, grads, grad_outs)
 
     grad_outputs: dict[str, str] = {}
     final: list[tuple[str, Var]] = []
     for w in wrt:
-        total = _sum(g, grads.get(w, []))
+        total = g.sum(grads.get(w, []))
         if total is None:  # the outputs do not depend on it
             total = g.zeros_like(g.fwd(w))
         final.append((w, total))
@@ -183,6 +149,87 @@ def build_gradient(
         grad_inputs=grad_inputs,
         grad_outputs=grad_outputs,
     )
+
+
+@dataclass
+class Marks:
+    """Which values require a gradient, and which reach an output that takes one."""
+
+    requires: set[str]
+    reaches: set[str]
+    toward_output: dict[str, onnx.NodeProto]  # value -> the consumer that leads to an output
+
+
+def mark(
+    nodes: Sequence[onnx.NodeProto],
+    wrt: Iterable[str],
+    grad_outs: Iterable[str],
+    infos: dict[str, ValueInfo],
+    versions: dict[str, int],
+) -> Marks:
+    """Values requiring grad (flowing forward from ``wrt``) and reaching ``grad_outs`` (backward).
+
+    A node's operands include the outer values its subgraphs capture (see ``node_operands``).
+    """
+    requires = set(wrt)
+    for node in nodes:
+        r = lookup(node.domain, node.op_type, _version(versions, node.domain))
+        if r is not None and r.kind == "zero":
+            continue
+        if any(i in requires for i in node_operands(node) if i):
+            # unknown types count as float: better an error for a missing rule than a silent zero
+            requires.update(o for o in node.output if o and _may_be_float(infos, o))
+    reaches = set(grad_outs)
+    toward_output: dict[str, onnx.NodeProto] = {}
+    for node in reversed(nodes):
+        if any(o in reaches for o in node.output):
+            for i in node_operands(node):
+                if i and i in requires:
+                    reaches.add(i)
+                    toward_output.setdefault(i, node)
+    return Marks(requires, reaches, toward_output)
+
+
+def reverse_pass(
+    g: GradBuilder,
+    nodes: Sequence[onnx.NodeProto],
+    marks: Marks,
+    grads: dict[str, list[Var]],
+    grad_outs: Sequence[str],
+) -> None:
+    """Walk ``nodes`` backwards, adding to ``grads`` (value -> contributions) what each rule returns.
+
+    Used for the main graph and, by the control-flow rules, for every subgraph.
+    """
+    for node in reversed(nodes):
+        if not any(o in marks.requires and o in marks.reaches for o in node.output):
+            continue
+        dout = [g.sum(grads.get(o, [])) if o else None for o in node.output]
+        if all(d is None for d in dout):
+            continue
+        operands = node_operands(node)
+        needs = [bool(i) and i in marks.requires for i in operands]
+        if not any(needs):  # its outputs were given a gradient directly (a control-flow rule does)
+            continue
+        version = _version(g.versions, node.domain)
+        r = lookup(node.domain, node.op_type, version)
+        if r is None or r.fn is None:
+            raise GradientNotImplementedError(_no_rule_message(g.versions, node, marks, grad_outs))
+        for name in [*operands, *node.output]:
+            if name and name not in g.infos:  # shape inference could not type it (custom op)
+                g.infos[name] = ValueInfo(name, next(d for d in dout if d is not None).dtype, None)
+        ctx = NodeContext(
+            node=node,
+            inputs=[g.fwd(i) if i else None for i in operands],
+            outputs=[g.fwd(o) if o else None for o in node.output],
+            dout=dout,
+            needs=needs,
+            opset=version,
+            g=g,
+        )
+        for name, need, grad in zip(operands, needs, r.fn(g, ctx)):
+            if need and grad is not None:
+                grads.setdefault(name, []).append(grad)
 
 
 # ---- selection and validation ----------------------------------------------------------------
@@ -232,8 +279,8 @@ def _select_inputs(graph_inputs: list[str], infos: dict[str, ValueInfo], names: 
 def _select_outputs(
     out_names: list[str], infos: dict[str, ValueInfo], outputs: Iterable[str] | None
 ) -> list[str]:
-    if outputs is None:
-        return [o for o in out_names if _is_float(infos, o)]
+    if outputs is None:  # floating-point tensors (a sequence output takes a gradient only if named)
+        return [o for o in out_names if _is_float(infos, o) and not infos[o].sequence]
     if isinstance(outputs, str):
         outputs = [outputs]
     selected = list(dict.fromkeys(outputs))
@@ -255,24 +302,14 @@ def _may_be_float(infos: dict[str, ValueInfo], name: str) -> bool:
     return info is None or info.is_float
 
 
-def _opset(model: onnx.ModelProto, domain: str) -> int:
-    return opset_of(model, domain) or 1
-
-
-def _sum(g: GradBuilder, parts: Sequence[Var]) -> Var | None:
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    return g.op("Sum", *parts, shape=parts[0].shape)
+def _version(versions: dict[str, int], domain: str) -> int:
+    return versions.get("" if domain == "ai.onnx" else domain) or 1
 
 
 def _no_rule_message(
-    model: onnx.ModelProto,
-    node: onnx.NodeProto,
-    toward_output: dict[str, onnx.NodeProto],
-    grad_outs: list[str],
+    versions: dict[str, int], node: onnx.NodeProto, marks: Marks, grad_outs: Sequence[str]
 ) -> str:
+    toward_output = marks.toward_output
     domain = node.domain or "ai.onnx"
     path = [f"{node.name or '<unnamed>'} ({node.op_type})"]
     value = next((o for o in node.output if o in toward_output or o in grad_outs), node.output[0])
@@ -285,7 +322,7 @@ def _no_rule_message(
     path.append(f"output {value!r}")
     return (
         f"no gradient rule for node {node.name!r}: op {node.op_type!r}, domain {domain!r}, "
-        f"opset {_opset(model, node.domain)}; the gradient is needed on the path "
+        f"opset {_version(versions, node.domain)}; the gradient is needed on the path "
         + " -> ".join(path)
         + ". Mark the values before it as not trainable, or register a rule "
         "(onnxgrad.autodiff.registry.rule)."
@@ -343,7 +380,7 @@ def _forward_model(
             outputs.append(info.to_proto())
             out_names.add(name)
     fwd_graph = helper.make_graph(
-        list(nodes) + g.fwd_nodes,
+        sort_nodes(list(nodes) + g.fwd_nodes),  # control-flow rules may add inputs to a forward node
         graph.name or "forward",
         inputs,
         outputs,
@@ -371,9 +408,9 @@ def _backward_model(
     # Inputs are declared by rank only: onnxruntime rejects a feed whose dims differ from the
     # declared ones, and ONNX shape inference and onnxruntime disagree on a few ops (pooling
     # with ceil_mode drops a last window starting in the padding in onnxruntime only).
-    inputs = [_rank_only(info).to_proto() for info in g.saved.values()]
+    inputs = [info.rank_only().to_proto() for info in g.saved.values()]
     for out, name in grad_inputs.items():
-        inputs.append(_rank_only(infos[out]).to_proto(name))
+        inputs.append(infos[out].rank_only().to_proto(name))
     outputs = [infos[w].to_proto(name) for w, name in grad_outputs.items()]
     bwd_graph = helper.make_graph(
         g.nodes, "backward", inputs, outputs, initializer=list(g.initializers.values())
@@ -382,12 +419,6 @@ def _backward_model(
     bwd = helper.make_model(bwd_graph, opset_imports=opsets, producer_name="onnxgrad")
     bwd.ir_version = ir_version_for(opsets)
     return bwd
-
-
-def _rank_only(info: ValueInfo) -> ValueInfo:
-    if info.shape is None:
-        return info
-    return ValueInfo(info.name, info.dtype, tuple(d if isinstance(d, str) else None for d in info.shape))
 
 
 def check_graphs(graphs: GradientGraphs) -> None:

@@ -30,11 +30,15 @@ Dim = int | str | None  # static size, symbolic name, or unknown
 
 @dataclass(frozen=True)
 class ValueInfo:
-    """Type of one tensor value: ONNX element type and shape (``None`` when the rank is unknown)."""
+    """Type of one value: ONNX element type and shape (``None`` when the rank is unknown).
+
+    ``sequence`` marks a sequence of tensors (``dtype`` and ``shape`` are then those of its elements).
+    """
 
     name: str
     dtype: int
     shape: tuple[Dim, ...] | None
+    sequence: bool = False
 
     @property
     def is_float(self) -> bool:
@@ -55,7 +59,16 @@ class ValueInfo:
         shape = None if self.shape is None else [d if d is not None else "" for d in self.shape]
         if shape is not None:
             shape = [None if d == "" else d for d in shape]
+        if self.sequence:
+            return helper.make_tensor_sequence_value_info(name or self.name, self.dtype, shape)
         return helper.make_tensor_value_info(name or self.name, self.dtype, shape)
+
+    def rank_only(self) -> ValueInfo:
+        """The same type with every dimension unknown (symbolic names kept)."""
+        if self.shape is None:
+            return self
+        dims = tuple(d if isinstance(d, str) else None for d in self.shape)
+        return ValueInfo(self.name, self.dtype, dims, self.sequence)
 
 
 def np_dtype(onnx_type: int) -> np.dtype:
@@ -95,7 +108,9 @@ def check_model(model: onnx.ModelProto) -> None:
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
-        raise ModelError(f"the model is not valid ONNX: {exc}") from exc
+        # onnx deprecates some op versions that onnxruntime still runs (GroupNormalization-18)
+        if "is deprecated in domain_version" not in str(exc):
+            raise ModelError(f"the model is not valid ONNX: {exc}") from exc
 
 
 def opset_of(model: onnx.ModelProto, domain: str = "") -> int:
@@ -116,8 +131,7 @@ def ir_version_for(opsets: Iterable[onnx.OperatorSetIdProto]) -> int:
     return min(max(needed, 8), MAX_IR_VERSION)
 
 
-def _shape_of(type_proto: onnx.TypeProto) -> tuple[Dim, ...] | None:
-    tt = type_proto.tensor_type
+def _shape_of(tt: onnx.TypeProto.Tensor) -> tuple[Dim, ...] | None:
     if not tt.HasField("shape"):
         return None
     dims: list[Dim] = []
@@ -132,10 +146,14 @@ def _shape_of(type_proto: onnx.TypeProto) -> tuple[Dim, ...] | None:
 
 
 def value_info_from_proto(vi: onnx.ValueInfoProto) -> ValueInfo | None:
-    """The :class:`ValueInfo` of a protobuf value info, ``None`` for non-tensor types."""
-    if not vi.type.HasField("tensor_type"):
-        return None
-    return ValueInfo(vi.name, vi.type.tensor_type.elem_type, _shape_of(vi.type))
+    """The :class:`ValueInfo` of a protobuf value info; ``None`` for types other than tensors and
+    sequences of tensors."""
+    if vi.type.HasField("tensor_type"):
+        return ValueInfo(vi.name, vi.type.tensor_type.elem_type, _shape_of(vi.type.tensor_type))
+    if vi.type.HasField("sequence_type") and vi.type.sequence_type.elem_type.HasField("tensor_type"):
+        tt = vi.type.sequence_type.elem_type.tensor_type
+        return ValueInfo(vi.name, tt.elem_type, _shape_of(tt), sequence=True)
+    return None
 
 
 # ai.onnx.ml ops that ONNX shape inference leaves untyped: float32 with the shape of input 0.
@@ -175,40 +193,97 @@ def _type_ml_outputs(model: onnx.ModelProto) -> onnx.ModelProto | None:
 
 
 def infer_value_infos(model: onnx.ModelProto) -> dict[str, ValueInfo]:
-    """Types and shapes of every value of the main graph, after ONNX shape inference.
+    """Types and shapes of every value of the model, subgraphs included, after ONNX shape inference.
 
-    ONNX infers nothing for most ai.onnx.ml ops; their outputs are typed from a small table and
-    inference is run again, so the values after them keep known ranks.
+    ONNX infers nothing for most ai.onnx.ml ops, and gives up on some If, Loop and Scan outputs;
+    those are typed (from a small table, from the subgraph outputs) and inference is run again, so
+    the values after them keep known ranks.
     """
     inferred = _infer(model)
+    declared: set[str] = set()
     for _ in range(len(model.graph.node)):
-        retyped = _type_ml_outputs(inferred)
+        retyped = _type_ml_outputs(inferred) or _type_control_flow_outputs(inferred, declared)
         if retyped is None:
             break
         inferred = _infer(retyped)
+    return _collect_infos(inferred.graph)
+
+
+def _collect_infos(graph: onnx.GraphProto) -> dict[str, ValueInfo]:
     infos: dict[str, ValueInfo] = {}
-    g = inferred.graph
-    for vi in list(g.value_info) + list(g.input) + list(g.output):
-        info = value_info_from_proto(vi)
-        if info is not None and info.dtype != TensorProto.UNDEFINED:
-            old = infos.get(vi.name)
-            # Prefer the more specific of two declarations (a shape beats no shape).
-            if old is None or (old.shape is None and info.shape is not None):
-                infos[vi.name] = info
-    for init in g.initializer:
-        infos[init.name] = ValueInfo(init.name, init.data_type, tuple(init.dims))
-    for node in g.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            for attr in node.attribute:
-                if attr.name == "value":
-                    infos[node.output[0]] = ValueInfo(node.output[0], attr.t.data_type, tuple(attr.t.dims))
+    # Values of subgraphs (If branches, Loop and Scan bodies) too: ONNX names are unique across scopes.
+    for g in [graph, *all_subgraphs(graph)]:
+        for vi in list(g.value_info) + list(g.input) + list(g.output):
+            info = value_info_from_proto(vi)
+            if info is not None and info.dtype != TensorProto.UNDEFINED:
+                old = infos.get(vi.name)
+                # Prefer the more specific of two declarations (a shape beats no shape).
+                if old is None or (old.shape is None and info.shape is not None):
+                    infos[vi.name] = info
+        for init in g.initializer:
+            infos[init.name] = ValueInfo(init.name, init.data_type, tuple(init.dims))
+        for node in g.node:
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                for attr in node.attribute:
+                    if attr.name == "value":
+                        t = attr.t
+                        infos[node.output[0]] = ValueInfo(node.output[0], t.data_type, tuple(t.dims))
     return infos
 
 
-def constant_values(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
-    """Tensors known before running: initializers and outputs of ``Constant`` nodes with a tensor value."""
-    consts: dict[str, onnx.TensorProto] = {i.name: i for i in model.graph.initializer}
-    for node in model.graph.node:
+def _type_control_flow_outputs(model: onnx.ModelProto, declared: set[str]) -> onnx.ModelProto | None:
+    """A copy of ``model`` declaring the ranks of the If, Loop and Scan outputs that shape inference
+    left without one (they follow from the subgraph outputs), or None if there are none.
+
+    ``declared`` collects the names declared so far: each is declared once, whatever inference does.
+    """
+    infos = _collect_infos(model.graph)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    added = False
+    for graph in [copy.graph, *all_subgraphs(copy.graph)]:
+        for node in graph.node:
+            if node.domain not in ("", "ai.onnx") or node.op_type not in ("If", "Loop", "Scan"):
+                continue
+            for k, out in enumerate(node.output):
+                if out and out not in declared and (out not in infos or infos[out].shape is None):
+                    info = _control_flow_output(node, k, infos)
+                    if info is not None:
+                        declared.add(out)
+                        graph.value_info.append(
+                            ValueInfo(out, info.dtype, info.shape, info.sequence).to_proto()
+                        )
+                        infos[out] = info
+                        added = True
+    return copy if added else None
+
+
+def _control_flow_output(node: onnx.NodeProto, k: int, infos: dict[str, ValueInfo]) -> ValueInfo | None:
+    """The type of output ``k`` of an If, Loop or Scan from its subgraphs' outputs (dims unknown)."""
+    if node.op_type == "If":
+        found = [infos.get(b.output[k].name) for b in subgraphs(node) if k < len(b.output)]
+        extra = 0
+    else:
+        body = subgraphs(node)[0]
+        if node.op_type == "Loop":
+            carried, first = len(node.input) - 2, 1
+        else:
+            scanned = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
+            carried, first = len(node.input) - scanned, 0
+        found = [infos.get(body.output[first + k].name)] if first + k < len(body.output) else []
+        extra = 0 if k < carried else 1  # scan outputs stack one value per iteration
+    known = [f for f in found if f is not None and f.shape is not None]
+    if not known or len({f.rank for f in known}) != 1:
+        return None
+    return ValueInfo("", known[0].dtype, (None,) * (len(known[0].shape) + extra), known[0].sequence)  # type: ignore[arg-type]
+
+
+def constant_values(model: onnx.ModelProto | onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Tensors known before running: initializers and outputs of ``Constant`` nodes with a tensor value
+    (of the main graph of a model, or of one graph)."""
+    graph = model.graph if isinstance(model, onnx.ModelProto) else model
+    consts: dict[str, onnx.TensorProto] = {i.name: i for i in graph.initializer}
+    for node in graph.node:
         if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
             continue
         attr = node.attribute[0] if node.attribute else None
@@ -243,63 +318,133 @@ def topological_order(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     ONNX requires files to be sorted already; this also accepts unsorted graphs and reports cycles
     and values that nothing defines as :class:`ModelError`.
     """
-    defined = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    defined = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    return sort_nodes(list(graph.node), defined)
+
+
+def sort_nodes(nodes: list[onnx.NodeProto], defined: set[str] | None = None) -> list[onnx.NodeProto]:
+    """``nodes`` in dependency order, keeping the given order where it already works.
+
+    With ``defined`` (the graph inputs and initializers), a name that neither it nor a node defines
+    is a :class:`ModelError`; without it such names are taken to come from an outer scope.
+    """
+    known = (defined or set()) | {""}
     producers: dict[str, int] = {}
-    for idx, node in enumerate(graph.node):
+    for idx, node in enumerate(nodes):
         for out in node.output:
             if out:
-                if out in producers or out in defined:
+                if out in producers or out in known:
                     raise ModelError(
                         f"value {out!r} is defined twice (node {node.name or idx!r}, op {node.op_type})"
                     )
                 producers[out] = idx
     order: list[onnx.NodeProto] = []
-    state = [0] * len(graph.node)  # 0 new, 1 on stack, 2 done
-    for start in range(len(graph.node)):
+    state = [0] * len(nodes)  # 0 new, 1 on stack, 2 done
+    for start in range(len(nodes)):
         if state[start]:
             continue
-        stack = [(start, iter(_node_reads(graph.node[start])))]
+        stack = [(start, iter(_node_reads(nodes[start])))]
         state[start] = 1
         while stack:
             idx, it = stack[-1]
             for name in it:
-                if name in defined:
+                if name in known:
                     continue
                 p = producers.get(name)
                 if p is None:
-                    node = graph.node[idx]
+                    if defined is None:
+                        continue
+                    node = nodes[idx]
                     raise ModelError(
                         f"node {node.name or idx!r} ({node.op_type}) reads {name!r}, which no node, "
                         "input or initializer defines"
                     )
                 if state[p] == 1:
-                    raise ModelError(
-                        f"the graph has a cycle through value {name!r} (node {graph.node[p].name!r})"
-                    )
+                    raise ModelError(f"the graph has a cycle through value {name!r} (node {nodes[p].name!r})")
                 if state[p] == 0:
                     state[p] = 1
-                    stack.append((p, iter(_node_reads(graph.node[p]))))
+                    stack.append((p, iter(_node_reads(nodes[p]))))
                     break
             else:
                 state[idx] = 2
-                order.append(graph.node[idx])
+                order.append(nodes[idx])
                 stack.pop()
     return order
+
+
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs held by a node's attributes (If branches, Loop and Scan bodies), in order."""
+    graphs: list[onnx.GraphProto] = []
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            graphs.append(attr.g)
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            graphs.extend(attr.graphs)
+    return graphs
+
+
+def all_subgraphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
+    """Every graph nested in ``graph``, at any depth."""
+    found = []
+    for node in graph.node:
+        for sub in subgraphs(node):
+            found.append(sub)
+            found.extend(all_subgraphs(sub))
+    return found
+
+
+def graph_attr(node: onnx.NodeProto, name: str) -> onnx.GraphProto:
+    """The graph attribute ``name`` of ``node`` (the live message: editing it edits the node)."""
+    for attr in node.attribute:
+        if attr.name == name and attr.type == onnx.AttributeProto.GRAPH:
+            return attr.g
+    raise ModelError(f"node {node.name!r} ({node.op_type}) has no graph attribute {name!r}")
+
+
+def captured_names(node: onnx.NodeProto) -> list[str]:
+    """Outer-scope values the node's subgraphs read, each once, in order of first use."""
+    names: list[str] = []
+    for sub in subgraphs(node):
+        names.extend(_free_names(sub))
+    return list(dict.fromkeys(names))
+
+
+def node_operands(node: onnx.NodeProto) -> list[str]:
+    """What a node reads: its inputs, then the outer-scope values its subgraphs capture.
+
+    Gradients flow to both: a Loop body that reads a weight from the enclosing graph differentiates
+    with respect to it like with respect to an input.
+    """
+    return [*node.input, *captured_names(node)]
+
+
+def local_names(graph: onnx.GraphProto) -> set[str]:
+    """Values defined in ``graph`` itself (inputs, initializers, node outputs), not in nested graphs."""
+    names = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    for node in graph.node:
+        names.update(o for o in node.output if o)
+    return names
+
+
+def all_names(graph: onnx.GraphProto) -> set[str]:
+    """Every value name of ``graph`` and of its subgraphs (for choosing fresh names)."""
+    names: set[str] = set()
+    for g in [graph, *all_subgraphs(graph)]:
+        names |= local_names(g)
+        names.update(v.name for v in [*g.value_info, *g.output])
+    return names
 
 
 def _node_reads(node: onnx.NodeProto) -> list[str]:
     """Names a node reads: its inputs and the outer-scope names its subgraphs use."""
     names = [n for n in node.input if n]
-    for attr in node.attribute:
-        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
-            names.extend(_free_names(sub))
+    for sub in subgraphs(node):
+        names.extend(_free_names(sub))
     return names
 
 
 def _free_names(graph: onnx.GraphProto) -> list[str]:
-    local = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
-    for node in graph.node:
-        local.update(node.output)
+    local = local_names(graph) | {""}
     free = []
     for node in graph.node:
         free.extend(n for n in _node_reads(node) if n not in local)

@@ -249,7 +249,9 @@ class ForwardBackward:
         values.update(self._param_values)
         outs, saved = self._runner.forward(values, training)
         if saved is not None:
-            saved["__inputs__"] = bound  # type: ignore[assignment]  # keep fed buffers alive
+            # OrtValues do not own numpy buffers: keep the fed arrays and the parameter arrays of
+            # this step alive until the backward (set_parameters may replace them meanwhile)
+            saved["__inputs__"] = (bound, dict(self._params))  # type: ignore[assignment]
         return ForwardResult(self, [ov.numpy() for ov in outs], saved)
 
     def _backward(self, saved: dict[str, Any], grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -41,7 +41,11 @@ def run(
 
 
 def from_torch(t: Any) -> C.OrtValue:
-    """An OrtValue sharing a CPU torch tensor's buffer (contiguous; keep the tensor alive)."""
+    """An OrtValue sharing a CPU torch tensor's buffer.
+
+    The tensor must be contiguous, and the caller must keep it alive while the value is in use:
+    the OrtValue holds no reference to it (that is what makes it cheap).
+    """
     try:
         return C.OrtValue.ortvalue_from_numpy(t.numpy(), CPU)  # the faster path
     except TypeError:  # bfloat16 and other dtypes numpy lacks

@@ -28,9 +28,13 @@ from ..runtime.session import Runner, resolve_providers
 from ..runtime.values import from_torch, to_torch
 
 
-def _to_ort(t: torch.Tensor) -> Any:
-    # DLPack shares the buffer; contiguous() copies only when the tensor is a strided view.
-    return from_torch(t.detach().contiguous())
+def _to_ort(t: torch.Tensor, keep: list[torch.Tensor]) -> Any:
+    """An OrtValue sharing ``t``'s buffer. The OrtValue does not own it: the (possibly new,
+    when ``t`` is a strided view) contiguous tensor is appended to ``keep``, which the caller
+    holds until onnxruntime is done with the value."""
+    contiguous = t.detach().contiguous()
+    keep.append(contiguous)
+    return from_torch(contiguous)
 
 
 def torch_name(onnx_name: str, taken: set[str]) -> str:
@@ -90,8 +94,8 @@ class _OnnxFunction(torch.autograd.Function):
     def forward(
         ctx: Any, variant: _Variant, names: Sequence[str], *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        keep = [t.detach().contiguous() for t in tensors]
-        values = {n: from_torch(t) for n, t in zip(names, keep)}
+        keep: list[torch.Tensor] = []
+        values = {n: _to_ort(t, keep) for n, t in zip(names, tensors)}
         outs, saved = variant.runner.forward(values, training=True)
         position = {n: i for i, n in enumerate(names)}
         saved_names = list(saved or {})
@@ -114,7 +118,8 @@ class _OnnxFunction(torch.autograd.Function):
                 "OnnxModule does not support create_graph=True: its backward runs on onnxruntime "
                 "and is not itself differentiable by torch (second-order gradients)"
             )
-        saved = {n: _to_ort(t) for n, t in zip(ctx.saved_names, ctx.saved_tensors)}
+        keep: list[torch.Tensor] = []
+        saved = {n: _to_ort(t, keep) for n, t in zip(ctx.saved_names, ctx.saved_tensors)}
         variant: _Variant = ctx.variant
         graphs = variant.graphs
         gvals = {}
@@ -123,7 +128,7 @@ class _OnnxFunction(torch.autograd.Function):
                 g = grads[i]
                 if g is None:
                     g = torch.zeros(*ctx.out_meta[i])
-                gvals[out] = _to_ort(g)
+                gvals[out] = _to_ort(g, keep)
         res = dict(zip(variant.runner.wrt, variant.runner.backward(saved, gvals)))
         return (None, None, *[to_torch(res[n]) if n in res else None for n in ctx.names])
 
@@ -216,7 +221,8 @@ class OnnxModule(nn.Module):
         if wrt_params or wrt_inputs:
             outs = _OnnxFunction.apply(variant, names, *all_tensors)
         else:  # nothing requires grad: inference, nothing is kept for a backward
-            feeds = {n: _to_ort(t) for n, t in zip(names, all_tensors)}
+            keep: list[torch.Tensor] = []
+            feeds = {n: _to_ort(t, keep) for n, t in zip(names, all_tensors)}
             outs = tuple(to_torch(o) for o in variant.runner.forward(feeds, training=False)[0])
         return outs[0] if len(outs) == 1 else tuple(outs)
 

@@ -1,3 +1,3 @@
 """Gradient rules by op family; importing this package registers all of them."""
 
-from . import elementwise, linalg, ml, nn, nondiff, reduce, shape  # noqa: F401
+from . import control_flow, elementwise, linalg, losses, ml, nn, nondiff, norm, reduce, sequence, shape  # noqa: F401

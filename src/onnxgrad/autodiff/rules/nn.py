@@ -1,11 +1,13 @@
-"""Neural-network layers: Conv, pooling, normalization, Dropout.
+"""Neural-network layers: Conv, pooling, LayerNormalization, BatchNormalization, Dropout.
 
 Convolution gradients are convolutions again: dX is a ``ConvTranspose`` of dY with the same
 kernel, dW a ``Conv`` of X with dY as the kernel (batch and channels swapped, strides and dilations
 swapped).
 Pooling reuses what the forward knows: MaxPool's own ``Indices`` output routes dY back with one
 scatter-add; AveragePool is a ``ConvTranspose`` with a ones kernel. LayerNormalization reads the
-mean and inverse standard deviation its forward node computes anyway.
+mean and inverse standard deviation its forward node computes anyway; its backward, and that of
+BatchNormalization in training mode, is the one of every normalization (``norm.py``). Dropout in
+training mode reads the mask its forward node draws.
 """
 
 from __future__ import annotations
@@ -20,16 +22,13 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from ...errors import GradientNotImplementedError
-from ..builder import GradBuilder, Var, cast
+from ..builder import GradBuilder, Var, cast, where
 from ..graph import Dim, np_dtype
 from ..registry import NodeContext, rule
+from .norm import mean_over, node_label, norm_axes, normalize_backward, normalized_count, standardize
 from .reduce import max_grad
 
 _END = np.iinfo(np.int64).max  # Slice end meaning "to the end"
-
-
-def _where(n: NodeContext) -> str:
-    return f"{n.node.op_type} node {n.node.name!r}"
 
 
 # ---- shapes ---------------------------------------------------------------------------------
@@ -41,7 +40,7 @@ def _spatial_rank(n: NodeContext, *values: Var | None) -> int:
     for v in values:
         if v is not None and v.rank is not None:
             return v.rank - 2
-    raise GradientNotImplementedError(f"{_where(n)}: the rank of its input must be known")
+    raise GradientNotImplementedError(f"{node_label(n)}: the rank of its input must be known")
 
 
 def _spatial_dims(x: Var, nsp: int) -> list[Dim]:
@@ -132,7 +131,7 @@ def window_of(n: NodeContext, nsp: int, kernel: list[int] | None, spatial: list[
         h = spatial[i]
         if kernel is None or (strides[i] != 1 and not isinstance(h, int)):
             raise GradientNotImplementedError(
-                f"{_where(n)}: auto_pad={auto_pad} needs static kernel and spatial sizes"
+                f"{node_label(n)}: auto_pad={auto_pad} needs static kernel and spatial sizes"
             )
         extent = (kernel[i] - 1) * dilations[i] + 1
         if strides[i] == 1:
@@ -268,7 +267,7 @@ def max_pool(g: GradBuilder, n: NodeContext) -> list[Var | None]:
         return [None]
     if n.opset < 8:
         raise GradientNotImplementedError(
-            f"{_where(n)}: MaxPool before opset 8 has no Indices output to route the gradient"
+            f"{node_label(n)}: MaxPool before opset 8 has no Indices output to route the gradient"
         )
     x, dy = n.x, n.dy
     nsp = _spatial_rank(n, x, n.y)
@@ -335,7 +334,7 @@ def average_pool(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     kernel = [int(k) for k in n.attr("kernel_shape")]
     static = _static(_spatial_dims(x, nsp))
     if static is None:
-        raise GradientNotImplementedError(f"{_where(n)}: AveragePool needs static spatial sizes")
+        raise GradientNotImplementedError(f"{node_label(n)}: AveragePool needs static spatial sizes")
     win = window_of(n, nsp, kernel, list(static))
     ceil = bool(n.attr("ceil_mode", 0))
     include_pad = bool(n.attr("count_include_pad", 0))
@@ -392,29 +391,19 @@ def global_max_pool(g: GradBuilder, n: NodeContext) -> list[Var | None]:
         return [None]
     x = n.x
     if x.rank is None:
-        raise GradientNotImplementedError(f"{_where(n)}: the rank of its input must be known")
+        raise GradientNotImplementedError(f"{node_label(n)}: the rank of its input must be known")
     axes = list(range(2, x.rank))
     return [max_grad(g, x, n.y, n.dy, lambda m: g.reduce_sum(m, axes, keepdims=True))]
 
 
-# ---- normalization --------------------------------------------------------------------------
-def _norm_axes(n: NodeContext, x: Var, axis: int) -> list[int]:
-    """The axes ``[axis, rank)``; negative when the rank is unknown."""
-    if x.rank is not None:
-        return list(range(axis % x.rank, x.rank))
-    if axis < 0:
-        return list(range(axis, 0))
-    raise GradientNotImplementedError(f"{_where(n)}: the rank of its input must be known")
-
-
+# ---- normalization (the shared math lives in norm.py) ---------------------------------------
 @rule("LayerNormalization", since=17)
 def layer_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     """y = xh * scale + B with xh = (x - mean) inv, over the axes [axis, rank).
 
-    dxh = dy * scale; dx = inv (dxh - mean(dxh) - xh mean(dxh xh)); dscale = sum(dy xh);
-    dB = sum(dy). The forward's own Mean and InvStdDev outputs (in ``stash_type``) are read.
-    Where the model uses those outputs too: dx += (dMean - dInv inv^2 xh) / D, D the normalized
-    size (d inv / d x = -inv^3 (x - mean) / D).
+    dx = normalize_backward(dy * scale); dscale = sum(dy xh); dB = sum(dy). The forward's own Mean
+    and InvStdDev outputs (in ``stash_type``) are read. Where the model uses those outputs too:
+    dx += (dMean - dInv inv^2 xh) / D, D the normalized size (d inv / d x = -inv^3 (x - mean) / D).
     """
     x, scale = n.inputs[0], n.inputs[1]
     assert x is not None and scale is not None
@@ -427,8 +416,7 @@ def layer_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
         grads[2] = g.unbroadcast(dy, b, x.shape)
     if not (n.needs[0] or n.needs[1]):
         return grads
-    axis = int(n.attr("axis", -1))
-    axes = _norm_axes(n, x, axis)
+    axes = norm_axes(n, x, int(n.attr("axis", -1)))
     stash = int(n.attr("stash_type", TensorProto.FLOAT))
     stat_shape = None
     if x.shape is not None:
@@ -439,54 +427,46 @@ def layer_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     if n.needs[1]:
         grads[1] = g.unbroadcast(dy * xh, scale, x.shape)
     if n.needs[0]:
-        dxh = dy * scale
-        mean_dxh = g.ReduceMean(dxh, axes, keepdims=1)
-        mean_dxh_xh = g.ReduceMean(dxh * xh, axes, keepdims=1)
-        dx = inv * (dxh - mean_dxh - xh * mean_dxh_xh)
+        dx = normalize_backward(dy * scale, xh, inv, mean_over(g, axes))
         if d_mean is not None or d_inv is not None:  # dx += (dMean - dInv inv^2 xh) / D
             extra = cast(d_mean, x) if d_mean is not None else None
             if d_inv is not None:
                 term = cast(d_inv, x) * inv * inv * xh
                 extra = -term if extra is None else extra - term
             stat = d_mean if d_mean is not None else d_inv
-            dx = dx + extra / _normalized_count(g, x, axes, stat)  # type: ignore[operator,arg-type]
+            dx = dx + extra / normalized_count(g, x, axes, stat)  # type: ignore[operator,arg-type]
         grads[0] = dx
     return grads
 
 
-def _normalized_count(g: GradBuilder, x: Var, axes: list[int], stat: Var) -> Var:
-    """D, the number of elements each statistic summarizes: size(x) / size(statistic)."""
-    static = x.static_shape
-    if static is not None:
-        return g.const(float(math.prod(static[a] for a in axes)), x.dtype)
-    size_x = g.ReduceProd(g.shape_of(x), keepdims=0)
-    return g.Cast(g.Div(size_x, g.Size(stat)), to=x.dtype)
-
-
 def _batch_norm_training(n: NodeContext) -> bool:
+    """Training mode: the ``training_mode`` attribute from opset 14; before, asking for the
+    statistics outputs (``is_test=0`` before opset 7), as onnxruntime reads it."""
     if n.opset >= 14:
         return bool(n.attr("training_mode", 0))
     if n.opset < 7 and not n.attr("is_test", 0):
         return True
-    return any(o for o in n.node.output[1:])  # running statistics asked for: training
+    return any(o for o in n.node.output[1:])
 
 
 @rule("BatchNormalization")
 def batch_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
-    """Inference mode: y = (x - mean) inv scale + B with inv = (var + eps)^-1/2.
+    """y = xh scale + B over the batch and spatial axes (per channel).
 
+    Inference mode, xh = (x - mean) inv with the given statistics, inv = (var + eps)^-1/2:
     dx = dy scale inv; dscale = sum(dy (x - mean)) inv; dB = sum(dy); dmean = -dB scale inv;
-    dvar = -1/2 scale inv^3 sum(dy (x - mean)), sums over the batch and spatial axes.
+    dvar = -1/2 scale inv^3 sum(dy (x - mean)).
+    Training mode, xh standardized with the batch's own (biased) statistics, recomputed from x:
+    dx = normalize_backward(dy scale) (as torch's batch_norm backward); dscale = sum(dy xh);
+    dB = sum(dy). The running statistics (inputs and outputs) carry no gradient.
     """
-    if _batch_norm_training(n):
-        raise GradientNotImplementedError(
-            f"{_where(n)}: BatchNormalization in training mode has no gradient rule yet"
-        )
     x, scale, bias, mean, var = n.inputs[:5]
     assert x is not None and scale is not None and mean is not None and var is not None
-    dy = n.dy
+    dy = n.dout[0]
+    if dy is None:  # only the statistics outputs have a gradient: they carry none
+        return [None] * len(n.inputs)
     if x.rank is None:
-        raise GradientNotImplementedError(f"{_where(n)}: the rank of its input must be known")
+        raise GradientNotImplementedError(f"{node_label(n)}: the rank of its input must be known")
     # Parameters are (C,) (or (C, D1...) with spatial=0 in old opsets): align them at axis 1.
     p_rank = scale.rank if scale.rank is not None else 1
     trailing = list(range(1 + p_rank, x.rank))
@@ -496,41 +476,81 @@ def batch_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
         return g.Unsqueeze(p, [a - 1 for a in trailing]) if trailing else p
 
     eps = float(n.attr("epsilon", 1e-5))
-    s, m = cast(scale, x), cast(mean, x)
-    inv = g.Reciprocal(g.Sqrt(cast(var, x) + eps))
+    s = cast(scale, x)
     grads: list[Var | None] = [None] * len(n.inputs)
+    sum_dy = g.reduce_sum(dy, axes, keepdims=False) if n.needs[2] or n.needs[3] else None
+    if n.needs[2]:
+        grads[2] = cast(sum_dy, bias)  # type: ignore[arg-type]
+    if _batch_norm_training(n):
+        if n.needs[0] or n.needs[1]:
+            batch_mean = mean_over(g, axes)
+            xh, inv = standardize(g, x, batch_mean, eps)
+            if n.needs[0]:
+                grads[0] = normalize_backward(dy * aligned(s), xh, inv, batch_mean)
+            if n.needs[1]:
+                grads[1] = cast(g.reduce_sum(dy * xh, axes, keepdims=False), scale)
+        return grads  # y does not depend on the running statistics
+    m = cast(mean, x)
+    inv = g.Reciprocal(g.Sqrt(cast(var, x) + eps))
     if n.needs[0]:
         grads[0] = dy * aligned(s * inv)
-    sum_dy = g.reduce_sum(dy, axes, keepdims=False) if n.needs[2] or n.needs[3] else None
     if n.needs[1] or n.needs[4]:
         sum_dy_xc = g.reduce_sum(dy * (x - aligned(m)), axes, keepdims=False)
         if n.needs[1]:
             grads[1] = cast(sum_dy_xc * inv, scale)
         if n.needs[4]:
             grads[4] = cast(sum_dy_xc * s * inv * inv * inv * -0.5, var)
-    if n.needs[2]:
-        grads[2] = cast(sum_dy, bias)  # type: ignore[arg-type]
     if n.needs[3]:
         grads[3] = cast(-(sum_dy * s * inv), mean)  # type: ignore[operator]
     return grads
 
 
 # ---- Dropout --------------------------------------------------------------------------------
+def _dropout_training(n: NodeContext) -> bool | Var:
+    """Whether a Dropout node trains: a bool when known while building, else its run-time flag."""
+    if n.opset < 7:
+        return not n.attr("is_test", 0)
+    if n.opset < 12 or len(n.node.input) < 3 or not n.node.input[2]:
+        return False  # opset 7-11 Dropout is the identity at inference; no flag means inference
+    flag = n.const_input(2)
+    if flag is None:
+        return n.inputs[2]  # type: ignore[return-value]
+    return bool(np.asarray(flag).reshape(-1)[0])
+
+
 @rule("Dropout")
 def dropout(g: GradBuilder, n: NodeContext) -> list[Var | None]:
-    """Inference mode is the identity: dx = dy. Training mode is not supported yet."""
-    if n.opset >= 12:
-        training = False
-        if len(n.node.input) > 2 and n.node.input[2]:
-            flag = n.const_input(2)
-            training = True if flag is None else bool(np.asarray(flag).reshape(-1)[0])
-    else:  # opset 7-11 Dropout is the identity at inference; before 7, is_test says which mode
-        training = n.opset < 7 and not n.attr("is_test", 0)
-    if training:
-        raise GradientNotImplementedError(
-            f"{_where(n)}: Dropout in training mode (or with a training_mode computed at run time) "
-            "has no gradient rule yet"
-        )
+    """Inference: dx = dy. Training: y = x mask / (1 - ratio), so dx = dy mask / (1 - ratio).
+
+    The mask is the forward node's own Mask output (added to it when the model does not use it):
+    the backward drops exactly what the forward dropped. With ``training_mode`` or ``ratio`` known
+    only at run time, the scale is computed from them (1 when not training: the mask is then all
+    true); ``where`` keeps dropped positions exactly 0.
+    """
     grads: list[Var | None] = [None] * len(n.inputs)
-    grads[0] = n.dy if n.needs[0] else None
+    if not n.needs[0]:
+        return grads
+    training = _dropout_training(n)
+    if training is False:
+        grads[0] = n.dy
+        return grads
+    if n.opset < 12:
+        raise GradientNotImplementedError(
+            f"{node_label(n)}: Dropout before opset 7 in training mode (is_test=0) is not supported; "
+            "convert the model to opset 12 or later (Dropout with a training_mode input)"
+        )
+    x, dy = n.x, n.dy
+    mask = g.extra_output(n.node, 1, TensorProto.BOOL, x.shape)
+    ratio_var = n.inputs[1] if len(n.inputs) > 1 else None
+    ratio = n.const_input(1)
+    scale: Var | float
+    if ratio_var is not None and ratio is None:  # ratio computed at run time
+        scale = g.Reciprocal(1.0 - cast(ratio_var, x))
+    else:
+        r = 0.5 if ratio is None else float(np.asarray(ratio).reshape(-1)[0])
+        scale = 1.0 / (1.0 - r) if r < 1.0 else 0.0  # ratio 1 drops everything (the mask is all false)
+    if isinstance(training, Var):  # not training: y = x and the mask is all true, so no scaling
+        scale = where(training, g.const(scale, x.dtype) if isinstance(scale, float) else scale, 1.0)
+    scaled = dy if isinstance(scale, float) and scale == 1.0 else dy * scale
+    grads[0] = where(mask, scaled, 0)
     return grads
