@@ -39,6 +39,7 @@ def run_model(model: onnx.ModelProto, backend: Backend = "onnxruntime") -> Any:
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     opts.log_severity_level = 3
+    opts.intra_op_num_threads = 1  # test models are tiny: threads only add contention
     sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     return lambda feeds: dict(zip(names, sess.run(None, dict(feeds))))
 

@@ -171,3 +171,54 @@ def test_create_graph_is_refused_clearly(net64):
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     with pytest.raises(RuntimeError, match="does not support create_graph=True"):
         torch.autograd.grad(m(x).sum(), x, create_graph=True)
+
+
+def _bn_dropout_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 8),
+        torch.nn.BatchNorm1d(8),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.5),
+        torch.nn.Linear(8, 2),
+    ).double()
+
+
+def test_train_and_eval_switch_batchnorm_and_dropout():
+    net = _bn_dropout_net()
+    net.eval()
+    m = OnnxModule(_export(net, torch.randn(4, 5, dtype=torch.float64)))
+    stats = {m.onnx_names[t] for t, _ in m.named_buffers()}
+    assert stats == {"1.running_mean", "1.running_var"}  # buffers, not parameters
+    x = torch.randn(16, 5, dtype=torch.float64)
+    m.eval()
+    torch.testing.assert_close(m(x), net(x))  # inference: running statistics, no dropout
+    # training: BatchNorm uses batch statistics and updates the running ones; Dropout drops
+    net.train()
+    net[3].p = 0.0  # the torch reference without dropout, for the BatchNorm part
+    m.train()
+    before = m.p_1_running_mean.clone()
+    x.requires_grad_(True)
+    y = m(x)
+    zero_rows = (y == 0).all(dim=1)
+    assert not torch.equal(m.p_1_running_mean, before)
+    momentum = net[1].momentum
+    batch_mean = (x @ net[0].weight.T + net[0].bias).mean(0)
+    torch.testing.assert_close(m.p_1_running_mean, (1 - momentum) * before + momentum * batch_mean)
+    # dropout: about half of the hidden units are zeroed, survivors scaled by 2
+    h = torch.nn.functional.relu(net[1](net[0](x)))
+    assert not zero_rows.all()
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    _ = h
+
+
+def test_eval_mode_gradients_match_torch():
+    net = _bn_dropout_net().eval()
+    m = OnnxModule(_export(net, torch.randn(4, 5, dtype=torch.float64))).eval()
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(m, (x,))
+    m(x).sum().backward()
+    net(x).sum().backward()
+    for tname, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, dict(net.named_parameters())[m.onnx_names[tname]].grad)

@@ -22,6 +22,7 @@ from onnx import numpy_helper
 from torch import nn
 
 from ..autodiff.engine import build_gradient
+from ..autodiff.modes import set_training_mode
 from ..autodiff.graph import FLOAT_TYPES, load_model, to_array
 from ..errors import InputError
 from ..runtime.session import Runner, resolve_providers
@@ -59,6 +60,7 @@ class _Variant:
         trainable: list[str],
         inputs: list[str],
         as_inputs: list[str],
+        outputs: list[str],
         providers: list[Any],
         options: ort.SessionOptions | None,
     ) -> None:
@@ -77,7 +79,9 @@ class _Variant:
         proto.graph.initializer.extend(kept)
         declared = {i.name for i in proto.graph.input}
         proto.graph.input.extend([a for a in added if a.name not in declared])
-        self.graphs = build_gradient(proto, trainable=trainable, inputs_requiring_grad=inputs)
+        self.graphs = build_gradient(
+            proto, trainable=trainable, inputs_requiring_grad=inputs, outputs=outputs
+        )
         self.runner = Runner(self.graphs, providers, options)
 
 
@@ -151,13 +155,28 @@ class OnnxModule(nn.Module):
     ) -> None:
         super().__init__()
         proto = load_model(model)
-        self._proto_bytes = proto.SerializeToString()
+        self.output_names = [o.name for o in proto.graph.output]
+        # Dropout and BatchNormalization follow .train() / .eval(): one model per mode, sharing
+        # initializer names; in training mode BatchNormalization's running statistics come out as
+        # extra outputs, written back into their buffers after each forward.
+        self._running_stats: dict[str, str] = {}
+        if any(n.op_type in ("Dropout", "BatchNormalization") for n in proto.graph.node):
+            train = set_training_mode(proto, True)
+            proto = train.model
+            self._running_stats = train.running_stats
+            self._mode_bytes = {
+                True: proto.SerializeToString(),
+                False: set_training_mode(proto, False).model.SerializeToString(),
+            }
+        else:
+            self._mode_bytes = {True: proto.SerializeToString()}
+            self._mode_bytes[False] = self._mode_bytes[True]
         self._providers = providers
         self._session_options = session_options
         inits = {i.name: i for i in proto.graph.initializer}
         floats = [n for n, t in inits.items() if t.data_type in FLOAT_TYPES]
-        if trainable is None:
-            params = floats
+        if trainable is None:  # every float initializer but the running statistics
+            params = [n for n in floats if n not in self._running_stats]
         else:
             params = [trainable] if isinstance(trainable, str) else list(dict.fromkeys(trainable))
             for n in params:
@@ -177,22 +196,23 @@ class OnnxModule(nn.Module):
                 self.register_buffer(tname, value)
         init_names = set(inits)
         self.input_names = [i.name for i in proto.graph.input if i.name not in init_names]
-        self.output_names = [o.name for o in proto.graph.output]
         self._variants: dict[tuple, _Variant] = {}
         self._lock = threading.Lock()
 
     # ---- running ------------------------------------------------------------------------------
     def _variant(self, wrt_params: tuple[str, ...], wrt_inputs: tuple[str, ...]) -> _Variant:
-        key = (wrt_params, wrt_inputs)
+        mode = bool(self.training)
+        key = (mode, wrt_params, wrt_inputs)
         with self._lock:
             variant = self._variants.get(key)
             if variant is None:
                 others = [n for n in self.onnx_names.values() if n not in wrt_params]
                 variant = _Variant(
-                    onnx.load_from_string(self._proto_bytes),
+                    onnx.load_from_string(self._mode_bytes[mode]),
                     list(wrt_params),
                     list(wrt_inputs),
                     others,
+                    self.output_names,
                     resolve_providers(self._providers),
                     self._session_options,
                 )
@@ -224,12 +244,23 @@ class OnnxModule(nn.Module):
             keep: list[torch.Tensor] = []
             feeds = {n: _to_ort(t, keep) for n, t in zip(names, all_tensors)}
             outs = tuple(to_torch(o) for o in variant.runner.forward(feeds, training=False)[0])
+        if self.training and self._running_stats:
+            self._update_running_stats(variant, outs)
+        outs = outs[: len(self.output_names)]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _update_running_stats(self, variant: _Variant, outs: Sequence[torch.Tensor]) -> None:
+        position = {name: i for i, name in enumerate(variant.graphs.outputs)}
+        by_onnx = {n: t for t, n in self.onnx_names.items()}
+        with torch.no_grad():
+            for stat, out in self._running_stats.items():
+                getattr(self, by_onnx[stat]).copy_(outs[position[out]])
 
     # ---- export, copies, pickling ----------------------------------------------------------------
     def to_onnx(self) -> onnx.ModelProto:
-        """The ONNX model carrying the module's current parameter and buffer values."""
-        proto = onnx.load_from_string(self._proto_bytes)
+        """The inference model (Dropout and BatchNormalization in inference mode) carrying the
+        module's current parameter and buffer values."""
+        proto = onnx.load_from_string(self._mode_bytes[False])
         values = {n: getattr(self, t).detach().cpu().numpy() for t, n in self.onnx_names.items()}
         inits = [
             numpy_helper.from_array(values[i.name], i.name) if i.name in values else i

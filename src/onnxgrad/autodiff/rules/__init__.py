@@ -1,3 +1,17 @@
 """Gradient rules by op family; importing this package registers all of them."""
 
-from . import control_flow, elementwise, linalg, losses, ml, nn, nondiff, norm, reduce, sequence, shape  # noqa: F401
+from . import (  # noqa: F401
+    control_flow,
+    elementwise,
+    indexing,
+    linalg,
+    losses,
+    ml,
+    nn,
+    nondiff,
+    norm,
+    reduce,
+    resample,
+    sequence,
+    shape,
+)

@@ -212,9 +212,7 @@ def _slice_params(n: NodeContext) -> tuple[list[np.ndarray | None], list[Var | N
     return consts, [n.inputs[i] if i < len(n.inputs) else None for i in range(1, 5)]
 
 
-def _slice_pads(
-    n: NodeContext, consts: list[np.ndarray | None], vars_: list[Var | None]
-) -> list[int] | None:
+def _slice_pads(n: NodeContext, consts: list[np.ndarray | None], vars_: list[Var | None]) -> list[int] | None:
     """Pads that undo a unit-step Slice with constant bounds on static dims; None otherwise."""
     starts, ends, axes, steps = consts
     x = n.x

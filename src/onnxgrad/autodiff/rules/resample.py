@@ -1,0 +1,542 @@
+"""Resampling ops: Resize (and the older Upsample), GridSample, Col2Im.
+
+Resize is linear in X and separable: along each resized axis, output position o reads a few input
+positions i with weights w(o, i) that depend only on sizes, scales and attributes. Those taps are
+computed here at build time (mirroring onnxruntime's arithmetic: float32 coordinates, its rounding
+of nearest indices, its antialias filter), transposed, and applied to dy as one Gather plus a
+weighted sum per axis: dX[.., i, ..] = sum_k dy[.., J[i, k], ..] * V[i, k].
+
+GridSample reads X at run-time positions: dX scatter-adds dy times the interpolation weights at the
+corners each output read (one ScatterElements), d grid is dy times the slope of the interpolation
+along each coordinate, times the slopes of the padding (border clipping, reflections) and of the
+unnormalization, as torch.nn.functional.grid_sample.
+
+Col2Im sums patches into an image; its adjoint cuts the patches back out (Im2Col): one Gather from
+the padded dy with a patch-position table computed at build time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import GradientNotImplementedError
+from ..builder import INT64, GradBuilder, Var, cast, where
+from ..registry import NodeContext, rule
+from .shape import Grads, _dim, _first_only, _need_rank, _shape_vec, _zeros
+
+F32 = np.float32
+
+
+def _where(n: NodeContext) -> str:
+    return f"{n.node.op_type} node {n.node.name!r}"
+
+
+# ---- Resize: per-axis taps ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class _ResizeMode:
+    """The attributes of a Resize (or Upsample) that shape its taps."""
+
+    mode: str  # nearest, linear, cubic
+    transform: str  # coordinate_transformation_mode
+    nearest: str  # nearest_mode; "simple" before opset 11 (ceil when downsampling, else truncate)
+    cubic_a: float
+    exclude_outside: bool
+    antialias: bool
+
+
+def _source_coords(
+    mode: _ResizeMode, n_out: int, n_in: int, scale: F32, roi: tuple[float, float]
+) -> np.ndarray:
+    """Input coordinate of each output position, in float32 as onnxruntime computes it."""
+    x = np.arange(n_out, dtype=F32)
+    half, t = F32(0.5), mode.transform
+    if t == "asymmetric":
+        c = x / scale
+    elif t == "pytorch_half_pixel":
+        c = (x + half) / scale - half if n_out > 1 else np.zeros(n_out, F32)
+    elif t == "tf_half_pixel_for_nn":
+        c = (x + half) / scale
+    elif t == "align_corners":
+        c = x * F32(n_in - 1) / F32(n_out - 1) if n_out != 1 else np.zeros(n_out, F32)
+    elif t == "tf_crop_and_resize":
+        start, end = F32(roi[0]), F32(roi[1])
+        if n_out > 1:
+            c = start * F32(n_in - 1) + (x * (end - start) * F32(n_in - 1)) / F32(n_out - 1)
+        else:
+            c = np.full(n_out, 0.5 * (float(start) + float(end)) * (n_in - 1), F32)
+    elif t == "half_pixel_symmetric":
+        adjustment = F32(n_out) / (scale * F32(n_in))
+        offset = F32(n_in) / F32(2) * (F32(1) - adjustment)
+        c = (offset + (x.astype(np.float64) + 0.5) / scale - 0.5).astype(F32)
+    else:  # half_pixel (the names were checked by _resize_mode)
+        c = (x + half) / scale - half
+    return c.astype(F32)
+
+
+def _round_half_away(c: np.ndarray) -> np.ndarray:
+    c = c.astype(np.float64)
+    return np.sign(c) * np.floor(np.abs(c) + 0.5)
+
+
+def _nearest_index(c: np.ndarray, how: str, downsampling: bool) -> np.ndarray:
+    """onnxruntime's rounding of a float32 coordinate to an input index (before clamping)."""
+    if how == "simple":
+        r = np.ceil(c) if downsampling else np.trunc(c)
+    elif how == "round_prefer_floor":
+        tie = c == (np.trunc(c) + F32(0.5)).astype(F32)
+        r = np.where(tie, np.floor(c), _round_half_away(c))
+    elif how == "round_prefer_ceil":
+        r = _round_half_away(c)
+    elif how == "floor":
+        r = np.floor(c)
+    else:  # ceil
+        r = np.ceil(c)
+    return r.astype(np.int64)
+
+
+def _cubic_weights(s: np.ndarray, a: float) -> np.ndarray:
+    """Keys cubic convolution weights of the 4 neighbours floor(c) - 1 .. floor(c) + 2, s = c - floor(c)."""
+    d = np.stack([1 + s, s, 1 - s, 2 - s], axis=-1)
+    near = ((a + 2) * d - (a + 3)) * d * d + 1
+    far = ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+    return np.where(d <= 1, near, far)
+
+
+def _antialias_taps(
+    mode: _ResizeMode, n_out: int, n_in: int, scale: F32, roi: tuple[float, float]
+) -> tuple[np.ndarray, np.ndarray]:
+    """onnxruntime's antialiased filter (Pillow's): a triangle or cubic kernel stretched by 1 / scale
+    when downsampling, taps outside the input folded onto the edge (or dropped with exclude_outside)."""
+    support_size = 2.0 if mode.mode == "linear" else 4.0
+    inv = F32(1) / scale
+    support = support_size * 0.5 * float(inv) if inv >= 1 else support_size * 0.5
+    window = math.ceil(support) * 2 + 1
+    stretch = 1.0 / float(inv) if inv >= 1 else 1.0
+    if inv == 1:
+        centers = np.arange(n_out, dtype=np.float64) + 0.5
+    else:
+        centers = _source_coords(mode, n_out, n_in, scale, roi).astype(np.float64) + 0.5
+    idx = np.zeros((n_out, window), dtype=np.int64)
+    w = np.zeros((n_out, window))
+    a = mode.cubic_a
+    for o, center in enumerate(centers):
+        lo = math.floor(center - support + 0.5)
+        hi = lo + min(max(math.floor(center + support + 0.5) - lo, 0), window)
+        if mode.exclude_outside:
+            lo, hi = min(max(lo, 0), n_in), min(max(hi, 0), n_in)
+        taps = np.arange(lo, hi)
+        d = np.abs((taps - center + 0.5) * stretch)
+        if mode.mode == "linear":
+            f = np.where(d < 1, 1 - d, 0.0)
+        else:
+            f = np.where(
+                d < 1,
+                ((a + 2) * d - (a + 3)) * d * d + 1,
+                np.where(d < 2, (((d - 5) * d + 8) * d - 4) * a, 0.0),
+            )
+        total = f.sum()
+        idx[o, : len(taps)] = np.clip(taps, 0, n_in - 1)
+        w[o, : len(taps)] = f / total if total != 0 else f
+    return idx, w
+
+
+def _resize_taps(
+    mode: _ResizeMode, n_out: int, n_in: int, scale: F32, roi: tuple[float, float]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Input indices and weights, (n_out, K) each, of a 1-D resize from n_in to n_out positions."""
+    if mode.antialias:
+        idx, w = _antialias_taps(mode, n_out, n_in, scale, roi)
+    else:
+        c = _source_coords(mode, n_out, n_in, scale, roi)
+        if mode.mode == "nearest":
+            idx = _nearest_index(c, mode.nearest, scale < 1)[:, None]
+            w = np.ones_like(idx, dtype=np.float64)
+        elif mode.mode == "linear":
+            cc = np.clip(c, F32(0), F32(n_in - 1)).astype(np.float64)
+            lo = np.floor(cc).astype(np.int64)
+            frac = cc - lo
+            idx = np.stack([lo, lo + 1], axis=1)
+            w = np.stack([1 - frac, frac], axis=1)
+        else:
+            lo = np.floor(c).astype(np.int64)
+            idx = lo[:, None] + np.arange(-1, 3)[None, :]
+            w = _cubic_weights(c.astype(np.float64) - lo, mode.cubic_a)
+            if mode.exclude_outside:
+                w = np.where((idx < 0) | (idx >= n_in), 0.0, w)
+                total = w.sum(axis=1, keepdims=True)
+                w = w / np.where(total == 0, 1.0, total)
+        idx = np.clip(idx, 0, n_in - 1)
+    if mode.transform == "tf_crop_and_resize":  # outside the input: the extrapolation value
+        c = _source_coords(mode, n_out, n_in, scale, roi)
+        w = np.where(((c < 0) | (c > n_in - 1))[:, None], 0.0, w)
+    return idx, w
+
+
+def _transpose_taps(idx: np.ndarray, w: np.ndarray, n_in: int) -> tuple[np.ndarray, np.ndarray]:
+    """The taps of the adjoint: for each input position, the outputs that read it and their weights,
+    (n_in, K') each, padded with weight 0."""
+    n_out = idx.shape[0]
+    keys = idx.reshape(-1) * n_out + np.repeat(np.arange(n_out), idx.shape[1])
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    weights = np.bincount(inverse.reshape(-1), weights=w.reshape(-1))  # repeated taps add up
+    keep = weights != 0
+    uniq, weights = uniq[keep], weights[keep]
+    rows, cols = uniq // n_out, uniq % n_out
+    counts = np.bincount(rows, minlength=n_in)
+    width = max(int(counts.max(initial=0)), 1)
+    slot = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+    table = np.zeros((n_in, width), dtype=np.int64)
+    values = np.zeros((n_in, width))
+    table[rows, slot] = cols
+    values[rows, slot] = weights
+    return table, values
+
+
+def _apply_adjoint(
+    g: GradBuilder, dy: Var, axis: int, rank: int, table: np.ndarray, values: np.ndarray
+) -> Var:
+    """dX along ``axis``: sum_k dy[.., table[i, k], ..] * values[i, k] (a Gather, a Mul, a ReduceSum)."""
+    trailing = (1,) * (rank - 1 - axis)
+    if table.shape[1] == 1:
+        picked = g.Gather(dy, table[:, 0], axis=axis)
+        if np.all(values == 1):
+            return picked
+        return picked * g.const(values.reshape(-1, *trailing), dy.dtype)
+    picked = g.Gather(dy, table, axis=axis)
+    weighted = picked * g.const(values.reshape(*values.shape, *trailing), dy.dtype)
+    return g.reduce_sum(weighted, [axis + 1], keepdims=False)
+
+
+# ---- Resize: reading the node -------------------------------------------------------------------
+_TRANSFORMS = {
+    "half_pixel",
+    "half_pixel_symmetric",
+    "pytorch_half_pixel",
+    "tf_half_pixel_for_nn",
+    "align_corners",
+    "asymmetric",
+    "tf_crop_and_resize",
+}
+_NEAREST = {"round_prefer_floor", "round_prefer_ceil", "floor", "ceil", "simple"}
+
+
+def _resize_mode(n: NodeContext) -> _ResizeMode:
+    """The attributes of a Resize or Upsample node, with the defaults of its opset."""
+    resize = n.node.op_type == "Resize" and n.opset >= 11
+    mode = n.attr("mode", "nearest")
+    mode = {"bilinear": "linear", "trilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
+    found = _ResizeMode(
+        mode=mode,
+        transform=n.attr("coordinate_transformation_mode", "half_pixel") if resize else "asymmetric",
+        nearest=n.attr("nearest_mode", "round_prefer_floor") if resize else "simple",
+        cubic_a=float(n.attr("cubic_coeff_a", -0.75)),
+        exclude_outside=bool(n.attr("exclude_outside", 0)),
+        antialias=bool(n.attr("antialias", 0)),
+    )
+    if (
+        mode not in ("nearest", "linear", "cubic")
+        or found.transform not in _TRANSFORMS
+        or found.nearest not in _NEAREST
+    ):
+        raise GradientNotImplementedError(
+            f"{_where(n)}: unknown mode {mode!r}, coordinate_transformation_mode "
+            f"{found.transform!r} or nearest_mode {found.nearest!r}"
+        )
+    return found
+
+
+def _const_or_fail(n: NodeContext, i: int, what: str) -> np.ndarray | None:
+    """Input ``i`` when present: it must be known when building (None when absent or empty)."""
+    if i >= len(n.inputs) or n.inputs[i] is None:
+        return None
+    value = n.const_input(i)
+    if value is None:
+        raise GradientNotImplementedError(
+            f"{_where(n)}: the gradient needs constant {what} (an initializer or a Constant)"
+        )
+    return value if value.size else None
+
+
+@dataclass(frozen=True)
+class _AxisResize:
+    axis: int
+    n_in: int
+    n_out: int
+    scale: F32
+    roi: tuple[float, float]
+
+
+def _resize_axes(n: NodeContext, mode: _ResizeMode) -> list[_AxisResize]:
+    """The axes a Resize changes, with sizes, float32 scales and roi, as onnxruntime computes them."""
+    x = n.x
+    rank = _need_rank(n, x)
+    if n.node.op_type == "Upsample" and n.opset < 9:
+        scales, sizes, roi = np.asarray(n.attr("scales"), dtype=F32), None, None
+    elif n.node.op_type == "Upsample" or n.opset < 11:
+        scales, sizes, roi = _const_or_fail(n, 1, "scales"), None, None
+    else:
+        scales = _const_or_fail(n, 2, "scales")
+        sizes = _const_or_fail(n, 3, "sizes") if scales is None else None
+        roi = _const_or_fail(n, 1, "roi") if mode.transform == "tf_crop_and_resize" else None
+    axes = [a + rank if a < 0 else a for a in (n.attr("axes") or range(rank))]
+    full_roi = [(0.0, 1.0)] * rank
+    if roi is not None:
+        for j, a in enumerate(axes):
+            full_roi[a] = (float(roi[j]), float(roi[len(axes) + j]))
+    dims = []
+    for a in axes:
+        d = x.shape[a]  # type: ignore[index]
+        dims.append(d if isinstance(d, int) else None)
+    if scales is not None:
+        scale_of = [F32(s) for s in scales.astype(F32)]
+        outs = [None if d is None else int(F32(s) * F32(d)) for s, d in zip(scale_of, dims)]
+    elif sizes is not None:
+        if any(d is None for d in dims):
+            raise GradientNotImplementedError(
+                f"{_where(n)}: sizes given, the resized dims of X must be static"
+            )
+        outs = [int(s) for s in sizes]
+        scale_of = [F32(o) / F32(d) if d else F32(1) for o, d in zip(outs, dims)]
+        policy = n.attr("keep_aspect_ratio_policy", "stretch")
+        if policy != "stretch":
+            if any(a < 0 for a in n.attr("axes") or ()):
+                raise GradientNotImplementedError(
+                    f"{_where(n)}: onnxruntime ignores negative axes under keep_aspect_ratio_policy "
+                    f"{policy!r}; give them as non-negative axes"
+                )
+            pick = min if policy == "not_larger" else max
+            chosen = pick(scale_of)
+            scale_of = [chosen] * len(axes)
+            outs = [int(_round_half_away(np.array([chosen * F32(d)], F32))[0]) for d in dims]  # type: ignore[operator]
+    else:
+        raise GradientNotImplementedError(f"{_where(n)}: neither scales nor sizes is given")
+    # onnxruntime copies X when no dim changes size, whatever the scales; an antialiased axis that
+    # keeps its size is copied too, and so is a nearest or unscaled axis with scale 1.
+    same = [o == d if d is not None else s == 1 for d, o, s in zip(dims, outs, scale_of)]
+    if all(same):
+        return []
+    changed = []
+    for a, d, o, s, kept in zip(axes, dims, outs, scale_of, same):
+        plain = mode.mode == "nearest" or mode.transform != "tf_crop_and_resize" or full_roi[a] == (0.0, 1.0)
+        if kept and (mode.antialias or (s == 1 and plain)):
+            continue
+        if d is None:
+            raise GradientNotImplementedError(f"{_where(n)}: resized dim {a} of X must be static")
+        y_dim = n.y.shape[a] if n.y.shape is not None else None
+        if isinstance(y_dim, int) and y_dim != o:
+            raise GradientNotImplementedError(
+                f"{_where(n)}: output dim {a} is {y_dim} but the resize computes {o}"
+            )
+        changed.append(_AxisResize(a, int(d), int(o), s, full_roi[a]))
+    return changed
+
+
+@rule("Resize", since=10)
+def resize(g: GradBuilder, n: NodeContext) -> Grads:
+    """Y = X resized: along each axis a, Y = W_a X with W_a from sizes, scales and attributes.
+
+    dX = W^T dy, one resized axis at a time (the order does not matter: the maps are separable).
+    Every nearest mode and coordinate transformation, linear and cubic, antialias included; sizes,
+    scales and roi must be constants and the resized dims of X static.
+    """
+    if not n.needs[0]:
+        return _first_only(n, None)
+    mode = _resize_mode(n)
+    rank = _need_rank(n, n.x)
+    dx = n.dy
+    for ax in _resize_axes(n, mode):
+        idx, w = _resize_taps(mode, ax.n_out, ax.n_in, ax.scale, ax.roi)
+        table, values = _transpose_taps(idx, w, ax.n_in)
+        dx = _apply_adjoint(g, dx, ax.axis, rank, table, values)
+    if dx is n.dy:  # a resize that changes nothing
+        return _first_only(n, dx)
+    return _first_only(n, g.Identity(dx, shape=n.x.shape))
+
+
+@rule("Upsample", since=7)
+def upsample(g: GradBuilder, n: NodeContext) -> Grads:
+    """Upsample-7/9: Resize-10 before its name (asymmetric coordinates, nearest truncates)."""
+    return resize(g, n)
+
+
+# ---- GridSample --------------------------------------------------------------------------------
+def _float_dim(g: GradBuilder, x: Var, axis: int) -> float | Var:
+    """Size of ``x`` along ``axis`` as a float, or a scalar Var of x's dtype when not static."""
+    d = _dim(g, x, axis)
+    return float(d) if isinstance(d, int) else g.Cast(g.Squeeze(d, [0]), to=x.dtype)
+
+
+def _reflect(g: GradBuilder, c: Var, low: float, span: float | Var) -> tuple[Var, Var]:
+    """c reflected off both ends of [low, low + span] until inside, and its slope (+-1) in c."""
+    t = c - low
+    a = g.Abs(t)
+    flips = g.Floor(a / span)
+    extra = a - flips * span
+    odd = (flips - g.Floor(flips * 0.5) * 2.0) > 0.5
+    out = where(odd, span - extra, extra) + low
+    minus = g.const(-1.0, c.dtype)
+    slope = where(t < 0.0, minus, 1.0) * where(odd, minus, 1.0)
+    return out, slope
+
+
+@dataclass
+class _Corners:
+    """Where output positions read X along one spatial dim, on a corner axis (size 2, or 1 for
+    nearest): indices, weights (zero for corners outside X with zeros padding) and the slopes of the
+    weights in the pixel coordinate (linear only)."""
+
+    index: Var  # (N, corners, Q) int64
+    weight: Var  # (N, corners, Q)
+    slope: Var | None  # broadcastable to (N, corners, Q)
+
+
+def _grid_corners(
+    g: GradBuilder, n: NodeContext, coord: Var, size: float | Var
+) -> tuple[_Corners, float | Var]:
+    """Corners of one normalized grid coordinate (N, Q), and d(pixel coordinate)/d(coordinate)."""
+    align = bool(n.attr("align_corners", 0))
+    padding = n.attr("padding_mode", "zeros")
+    mode = n.attr("mode", "linear" if n.opset >= 20 else "bilinear")
+    if mode not in ("linear", "bilinear", "nearest"):
+        raise GradientNotImplementedError(
+            f"{_where(n)}: no gradient for mode {mode!r} (linear and nearest only)"
+        )
+
+    def lit(v: float | Var) -> Var:
+        return v if isinstance(v, Var) else g.const(v, coord.dtype)
+
+    last = lit(size - 1.0)
+    zero = lit(0.0)
+    dc: float | Var = (size - 1.0) * 0.5 if align else size * 0.5
+    c = coord * dc + (size - 1.0) * 0.5  # [-1, 1] to [0, S-1] (aligned) or [-0.5, S-0.5]
+    if mode == "nearest":
+        c = g.Round(c)  # half to even, before the padding, as onnxruntime
+    if padding in ("border", "reflection"):
+        if padding == "reflection":
+            low, span = (0.0, size - 1.0) if align else (-0.5, size)
+            if isinstance(span, float) and span == 0:  # one pixel, aligned corners: always pixel 0
+                c, slope = c * 0.0, c * 0.0
+            else:
+                c, slope = _reflect(g, c, low, span)
+            dc = slope * dc
+        inside = g.And(c > zero, c < last)  # clipping below stops the gradient, as torch
+        c = g.Max(g.Min(c, last), zero)
+        dc = cast(inside, c) * dc
+    if mode == "nearest":
+        index_f, weight, slope_w = g.Unsqueeze(c, [1]), None, None
+    else:
+        lo = g.Floor(c)
+        frac = c - lo
+        index_f = g.Concat(g.Unsqueeze(lo, [1]), g.Unsqueeze(lo + 1.0, [1]), axis=1)
+        weight = g.Concat(g.Unsqueeze(1.0 - frac, [1]), g.Unsqueeze(frac, [1]), axis=1)
+        slope_w = g.const(np.array([-1.0, 1.0]).reshape(1, 2, 1), coord.dtype)
+    if padding == "zeros":  # corners outside X read zeros
+        valid = cast(g.And(index_f >= zero, index_f <= last), coord)
+        weight = valid if weight is None else weight * valid
+        slope_w = None if slope_w is None else slope_w * valid
+    elif weight is None:
+        weight = g.Expand(g.const(np.ones(1), coord.dtype), g.Shape(index_f))
+    index = g.Cast(g.Max(g.Min(index_f, last), zero), to=INT64)
+    return _Corners(index, weight, slope_w), dc
+
+
+def _spread(g: GradBuilder, v: Var, j: int, k: int) -> Var:
+    """(N, corners, Q) of spatial dim j to (N, 1, .., corners, .., 1, Q): corner axes 1..k."""
+    others = [1 + i for i in range(k) if i != j]
+    return g.Unsqueeze(v, others) if others else v
+
+
+@rule("GridSample", since=16)
+def grid_sample(g: GradBuilder, n: NodeContext) -> Grads:
+    """Y[n, c, o] = sum over corners k of w_k(grid[n, o]) X[n, c, p_k(grid[n, o])].
+
+    dX = scatter-add of dy * w_k at p_k; d grid = sum_c dy * sum_k (dw_k / dcoord) X[p_k], times the
+    slopes of the padding and of the unnormalization, as torch.nn.functional.grid_sample (zero for
+    nearest). Linear and nearest modes, any number of spatial dims, every padding mode.
+    """
+    x, grid, dy = n.inputs[0], n.inputs[1], n.dy
+    assert x is not None and grid is not None
+    rank = _need_rank(n, x)
+    k = rank - 2
+    pieces = g.Split(grid, axis=-1, num_outputs=k, outputs=k) if k > 1 else (grid,)
+    dims: list[_Corners] = []
+    dcs: list[float | Var] = []
+    for j in range(k):  # spatial dim j of X is grid component k - 1 - j
+        corners, dc = _grid_corners(g, n, g.Reshape(pieces[k - 1 - j], [0, -1]), _float_dim(g, x, 2 + j))
+        dims.append(corners)
+        dcs.append(dc)
+    # Flat index into X's spatial plane and weight of every corner: (N, 2, .., 2, Q).
+    index = weight = None
+    stride: int | Var = 1  # of spatial dim j in the flattened plane
+    for j in reversed(range(k)):
+        term = _spread(g, dims[j].index, j, k)
+        term = term if isinstance(stride, int) and stride == 1 else term * stride
+        index = term if index is None else index + term
+        w = _spread(g, dims[j].weight, j, k)
+        weight = w if weight is None else weight * w
+        size = _dim(g, x, 2 + j)
+        if isinstance(stride, int) and isinstance(size, int):
+            stride = stride * size
+        else:
+            stride = g.Mul(_shape_vec(g, [stride]), _shape_vec(g, [size]))
+    assert index is not None and weight is not None
+    dy_k = g.Unsqueeze(g.Reshape(dy, [0, 0, -1]), list(range(2, 2 + k)))  # (N, C, 1, .., 1, Q)
+    index_nc = g.Expand(g.Reshape(index, [0, 1, -1]), _shape_vec(g, [1, _dim(g, x, 1), 1]))
+    grads: Grads = [None, None]
+    if n.needs[0]:
+        values = g.Reshape(dy_k * g.Unsqueeze(weight, [1]), [0, 0, -1])
+        plane = _zeros(g, _shape_vec(g, [_dim(g, x, 0), _dim(g, x, 1), stride]), x.dtype)  # (N, C, P)
+        dx = g.ScatterElements(plane, index_nc, values, axis=2, reduction="add")
+        grads[0] = g.reshape(dx, x)
+    if n.needs[1] and dims[0].slope is None:
+        grads[1] = g.zeros_like(grid)  # piecewise constant in the grid
+    elif n.needs[1]:
+        flat_x = g.Reshape(x, [0, 0, -1])  # (N, C, P)
+        picked = g.Reshape(g.GatherElements(flat_x, index_nc, axis=2), [0, 0, *[2] * k, -1])
+        per_corner = g.ReduceSum(picked * dy_k, [1], keepdims=0)  # (N, 2, .., 2, Q)
+        parts = []
+        for j in reversed(range(k)):  # grid components: last spatial dim first
+            factor = None
+            for i, ci in enumerate(dims):
+                f = _spread(g, ci.slope if i == j else ci.weight, i, k)  # type: ignore[arg-type]
+                factor = f if factor is None else factor * f
+            d = g.reduce_sum(per_corner * factor, list(range(1, k + 1)), keepdims=False) * dcs[j]
+            parts.append(g.Unsqueeze(d, [2]))
+        dgrid = parts[0] if k == 1 else g.Concat(*parts, axis=2)
+        grads[1] = g.reshape(dgrid, grid)
+    return grads
+
+
+# ---- Col2Im ------------------------------------------------------------------------------------
+@rule("Col2Im", since=18)
+def col2im(g: GradBuilder, n: NodeContext) -> Grads:
+    """Y = sum of the columns of X placed as patches of a (padded) image: dX cuts the patches of the
+    padded dy back out (Im2Col), one Gather with a table of patch positions built from the constant
+    image and block shapes."""
+    if not n.needs[0]:
+        return _first_only(n, None)
+    image = n.const_input(1)
+    block = n.const_input(2)
+    if image is None or block is None:
+        raise GradientNotImplementedError(
+            f"{_where(n)}: the gradient needs constant image_shape and block_shape"
+        )
+    k = len(image)
+    dil = list(n.attr("dilations") or [1] * k)
+    pads = list(n.attr("pads") or [0] * (2 * k))
+    strides = list(n.attr("strides") or [1] * k)
+    padded = [int(image[i]) + pads[i] + pads[k + i] for i in range(k)]
+    slides = [(padded[i] - (dil[i] * (int(block[i]) - 1) + 1)) // strides[i] + 1 for i in range(k)]
+    # table[b, l] = flat position in the padded image of block offset b at sliding position l
+    offsets = np.indices([int(b) for b in block]).reshape(k, -1) * np.array(dil)[:, None]
+    starts = np.indices(slides).reshape(k, -1) * np.array(strides)[:, None]
+    pos = offsets[:, :, None] + starts[:, None, :]  # (k, K, L)
+    table = np.ravel_multi_index(tuple(pos), padded)
+    dy = n.dy
+    if any(pads):
+        dy = g.Pad(dy, [0, 0, *pads[:k], 0, 0, *pads[k:]])
+    cols = g.Gather(g.Reshape(dy, [0, 0, -1]), table.astype(np.int64), axis=2)  # (N, C, K, L)
+    return _first_only(n, g.Reshape(cols, [0, -1, table.shape[1]], shape=n.x.shape))
