@@ -1,27 +1,41 @@
 """The ``onnxgrad`` command line (also ``python -m onnxgrad``).
 
-Subcommands: ``grad`` (write the forward and backward graphs of a model), ``coverage`` (the ops
-with gradient rules), ``info`` (what a model contains and which of its ops lack a rule) and ``demo``
-(train an MLP on the digits data set). Errors that onnxgrad raises are printed as one line on
-stderr with exit code 2.
+Subcommands: ``grad`` (write the forward and backward graphs of a model), ``check`` (gradients of
+each node and of the whole model against finite differences), ``coverage`` (the ops with gradient
+rules), ``info`` (what a model contains and which of its ops lack a rule), ``train`` (fine-tune a
+model on a CSV or NPZ file) and ``demo`` (train an MLP on the digits data set). Errors that onnxgrad
+raises are printed as one line on stderr with exit code 2; a failed gradient check exits with 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ._version import __version__
 from .autodiff import build_gradient, rules_table, supported_ops
-from .autodiff.graph import FLOAT_TYPES, load_model, opset_of, value_info_from_proto
+from .autodiff.graph import (
+    FLOAT_TYPES,
+    ValueInfo,
+    infer_value_infos,
+    load_model,
+    np_dtype,
+    opset_of,
+    topological_order,
+    value_info_from_proto,
+)
 from .autodiff.registry import lookup
-from .errors import OnnxGradError
+from .errors import GradientNotImplementedError, InputError, OnnxGradError
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -79,6 +93,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_grad)
 
+    p = sub.add_parser(
+        "check",
+        help="check the gradients of each node and of the whole model against finite differences",
+        description="Feed random inputs, then compare onnxgrad's gradients with central finite "
+        "differences, node by node (each node as a one-node model, in float64 when it can) and for "
+        "the whole model. Exit code 1 when a check fails.",
+    )
+    p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
+    p.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME=DIMS",
+        help="shape of an input, e.g. x=2,3,8 (default: the model's, symbolic dimensions set to 2)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs and probes")
+    p.add_argument(
+        "--max-elements", type=int, default=24, metavar="K", help="elements probed per value (default 24)"
+    )
+    p.add_argument("--no-nodes", action="store_true", help="check the whole model only")
+    p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: per dtype)")
+    p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: per dtype)")
+    p.set_defaults(func=_check)
+
     p = sub.add_parser("coverage", help="the ops with gradient rules")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.set_defaults(func=_coverage)
@@ -86,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="inputs, outputs, parameters and ops of a model")
     p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
     p.set_defaults(func=_info)
+
+    _add_train_parser(sub)
 
     p = sub.add_parser("demo", help="train an MLP on scikit-learn's digits with onnxruntime")
     p.add_argument("--epochs", type=int, default=15)
@@ -180,6 +220,320 @@ def _demo(args: argparse.Namespace) -> int:
         )
         return 2
     return 0
+
+
+# ---- train -------------------------------------------------------------------------------------
+SCHEDULES = ("constant", "cosine", "step", "invscaling")
+
+
+def _add_train_parser(sub: Any) -> None:
+    from .train import LOSSES, OPTIMIZERS
+
+    p = sub.add_parser(
+        "train",
+        help="fine-tune a model on a .csv or .npz file and save the trained model",
+        description="Append a loss to MODEL, train it with onnxruntime on the data file and save the "
+        "trained model (without the loss). CSV: a header row; the --target column is the target, the "
+        "other columns (or --features) feed the model's single input. NPZ: one array per model input, "
+        "named after it, plus the --target array.",
+    )
+    p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
+    p.add_argument("--data", required=True, metavar="FILE", help="training data, .csv or .npz")
+    p.add_argument("--target", required=True, metavar="NAME", help="target column (CSV) or array (NPZ)")
+    p.add_argument(
+        "--features", metavar="A,B,...", help="CSV feature columns, in order (default: all others)"
+    )
+    p.add_argument("--loss", default="mse", choices=LOSSES, help="loss appended to the model (default mse)")
+    p.add_argument("--output", metavar="NAME", help="model output the loss reads (default: the first)")
+    p.add_argument("--epochs", type=int, default=10, help="number of epochs (default 10)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 0.001)")
+    p.add_argument("--batch-size", type=int, default=32, metavar="B", help="mini-batch size (default 32)")
+    p.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS), help="optimizer (default adam)")
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
+    p.add_argument("--schedule", default="constant", choices=SCHEDULES, help="learning-rate schedule")
+    p.add_argument("--warmup", type=int, default=0, metavar="STEPS", help="linear warm-up steps (default 0)")
+    p.add_argument(
+        "--val-split", type=float, default=0.0, metavar="F", help="fraction held out for validation"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the shuffling and the split")
+    p.add_argument("--plot", metavar="PNG", help="write the loss curves to this PNG file")
+    p.add_argument("--checkpoint", metavar="FILE", help="save a checkpoint (.npz) after every epoch")
+    p.add_argument("--resume", metavar="FILE", help="resume from a checkpoint written by --checkpoint")
+    p.add_argument("-o", "--out", required=True, metavar="OUT.onnx", help="where to write the trained model")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_train)
+
+
+def _schedule(args: argparse.Namespace, steps_per_epoch: int) -> Any:
+    from .train import Constant, Cosine, InverseScaling, LinearWarmup, StepDecay
+
+    total = max(1, args.epochs * steps_per_epoch - args.warmup)
+    lr = args.lr
+    sched: Any = {
+        "constant": lambda: Constant(lr),
+        "cosine": lambda: Cosine(lr, total_steps=total),
+        "step": lambda: StepDecay(lr, step_size=max(1, args.epochs // 3) * steps_per_epoch, gamma=0.1),
+        "invscaling": lambda: InverseScaling(lr),
+    }[args.schedule]()
+    return LinearWarmup(sched, args.warmup) if args.warmup > 0 else sched
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .runtime import ForwardBackward
+    from .train import Trainer, add_loss, load_dataset, remove_loss, split
+    from .train.trainer import input_infos
+
+    start = time.perf_counter()
+    if args.epochs < 1:
+        raise InputError(f"--epochs must be >= 1, got {args.epochs}")
+    base = load_model(args.model)
+    taken = {v.name for v in (*base.graph.input, *base.graph.output)} | {
+        o for n in base.graph.node for o in n.output
+    }
+    target_input = next(n for n in ("target", "onnxgrad_target", "onnxgrad_target_2") if n not in taken)
+    model = add_loss(base, args.loss, output=args.output, target_name=target_input)
+    options: dict[str, Any] = {"weight_decay": args.weight_decay}
+    if args.optimizer == "sgd":
+        options["momentum"] = args.momentum
+    elif args.momentum:
+        raise InputError("--momentum applies to --optimizer sgd only")
+    fb = ForwardBackward(model, outputs=["loss"])
+    features = [c.strip() for c in args.features.split(",")] if args.features else None
+    data = load_dataset(
+        args.data, input_infos(fb), target=args.target, target_input=target_input, features=features
+    )
+    val = None
+    if args.val_split:
+        data, val = split(data, args.val_split, seed=args.seed)
+    n_train = len(next(iter(data.values())))
+    steps = math.ceil(n_train / args.batch_size)
+    trainer = Trainer(
+        fb,
+        optimizer=args.optimizer,
+        lr=_schedule(args, steps),
+        optimizer_options=options,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    history = trainer.fit(data, val, epochs=args.epochs, checkpoint=args.checkpoint, resume=args.resume)
+    out = os.fspath(args.out)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    onnx.save(remove_loss(fb.to_onnx()), out)
+
+    n_params = sum(p.size for p in trainer.parameters.values())
+    val_text = f" / {len(next(iter(val.values())))} validation" if val else ""
+    print(
+        f"trained {args.model}: {len(history)} epochs of {args.optimizer} (lr {args.lr}, "
+        f"{args.schedule} schedule, batch {args.batch_size}), {n_train} training{val_text} samples"
+    )
+    losses = history["loss"]
+    print(f"  loss          {losses[0]:.6g} -> {losses[-1]:.6g}")
+    if val:
+        vl = history["val_loss"]
+        best = int(np.argmin(vl))
+        print(f"  val loss      {vl[0]:.6g} -> {vl[-1]:.6g} (best {vl[best]:.6g} at epoch {best + 1})")
+    print(f"  parameters    {len(trainer.parameters)} tensors, {n_params:,} values")
+    print(f"  saved         {out}")
+    if args.plot:
+        print(f"  plot          {history.plot(args.plot, title=os.path.basename(args.model))}")
+    if args.checkpoint:
+        print(f"  checkpoint    {args.checkpoint}")
+    print(f"  time          {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+# ---- check -------------------------------------------------------------------------------------
+def _parse_shapes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for spec in specs:
+        name, sep, dims = spec.partition("=")
+        try:
+            if not sep or not name:
+                raise ValueError
+            shapes[name.strip()] = tuple(int(d) for d in dims.replace("x", ",").split(",") if d.strip())
+        except ValueError:
+            raise InputError(f"--shape {spec!r}: expected NAME=DIMS, e.g. x=2,3,8") from None
+    return shapes
+
+
+def _random_feeds(
+    model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], rng: np.random.Generator
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Random values for the model inputs: normal floats, integers in {0, 1}, booleans."""
+    inits = {i.name for i in model.graph.initializer}
+    inputs = {i.name: value_info_from_proto(i) for i in model.graph.input if i.name not in inits}
+    unknown = [n for n in shapes if n not in inputs]
+    if unknown:
+        raise InputError(f"--shape names {unknown}, which are not inputs of the model ({list(inputs)})")
+    feeds, notes = {}, []
+    for name, info in inputs.items():
+        if info is None:
+            raise InputError(f"input {name!r} is not a tensor: onnxgrad check feeds tensors only")
+        if name in shapes:
+            shape = shapes[name]
+        elif info.shape is None:
+            raise InputError(f"input {name!r} has no shape in the model: give one with --shape {name}=DIMS")
+        else:
+            shape = tuple(d if isinstance(d, int) else 2 for d in info.shape)
+            if shape != info.shape:
+                notes.append(f"{name} {_shape(info.shape)} -> {list(shape)}")
+        dtype = np_dtype(info.dtype)
+        if dtype.kind == "f":
+            feeds[name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind == "b":
+            feeds[name] = rng.random(shape) < 0.5
+        else:
+            feeds[name] = rng.integers(0, 2, size=shape).astype(dtype)
+    return feeds, notes
+
+
+def _all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every value of the main graph at ``feeds``: inputs, initializers and each node output."""
+    from .testing import run_model
+
+    infos = infer_value_infos(model)
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    have = {o.name for o in probe.graph.output}
+    for node in probe.graph.node:
+        for o in node.output:
+            if o and o not in have and o in infos:
+                probe.graph.output.append(infos[o].to_proto())
+                have.add(o)
+    values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    values.update(feeds)
+    values.update(run_model(probe)(feeds))
+    return values
+
+
+def _check_node(
+    node: onnx.NodeProto,
+    model: onnx.ModelProto,
+    values: dict[str, np.ndarray],
+    infos: dict[str, ValueInfo],
+    args: argparse.Namespace,
+) -> tuple[str, str, str, Any]:
+    """(status, precision, max error, result or message) of one node checked on its own."""
+    from .testing import check_gradients, node_model
+
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        return "skipped", "-", "-", "control flow: checked with the whole model"
+    inputs = [values.get(i) if i else None for i in node.input]
+    if any(i and values.get(i) is None for i in node.input):
+        return "skipped", "-", "-", "an input value is unknown"
+    out_infos = [infos.get(o) for o in node.output]
+    if not any(np.asarray(a).dtype.kind == "f" for a in inputs if a is not None):
+        return "skipped", "-", "-", "no floating-point input"
+    if not any(i is not None and i.is_float for i in out_infos):
+        return "skipped", "-", "-", "no floating-point output"
+    opset = opset_of(model, domain) or 1
+    if lookup(domain, node.op_type, opset) is None:
+        return "FAIL", "-", "-", "no gradient rule"
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    out_dtypes = [np_dtype(i.dtype) if i is not None else np.dtype(np.float32) for i in out_infos]
+    tolerances = {k: v for k, v in (("rtol", args.rtol), ("atol", args.atol)) if v is not None}
+    attempts = []
+    floats = {np.asarray(a).dtype for a in inputs if a is not None and np.asarray(a).dtype.kind == "f"}
+    # float32 nodes are checked in float64 where the op allows it: finite differences are then exact
+    # to ~1e-9 and a real error cannot hide in float32 noise. Ops whose attributes fix a dtype are not.
+    if floats == {np.dtype(np.float32)} and not {"to", "dtype"} & set(attrs):
+        up = [a.astype(np.float64) if a is not None and a.dtype == np.float32 else a for a in inputs]
+        up_out = [np.dtype(np.float64) if d == np.float32 else d for d in out_dtypes]
+        attempts += [(up, up_out, "float64", "onnxruntime"), (up, up_out, "float64", "reference")]
+    attempts.append((inputs, out_dtypes, "/".join(sorted(str(f) for f in floats)), "onnxruntime"))
+    error: Exception | None = None
+    for arrays, dtypes, precision, backend in attempts:
+        try:
+            single = node_model(
+                node.op_type,
+                arrays,
+                attrs=attrs,
+                n_outputs=len(node.output),
+                opset=opset_of(model) or 18,
+                domain=domain,
+                output_dtypes=dtypes,
+            )
+            _declare_output_shapes(single, [values.get(o) for o in node.output])
+            feeds = {i.name: arrays[int(i.name[2:])] for i in single.graph.input}
+            wrt = [i.name for i in single.graph.input] + [
+                t.name for t in single.graph.initializer if t.data_type in FLOAT_TYPES
+            ]
+            result = check_gradients(
+                single,
+                feeds,
+                wrt=wrt,
+                backend=backend,
+                max_elements=args.max_elements,
+                seed=args.seed,
+                **tolerances,
+            )
+        except GradientNotImplementedError as exc:
+            return "FAIL", precision, "-", " ".join(str(exc).split())
+        except Exception as exc:  # this precision or backend cannot run the node: try the next
+            error = exc
+            continue
+        worst = max(result.max_error.values(), default=0.0)
+        return ("ok" if result.ok else "FAIL"), f"{precision} {backend}", f"{worst:.2e}", result
+    return "FAIL", "-", "-", f"cannot check the node: {' '.join(str(error).split())[:200]}"
+
+
+def _declare_output_shapes(model: onnx.ModelProto, values: Sequence[np.ndarray | None]) -> None:
+    """Give the outputs that shape inference left without a shape (ai.onnx.ml ops) the shapes the
+    whole model computed: the ONNX checker rejects graph outputs without one."""
+    for out, value in zip(model.graph.output, values):
+        tensor = out.type.tensor_type
+        if value is not None and not tensor.HasField("shape"):
+            tensor.shape.SetInParent()
+            for d in np.shape(value):
+                tensor.shape.dim.add().dim_value = d
+
+
+def _check(args: argparse.Namespace) -> int:
+    from .testing import check_gradients
+
+    model = load_model(args.model)
+    rng = np.random.default_rng(args.seed)
+    feeds, notes = _random_feeds(model, _parse_shapes(args.shape), rng)
+    print(f"gradient check of {args.model} (opset {opset_of(model)}), against central finite differences")
+    described = ", ".join(f"{k} {v.dtype} {list(v.shape)}" for k, v in feeds.items())
+    print(f"random inputs: {described or '-'}")
+    if notes:
+        print(f"symbolic dimensions set to 2 ({'; '.join(notes)}); change them with --shape NAME=DIMS")
+    rows, details = [], []
+    if not args.no_nodes:
+        values = _all_values(model, feeds)
+        infos = infer_value_infos(model)
+        for k, node in enumerate(topological_order(model.graph)):
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                continue
+            name = node.name or f"#{k}"
+            status, precision, err, info = _check_node(node, model, values, infos, args)
+            note = info if isinstance(info, str) else ""
+            rows.append((name, node.op_type, precision, err, status + (f" ({note})" if note else "")))
+            if status == "FAIL" and not isinstance(info, str):
+                details.append((f"node {name} ({node.op_type})", info.report()))
+    tolerances = {k: v for k, v in (("rtol", args.rtol), ("atol", args.atol)) if v is not None}
+    try:
+        whole = check_gradients(model, feeds, max_elements=args.max_elements, seed=args.seed, **tolerances)
+        worst = max(whole.max_error.values(), default=0.0)
+        dtypes = sorted({str(v.dtype) for k, v in feeds.items() if v.dtype.kind == "f"}) or ["-"]
+        status = "ok" if whole.ok else "FAIL"
+        rows.append(("whole model", "-", f"{'/'.join(dtypes)} onnxruntime", f"{worst:.2e}", status))
+        if not whole.ok:
+            details.append(("whole model", whole.report()))
+    except OnnxGradError as exc:
+        rows.append(("whole model", "-", "-", "-", f"FAIL ({' '.join(str(exc).split())})"))
+    print()
+    print(_table(("node", "op", "checked in", "max error", "status"), rows))
+    for title, report in details:
+        print(f"\n{title}:\n{report}")
+    failed = sum(r[4].startswith("FAIL") for r in rows)
+    skipped = sum(r[4].startswith("skipped") for r in rows)
+    print(f"\n{len(rows)} checks: {len(rows) - failed - skipped} ok, {failed} failed, {skipped} skipped")
+    return 1 if failed else 0
 
 
 # ---- formatting --------------------------------------------------------------------------------

@@ -104,8 +104,9 @@ def _id(case: tuple) -> str:
     return op + "".join(f"-{k}={v}" for k, v in attrs.items()) + ("" if opset == 18 else f"@{opset}")
 
 
-@pytest.mark.parametrize(("shape", "dynamic"), [((), False), ((7,), False), ((7,), True),
-                                                ((2, 3, 4), False), ((2, 3, 4), True)])
+@pytest.mark.parametrize(
+    ("shape", "dynamic"), [((), False), ((7,), False), ((7,), True), ((2, 3, 4), False), ((2, 3, 4), True)]
+)
 @pytest.mark.parametrize("case", UNARY, ids=[_id(c) for c in UNARY])
 def test_unary(case, shape, dynamic):
     op, make, attrs, opset, backend = case
@@ -159,16 +160,20 @@ def test_binary(case, sa, sb, dynamic):
 def test_pow_integer_exponent_and_negative_base():
     a = away_from(rand(3, 4), [0.0])
     check_op("Pow", [a, np.array([2, 3, 1, 4], dtype=np.int64)])  # exponent an initializer
-    res = check_gradients(node_model("Pow", [a, np.array([2.0, 3.0, 1.0, 4.0])]),
-                          {"in0": a, "in1": np.array([2.0, 3.0, 1.0, 4.0])}, wrt=["in0"])
+    res = check_gradients(
+        node_model("Pow", [a, np.array([2.0, 3.0, 1.0, 4.0])]),
+        {"in0": a, "in1": np.array([2.0, 3.0, 1.0, 4.0])},
+        wrt=["in0"],
+    )
     assert res.ok, res.report()
 
 
 def test_pow_exponent_gradient_at_zero_base_is_zero():
     a = np.array([0.0, 0.0, 1.5])
     b = np.array([2.0, 0.0, 1.3])
-    got = onnxgrad.gradients(node_model("Pow", [a, b]), {"in0": a, "in1": b},
-                             {"out0": np.ones(3)}, wrt=["in1"])["in1"]
+    got = onnxgrad.gradients(
+        node_model("Pow", [a, b]), {"in0": a, "in1": b}, {"out0": np.ones(3)}, wrt=["in1"]
+    )["in1"]
     np.testing.assert_allclose(got, [0.0, 0.0, 1.5**1.3 * np.log(1.5)], rtol=1e-12)
 
 
@@ -190,9 +195,17 @@ def test_mod(sa, sb, dynamic):
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(("sx", "ss"), [((2, 3, 4), (2, 3, 4)), ((2, 3, 4), (4,)),
-                                        ((2, 3, 4), (3, 1)), ((2, 3, 4), (1,)),
-                                        ((2, 3, 4), ()), ((2, 3, 4), (1, 3, 1))])
+@pytest.mark.parametrize(
+    ("sx", "ss"),
+    [
+        ((2, 3, 4), (2, 3, 4)),
+        ((2, 3, 4), (4,)),
+        ((2, 3, 4), (3, 1)),
+        ((2, 3, 4), (1,)),
+        ((2, 3, 4), ()),
+        ((2, 3, 4), (1, 3, 1)),
+    ],
+)
 def test_prelu(sx, ss, dynamic):
     check_op("PRelu", [normal(kinks=(0,))(*sx), rand(*ss)], dynamic=dynamic)
 
@@ -221,8 +234,7 @@ def distinct(shapes: list[tuple[int, ...]], gap: float = 1e-2) -> list[np.ndarra
 
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("shapes", VARIADIC_SHAPES, ids=str)
-@pytest.mark.parametrize(("op", "backend"), [("Sum", ORT), ("Mean", REF), ("Max", ORT),
-                                             ("Min", ORT)])
+@pytest.mark.parametrize(("op", "backend"), [("Sum", ORT), ("Mean", REF), ("Max", ORT), ("Min", ORT)])
 def test_variadic(op, backend, shapes, dynamic):
     if op == "Mean":  # onnx.reference's Mean only broadcasts inputs after a full-shaped first one
         full = np.broadcast_shapes(*shapes)
@@ -254,8 +266,14 @@ def test_variadic_opset8_forms():
 
 
 # ---- conventions at kinks and ties, against torch autograd in float64 -------------------------
-def ours(op: str, inputs: list[np.ndarray], cot: np.ndarray, attrs: dict | None = None,
-         opset: int = 18, backend: str = ORT) -> list[np.ndarray]:
+def ours(
+    op: str,
+    inputs: list[np.ndarray],
+    cot: np.ndarray,
+    attrs: dict | None = None,
+    opset: int = 18,
+    backend: str = ORT,
+) -> list[np.ndarray]:
     """onnxgrad's gradients of <cot, op(inputs)> with respect to every input."""
     m = node_model(op, inputs, attrs=attrs, opset=opset)
     feeds = {f"in{i}": x for i, x in enumerate(inputs)}
@@ -276,14 +294,16 @@ def theirs(fn: Callable[..., Any], inputs: list[np.ndarray], cot: np.ndarray) ->
 
 
 def assert_same(op, inputs, fn, attrs=None, opset=18, backend=ORT, reshape_torch=None):
-    torch_inputs = [x if r is None else x.reshape(r)
-                    for x, r in zip(inputs, reshape_torch or [None] * len(inputs))]
+    torch_inputs = [
+        x if r is None else x.reshape(r) for x, r in zip(inputs, reshape_torch or [None] * len(inputs))
+    ]
     cot = RNG.standard_normal(np.broadcast_shapes(*(np.shape(x) for x in inputs)))
     a = ours(op, inputs, cot, attrs, opset, backend)
     b = theirs(fn, torch_inputs, cot)
     for i, (ga, gb) in enumerate(zip(a, b)):
-        np.testing.assert_allclose(ga, gb.reshape(ga.shape), rtol=1e-6, atol=1e-12,
-                                   err_msg=f"{op}: input {i}")
+        np.testing.assert_allclose(
+            ga, gb.reshape(ga.shape), rtol=1e-6, atol=1e-12, err_msg=f"{op}: input {i}"
+        )
 
 
 def with_points(points: list[float], n: int = 12, scale: float = 3.0) -> np.ndarray:
@@ -303,8 +323,7 @@ def test_torch_selu():
 
 def test_torch_celu():
     F = pytest.importorskip("torch.nn.functional")
-    assert_same("Celu", [with_points([0.0])], lambda x: F.celu(x, 0.5), attrs={"alpha": 0.5},
-                backend=REF)
+    assert_same("Celu", [with_points([0.0])], lambda x: F.celu(x, 0.5), attrs={"alpha": 0.5}, backend=REF)
 
 
 def test_torch_elu_leaky_relu_relu_abs_at_zero():
@@ -348,8 +367,14 @@ def test_torch_trig_and_gelu():
         assert_same(op, x, getattr(torch, op.lower()), backend=REF)
     assert_same("Acosh", [uniform(1.1, 3.0)(10)], torch.acosh, backend=REF)
     assert_same("Gelu", x, F.gelu, opset=20, backend=REF)
-    assert_same("Gelu", x, lambda t: F.gelu(t, approximate="tanh"), attrs={"approximate": "tanh"},
-                opset=20, backend=REF)
+    assert_same(
+        "Gelu",
+        x,
+        lambda t: F.gelu(t, approximate="tanh"),
+        attrs={"approximate": "tanh"},
+        opset=20,
+        backend=REF,
+    )
 
 
 def test_torch_fmod():

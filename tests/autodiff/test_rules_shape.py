@@ -57,9 +57,7 @@ def assert_ok(result) -> None:
 
 # ---- reshapes and permutations ---------------------------------------------------------------
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(
-    ("shape", "target"), [((2, 3, 4), (6, -1)), ((5,), (1, 5, 1)), ((2, 3), (0, 3))]
-)
+@pytest.mark.parametrize(("shape", "target"), [((2, 3, 4), (6, -1)), ((5,), (1, 5, 1)), ((2, 3), (0, 3))])
 def test_reshape(shape, target, dynamic):
     check_op("Reshape", [rand(*shape), i64(*target)], dynamic=dynamic)
 
@@ -101,9 +99,7 @@ def test_transpose(shape, perm, dynamic):
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("mode", ["DCR", "CRD"])
 def test_depth_to_space(mode, dynamic):
-    check_op(
-        "DepthToSpace", [rand(2, 8, 2, 3)], attrs={"blocksize": 2, "mode": mode}, dynamic=dynamic
-    )
+    check_op("DepthToSpace", [rand(2, 8, 2, 3)], attrs={"blocksize": 2, "mode": mode}, dynamic=dynamic)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -309,12 +305,8 @@ def test_clip_attributes_and_inclusive_bounds():
     check_op("Clip", [x], attrs={"min": -0.5, "max": 0.7}, opset=6, backend="reference")
     check_op("Clip", [x], attrs={"max": 0.7}, opset=6, backend="reference")
     # at x == min or max the gradient passes (as torch.clamp): check it directly
-    m = node_model(
-        "Clip", [np.array([-1.0, 0.0, 1.0]), np.array(0.0), np.array(1.0)], constant=[1, 2]
-    )
-    got = onnxgrad.gradients(
-        m, {"in0": np.array([-1.0, 0.0, 1.0])}, {"out0": np.ones(3)}, wrt=["in0"]
-    )
+    m = node_model("Clip", [np.array([-1.0, 0.0, 1.0]), np.array(0.0), np.array(1.0)], constant=[1, 2])
+    got = onnxgrad.gradients(m, {"in0": np.array([-1.0, 0.0, 1.0])}, {"out0": np.ones(3)}, wrt=["in0"])
     np.testing.assert_array_equal(got["in0"], [0.0, 1.0, 1.0])
 
 
@@ -381,9 +373,7 @@ def test_pad_axes_input_and_run_time_pads():
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(
-    ("mode", "opset"), [("reflect", 18), ("edge", 18), ("edge", 11), ("wrap", 19)]
-)
+@pytest.mark.parametrize(("mode", "opset"), [("reflect", 18), ("edge", 18), ("edge", 11), ("wrap", 19)])
 def test_pad_reflect_edge_wrap(mode, opset, dynamic):
     pads = i64(2, 1, 1, 3)  # wrap and edge repeat elements: their gradients add up
     check_op("Pad", [rand(4, 5), pads], attrs={"mode": mode}, opset=opset, dynamic=dynamic)

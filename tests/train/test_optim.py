@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from onnxgrad.errors import InputError
-from onnxgrad.train import SGD, Adam
+from onnxgrad.train import SGD, Adam, AdamW, Cosine
 
 torch = pytest.importorskip("torch")  # an optional dependency: the reference optimizers
 
@@ -102,6 +102,7 @@ def test_errors():
         lambda p: SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
         lambda p: SGD(p, lr=0.1, momentum=0.9, dampening=0.1),
         lambda p: Adam(p, lr=0.1, weight_decay=0.01),
+        lambda p: AdamW(p, lr=Cosine(0.1, 10), weight_decay=0.01),
     ],
 )
 def test_steps_allocate_nothing_after_the_first(make):
@@ -119,3 +120,50 @@ def test_steps_allocate_nothing_after_the_first(make):
     finally:
         tracemalloc.stop()
     assert peak < 64 * 1024
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"lr": 0.05, "weight_decay": 0.1}, {"lr": 0.01, "betas": (0.8, 0.99), "weight_decay": 0.0}],
+)
+def test_adamw_matches_torch(kwargs):
+    run_both(lambda p: AdamW(p, **kwargs), lambda p: torch.optim.AdamW(p, **kwargs))
+
+
+def test_adamw_decay_is_decoupled():
+    """With a zero gradient Adam's update is zero: only the decay p *= 1 - lr wd remains."""
+    p = {"w": np.full(3, 2.0)}
+    AdamW(p, lr=0.1, weight_decay=0.5).step({"w": np.zeros(3)})
+    np.testing.assert_allclose(p["w"], 2.0 * (1 - 0.1 * 0.5))
+    q = {"w": np.full(3, 2.0)}
+    Adam(q, lr=0.1, weight_decay=0.5).step({"w": np.zeros(3)})  # L2: the decay goes through Adam
+    np.testing.assert_allclose(q["w"], 2.0 - 0.1, rtol=1e-6)
+
+
+def test_state_dict_resumes_exactly():
+    """An optimizer restored from state_dict() continues with the very same updates."""
+    rng = np.random.default_rng(1)
+    grads = [{"w": rng.standard_normal(4)} for _ in range(6)]
+    for make in (
+        lambda p: Adam(p, lr=0.1),
+        lambda p: SGD(p, lr=lambda t: 0.1 / (t + 1), momentum=0.9, nesterov=True),
+    ):
+        p_full = {"w": np.ones(4)}
+        full = make(p_full)
+        for g in grads:
+            full.step(g)
+        p_part = {"w": np.ones(4)}
+        part = make(p_part)
+        for g in grads[:3]:
+            part.step(g)
+        saved, saved_w = part.state_dict(), p_part["w"].copy()
+        part.step(grads[3])  # diverge, then restore
+        p_new = {"w": saved_w}
+        resumed = make(p_new)
+        resumed.load_state_dict(saved)
+        assert resumed.iterations == 3
+        for g in grads[3:]:
+            resumed.step(g)
+        np.testing.assert_array_equal(p_new["w"], p_full["w"])
+    with pytest.raises(InputError, match="optimizer state is for parameters"):
+        SGD({"v": np.ones(4)}, lr=0.1).load_state_dict(saved)

@@ -22,8 +22,8 @@ from onnx import numpy_helper
 from torch import nn
 
 from ..autodiff.engine import build_gradient
-from ..autodiff.modes import set_training_mode
 from ..autodiff.graph import FLOAT_TYPES, load_model, to_array
+from ..autodiff.modes import set_training_mode
 from ..errors import InputError
 from ..runtime.session import Runner, resolve_providers
 from ..runtime.values import from_torch, to_torch

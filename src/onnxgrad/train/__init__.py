@@ -1,6 +1,39 @@
-"""Training on ONNX models: loss graphs appended to a model, and in-place numpy optimizers."""
+"""Training ONNX models with onnxruntime alone: losses appended as ONNX nodes, in-place numpy
+optimizers and learning-rate schedules, data loading, and a trainer with callbacks and checkpoints.
+"""
 
-from .losses import LOSSES, add_loss, remove_loss
-from .optim import SGD, Adam, Optimizer
+from .data import BatchLoader, as_feeds, load_dataset, split
+from .losses import LOSSES, add_loss, keep_outputs, remove_loss, with_parameters
+from .optim import SGD, Adam, AdamW, Optimizer
+from .plot import plot_curves
+from .schedules import Constant, Cosine, InverseScaling, LinearWarmup, Schedule, StepDecay
+from .trainer import OPTIMIZERS, Callback, EarlyStopping, History, Trainer, make_optimizer
 
-__all__ = ["LOSSES", "SGD", "Adam", "Optimizer", "add_loss", "remove_loss"]
+__all__ = [
+    "LOSSES",
+    "OPTIMIZERS",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "BatchLoader",
+    "Callback",
+    "Constant",
+    "Cosine",
+    "EarlyStopping",
+    "History",
+    "InverseScaling",
+    "LinearWarmup",
+    "Optimizer",
+    "Schedule",
+    "StepDecay",
+    "Trainer",
+    "add_loss",
+    "as_feeds",
+    "keep_outputs",
+    "load_dataset",
+    "make_optimizer",
+    "plot_curves",
+    "remove_loss",
+    "split",
+    "with_parameters",
+]

@@ -3,7 +3,8 @@
 They work on the live buffers of :attr:`onnxgrad.ForwardBackward.parameters`: an update made by
 :meth:`Optimizer.step` is what the next forward sees, with no copy. Apart from the optimizer state
 (momentum, moments), each parameter gets at most two scratch buffers, allocated once; a step
-allocates nothing else.
+allocates nothing else. ``lr`` is a number or a schedule (:mod:`onnxgrad.train.schedules`, or any
+callable ``step -> lr``), read once per step: changing it never rebuilds anything.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
+from .schedules import LearningRate, as_schedule
 
-__all__ = ["SGD", "Adam", "Optimizer"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
 
 
 class Optimizer:
@@ -24,9 +26,10 @@ class Optimizer:
 
     ``params``: name -> float numpy array, updated in place. Replacing an array elsewhere (e.g. with
     ``ForwardBackward.set_parameters``) detaches it from the optimizer: build a new one then.
+    ``lr``: a number, or a schedule ``step -> lr`` evaluated at :attr:`iterations` on each step.
     """
 
-    def __init__(self, params: Mapping[str, np.ndarray], lr: float) -> None:
+    def __init__(self, params: Mapping[str, np.ndarray], lr: LearningRate) -> None:
         self.params: dict[str, np.ndarray] = {}
         for name, p in params.items():
             if not isinstance(p, np.ndarray) or not np.issubdtype(p.dtype, np.floating):
@@ -34,22 +37,63 @@ class Optimizer:
             if not p.flags.writeable:
                 raise InputError(f"parameter {name!r} is read-only: it cannot be updated in place")
             self.params[name] = p
-        _check_non_negative(lr=lr)
-        self.lr = float(lr)
+        self.schedule = as_schedule(lr)
+        self.iterations = 0  # updates made so far: the step the schedule is evaluated at
+        self.lr = self._scheduled_lr()
         self.state: dict[str, dict[str, Any]] = {name: {} for name in self.params}
         self._scratch: dict[str, list[np.ndarray]] = {name: [] for name in self.params}
+
+    def _scheduled_lr(self) -> float:
+        lr = float(self.schedule(self.iterations))
+        _check_non_negative(lr=lr)
+        return lr
 
     def step(self, grads: Mapping[str, np.ndarray]) -> None:
         """Apply one update from ``grads`` (name -> gradient); parameters without one are left."""
         unknown = [k for k in grads if k not in self.params]
         if unknown:
             raise InputError(f"gradients given for {unknown}, which are not optimizer parameters")
+        checked = []
         for name, grad in grads.items():
             p = self.params[name]
             grad = np.asarray(grad)
             if grad.shape != p.shape:
                 raise InputError(f"gradient of {name!r} has shape {grad.shape}, the parameter has {p.shape}")
+            checked.append((name, p, grad))
+        self.lr = self._scheduled_lr()
+        for name, p, grad in checked:
             self._update(name, p, grad)
+        self.iterations += 1
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The step counter and a copy of the per-parameter state (momenta, moments, counts)."""
+        state = {
+            name: {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in s.items()}
+            for name, s in self.state.items()
+        }
+        return {"iterations": self.iterations, "state": state}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, so the next step is the one that would have come."""
+        state = state_dict["state"]
+        if set(state) != set(self.params):
+            raise InputError(
+                f"the optimizer state is for parameters {sorted(state)}, "
+                f"this optimizer has {sorted(self.params)}"
+            )
+        for name, values in state.items():
+            p = self.params[name]
+            restored = {}
+            for key, value in values.items():
+                if isinstance(value, np.ndarray):
+                    if value.shape != p.shape:
+                        raise InputError(f"state {key!r} of {name!r} has shape {value.shape}, not {p.shape}")
+                    value = np.array(value, dtype=p.dtype, copy=True)
+                restored[key] = value
+            self.state[name] = restored
+        self.iterations = int(state_dict["iterations"])
+        self.lr = self._scheduled_lr()
 
     def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
         raise NotImplementedError
@@ -93,7 +137,7 @@ class SGD(Optimizer):
     def __init__(
         self,
         params: Mapping[str, np.ndarray],
-        lr: float,
+        lr: LearningRate,
         momentum: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,
@@ -135,7 +179,7 @@ class Adam(Optimizer):
     def __init__(
         self,
         params: Mapping[str, np.ndarray],
-        lr: float = 1e-3,
+        lr: LearningRate = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
@@ -149,6 +193,10 @@ class Adam(Optimizer):
         self.eps, self.weight_decay = float(eps), float(weight_decay)
 
     def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
+        self._adam(name, p, self._decayed(name, p, grad, self.weight_decay))
+
+    def _adam(self, name: str, p: np.ndarray, g: np.ndarray) -> None:
+        """``m ← β1 m + (1-β1) g``, ``v ← β2 v + (1-β2) g²``, ``p -= lr m̂ / (√v̂ + eps)``."""
         beta1, beta2 = self.betas
         state = self.state[name]
         if not state:
@@ -156,7 +204,6 @@ class Adam(Optimizer):
         state["step"] += 1
         m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
         s = self._buffer(name, 0)
-        g = self._decayed(name, p, grad, self.weight_decay)
         np.subtract(g, m, out=s)  # m.lerp_(g, 1 - β1), as torch writes it
         _add_scaled(m, 1.0 - beta1, s, s)
         v *= beta2
@@ -168,3 +215,23 @@ class Adam(Optimizer):
         s += self.eps
         np.divide(m, s, out=s)
         _add_scaled(p, -self.lr / bias1, s, s)
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (``torch.optim.AdamW``): ``p *= 1 - lr wd``, then Adam on
+    the raw gradient. The decay follows the scheduled learning rate."""
+
+    def __init__(
+        self,
+        params: Mapping[str, np.ndarray],
+        lr: LearningRate = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
+        if self.weight_decay:
+            p *= 1.0 - self.lr * self.weight_decay
+        self._adam(name, p, grad)

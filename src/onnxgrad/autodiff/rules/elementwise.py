@@ -143,8 +143,10 @@ Grads = list[Var | None]
 @rule("Sum")
 def sum_(g: GradBuilder, n: NodeContext) -> Grads:
     """y = x1 + x2 + ...: dxi = dy, summed back to each input's shape."""
-    return [g.unbroadcast(n.dy, x, n.y.shape) if need else None  # type: ignore[arg-type]
-            for x, need in zip(n.inputs, n.needs)]
+    return [
+        g.unbroadcast(n.dy, x, n.y.shape) if need else None  # type: ignore[arg-type]
+        for x, need in zip(n.inputs, n.needs)
+    ]
 
 
 @rule("Mean")
@@ -152,9 +154,12 @@ def mean(g: GradBuilder, n: NodeContext) -> Grads:
     """y = (x1 + ... + xk) / k: dxi = dy / k, summed back to each input's shape."""
     k = len(n.inputs)
     # scaled after un-broadcasting: on the smaller tensor
-    return [(g.unbroadcast(n.dy, x, n.y.shape) / k if k > 1 else n.dy)  # type: ignore[arg-type]
-            if need else None
-            for x, need in zip(n.inputs, n.needs)]
+    return [
+        (g.unbroadcast(n.dy, x, n.y.shape) / k if k > 1 else n.dy)  # type: ignore[arg-type]
+        if need
+        else None
+        for x, need in zip(n.inputs, n.needs)
+    ]
 
 
 @rule("Max", "Min")
@@ -169,5 +174,7 @@ def max_min(g: GradBuilder, n: NodeContext) -> Grads:
     y = n.y
     masks = [g.Cast(g.Equal(x, y), to=y.dtype) for x in n.inputs]  # type: ignore[arg-type]
     share = n.dy / g.Sum(*masks)
-    return [g.unbroadcast(share * m, x, y.shape) if need else None  # type: ignore[arg-type]
-            for x, m, need in zip(n.inputs, masks, n.needs)]
+    return [
+        g.unbroadcast(share * m, x, y.shape) if need else None  # type: ignore[arg-type]
+        for x, m, need in zip(n.inputs, masks, n.needs)
+    ]

@@ -58,9 +58,7 @@ zero(
     "Bernoulli",
     note="random draws: independent of the input values",
 )
-zero(
-    "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", note="integer bit operations"
-)
+zero("BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", note="integer bit operations")
 zero(
     "StringNormalizer",
     "StringConcat",
