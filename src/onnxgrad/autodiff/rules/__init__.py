@@ -1,7 +1,9 @@
 """Gradient rules by op family; importing this package registers all of them."""
 
 from . import (  # noqa: F401
+    attention,
     control_flow,
+    conv,
     elementwise,
     indexing,
     linalg,
