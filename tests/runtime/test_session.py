@@ -133,3 +133,47 @@ def test_set_parameters_between_forward_and_backward_uses_the_forward_values():
     got = res.backward()
     want = numpy_mlp_grads(model, x, np.ones((2, 3)))
     np.testing.assert_allclose(got["W1"], want["W1"], rtol=1e-10)
+
+
+def test_training_flag_switches_batchnorm_and_dropout():
+    torch = pytest.importorskip("torch")
+    import io
+
+    import onnx
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(3, 6), torch.nn.BatchNorm1d(6), torch.nn.Dropout(0.5), torch.nn.Linear(6, 2)
+    ).double()
+    net.eval()
+    buf = io.BytesIO()
+    torch.onnx.export(
+        net,
+        (torch.randn(4, 3, dtype=torch.float64),),
+        buf,
+        dynamo=False,
+        input_names=["x"],
+        dynamic_axes={"x": {0: "batch"}},
+    )
+    fb = onnxgrad.ForwardBackward(onnx.load_from_string(buf.getvalue()))
+    assert set(fb.buffers) == {"1.running_mean", "1.running_var"}
+    assert not set(fb.buffers) & set(fb.parameters)
+    x = RNG.standard_normal((32, 3))
+    # inference: running statistics, no dropout, exactly torch's eval output
+    np.testing.assert_allclose(
+        fb.forward({"x": x}, training=False).outputs[0], net(torch.from_numpy(x)).detach().numpy(), rtol=1e-10
+    )
+    # training: batch statistics (running mean updated as torch does), dropout active
+    mean0 = fb.buffers["1.running_mean"].copy()
+    res = fb.forward({"x": x})
+    h = x @ fb.parameters["0.weight"].T + fb.parameters["0.bias"]
+    m = net[1].momentum
+    # ONNX stores the momentum as a float32 attribute: equal to torch up to float32 rounding
+    np.testing.assert_allclose(fb.buffers["1.running_mean"], (1 - m) * mean0 + m * h.mean(0), rtol=1e-6)
+    grads = res.backward()
+    assert np.isfinite(grads["0.weight"]).all() and grads["0.weight"].any()
+    exported = fb.to_onnx()  # inference model with the updated running statistics
+    sess = ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(
+        sess.run(None, {"x": x})[0], fb.forward({"x": x}, training=False).outputs[0], rtol=1e-12
+    )

@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from ..autodiff.engine import GradientGraphs, build_gradient
-from ..autodiff.graph import ValueInfo, np_dtype, to_array, value_info_from_proto
+from ..autodiff.modes import ModeSwitch, set_training_mode
+from ..autodiff.graph import FLOAT_TYPES, ValueInfo, load_model, np_dtype, to_array, value_info_from_proto
 from ..errors import InputError, OnnxGradRuntimeError
 from .values import C, OrtValueLike, from_numpy, run
 
@@ -191,21 +192,57 @@ class ForwardBackward:
         providers: str | Sequence[Any] | None = None,
         session_options: ort.SessionOptions | None = None,
     ) -> None:
+        self._modes: ModeSwitch | None = None  # Dropout / BatchNormalization follow `training`
         if isinstance(model_or_graphs, GradientGraphs):
             graphs = model_or_graphs
+            user_outputs = list(graphs.outputs)
         else:
+            proto = load_model(model_or_graphs)
+            user_outputs = [o.name for o in proto.graph.output]
+            if any(n.op_type in ("Dropout", "BatchNormalization") for n in proto.graph.node):
+                self._modes = set_training_mode(proto, True)
+                proto = _overridable(self._modes.model, self._modes.buffers)
+                if trainable is None:  # running statistics are buffers, not parameters
+                    trainable = [
+                        i.name
+                        for i in proto.graph.initializer
+                        if i.data_type in FLOAT_TYPES and i.name not in self._modes.running_stats
+                    ]
+                if outputs is None:
+                    outputs = [o for o in user_outputs if o in _float_outputs(proto)]
             graphs = build_gradient(
-                model_or_graphs,
-                trainable=trainable,
-                inputs_requiring_grad=inputs_requiring_grad,
-                outputs=outputs,
+                proto, trainable=trainable, inputs_requiring_grad=inputs_requiring_grad, outputs=outputs
             )
         self.graphs = graphs
+        self.output_names = user_outputs
         self.providers = resolve_providers(providers)
+        self._options = session_options
         self._runner = Runner(graphs, self.providers, session_options)
-        self._inputs = self._runner.inputs
+        self._eval_runner: Runner | None = None  # inference-mode graphs, made on first use
+        self._inputs = {k: v for k, v in self._runner.inputs.items() if k not in self._stat_names()}
         self._params: dict[str, np.ndarray] = self._runner.initial_values
         self._param_values = {k: from_numpy(v) for k, v in self._params.items()}
+        inits = {i.name: i for i in graphs.forward.graph.initializer}
+        self._buffers = {k: np.array(to_array(inits[k]), copy=True) for k in self._stat_names()}
+        self._buffer_values = {k: from_numpy(v) for k, v in self._buffers.items()}
+
+    def _stat_names(self) -> list[str]:
+        return self._modes.buffers if self._modes is not None else []
+
+    def _runner_for(self, training: bool) -> Runner:
+        if training or self._modes is None:
+            return self._runner
+        if self._eval_runner is None:
+            model = _overridable(set_training_mode(self._modes.model, False).model, self._modes.buffers)
+            outputs = list(self.graphs.grad_inputs)
+            graphs = build_gradient(model, trainable=self.graphs.trainable, outputs=outputs)
+            self._eval_runner = Runner(graphs, self.providers, self._options)
+        return self._eval_runner
+
+    @property
+    def buffers(self) -> dict[str, np.ndarray]:
+        """Running statistics of BatchNormalization (live buffers, updated by training forwards)."""
+        return dict(self._buffers)
 
     # ---- parameters --------------------------------------------------------------------------
     @property
@@ -217,10 +254,6 @@ class ForwardBackward:
     @property
     def input_names(self) -> list[str]:
         return list(self._inputs)
-
-    @property
-    def output_names(self) -> list[str]:
-        return list(self.graphs.outputs)
 
     def set_parameters(self, mapping: Mapping[str, Any]) -> None:
         """Replace parameter values (same shapes and dtypes as before)."""
@@ -238,8 +271,18 @@ class ForwardBackward:
             self._param_values[name] = from_numpy(arr)
 
     def to_onnx(self) -> onnx.ModelProto:
-        """The inference model (user outputs only) carrying the current parameter values."""
-        return inference_model(self.graphs, self._params)
+        """The inference model (user outputs only, Dropout and BatchNormalization in inference
+        mode) carrying the current parameter and running-statistics values."""
+        graphs = self._runner_for(False).graphs
+        model = inference_model(graphs, {**self._params, **self._buffers})
+        if self._modes is not None:  # running statistics back to plain initializers
+            inputs = [i for i in model.graph.input if i.name not in self._buffers]
+            del model.graph.input[:]
+            model.graph.input.extend(inputs)
+        outputs = [o for o in model.graph.output if o.name in self.output_names]
+        del model.graph.output[:]
+        model.graph.output.extend(outputs)
+        return model
 
     # ---- running -----------------------------------------------------------------------------
     def forward(self, feeds: Feeds, *, training: bool = True) -> ForwardResult:
@@ -247,12 +290,18 @@ class ForwardBackward:
         bound = self._check_feeds(feeds)
         values = {name: from_numpy(arr) for name, arr in bound.items()}
         values.update(self._param_values)
-        outs, saved = self._runner.forward(values, training)
+        values.update(self._buffer_values)
+        runner = self._runner_for(training)
+        outs, saved = runner.forward(values, training)
+        by_name = dict(zip(runner.graphs.outputs, outs))
+        if training and self._modes is not None:  # keep the running statistics running
+            for stat, out in self._modes.running_stats.items():
+                np.copyto(self._buffers[stat], by_name[out].numpy())
         if saved is not None:
             # OrtValues do not own numpy buffers: keep the fed arrays and the parameter arrays of
             # this step alive until the backward (set_parameters may replace them meanwhile)
             saved["__inputs__"] = (bound, dict(self._params))  # type: ignore[assignment]
-        return ForwardResult(self, [ov.numpy() for ov in outs], saved)
+        return ForwardResult(self, [by_name[o].numpy() for o in self.output_names], saved)
 
     def _backward(self, saved: dict[str, Any], grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = {out: from_numpy(arr) for out, arr in grads.items()}
@@ -271,7 +320,7 @@ class ForwardBackward:
         return {name: check_array(name, feeds[name], self._inputs[name]) for name in self._inputs}
 
     def _grad_feeds(self, grad_outputs: Any, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
-        by_name = dict(zip(self.graphs.outputs, outputs))
+        by_name = dict(zip(self.output_names, outputs))
         if grad_outputs is None:
             given: dict[str, Any] = {o: None for o in self.graphs.grad_inputs}
         elif isinstance(grad_outputs, Mapping):
@@ -284,11 +333,11 @@ class ForwardBackward:
             given = dict(grad_outputs)
         else:
             seq = list(grad_outputs)
-            if len(seq) != len(self.graphs.outputs):
+            if len(seq) != len(self.output_names):
                 raise InputError(
-                    f"expected {len(self.graphs.outputs)} output gradients (one per output), got {len(seq)}"
+                    f"expected {len(self.output_names)} output gradients (one per output), got {len(seq)}"
                 )
-            given = {o: g for o, g in zip(self.graphs.outputs, seq) if o in self.graphs.grad_inputs}
+            given = {o: g for o, g in zip(self.output_names, seq) if o in self.graphs.grad_inputs}
         feeds = {}
         for out in self.graphs.grad_inputs:
             ref = by_name[out]
@@ -343,6 +392,21 @@ def _fmt_shape(shape: tuple) -> str:
     return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
 
 
+def _overridable(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
+    """``model`` with the initializers ``names`` also declared as graph inputs (fed at run time)."""
+    declared = {i.name for i in model.graph.input}
+    model.graph.input.extend(
+        helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+        for i in model.graph.initializer
+        if i.name in set(names) and i.name not in declared
+    )
+    return model
+
+
+def _float_outputs(model: onnx.ModelProto) -> set[str]:
+    return {o.name for o in model.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES}
+
+
 def inference_model(graphs: GradientGraphs, params: Mapping[str, np.ndarray]) -> onnx.ModelProto:
     """The forward graph reduced to the user outputs, with ``params`` as its initializers."""
     model = onnx.ModelProto()
@@ -390,8 +454,6 @@ def gradients(
     ``grad_outputs``: output name -> array (``None``: ones for every floating-point output).
     ``wrt``: initializer and/or input names (``None``: every trainable initializer).
     """
-    from ..autodiff.graph import load_model
-
     proto = load_model(model)
     inits = {i.name for i in proto.graph.initializer}
     inputs = [i.name for i in proto.graph.input if i.name not in inits]
