@@ -19,8 +19,8 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from ..autodiff.engine import GradientGraphs, build_gradient
-from ..autodiff.modes import ModeSwitch, set_training_mode
 from ..autodiff.graph import FLOAT_TYPES, ValueInfo, load_model, np_dtype, to_array, value_info_from_proto
+from ..autodiff.modes import ModeSwitch, set_training_mode
 from ..errors import InputError, OnnxGradRuntimeError
 from .values import C, OrtValueLike, from_numpy, run
 
