@@ -14,6 +14,7 @@ from . import (  # noqa: F401
     norm,
     reduce,
     resample,
+    rnn,
     sequence,
     shape,
 )
