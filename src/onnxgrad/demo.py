@@ -1,10 +1,10 @@
 """End-to-end demo: train an ONNX MLP on scikit-learn's digits with onnxruntime alone.
 
-The model is built with ``onnx.helper`` (Gemm, Relu, Gemm), a cross-entropy loss is appended with
-:func:`onnxgrad.train.add_loss`, and :class:`onnxgrad.ForwardBackward` runs forward and backward
-while :class:`onnxgrad.train.Adam` updates the weights in place. The trained logits model is saved
-and reloaded with a plain ``onnxruntime.InferenceSession`` to show it is an ordinary ONNX file.
-Needs scikit-learn (the bundled digits set, no download) and tqdm.
+The model is built with ``onnx.helper`` (Gemm, Relu, Gemm); :class:`onnxgrad.train.Trainer` appends
+a cross-entropy loss, runs forward and backward on onnxruntime and updates the weights in place with
+Adam, showing a progress bar per epoch. The trained logits model is saved and reloaded with a plain
+``onnxruntime.InferenceSession`` to show it is an ordinary ONNX file. Needs scikit-learn (the
+bundled digits set, no download) and tqdm.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from .autodiff import build_gradient
 from .autodiff.graph import ir_version_for
-from .runtime import ForwardBackward
-from .train import Adam, add_loss, remove_loss
+from .train import Trainer
 
 DEFAULT_PATH = os.path.join("out", "digits_mlp.onnx")
 INPUT, LOGITS = "pixels", "logits"
@@ -94,52 +92,36 @@ def main(
     ``reloaded_accuracy`` (the saved file run by a plain InferenceSession), ``path`` and
     ``seconds`` (the whole run) and ``train_seconds``.
     """
-    from tqdm import tqdm
-
     start = time.perf_counter()
     rng = np.random.default_rng(seed)
     x_tr, x_te, y_tr, y_te = load_digits_split(seed)
     model = build_mlp((x_tr.shape[1], 128, 10), rng)
-    # Only the loss takes a gradient; the logits stay an output for evaluation.
-    graphs = build_gradient(add_loss(model, "cross_entropy"), outputs=["loss"])
-    fb = ForwardBackward(graphs)
-    loss_index = fb.output_names.index("loss")
-    opt = Adam(fb.parameters, lr=lr)
-
-    epoch_losses = []
+    # The trainer appends the loss; the logits stay an output, for the accuracy.
+    trainer = Trainer(
+        model,
+        loss="cross_entropy",
+        optimizer="adam",
+        lr=lr,
+        batch_size=batch_size,
+        seed=seed,
+        progress=progress,
+    )
     train_start = time.perf_counter()
-    for epoch in range(1, epochs + 1):
-        order = rng.permutation(len(x_tr))
-        batches = tqdm(
-            range(0, len(order), batch_size),
-            desc=f"epoch {epoch:>2}/{epochs}",
-            unit="batch",
-            disable=not progress,
-            leave=True,
-        )
-        total, seen = 0.0, 0
-        for first in batches:
-            idx = order[first : first + batch_size]
-            result = fb.forward({INPUT: x_tr[idx], "target": y_tr[idx]})
-            opt.step(result.backward())
-            total += float(result.outputs[loss_index]) * len(idx)
-            seen += len(idx)
-            # the running mean of the epoch: the last, partial batch alone would be noisy
-            batches.set_postfix(loss=f"{total / seen:.4f}", refresh=False)
-        epoch_losses.append(total / seen)
+    history = trainer.fit({INPUT: x_tr, "target": y_tr}, epochs=epochs)
     train_seconds = time.perf_counter() - train_start
-
+    epoch_losses = history["loss"] if epochs else []
+    fb = trainer.fb
     test = fb.forward({INPUT: x_te, "target": y_te}, training=False)
     test_acc = accuracy(test.outputs[fb.output_names.index(LOGITS)], y_te)
 
     path = os.fspath(path)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    onnx.save(remove_loss(fb.to_onnx()), path)  # the logits model with the trained weights
+    onnx.save(trainer.to_onnx(), path)  # the logits model with the trained weights
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     reloaded_acc = accuracy(session.run([LOGITS], {INPUT: x_te})[0], y_te)
     seconds = time.perf_counter() - start
 
-    n_params = sum(p.size for p in fb.parameters.values())
+    n_params = sum(p.size for p in trainer.parameters.values())
     print(
         f"digits MLP 64-128-10 ({n_params} parameters), {len(x_tr)} train / {len(x_te)} test "
         f"samples, {epochs} epochs of Adam (lr={lr}, batch {batch_size})"

@@ -337,6 +337,10 @@ def test_penalties_match_torch(penalties, coefs, cast_w):
     expected.backward()
     rtol = 1e-6 if cast_w else 1e-12
     np.testing.assert_allclose(loss, expected.item(), rtol=rtol)
+    weights = {"W": w.astype(np.float64), "b": b}
+    by_numpy = ((x @ weights["W"] + b - t) ** 2).mean()
+    by_numpy += sum(a * np.abs(weights[n]).sum() + c * (weights[n] ** 2).sum() for n, (a, c) in coefs.items())
+    np.testing.assert_allclose(loss, by_numpy, rtol=rtol)
     for name, p in params.items():
         assert grads[name].dtype == p.detach().numpy().dtype
         np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=rtol, atol=1e-7 if cast_w else 1e-14)

@@ -8,6 +8,7 @@ from . import (  # noqa: F401
     indexing,
     linalg,
     losses,
+    misc,
     ml,
     nn,
     nondiff,
@@ -17,4 +18,5 @@ from . import (  # noqa: F401
     rnn,
     sequence,
     shape,
+    spectral,
 )

@@ -1,0 +1,122 @@
+"""Spectral and sampling-grid ops: DFT and AffineGrid, both linear in their float input.
+
+The gradient of a linear map is its adjoint. For the DFT of length ``n`` (``z = F x`` with
+``F_kj = exp(-2 pi i kj / n)``, or ``exp(+2 pi i kj / n) / n`` for the inverse), the adjoint is
+``F^H``: ``n * IDFT`` of the gradient for a forward DFT, ``DFT / n`` for an inverse one, taking
+the gradient ``(d re, d im)`` of the output as the complex number ``d re + i d im``. Around it the
+adjoints of the padding and slicing the op does: a one-sided output is zero-padded back to ``n``
+frequencies, a ``dft_length`` that padded the signal slices its gradient (and zero-pads it where the
+signal was truncated), and a real input keeps the real part.
+
+AffineGrid is ``grid[n, p] = theta[n] @ [base(p), 1]`` over the output positions ``p``, so
+``dtheta[n] = dgrid[n]^T @ [base, 1]``; the base coordinates are AffineGrid of the identity.
+
+Not covered: STFT, and the opset-27 CausalConvWithState and LinearAttention (onnxruntime 1.31 runs
+opsets up to 26 only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import GradientNotImplementedError
+from ..builder import GradBuilder, Var
+from ..registry import NodeContext, rule
+
+Grads = list[Var | None]
+
+
+def _refuse(n: NodeContext, reason: str) -> GradientNotImplementedError:
+    return GradientNotImplementedError(
+        f"no gradient for node {n.node.name!r} (op {n.node.op_type!r}): {reason}"
+    )
+
+
+def _input(n: NodeContext, i: int) -> Var | None:
+    return n.inputs[i] if i < len(n.inputs) else None
+
+
+def _const_int(n: NodeContext, i: int, what: str) -> int | None:
+    """Integer value of optional input ``i``; refuses a value only known at run time."""
+    if _input(n, i) is None:
+        return None
+    value = n.const_input(i)
+    if value is None:
+        raise _refuse(n, f"{what} must be a constant (initializer or Constant) to differentiate")
+    return int(np.asarray(value).reshape(()))
+
+
+def _dft_axis(n: NodeContext, rank: int) -> int:
+    """The signal axis, non-negative: attribute (default 1) before opset 20, input (default -2) after."""
+    axis = n.attr("axis", 1) if n.opset < 20 else _const_int(n, 2, "axis")
+    if axis is None:
+        axis = -2
+    return axis + rank if axis < 0 else axis
+
+
+def _dft(g: GradBuilder, x: Var, axis: int, inverse: bool, shape: tuple) -> Var:
+    """A complex-to-complex DFT of ``x`` along ``axis`` (its own length), in the backward's opset."""
+    if g.opset >= 20:
+        return g.op("DFT", x, None, g.const(np.int64(axis)), inverse=int(inverse), shape=shape)
+    return g.op("DFT", x, axis=axis, inverse=int(inverse), shape=shape)
+
+
+def _pad(g: GradBuilder, x: Var, rank: int, axis: int, after: int) -> Var:
+    """``x`` (of rank ``rank``) zero-padded by ``after`` at the end of ``axis``."""
+    pads = [0] * (2 * rank)
+    pads[rank + axis] = after
+    return g.op("Pad", x, g.const(np.int64(pads)), g.const(0.0, x.dtype))
+
+
+def _slice(g: GradBuilder, x: Var, axis: int, start: int, end: int) -> Var:
+    return g.op("Slice", x, g.const(np.int64([start])), g.const(np.int64([end])), g.const(np.int64([axis])))
+
+
+@rule("DFT", since=17)
+def dft_grad(g: GradBuilder, n: NodeContext) -> Grads:
+    """``z = DFT_n(x)``: ``dx = n IDFT(dz)`` (forward DFT) or ``DFT(dz) / n`` (inverse), with the
+    adjoints of one-sided output, ``dft_length`` padding/truncation and real input around it."""
+    x = n.x
+    shape = x.static_shape
+    if shape is None:
+        raise _refuse(n, "the input needs a static shape")
+    rank = len(shape)
+    axis = _dft_axis(n, rank)
+    length = shape[axis]
+    size = _const_int(n, 1, "dft_length")
+    size = length if size is None else size
+    inverse, onesided = bool(n.attr("inverse", 0)), bool(n.attr("onesided", 0))
+    full = (*shape[:axis], size, *shape[axis + 1 : -1], 2)
+
+    dz = n.dy
+    if onesided:  # only frequencies 0..n//2 were output: the others had no effect
+        dz = _pad(g, dz, rank, axis, size - (size // 2 + 1))
+    dx = _dft(g, dz, axis, not inverse, full)
+    # F^H is n IDFT (the IDFT op divides by n) for a forward DFT, DFT / n for an inverse one
+    dx = dx * float(size) if not inverse else dx * (1.0 / size)
+    if size > length:  # the signal was zero-padded to n: its padding has no gradient
+        dx = _slice(g, dx, axis, 0, length)
+    elif size < length:  # the signal was truncated to n: the dropped samples have no gradient
+        dx = _pad(g, dx, rank, axis, length - size)
+    if shape[-1] == 1:  # real input: the real part
+        dx = _slice(g, dx, rank - 1, 0, 1)
+    return [dx, None, None]
+
+
+@rule("AffineGrid", since=20)
+def affine_grid_grad(g: GradBuilder, n: NodeContext) -> Grads:
+    """``grid[b, p] = theta[b] @ [base(p), 1]``: ``dtheta[b] = dgrid[b]^T @ [base, 1]``."""
+    theta, size = n.inputs[0], n.inputs[1]
+    if theta is None or theta.static_shape is None:
+        raise _refuse(n, "theta needs a static shape")
+    k = theta.static_shape[1]  # 2 (2-D grid) or 3 (3-D grid)
+    eye = np.eye(k, k + 1)[None]
+    # base coordinates: the grid of the identity transform for one batch item, flattened to [P, k]
+    one = g.Concat(g.const(np.int64([1])), g.op("Slice", size, [1], [k + 2], [0]), axis=0)
+    base = g.op("AffineGrid", g.const(eye, theta.dtype), one, align_corners=n.attr("align_corners", 0))
+    base = g.Reshape(base, g.const(np.int64([-1, k])))
+    ones = g.op("ReduceSum", base * 0.0, g.const(np.int64([1])), keepdims=1) + 1.0  # [P, 1]
+    homogeneous = g.Concat(base, ones, axis=1)  # [P, k + 1]
+    batch = g.op("Slice", g.shape_of(theta), [0], [1], [0])
+    dgrid = g.Reshape(n.dy, g.Concat(batch, g.const(np.int64([-1, k])), axis=0))  # [N, P, k]
+    return [g.MatMul(g.Transpose(dgrid, perm=[0, 2, 1]), homogeneous), None]

@@ -1,0 +1,126 @@
+"""Learning-rate schedules: the learning rate as a pure function of the optimizer step.
+
+A schedule is any callable ``step -> lr`` where ``step`` counts the optimizer updates already made
+(0 for the first update). The classes here reproduce ``torch.optim.lr_scheduler`` stepped once per
+optimizer update (``scheduler.step()`` after each ``optimizer.step()``); being stateless, they need
+nothing in a checkpoint but the optimizer's step counter, and they compose: :class:`LinearWarmup`
+wraps any other schedule. Give one as ``lr`` to any optimizer of :mod:`onnxgrad.train`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ..errors import InputError
+
+__all__ = ["Constant", "Cosine", "InverseScaling", "LinearWarmup", "Schedule", "StepDecay", "as_schedule"]
+
+LearningRate = float | Callable[[int], float]
+
+
+class Schedule:
+    """Base class: ``schedule(step)`` is the learning rate of update number ``step`` (from 0)."""
+
+    def __call__(self, step: int) -> float:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+
+def _positive(**values: float) -> None:
+    for key, value in values.items():
+        if not value > 0:
+            raise InputError(f"{key} must be > 0, got {value}")
+
+
+def _non_negative(**values: float) -> None:
+    for key, value in values.items():
+        if not value >= 0:
+            raise InputError(f"{key} must be >= 0, got {value}")
+
+
+class Constant(Schedule):
+    """``lr`` at every step."""
+
+    def __init__(self, lr: float) -> None:
+        _non_negative(lr=lr)
+        self.lr = float(lr)
+
+    def __call__(self, step: int) -> float:
+        return self.lr
+
+
+class StepDecay(Schedule):
+    """``lr · gamma^⌊step / step_size⌋`` (``torch.optim.lr_scheduler.StepLR``)."""
+
+    def __init__(self, lr: float, step_size: int, gamma: float = 0.1) -> None:
+        _non_negative(lr=lr, gamma=gamma)
+        _positive(step_size=step_size)
+        self.lr, self.step_size, self.gamma = float(lr), int(step_size), float(gamma)
+
+    def __call__(self, step: int) -> float:
+        return self.lr * self.gamma ** (step // self.step_size)
+
+
+class Cosine(Schedule):
+    """``min_lr + (lr - min_lr) (1 + cos(π step / total_steps)) / 2`` (``CosineAnnealingLR``).
+
+    As in torch, the curve goes back up after ``total_steps`` (a cosine of period
+    ``2 total_steps``); choose ``total_steps`` as the number of updates of the whole run.
+    """
+
+    def __init__(self, lr: float, total_steps: int, min_lr: float = 0.0) -> None:
+        _non_negative(lr=lr, min_lr=min_lr)
+        _positive(total_steps=total_steps)
+        self.lr, self.total_steps, self.min_lr = float(lr), int(total_steps), float(min_lr)
+
+    def __call__(self, step: int) -> float:
+        cos = 1 + math.cos(math.pi * step / self.total_steps)
+        return self.min_lr + (self.lr - self.min_lr) * cos / 2
+
+
+class InverseScaling(Schedule):
+    """``lr / (step + 1)^power``: scikit-learn's ``learning_rate='invscaling'`` (``power_t``)."""
+
+    def __init__(self, lr: float, power: float = 0.5) -> None:
+        _non_negative(lr=lr, power=power)
+        self.lr, self.power = float(lr), float(power)
+
+    def __call__(self, step: int) -> float:
+        return self.lr * (step + 1) ** -self.power
+
+
+class LinearWarmup(Schedule):
+    """``after`` preceded by ``warmup_steps`` steps rising linearly to its first value.
+
+    Step ``s < warmup_steps``: ``after(0) · (start_factor + (1 - start_factor) s / warmup_steps)``;
+    then ``after(s - warmup_steps)``: ``after`` starts when the warm-up ends. This is torch's
+    ``SequentialLR([LinearLR(start_factor, 1, warmup_steps), after], milestones=[warmup_steps])``.
+    ``after`` may be a number (a constant learning rate) or any schedule.
+    """
+
+    def __init__(self, after: LearningRate, warmup_steps: int, start_factor: float = 0.1) -> None:
+        _positive(warmup_steps=warmup_steps, start_factor=start_factor)
+        if start_factor > 1:
+            raise InputError(f"start_factor must be <= 1, got {start_factor}")
+        self.after, self.warmup_steps, self.start_factor = as_schedule(after), int(warmup_steps), start_factor
+
+    def __call__(self, step: int) -> float:
+        if step >= self.warmup_steps:
+            return self.after(step - self.warmup_steps)
+        f = self.start_factor + (1 - self.start_factor) * step / self.warmup_steps
+        return self.after(0) * f
+
+
+def as_schedule(lr: LearningRate) -> Callable[[int], float]:
+    """A number becomes a :class:`Constant`; a callable ``step -> lr`` is used as given."""
+    if callable(lr):
+        return lr
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise InputError(f"lr must be a number or a callable step -> lr, got {lr!r}") from None
+    return Constant(value)

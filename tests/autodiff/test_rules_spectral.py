@@ -1,0 +1,84 @@
+"""Gradient checks of rules/spectral.py (DFT, AffineGrid) against float64 finite differences and torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import onnxgrad.autodiff.rules.spectral  # noqa: F401  (registers the rules until rules/__init__ does)
+from onnxgrad.autodiff.engine import build_gradient
+from onnxgrad.errors import GradientNotImplementedError
+from onnxgrad.testing import check_op, node_model, run_gradients
+
+RNG = np.random.default_rng(0)
+
+
+def rnd(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape)
+
+
+# (input shape, dft_length, onesided, inverse, axis)
+DFT_CASES = [
+    ((2, 5, 1), None, 0, 0, 1),
+    ((2, 5, 2), None, 0, 0, 1),
+    ((2, 6, 2), None, 0, 1, 1),
+    ((2, 6, 1), None, 1, 0, 1),
+    ((2, 5, 1), None, 1, 0, 1),
+    ((2, 5, 2), 7, 0, 0, 1),
+    ((2, 5, 2), 3, 0, 1, 1),
+    ((2, 6, 1), 8, 1, 0, 1),
+    ((3, 2, 4, 2), None, 0, 0, 2),
+    ((3, 4, 2, 1), None, 0, 0, 1),
+]
+
+
+@pytest.mark.parametrize("opset", [17, 20])
+@pytest.mark.parametrize(("shape", "length", "onesided", "inverse", "axis"), DFT_CASES)
+def test_dft(opset: int, shape: tuple, length: int | None, onesided: int, inverse: int, axis: int) -> None:
+    inputs: list = [rnd(*shape), None if length is None else np.int64(length)]
+    attrs = {"onesided": onesided, "inverse": inverse}
+    if opset >= 20:
+        inputs.append(np.int64(axis - len(shape)))  # the negative form of the axis input
+    else:
+        attrs["axis"] = axis
+    check_op("DFT", inputs, attrs=attrs, opset=opset)
+
+
+def test_dft_versus_torch() -> None:
+    """A one-sided real DFT of length 8 is torch.fft.rfft(x, n=8)."""
+    x = rnd(3, 6)
+    model = node_model("DFT", [x[..., None], np.int64(8)], attrs={"onesided": 1, "axis": 1}, opset=17)
+    cot = rnd(3, 5, 2)
+    graphs = build_gradient(model, inputs_requiring_grad=["in0"])
+    _, grads = run_gradients(graphs, {"in0": x[..., None]}, {"out0": cot})
+    xt = torch.tensor(x, requires_grad=True)
+    z = torch.view_as_real(torch.fft.rfft(xt, n=8, dim=1))
+    (z * torch.tensor(cot)).sum().backward()
+    np.testing.assert_allclose(grads["in0"][..., 0], xt.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_dft_dynamic_shape_refused() -> None:
+    model = node_model("DFT", [rnd(2, 5, 2)], attrs={"axis": 1}, opset=17, dynamic=True)
+    with pytest.raises(GradientNotImplementedError, match=r"'DFT'.*static shape"):
+        build_gradient(model, inputs_requiring_grad=["in0"])
+
+
+@pytest.mark.parametrize("align_corners", [0, 1])
+@pytest.mark.parametrize("size", [[2, 3, 4, 5], [2, 1, 3, 2, 4]])
+def test_affine_grid(align_corners: int, size: list[int]) -> None:
+    k = len(size) - 2
+    theta = rnd(2, k, k + 1)
+    check_op("AffineGrid", [theta, np.int64(size)], attrs={"align_corners": align_corners}, opset=20)
+    # and against torch
+    model = node_model(
+        "AffineGrid", [theta, np.int64(size)], attrs={"align_corners": align_corners}, opset=20
+    )
+    graphs = build_gradient(model, inputs_requiring_grad=["in0"])
+    cot = rnd(*size[:1], *size[2:], k)
+    _, grads = run_gradients(graphs, {"in0": theta}, {"out0": cot})
+    tt = torch.tensor(theta, requires_grad=True)
+    grid = F.affine_grid(tt, size, align_corners=bool(align_corners))
+    (grid * torch.tensor(cot)).sum().backward()
+    np.testing.assert_allclose(grads["in0"], tt.grad.numpy(), rtol=1e-10, atol=1e-12)
