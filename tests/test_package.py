@@ -33,7 +33,5 @@ def test_readme_python_blocks_run(tmp_path):
     for block in blocks:
         script = tmp_path / "example.py"
         script.write_text(block)
-        res = subprocess.run(
-            [sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path
-        )
+        res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
         assert res.returncode == 0, res.stderr

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import errors
+from . import errors, pythonop  # noqa: F401  (pythonop registers the com.microsoft schemas; no torch)
 from ._version import __version__
 from .autodiff import GradientGraphs, build_gradient, supported_ops
 from .runtime import ForwardBackward, gradients

@@ -16,6 +16,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -164,13 +165,39 @@ def _grad(args: argparse.Namespace) -> int:
 
 
 def _coverage(args: argparse.Namespace) -> int:
-    header = ("op", "domain", "since opset", "kind")
-    rows = [(r.op_type, r.domain or "ai.onnx", str(r.since), r.kind) for r in rules_table()]
+    """One row per op: the opset versions with a rule, how, and the test files that exercise it."""
+    tested = _tested_ops()
+    versions: dict[tuple[str, str], list] = {}
+    for r in rules_table():
+        versions.setdefault((r.domain or "ai.onnx", r.op_type), []).append(r)
+    header = ("op", "domain", "opsets", "status", "tested in")
+    rows = []
+    for (domain, op), rs in versions.items():
+        where = ", ".join(sorted(tested.get(op, ()))) if tested else "?"
+        status = rs[-1].kind + (f" ({rs[-1].note})" if rs[-1].note and args.markdown else "")
+        rows.append((op, domain, ", ".join(f"{r.since}+" for r in rs), status, where or "-"))
     print(_markdown(header, rows) if args.markdown else _table(header, rows))
     kinds = Counter(supported_ops().values())
     counts = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
-    print(f"\n{sum(kinds.values())} ops ({counts}); {len(rows)} rule versions")
+    untested = sum(1 for row in rows if row[-1] == "-")
+    note = f"; {untested} without a test" if tested else ""
+    print(f"\n{sum(kinds.values())} ops ({counts}); {len(rows)} with versions listed{note}")
     return 0
+
+
+def _tested_ops() -> dict[str, set[str]]:
+    """Op name -> test files of the source checkout that name it (empty when not in a checkout)."""
+    tests = Path(__file__).resolve().parents[2] / "tests"
+    found: dict[str, set[str]] = {}
+    if not tests.is_dir():
+        return found
+    ops = {r.op_type for r in rules_table()}
+    for path in sorted(tests.rglob("test_*.py")):
+        text = path.read_text(errors="replace")
+        for op in ops:
+            if f'"{op}"' in text or f"'{op}'" in text:
+                found.setdefault(op, set()).add(path.name)
+    return found
 
 
 def _info(args: argparse.Namespace) -> int:

@@ -50,6 +50,7 @@ from .autodiff.graph import (
     value_info_from_proto,
 )
 from .errors import InputError, OnnxGradRuntimeError
+from .pythonop import make_runner
 from .runtime.session import Runner, resolve_providers
 
 __all__ = ["OrtGradientForwardBackward", "OrtGradientForwardBackwardFunction"]
@@ -382,7 +383,7 @@ class OrtGradientForwardBackward:
         )
         if self.debug:
             check_graphs(graphs)
-        runner = Runner(graphs, self.ort_providers_, self.sess_options)
+        runner = make_runner(graphs, self.ort_providers_, self.sess_options)
         specs: list[ValueInfo | None] = [runner.inputs.get(n) for n in self.input_names]
         for w in self.weights_to_train:
             value = runner.initial_values[w]

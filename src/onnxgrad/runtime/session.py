@@ -22,6 +22,7 @@ from ..autodiff.engine import GradientGraphs, build_gradient
 from ..autodiff.graph import FLOAT_TYPES, ValueInfo, load_model, np_dtype, to_array, value_info_from_proto
 from ..autodiff.modes import ModeSwitch, set_training_mode
 from ..errors import InputError, OnnxGradRuntimeError
+from ..pythonop import make_runner
 from .values import C, OrtValueLike, from_numpy, run
 
 Feeds = Mapping[str, Any]
@@ -217,7 +218,7 @@ class ForwardBackward:
         self.output_names = user_outputs
         self.providers = resolve_providers(providers)
         self._options = session_options
-        self._runner = Runner(graphs, self.providers, session_options)
+        self._runner = make_runner(graphs, self.providers, session_options)
         self._eval_runner: Runner | None = None  # inference-mode graphs, made on first use
         self._inputs = {k: v for k, v in self._runner.inputs.items() if k not in self._stat_names()}
         self._params: dict[str, np.ndarray] = self._runner.initial_values
@@ -236,7 +237,7 @@ class ForwardBackward:
             model = _overridable(set_training_mode(self._modes.model, False).model, self._modes.buffers)
             outputs = list(self.graphs.grad_inputs)
             graphs = build_gradient(model, trainable=self.graphs.trainable, outputs=outputs)
-            self._eval_runner = Runner(graphs, self.providers, self._options)
+            self._eval_runner = make_runner(graphs, self.providers, self._options)
         return self._eval_runner
 
     @property

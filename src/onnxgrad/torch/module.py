@@ -25,7 +25,8 @@ from ..autodiff.engine import build_gradient
 from ..autodiff.graph import FLOAT_TYPES, load_model, to_array
 from ..autodiff.modes import set_training_mode
 from ..errors import InputError
-from ..runtime.session import Runner, resolve_providers
+from ..pythonop import make_runner
+from ..runtime.session import resolve_providers
 from ..runtime.values import from_torch, to_torch
 
 
@@ -82,7 +83,7 @@ class _Variant:
         self.graphs = build_gradient(
             proto, trainable=trainable, inputs_requiring_grad=inputs, outputs=outputs
         )
-        self.runner = Runner(self.graphs, providers, options)
+        self.runner = make_runner(self.graphs, providers, options)
 
 
 class _OnnxFunction(torch.autograd.Function):
