@@ -256,3 +256,16 @@ def _set_int_attr(node: onnx.NodeProto, name: str, value: int) -> None:
             node.attribute.remove(a)
             break
     node.attribute.append(helper.make_attribute(name, value))
+
+
+def follows_training_flag(model: onnx.ModelProto) -> bool:
+    """Whether a runtime should switch ``model`` with :func:`set_training_mode` for training and
+    inference: it has a BatchNormalization, or a Dropout whose ``training_mode`` is not already a
+    graph input the caller feeds."""
+    fed = {i.name for i in model.graph.input}
+    for node in model.graph.node:
+        if node.op_type == "BatchNormalization":
+            return True
+        if node.op_type == "Dropout" and (len(node.input) < 3 or node.input[2] not in fed):
+            return True
+    return False

@@ -20,7 +20,7 @@ from onnx import helper, numpy_helper
 
 from ..autodiff.engine import GradientGraphs, build_gradient
 from ..autodiff.graph import FLOAT_TYPES, ValueInfo, load_model, np_dtype, to_array, value_info_from_proto
-from ..autodiff.modes import ModeSwitch, set_training_mode
+from ..autodiff.modes import ModeSwitch, follows_training_flag, set_training_mode
 from ..errors import InputError, OnnxGradRuntimeError
 from ..pythonop import make_runner
 from .values import C, OrtValueLike, from_numpy, run
@@ -200,7 +200,7 @@ class ForwardBackward:
         else:
             proto = load_model(model_or_graphs)
             user_outputs = [o.name for o in proto.graph.output]
-            if any(n.op_type in ("Dropout", "BatchNormalization") for n in proto.graph.node):
+            if follows_training_flag(proto):
                 self._modes = set_training_mode(proto, True)
                 proto = _overridable(self._modes.model, self._modes.buffers)
                 if trainable is None:  # running statistics are buffers, not parameters

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..autodiff.engine import build_gradient
 from ..autodiff.graph import FLOAT_TYPES, load_model, to_array
-from ..autodiff.modes import set_training_mode
+from ..autodiff.modes import follows_training_flag, set_training_mode
 from ..errors import InputError
 from ..pythonop import make_runner
 from ..runtime.session import resolve_providers
@@ -161,7 +161,7 @@ class OnnxModule(nn.Module):
         # initializer names; in training mode BatchNormalization's running statistics come out as
         # extra outputs, written back into their buffers after each forward.
         self._running_stats: dict[str, str] = {}
-        if any(n.op_type in ("Dropout", "BatchNormalization") for n in proto.graph.node):
+        if follows_training_flag(proto):
             train = set_training_mode(proto, True)
             proto = train.model
             self._running_stats = train.running_stats
