@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,10 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check src tests bench
 
 bench: $(STAMP)
-	$(PY) bench/compare_torch.py
+	$(PY) bench/compare_torch.py --json out/bench.json
+
+fuzz: $(STAMP)
+	ONNXGRAD_FUZZ=1 $(PY) -m pytest -q tests/reliability/test_fuzz.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -82,25 +82,11 @@ def onnx_dtype(dtype: np.dtype | type) -> int:
 
 
 def load_model(model: onnx.ModelProto | str | os.PathLike | bytes) -> onnx.ModelProto:
-    """Load a model from a path, bytes or a ``ModelProto``, raising :class:`ModelError` if it is not ONNX."""
-    if isinstance(model, onnx.ModelProto):
-        return model
-    try:
-        if isinstance(model, bytes | bytearray):
-            proto = onnx.load_from_string(bytes(model))
-        elif isinstance(model, str | os.PathLike):
-            if not os.path.exists(model):
-                raise ModelError(f"model file {os.fspath(model)!r} does not exist")
-            proto = onnx.load(os.fspath(model))
-        else:
-            raise ModelError(f"expected an onnx.ModelProto, a path or bytes, got {type(model).__name__}")
-    except ModelError:
-        raise
-    except Exception as exc:  # protobuf raises DecodeError and friends
-        raise ModelError(f"cannot read the model: it is not a valid ONNX file ({exc})") from exc
-    if not proto.graph.node and not proto.graph.output:
-        raise ModelError("the model has an empty graph: it is not a valid ONNX file")
-    return proto
+    """Load a model from a path, bytes or a ``ModelProto``, checked as untrusted input
+    (:func:`onnxgrad.validate.load_untrusted`): :class:`ModelError` if it is not ONNX or unsafe."""
+    from ..validate import load_untrusted  # validate imports this module
+
+    return load_untrusted(model)
 
 
 def check_model(model: onnx.ModelProto) -> None:
@@ -161,11 +147,20 @@ _ML_ELEMENTWISE = {"Scaler", "Normalizer", "Imputer", "Binarizer"}
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    from ..validate import safe_to_propagate_data  # validate imports this module
+
     try:
-        return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        plain = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception:
         # A graph that shape inference rejects may still run; keep what the file declares.
         return model
+    # ONNX data propagation allocates ~100-230 bytes per element of every static 1-D value.
+    if not safe_to_propagate_data(plain):
+        return plain
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception:
+        return plain
 
 
 def _type_ml_outputs(model: onnx.ModelProto) -> onnx.ModelProto | None:

@@ -22,12 +22,13 @@ from onnx import numpy_helper
 from torch import nn
 
 from ..autodiff.engine import build_gradient
-from ..autodiff.graph import FLOAT_TYPES, load_model, to_array
+from ..autodiff.graph import FLOAT_TYPES, load_model, to_array, value_info_from_proto
 from ..autodiff.modes import follows_training_flag, set_training_mode
 from ..errors import InputError
 from ..pythonop import make_runner
 from ..runtime.session import resolve_providers
 from ..runtime.values import from_torch, to_torch
+from ..validate import check_input
 
 
 def _to_ort(t: torch.Tensor, keep: list[torch.Tensor]) -> Any:
@@ -197,6 +198,9 @@ class OnnxModule(nn.Module):
                 self.register_buffer(tname, value)
         init_names = set(inits)
         self.input_names = [i.name for i in proto.graph.input if i.name not in init_names]
+        self._input_infos = {
+            vi.name: value_info_from_proto(vi) for vi in proto.graph.input if vi.name not in init_names
+        }
         self._variants: dict[tuple, _Variant] = {}
         self._lock = threading.Lock()
 
@@ -230,6 +234,9 @@ class OnnxModule(nn.Module):
                 raise InputError(f"input {name!r} must be a torch.Tensor, got {type(t).__name__}")
             if t.device.type != "cpu":
                 raise InputError(f"input {name!r} is on {t.device}; OnnxModule runs on the CPU")
+            info = self._input_infos.get(name)
+            if info is not None:
+                check_input(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), info)
         values = [(n, getattr(self, t)) for t, n in self.onnx_names.items()]
         grad = torch.is_grad_enabled()
         wrt_params = tuple(n for n, v in values if grad and v.requires_grad)
