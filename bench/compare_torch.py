@@ -36,8 +36,8 @@ def _tiny() -> tuple[torch.nn.Module, torch.Tensor]:
     return torch.nn.Linear(16, 16), torch.randn(4, 16)
 
 
-def setup(name: str) -> dict[str, Callable[[], None]]:
-    """The step function of each contender for model ``name``."""
+def setup(name: str, only: str | None = None) -> dict[str, Callable[[], None]]:
+    """The step function of each contender for model ``name`` (or of contender ``only``)."""
     if name == "tiny":
         module, x = _tiny()
     else:
@@ -46,27 +46,35 @@ def setup(name: str) -> dict[str, Callable[[], None]]:
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = THREADS
     opts.inter_op_num_threads = 1
-    fb = onnxgrad.ForwardBackward(model, session_options=opts)
-    feeds = {"input": x.numpy()}
-    om = OnnxModule(model, session_options=opts)
-    ones = torch.ones_like(module(x))
+    # onnxruntime's pool threads spin after each run by default: interleaved with torch, they
+    # would steal its cores (and ours would be charged to torch)
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    with torch.no_grad():  # a training step's saved activations must not hide under this peak
+        ones = torch.ones_like(module(x))
+    fns: dict[str, Callable[[], None]] = {}
 
-    def numpy_step() -> None:
-        fb.forward(feeds).backward()
+    if only in (None, "onnxgrad numpy"):
+        fb = onnxgrad.ForwardBackward(model, session_options=opts)
+        feeds = {"input": x.numpy()}
+        fns["onnxgrad numpy"] = lambda: fb.forward(feeds).backward() and None
 
-    def module_step() -> None:
-        om.zero_grad(set_to_none=True)
-        om(x).backward(ones)
+    if only in (None, "onnxgrad OnnxModule"):
+        om = OnnxModule(model, session_options=opts)
 
-    def torch_step() -> None:
-        module.zero_grad(set_to_none=True)
-        module(x).backward(ones)
+        def module_step() -> None:
+            om.zero_grad(set_to_none=True)
+            om(x).backward(ones)
 
-    return {
-        "onnxgrad numpy": numpy_step,
-        "onnxgrad OnnxModule": module_step,
-        "torch eager": torch_step,
-    }
+        fns["onnxgrad OnnxModule"] = module_step
+
+    if only in (None, "torch eager"):
+
+        def torch_step() -> None:
+            module.zero_grad(set_to_none=True)
+            module(x).backward(ones)
+
+        fns["torch eager"] = torch_step
+    return fns
 
 
 def time_steps(name: str, steps: int, warmup: int = 3) -> dict[str, float]:
@@ -85,11 +93,14 @@ def time_steps(name: str, steps: int, warmup: int = 3) -> dict[str, float]:
 
 
 def peak_memory(name: str, contender: str, steps: int = 5) -> float:
-    """Resident-set growth (MiB) of ``steps`` steps of one contender, in a fresh process."""
+    """Peak resident-set growth (MiB) over ``steps`` steps of one contender alone in a fresh
+    process, above what the process held after building the model (weights, sessions)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = (
-        f"import resource, sys; sys.path.insert(0, {root!r}); from bench.compare_torch import setup;"
-        f"fn = setup({name!r})[{contender!r}]; base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+        f"import resource, sys, torch; sys.path.insert(0, {root!r}); torch.set_num_threads({THREADS});"
+        f"from bench.compare_torch import setup; fn = setup({name!r}, {contender!r})[{contender!r}];"
+        "import os; page = os.sysconf('SC_PAGE_SIZE');"
+        "base = int(open('/proc/self/statm').read().split()[1]) * page / 1024;"  # resident KiB now
         f"[fn() for _ in range({steps})];"
         "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)"
     )
