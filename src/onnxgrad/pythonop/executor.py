@@ -35,8 +35,9 @@ from onnx import TensorProto, helper
 from torch.utils.dlpack import to_dlpack
 
 from ..autodiff.engine import GradientGraphs
-from ..autodiff.graph import all_subgraphs, node_operands, topological_order, value_info_from_proto
+from ..autodiff.graph import all_subgraphs, node_operands, topological_order
 from ..errors import OnnxGradRuntimeError, PythonOpError
+from ..runtime.session import split_forward
 from ..runtime.values import C, OrtValueLike, from_numpy, run, to_torch, unwrap
 from .registry import Functions, contexts, resolve_function
 from .spec import PYTHON_OP, describe, is_python_node, parse_backward, parse_forward
@@ -460,27 +461,10 @@ class PythonOpRunner:
         allow_import: bool | Iterable[str] = False,
     ) -> None:
         self.graphs = graphs
-        trainable = set(graphs.trainable)
-        fwd = onnx.ModelProto()
-        fwd.CopyFrom(graphs.forward)
-        # Trainable values are fed at each call (the caller holds them), not kept as initializers.
-        self.initial_values = {
-            i.name: np.array(onnx.numpy_helper.to_array(i), copy=True, order="C")
-            for i in fwd.graph.initializer
-            if i.name in trainable
-        }
-        kept = [i for i in fwd.graph.initializer if i.name not in trainable]
-        del fwd.graph.initializer[:]
-        fwd.graph.initializer.extend(kept)
+        fwd, self.initial_values, self.inputs = split_forward(graphs)
         kw = {"functions": functions, "allow_import": allow_import}
         self.fwd = PythonGraph(fwd, providers, session_options, **kw)
         self.bwd = PythonGraph(graphs.backward, providers, session_options, **kw)
-        inits = {i.name for i in kept}
-        self.inputs = {}
-        for vi in fwd.graph.input:
-            info = value_info_from_proto(vi)
-            if vi.name not in trainable and vi.name not in inits and info is not None:
-                self.inputs[vi.name] = info
         self.fwd_outputs = [o.name for o in fwd.graph.output]
         self.wrt = list(graphs.grad_outputs)
 

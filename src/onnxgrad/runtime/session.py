@@ -65,6 +65,31 @@ def make_session(
         raise OnnxGradRuntimeError(f"onnxruntime cannot load the {model.graph.name!r} graph: {exc}") from exc
 
 
+def split_forward(
+    graphs: GradientGraphs,
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray], dict[str, ValueInfo]]:
+    """The forward graph without its trainable initializers (the caller holds and feeds them),
+    their initial values, and the types of the inputs the caller feeds."""
+    trainable = set(graphs.trainable)
+    fwd = onnx.ModelProto()
+    fwd.CopyFrom(graphs.forward)
+    initial = {
+        i.name: np.array(to_array(i), copy=True, order="C")
+        for i in fwd.graph.initializer
+        if i.name in trainable
+    }
+    kept = [i for i in fwd.graph.initializer if i.name not in trainable]
+    del fwd.graph.initializer[:]
+    fwd.graph.initializer.extend(kept)
+    inits = {i.name for i in kept}
+    inputs = {}
+    for vi in fwd.graph.input:
+        info = value_info_from_proto(vi)
+        if vi.name not in trainable and vi.name not in inits and info is not None:
+            inputs[vi.name] = info
+    return fwd, initial, inputs
+
+
 class Runner:
     """The two onnxruntime sessions of a :class:`GradientGraphs`.
 
@@ -80,28 +105,11 @@ class Runner:
         session_options: ort.SessionOptions | None = None,
     ) -> None:
         self.graphs = graphs
-        trainable = set(graphs.trainable)
-        fwd = onnx.ModelProto()
-        fwd.CopyFrom(graphs.forward)
-        self.initial_values: dict[str, np.ndarray] = {}
-        kept = []
-        for init in fwd.graph.initializer:
-            if init.name in trainable:
-                self.initial_values[init.name] = np.array(to_array(init), copy=True, order="C")
-            else:
-                kept.append(init)
-        del fwd.graph.initializer[:]
-        fwd.graph.initializer.extend(kept)
+        fwd, self.initial_values, self.inputs = split_forward(graphs)
         self.fwd = make_session(fwd, providers, session_options)
         self._bwd: ort.InferenceSession | None = None  # made on the first backward
         self._providers, self._options = providers, session_options
         self._lock = threading.Lock()
-        inits = {i.name for i in fwd.graph.initializer}
-        self.inputs: dict[str, ValueInfo] = {}
-        for vi in fwd.graph.input:
-            info = value_info_from_proto(vi)
-            if vi.name not in trainable and vi.name not in inits and info is not None:
-                self.inputs[vi.name] = info
         self.fwd_outputs = [o.name for o in fwd.graph.output]
         self.wrt = list(graphs.grad_outputs)
 
