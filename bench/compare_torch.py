@@ -1,7 +1,8 @@
 """Training-step time of onnxgrad against PyTorch eager on the anchor models.
 
 One step = forward + backward with an output gradient of ones, gradients of every weight. In one
-process, the contenders are interleaved (one step each, in turn) and the median is reported:
+process, the contenders are interleaved (blocks of a few steps each, in turn) and the median is
+reported:
 onnxgrad's numpy path (``ForwardBackward``), ``OnnxModule`` under torch autograd, and PyTorch eager.
 Peak memory is measured per contender in a fresh subprocess (resident set growth during steps).
 
@@ -19,13 +20,13 @@ import sys
 import time
 from collections.abc import Callable
 
-import onnxruntime as ort
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import onnxgrad
 from bench import anchors
+from onnxgrad.runtime.session import default_options
 from onnxgrad.torch import OnnxModule
 
 THREADS = 2
@@ -43,12 +44,9 @@ def setup(name: str, only: str | None = None) -> dict[str, Callable[[], None]]:
     else:
         module, x = anchors.build(name), anchors.example_input(name)
     model = anchors.export(module, x[:1])
-    opts = ort.SessionOptions()
+    opts = default_options()  # no spinning pool threads (they would also steal torch's cores)
     opts.intra_op_num_threads = THREADS
     opts.inter_op_num_threads = 1
-    # onnxruntime's pool threads spin after each run by default: interleaved with torch, they
-    # would steal its cores (and ours would be charged to torch)
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     with torch.no_grad():  # a training step's saved activations must not hide under this peak
         ones = torch.ones_like(module(x))
     fns: dict[str, Callable[[], None]] = {}
@@ -77,18 +75,25 @@ def setup(name: str, only: str | None = None) -> dict[str, Callable[[], None]]:
     return fns
 
 
-def time_steps(name: str, steps: int, warmup: int = 3) -> dict[str, float]:
-    """Median milliseconds per step of each contender, interleaved."""
+def time_steps(name: str, steps: int, warmup: int = 3, block: int = 5) -> dict[str, float]:
+    """Median milliseconds per step of each contender, interleaved by blocks of ``block`` steps.
+
+    The first step of each block is not counted: after the previous contender's run, the other
+    runtime's threads are still spinning (torch's OpenMP threads busy-wait after a parallel
+    region), which would charge one contender for the other's idle threads.
+    """
     fns = setup(name)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(steps):
+    while min(len(v) for v in times.values()) < steps:
         for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append((time.perf_counter() - t0) * 1e3)
+            for i in range(block):
+                t0 = time.perf_counter()
+                fn()
+                if i:
+                    times[k].append((time.perf_counter() - t0) * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
