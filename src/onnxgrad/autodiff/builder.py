@@ -21,7 +21,7 @@ from .graph import Dim, ValueInfo, np_dtype
 INT64 = TensorProto.INT64
 BOOL = TensorProto.BOOL
 
-_BOOL_OPS = {
+BOOL_OPS = {  # ops whose result is boolean (no gradient flows through them)
     "Equal",
     "Greater",
     "Less",
@@ -522,7 +522,7 @@ def zero_tensor(dtype: int) -> onnx.TensorProto:
 
 
 def _result_dtype(op_type: str, ins: list[Var | None], attrs: dict[str, Any]) -> int:
-    if op_type in _BOOL_OPS:
+    if op_type in BOOL_OPS:
         return BOOL
     if op_type in _INT64_OPS:
         return INT64

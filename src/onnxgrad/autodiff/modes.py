@@ -18,7 +18,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import ModelError
-from .graph import check_model, infer_value_infos, load_model, opset_of
+from .graph import check_model, infer_value_infos, load_model, opset_of, subgraphs
 
 _SWITCHED = ("Dropout", "BatchNormalization")
 
@@ -64,7 +64,7 @@ def set_training_mode(model: onnx.ModelProto | str | os.PathLike | bytes, traini
 
         proto = inliner.inline_local_functions(proto)
     graph = proto.graph
-    _refuse_subgraphs(graph)
+    _refusesubgraphs(graph)
     opset = opset_of(proto, "")
     switch = _Switcher(proto, training, opset)
     for node in list(graph.node):
@@ -79,9 +79,9 @@ def set_training_mode(model: onnx.ModelProto | str | os.PathLike | bytes, traini
     return ModeSwitch(proto, switch.running_stats)
 
 
-def _refuse_subgraphs(graph: onnx.GraphProto) -> None:
+def _refusesubgraphs(graph: onnx.GraphProto) -> None:
     for node in graph.node:
-        for sub in _subgraphs(node):
+        for sub in subgraphs(node):
             inner = next((m for m in _all_nodes(sub) if m.op_type in _SWITCHED), None)
             if inner is not None:
                 raise ModelError(
@@ -90,20 +90,10 @@ def _refuse_subgraphs(graph: onnx.GraphProto) -> None:
                 )
 
 
-def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    subs: list[onnx.GraphProto] = []
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            subs.append(attr.g)
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            subs.extend(attr.graphs)
-    return subs
-
-
 def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
     for node in graph.node:
         yield node
-        for sub in _subgraphs(node):
+        for sub in subgraphs(node):
             yield from _all_nodes(sub)
 
 

@@ -8,6 +8,7 @@ treats their outputs as not requiring a gradient.
 
 from __future__ import annotations
 
+from ..builder import BOOL_OPS
 from ..registry import zero
 
 zero(
@@ -19,21 +20,7 @@ zero(
     "Range",
     note="shapes, sizes and constants: they depend on shapes or attributes, not on values",
 )
-zero(
-    "Equal",
-    "Greater",
-    "Less",
-    "GreaterOrEqual",
-    "LessOrEqual",
-    "Not",
-    "And",
-    "Or",
-    "Xor",
-    "IsNaN",
-    "IsInf",
-    "NonZero",
-    note="boolean results or indices: not differentiable",
-)
+zero(*sorted(BOOL_OPS), "NonZero", note="boolean results or indices: not differentiable")
 zero(
     "ArgMax",
     "ArgMin",
