@@ -23,7 +23,7 @@ import onnxruntime as ort
 
 from ..autodiff.engine import build_gradient
 from ..autodiff.graph import load_model, np_dtype
-from .session import ForwardBackward
+from .session import ForwardBackward, default_options
 
 
 @dataclass
@@ -113,7 +113,7 @@ def profile_step(
 
 
 def _options(threads: int | None, profile_prefix: str | None = None) -> ort.SessionOptions:
-    opts = ort.SessionOptions()
+    opts = default_options()  # the options a step runs with, so the profile shows the real step
     if threads:
         opts.intra_op_num_threads = threads
     if profile_prefix:
