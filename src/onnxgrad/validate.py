@@ -27,7 +27,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
-from .autodiff.graph import ValueInfo, np_dtype, topological_order
+from .autodiff.graph import ValueInfo, np_dtype, topological_order, without_weights
 from .errors import InputError, ModelError, PythonOpError
 
 __all__ = [
@@ -430,7 +430,7 @@ def _check_type(tp: onnx.TypeProto, what: str, verb: str, limits: Limits) -> Non
 def _inferred_shapes(model: onnx.ModelProto, limits: Limits) -> dict[str, ValueInfo]:
     """Static types ONNX shape inference gives (without data propagation), each size-checked."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(_skeleton(model), strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(without_weights(model), strict_mode=False)
     except Exception:  # a graph inference rejects may still be refused by the checks that follow
         return {}
     shapes: dict[str, ValueInfo] = {}
@@ -444,31 +444,6 @@ def _inferred_shapes(model: onnx.ModelProto, limits: Limits) -> dict[str, ValueI
         for t in graph.initializer:
             shapes[t.name] = ValueInfo(t.name, t.data_type, tuple(t.dims))
     return shapes
-
-
-def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model without the data of large initializers (declared as inputs instead): what shape
-    inference needs, without copying weights."""
-    skel = onnx.ModelProto()
-    for field in ("ir_version", "opset_import", "functions", "domain", "producer_name"):
-        value = getattr(model, field)
-        if isinstance(value, int | str):
-            setattr(skel, field, value)
-        else:
-            getattr(skel, field).extend(value)
-    g, src = skel.graph, model.graph
-    g.name = src.name
-    g.node.extend(src.node)
-    g.output.extend(src.output)
-    g.value_info.extend(src.value_info)
-    g.input.extend(src.input)
-    declared = {i.name for i in src.input}
-    for t in src.initializer:
-        if math.prod(t.dims) <= _MAX_SHAPE_VECTOR and t.data_location != TensorProto.EXTERNAL:
-            g.initializer.append(t)  # small constants: shapes, axes, scalars inference reads
-        elif t.name not in declared:
-            g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    return skel
 
 
 def safe_to_propagate_data(model: onnx.ModelProto, max_elements: int = 1 << 20) -> bool:

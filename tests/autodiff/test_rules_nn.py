@@ -377,8 +377,17 @@ MAXPOOL_CASES = [
         {"kernel_shape": [2, 2, 3], "strides": [1, 2, 1], "storage_order": 1, "pads": [0, 1, 1, 1, 0, 1]},
     ),
     ((1, 2, 7, 6), {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "SAME_UPPER"}),
+    # windows that do not overlap (the gradient is a MaxUnpool)
+    ((2, 3, 6, 8), {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    ((1, 2, 7, 5), {"kernel_shape": [2, 2], "strides": [2, 3]}),  # rows and columns left out
+    ((1, 2, 7, 5), {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1, "pads": [1, 0, 0, 1]}),
+    ((1, 2, 7, 8), {"kernel_shape": [2, 2], "strides": [3, 2], "dilations": [2, 1]}),
+    ((1, 2, 5, 6), {"kernel_shape": [2, 3], "strides": [2, 3], "storage_order": 1}),
+    ((1, 2, 4, 5, 6), {"kernel_shape": [2, 2, 3], "strides": [2, 2, 3], "auto_pad": "SAME_UPPER"}),
 ]
 MAXPOOL_IDS = ["1d", "overlap", "geometry", "ceil", "column-major", "3d-column-major", "same"]
+MAXPOOL_IDS += ["disjoint", "disjoint-gaps", "disjoint-ceil", "disjoint-dilated", "disjoint-column-major"]
+MAXPOOL_IDS += ["disjoint-3d-same"]
 
 
 @pytest.mark.parametrize(("xs", "attrs"), MAXPOOL_CASES, ids=MAXPOOL_IDS)
@@ -399,6 +408,37 @@ def test_max_pool_before_opset_8_is_unsupported() -> None:
     model = node_model("MaxPool", [rnd(1, 1, 4, 4)], attrs={"kernel_shape": [2, 2]}, opset=7)
     with pytest.raises(GradientNotImplementedError, match="opset 8"):
         build_gradient(model, inputs_requiring_grad=["in0"])
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize(("xs", "attrs"), MAXPOOL_CASES, ids=MAXPOOL_IDS)
+def test_max_pool_float32_routes_like_float64(xs: tuple, attrs: dict, dynamic: bool) -> None:
+    """In float32, disjoint windows route dY with a MaxUnpool (float64 keeps the scatter-add, whose
+    gradient is checked above): both must put the same values at the same places."""
+    x = rnd(*xs)
+    x[..., :2] = 0.0  # ties inside windows
+    ours: dict[str, dict] = {}
+    for dtype in (np.float32, np.float64):
+        model = node_model("MaxPool", [x.astype(dtype)], attrs=attrs, dynamic=dynamic)
+        _, cot, res = grads(model, {"in0": x.astype(dtype)}, ["in0"])
+        ours[np.dtype(dtype).name] = res["in0"]
+        bwd = build_gradient(model, inputs_requiring_grad=["in0"]).backward
+        unpool = "MaxUnpool" in {node.op_type for node in bwd.graph.node}
+        strides, kernel = attrs.get("strides", [1] * len(attrs["kernel_shape"])), attrs["kernel_shape"]
+        dilations = attrs.get("dilations", [1] * len(kernel))
+        disjoint = all(s >= (k - 1) * d + 1 for s, k, d in zip(strides, kernel, dilations))
+        if dynamic:  # unknown sizes: only unpadded windows without ceil mode are sure to fit
+            disjoint = disjoint and not attrs.get("pads") and "auto_pad" not in attrs
+            disjoint = disjoint and not attrs.get("ceil_mode")
+        assert unpool == (disjoint and dtype == np.float32)
+    np.testing.assert_allclose(ours["float32"], ours["float64"], rtol=1e-6, atol=1e-6)
+
+
+def test_max_pool_disjoint_windows_with_ties_versus_torch() -> None:
+    """Windows of equal values (as after a ReLU): the gradient goes to the first maximum only."""
+    x = np.maximum(rnd(2, 3, 6, 8), 0.0)
+    x[:, :, :2, :2] = 0.0
+    versus_torch("MaxPool", [x], {"kernel_shape": [2, 2], "strides": [2, 2]}, lambda t: F.max_pool2d(t, 2))
 
 
 def test_max_pool_versus_torch() -> None:

