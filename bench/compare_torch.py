@@ -6,6 +6,8 @@ reported:
 onnxgrad's numpy path (``ForwardBackward``), ``OnnxModule`` under torch autograd, and PyTorch eager.
 Peak memory is measured per contender in a fresh subprocess (resident set growth during steps).
 
+The time to build the gradient graphs of a 24-layer stack of the transformer layer is measured too.
+
     python bench/compare_torch.py [--models mlp cnn transformer tiny] [--steps 30] [--json out.json]
 """
 
@@ -113,12 +115,28 @@ def peak_memory(name: str, contender: str, steps: int = 5) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def build_seconds(layers: int, repeats: int = 3) -> float:
+    """Median seconds of ``build_gradient`` on a stack of ``layers`` anchor transformer layers."""
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(*[anchors.EncoderLayer() for _ in range(layers)])
+    model = anchors.export(stack, anchors.example_input("transformer", batch=1))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        onnxgrad.build_gradient(model)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "mlp", "cnn", "transformer"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument(
+        "--build-layers", type=int, default=24, help="transformer layers of the build-time run (0: skip)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(THREADS)
     results: dict[str, dict] = {}
@@ -133,9 +151,16 @@ def main(argv: list[str] | None = None) -> int:
             mem = float("nan") if args.no_memory else peak_memory(name, k)
             results[name][k] = {"ms": ms, "ratio": ms / ref, "peak_mib": mem}
             print(f"{name:12s} {k:22s} {ms:9.3f} {ms / ref:9.2f} {mem:9.1f}")
+    build = None
+    if args.build_layers:
+        build = build_seconds(args.build_layers)
+        print(f"\ngradient graphs of a {args.build_layers}-layer transformer built in {build:.2f} s")
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"threads": THREADS, "steps": args.steps, "results": results}, f, indent=2)
+            figures = {"threads": THREADS, "steps": args.steps, "results": results}
+            figures["build_seconds"] = {"layers": args.build_layers, "seconds": build}
+            json.dump(figures, f, indent=2)
     return 0
 
 
