@@ -226,6 +226,36 @@ def test_symbolic_broadcast_is_undone_at_run_time():
         assert res.analytic["b"].shape == b.shape
 
 
+@pytest.mark.parametrize(
+    ("shape", "bias", "by_matmul"),
+    [
+        (["N", "S", 5], [5], True),  # unknown leading size: a matrix-vector product
+        (["N", 3, 5], [3, 5], True),  # more than one kept axis
+        ([64, 80, 5], [5], True),  # 25600 elements
+        ([2, 3, 5], [5], False),  # small: one ReduceSum
+    ],
+    ids=["symbolic", "two-kept-axes", "large-static", "small-static"],
+)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bias_gradient_sums_leading_axes(shape, bias, by_matmul, dtype):
+    """The gradient of a broadcast bias sums dY over the leading axes, as ones @ dY when it pays."""
+    model = make_model(
+        [helper.make_node("Add", ["x", "b"], ["y"])],
+        [("x", dtype, shape), ("b", dtype, bias)],
+        [("y", dtype, shape)],
+    )
+    graphs = onnxgrad.build_gradient(model, inputs_requiring_grad=["b"])
+    ops = [n.op_type for n in graphs.backward.graph.node]
+    assert ("MatMul" in ops) == by_matmul and ("ReduceSum" in ops) != by_matmul
+    dims = [d if isinstance(d, int) else {"N": 6, "S": 7}[d] for d in shape]
+    x, b, dy = (RNG.standard_normal(d).astype(dtype) for d in (dims, bias, dims))
+    res = onnxgrad.gradients(model, {"x": x, "b": b}, {"y": dy}, wrt=["b"])
+    want = dy.reshape(-1, *bias).sum(axis=0)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(res["b"], want, rtol=tol, atol=tol)
+    assert res["b"].dtype == dtype and res["b"].shape == tuple(bias)
+
+
 def test_save_writes_both_graphs(tmp_path):
     graphs = onnxgrad.build_gradient(mlp())
     paths = graphs.save(tmp_path)

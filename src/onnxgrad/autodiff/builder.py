@@ -9,6 +9,7 @@ tensors the rules read, and nothing else.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -465,6 +466,39 @@ class GradBuilder:
         axes_v = axes if isinstance(axes, Var) else self.const(np.array(list(axes), dtype=np.int64))
         return self.op("ReduceSum", x, axes_v, keepdims=int(keepdims))
 
+    def sum_leading(self, x: Var, lead: int, rest: tuple[Dim, ...]) -> Var:
+        """``x`` summed over its first ``lead`` axes (the other axes have shape ``rest``).
+
+        A bias gradient: for float tensors with static ``rest``, ones(M) @ x.reshape(M, K) is one
+        matrix-vector product, measured 1.7-5x faster than onnxruntime's ReduceSum over leading axes
+        (256 x 512: 0.096 -> 0.017 ms; 2048 x 1024: 0.46 -> 0.27 ms).
+        """
+        if self._sum_by_matmul(x, rest):
+            k = math.prod(rest)  # type: ignore[arg-type]
+            rows = self.op("Reshape", x, self.const(np.array([-1, k], dtype=np.int64)))
+            count = self.op("Shape", rows, end=1, dtype=INT64)
+            ones = self.op(
+                "ConstantOfShape",
+                count,
+                value=numpy_helper.from_array(np.ones(1, np_dtype(x.dtype))),
+                dtype=x.dtype,
+            )
+            out = self.op("MatMul", ones, rows, dtype=x.dtype, shape=(k,))
+            if len(rest) == 1:
+                return out
+            return self.op("Reshape", out, self.const(np.array(rest, dtype=np.int64)), shape=rest)
+        return self.reduce_sum(x, list(range(lead)), keepdims=False)
+
+    def _sum_by_matmul(self, x: Var, rest: tuple[Dim, ...]) -> bool:
+        if x.dtype not in (TensorProto.FLOAT, TensorProto.DOUBLE) or x.sequence or self.opset < 15:
+            return False  # onnxruntime's MatMul: float and double; Shape(end=) needs opset 15
+        if not rest or not all(isinstance(d, int) and d > 0 for d in rest):
+            return False
+        # Small tensors: one ReduceSum beats four nodes.
+        if x.shape is not None and all(isinstance(d, int) for d in x.shape):
+            return math.prod(x.shape) >= 4096  # type: ignore[arg-type]
+        return True
+
     def reshape(self, x: Var, like: Var) -> Var:
         """``x`` reshaped to the shape of forward value ``like``."""
         return self.op("Reshape", x, self.shape_of(like), shape=like.shape)
@@ -493,7 +527,7 @@ class GradBuilder:
                 if not axes:
                     return grad
                 if len(axes) == lead:
-                    return self.reduce_sum(grad, axes, keepdims=False)
+                    return self.sum_leading(grad, lead, ts)
                 if lead == 0:
                     return self.reduce_sum(grad, axes, keepdims=True)
                 return self.reshape(self.reduce_sum(grad, axes, keepdims=False), target)

@@ -123,7 +123,6 @@ def without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
     return skel
 
 
-
 def check_model(model: onnx.ModelProto) -> None:
     """Run the ONNX checker, turning its failures into :class:`ModelError`.
 

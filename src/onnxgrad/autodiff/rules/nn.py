@@ -4,10 +4,10 @@ Convolution gradients are convolutions again: dX is a ``ConvTranspose`` of dY wi
 kernel, dW a ``Conv`` of X with dY as the kernel (batch and channels swapped, strides and dilations
 swapped).
 Pooling reuses what the forward knows: MaxPool's own ``Indices`` output routes dY back with one
-MaxUnpool (windows that do not overlap) or scatter-add; AveragePool is a ``ConvTranspose`` with a ones kernel. LayerNormalization reads the
-mean and inverse standard deviation its forward node computes anyway; its backward, and that of
-BatchNormalization in training mode, is the one of every normalization (``norm.py``). Dropout in
-training mode reads the mask its forward node draws.
+MaxUnpool (windows that do not overlap) or scatter-add; AveragePool is a ``ConvTranspose`` with a
+ones kernel. LayerNormalization reads the mean and inverse standard deviation its forward node
+computes anyway; its backward, and that of BatchNormalization in training mode, is the one of every
+normalization (``norm.py``). Dropout in training mode reads the mask its forward node draws.
 """
 
 from __future__ import annotations
