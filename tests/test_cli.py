@@ -1,7 +1,8 @@
-"""The onnxgrad command line: grad, coverage, info, and one-line errors."""
+"""The onnxgrad command line: grad, coverage, info, train, check, bench, and one-line errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ import numpy as np
 import onnx
 import pytest
 
+import onnxgrad
 from onnxgrad.cli import main
 from onnxgrad.demo import build_mlp
 
@@ -270,3 +272,211 @@ def test_check_reports_an_op_without_rule(mlp_path, capsys, monkeypatch):
 def test_check_errors(mlp_path, capsys, argv, message):
     assert main(["check", str(mlp_path), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+# ---- bench -------------------------------------------------------------------------------------
+def two_layer_mlp(path, n_in=8, hidden=16, n_out=3):
+    """x [N, n_in] -> Gemm -> Relu -> Gemm -> y [N, n_out], written to ``path``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+
+    def init(name, *shape):
+        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1"),
+            helper.make_node("Relu", ["h"], ["r"], name="relu"),
+            helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], name="fc2"),
+        ],
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", n_in])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", n_out])],
+        [init("w1", n_in, hidden), init("b1", hidden), init("w2", hidden, n_out), init("b2", n_out)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, path)
+    return path
+
+
+def report_sections(text: str) -> dict[str, list[str]]:
+    """The blocks of the printed report (separated by blank lines), by their first line."""
+    blocks = [b.splitlines() for b in text.strip().split("\n\n")]
+    return {b[0]: b[1:] for b in blocks}
+
+
+def test_bench_prints_times_and_ops(tmp_path, capsys):
+    path = two_layer_mlp(tmp_path / "mlp.onnx")
+    assert main(["bench", str(path), "--steps", "2", "--batch", "3"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"training step of {path}: forward + backward, output gradient of ones, ")
+    assert "4 trainable tensors (195 values)" in text and "onnxruntime's default threads" in text
+    assert "random inputs: x float32 [3, 8]" in text
+    assert "symbolic dimensions set to 3 (x [N, 8] -> [3, 8])" in text
+    times = {m[0]: float(m[1]) for m in re.findall(r"^(forward|backward|step) +([0-9.]+) ms", text, re.M)}
+    assert set(times) == {"forward", "backward", "step"} and all(t > 0 for t in times.values())
+    assert re.search(r"^step +[0-9.]+ ms \(median of 2 steps after 3 warm-up\)$", text, re.M)
+    assert re.search(r"^gradient graphs built \(and forward session made\) in [0-9.]+ s$", text, re.M)
+    sections = report_sections(text)
+    heads = {k.split(":")[0]: v for k, v in sections.items() if k.startswith(("forward g", "backward g"))}
+    assert set(heads) == {"forward graph", "backward graph", "backward graph, slowest nodes"}
+    ops = {g: {line.split()[0] for line in heads[f"{g} graph"]} for g in ("forward", "backward")}
+    # fc1 + relu run fused as one FusedGemm; fc2 stays a Gemm. The backward has the three products.
+    assert ops["forward"] == {"FusedGemm", "Gemm"}
+    assert "Gemm" in ops["backward"] and not ops["backward"] & {"FusedGemm", "Relu"}
+    for line in heads["forward graph"] + heads["backward graph"]:
+        assert re.fullmatch(r"  \w+ +[0-9.]+ ms +[0-9.]+ %", line), line
+    nodes = heads["backward graph, slowest nodes"]
+    bwd_nodes = len(onnxgrad.build_gradient(onnx.load(path)).backward.graph.node)
+    assert len(nodes) == min(10, bwd_nodes)
+    # each node line names the outputs of the backward node it runs (which of them are the slowest
+    # ten varies from run to run on such a small model)
+    outputs = {line.split("-> ")[1] for line in nodes}
+    assert outputs & {"w1_grad", "w2_grad"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "shape"),
+    [([], [1, 8]), (["--batch", "4"], [4, 8]), (["--batch", "4", "--shape", "x=5,8"], [5, 8])],
+)
+def test_bench_json(tmp_path, capsys, extra, shape):
+    path = two_layer_mlp(tmp_path / "mlp.onnx")
+    out = tmp_path / "figures" / "bench.json"
+    assert main(["bench", str(path), "--steps", "2", "--threads", "1", "--json", str(out), *extra]) == 0
+    assert capsys.readouterr().out.endswith(f"every figure written to {out}\n")
+    record = json.loads(out.read_text())
+    assert record["model"] == str(path) and record["threads"] == 1 and record["steps"] == 2
+    assert record["inputs"] == {"x": {"dtype": "float32", "shape": shape}}
+    assert record["trainable"] == {"w1": 128, "b1": 16, "w2": 48, "b2": 3}
+    for key in ("forward_ms", "backward_ms", "total_ms", "build_s"):
+        assert record[key] > 0
+    assert len(record["forward_samples_ms"]) == len(record["backward_samples_ms"]) == 2
+    assert set(record["ops"]) == set(record["nodes"]) == {"forward", "backward"}
+    assert set(record["ops"]["forward"]) == {"FusedGemm", "Gemm"}
+    assert "Gemm" in record["ops"]["backward"]
+    for graph, ops in record["ops"].items():
+        nodes = record["nodes"][graph]
+        assert all(ms > 0 for ms in ops.values()) and all(n["ms"] > 0 for n in nodes)
+        assert {n["op_type"] for n in nodes} == set(ops)  # per-node and per-op figures agree
+        assert sum(n["ms"] for n in nodes) == pytest.approx(sum(ops.values()))
+        assert [n["ms"] for n in nodes] == sorted((n["ms"] for n in nodes), reverse=True)
+    gemms = [n for n in record["nodes"]["backward"] if n["op_type"] == "Gemm"]
+    assert len(gemms) == 3 and {"w1_grad", "w2_grad"} <= {o for n in gemms for o in n["outputs"]}
+    assert [n["outputs"] for n in record["nodes"]["forward"] if n["name"] == "fc2"] == [["y"]]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--shape", "y=2,8"], "--shape names ['y'], which are not inputs of the model (['x'])"),
+        (["--shape", "x=-1,8"], "--shape 'x=-1,8': dimensions cannot be negative"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--batch", "0"], "--batch must be >= 1, got 0"),
+        (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (
+            ["--shape", "x=2,5"],
+            "input 'x' has shape (2, 5), the model expects (N, 8) (dimension 1 must be 8)",
+        ),
+    ],
+)
+def test_bench_option_errors(tmp_path, capsys, argv, message):
+    path = two_layer_mlp(tmp_path / "mlp.onnx")
+    assert main(["bench", str(path), *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"onnxgrad: error: {message}\n"
+
+
+def test_bench_bad_model_errors_like_the_other_commands(tmp_path, capsys):
+    missing, garbage = tmp_path / "nope.onnx", tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not an onnx file")
+    for path in (missing, garbage):
+        assert main(["info", str(path)]) == 2
+        expected = capsys.readouterr()
+        assert main(["bench", str(path), "--steps", "2"]) == 2
+        assert capsys.readouterr() == expected
+    assert expected.out == ""
+    assert main(["bench", str(missing)]) == 2
+    assert capsys.readouterr().err == f"onnxgrad: error: model file {str(missing)!r} does not exist\n"
+
+
+def test_bench_refuses_a_model_without_parameters(tmp_path, capsys):
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu", [x], [y])
+    path = tmp_path / "relu.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    assert main(["bench", str(path), "--steps", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "onnxgrad: error: the model has no trainable floating-point initializer: "
+        "a training step has nothing to compute gradients for\n"
+    )
+
+
+def embedding_model():
+    """ids (int64) [B, T] -> Gather from a 5 x 4 float table -> ReduceSum over T -> y [B, 4]."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.arange(20, dtype=np.float32).reshape(5, 4), "table")
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "ids"], ["e"], axis=0),
+            helper.make_node("ReduceSum", ["e", "axes"], ["y"], keepdims=0),
+        ],
+        "embedding",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", "T"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 4])],
+        [table, axes],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_profile_step_with_an_integer_input():
+    from onnxgrad.runtime.profile import profile_step, random_feeds
+
+    model = embedding_model()
+    feeds = random_feeds(model, batch=3, shapes={"ids": (2, 6)})
+    assert feeds["ids"].dtype == np.int64 and feeds["ids"].shape == (2, 6)
+    assert set(np.unique(feeds["ids"])) <= {0, 1}  # valid rows of any table of 2 rows or more
+    prof = profile_step(model, batch=3, steps=2)
+    assert prof.inputs == {"ids": {"dtype": "int64", "shape": [3, 3]}}
+    assert prof.trainable == {"table": 20}  # the int64 axes are never trainable
+    assert prof.forward_ms > 0 and prof.backward_ms > 0 and prof.total_ms > 0
+    assert {"Gather", "ReduceSum"} <= set(prof.ops["forward"])
+    # the table's gradient scatters the output gradient into the rows the ids picked
+    assert "ScatterND" in prof.ops["backward"] and "ScatterND" not in prof.ops["forward"]
+    assert prof.nodes["backward"] and all(n.ms > 0 for n in prof.nodes["backward"])
+    assert "forward graph:" in prof.report() and "backward graph, slowest nodes:" in prof.report()
+
+
+def test_random_feeds_dtypes_and_errors():
+    from onnx import TensorProto, helper
+
+    from onnxgrad.errors import InputError
+    from onnxgrad.runtime.profile import random_feeds
+
+    inputs = [
+        helper.make_tensor_value_info("f", TensorProto.FLOAT16, ["N", 3]),
+        helper.make_tensor_value_info("b", TensorProto.BOOL, [2, "M"]),
+        helper.make_tensor_value_info("i", TensorProto.INT32, [4]),
+    ]
+    node = helper.make_node("Identity", ["f"], ["y"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["N", 3])
+    model = helper.make_model(helper.make_graph([node], "g", inputs, [y]), ir_version=8)
+    feeds = random_feeds(model, batch=5, seed=1)
+    assert {k: (str(v.dtype), v.shape) for k, v in feeds.items()} == {
+        "f": ("float16", (5, 3)),
+        "b": ("bool", (2, 5)),
+        "i": ("int32", (4,)),
+    }
+    np.testing.assert_array_equal(random_feeds(model, batch=5, seed=1)["f"], feeds["f"])  # seeded
+    with pytest.raises(InputError, match=r"^shapes given for \['z'\], which are not inputs of the model"):
+        random_feeds(model, shapes={"z": (1,)})
+    del model.graph.input[0].type.tensor_type.shape.dim[:]
+    model.graph.input[0].type.tensor_type.ClearField("shape")
+    with pytest.raises(InputError, match=r"^input 'f' has no shape in the model: give one"):
+        random_feeds(model)
+    assert random_feeds(model, shapes={"f": (2, 2)})["f"].shape == (2, 2)

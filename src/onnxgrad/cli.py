@@ -3,13 +3,15 @@
 Subcommands: ``grad`` (write the forward and backward graphs of a model), ``check`` (gradients of
 each node and of the whole model against finite differences), ``coverage`` (the ops with gradient
 rules), ``info`` (what a model contains and which of its ops lack a rule), ``train`` (fine-tune a
-model on a CSV or NPZ file) and ``demo`` (train an MLP on the digits data set). Errors that onnxgrad
-raises are printed as one line on stderr with exit code 2; a failed gradient check exits with 1.
+model on a CSV or NPZ file), ``bench`` (time a model's training step and where the time goes) and
+``demo`` (train an MLP on the digits data set). Errors that onnxgrad raises are printed as one line
+on stderr with exit code 2; a failed gradient check exits with 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -127,6 +129,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_info)
 
     _add_train_parser(sub)
+
+    p = sub.add_parser(
+        "bench",
+        help="time the training step of a model and show where the time goes",
+        description="Time forward + backward (output gradient of ones, gradients of every trainable "
+        "floating-point initializer) on random inputs: medians over --steps steps after a warm-up, "
+        "then the time per op type of the forward and backward graphs and the slowest backward nodes, "
+        "from onnxruntime's profiler.",
+    )
+    p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
+    p.add_argument(
+        "--batch", type=int, default=1, metavar="N", help="value of every symbolic dimension (default 1)"
+    )
+    p.add_argument("--steps", type=int, default=20, metavar="K", help="timed steps (default 20)")
+    p.add_argument(
+        "--threads", type=int, default=None, metavar="T", help="intra-op threads (default: onnxruntime's)"
+    )
+    p.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME=DIMS",
+        help="shape of an input, e.g. x=2,3,8 (overrides --batch for that input)",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
+    p.set_defaults(func=_bench)
 
     p = sub.add_parser("demo", help="train an MLP on scikit-learn's digits with onnxruntime")
     p.add_argument("--epochs", type=int, default=15)
@@ -371,51 +399,96 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- check -------------------------------------------------------------------------------------
+# ---- bench -------------------------------------------------------------------------------------
+def _bench(args: argparse.Namespace) -> int:
+    import onnxruntime
+
+    from .runtime.profile import profile_step, random_feeds
+
+    if args.batch < 1:
+        raise InputError(f"--batch must be >= 1, got {args.batch}")
+    if args.steps < 1:
+        raise InputError(f"--steps must be >= 1, got {args.steps}")
+    if args.threads is not None and args.threads < 1:
+        raise InputError(f"--threads must be >= 1, got {args.threads}")
+    model = load_model(args.model)
+    shapes = _checked_shapes(model, args.shape)
+    feeds = random_feeds(model, batch=args.batch, shapes=shapes)
+    prof = profile_step(model, feeds, steps=args.steps, threads=args.threads)
+    params = sum(prof.trainable.values())
+    threads = "onnxruntime's default threads"
+    if args.threads:
+        threads = f"{args.threads} intra-op thread{'s' if args.threads > 1 else ''}"
+    print(
+        f"training step of {args.model}: forward + backward, output gradient of ones, "
+        f"{len(prof.trainable)} trainable tensors ({params:,} values); onnxruntime "
+        f"{onnxruntime.__version__}, {threads}"
+    )
+    described = ", ".join(f"{k} {v.dtype} {list(v.shape)}" for k, v in feeds.items())
+    print(f"random inputs: {described or '-'}")
+    notes = _set_dims(model, feeds, shapes)
+    if notes:
+        print(
+            f"symbolic dimensions set to {args.batch} ({'; '.join(notes)}); "
+            "change them with --batch N or --shape NAME=DIMS"
+        )
+    print()
+    print(prof.report())
+    if args.json:
+        record = {"model": os.fspath(args.model), "onnxruntime": onnxruntime.__version__, "batch": args.batch}
+        record.update(prof.to_dict())
+        os.makedirs(os.path.dirname(os.fspath(args.json)) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+        print(f"\nevery figure written to {args.json}")
+    return 0
+
+
+# ---- random inputs (check, bench) --------------------------------------------------------------
 def _parse_shapes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """The --shape NAME=DIMS options as name -> shape."""
     shapes = {}
     for spec in specs:
         name, sep, dims = spec.partition("=")
         try:
             if not sep or not name:
                 raise ValueError
-            shapes[name.strip()] = tuple(int(d) for d in dims.replace("x", ",").split(",") if d.strip())
+            shape = tuple(int(d) for d in dims.replace("x", ",").split(",") if d.strip())
         except ValueError:
             raise InputError(f"--shape {spec!r}: expected NAME=DIMS, e.g. x=2,3,8") from None
+        if any(d < 0 for d in shape):
+            raise InputError(f"--shape {spec!r}: dimensions cannot be negative")
+        shapes[name.strip()] = shape
     return shapes
 
 
-def _random_feeds(
-    model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], rng: np.random.Generator
-) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Random values for the model inputs: normal floats, integers in {0, 1}, booleans."""
+def _checked_shapes(model: onnx.ModelProto, specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """The --shape options, each naming an input of ``model``."""
+    shapes = _parse_shapes(specs)
     inits = {i.name for i in model.graph.initializer}
-    inputs = {i.name: value_info_from_proto(i) for i in model.graph.input if i.name not in inits}
+    inputs = [i.name for i in model.graph.input if i.name not in inits]
     unknown = [n for n in shapes if n not in inputs]
     if unknown:
-        raise InputError(f"--shape names {unknown}, which are not inputs of the model ({list(inputs)})")
-    feeds, notes = {}, []
-    for name, info in inputs.items():
-        if info is None:
-            raise InputError(f"input {name!r} is not a tensor: onnxgrad check feeds tensors only")
-        if name in shapes:
-            shape = shapes[name]
-        elif info.shape is None:
-            raise InputError(f"input {name!r} has no shape in the model: give one with --shape {name}=DIMS")
-        else:
-            shape = tuple(d if isinstance(d, int) else 2 for d in info.shape)
-            if shape != info.shape:
-                notes.append(f"{name} {_shape(info.shape)} -> {list(shape)}")
-        dtype = np_dtype(info.dtype)
-        if dtype.kind == "f":
-            feeds[name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype.kind == "b":
-            feeds[name] = rng.random(shape) < 0.5
-        else:
-            feeds[name] = rng.integers(0, 2, size=shape).astype(dtype)
-    return feeds, notes
+        raise InputError(f"--shape names {unknown}, which are not inputs of the model ({inputs})")
+    return shapes
 
 
+def _set_dims(
+    model: onnx.ModelProto, feeds: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]]
+) -> list[str]:
+    """'name [N, 8] -> [2, 8]' for each input whose symbolic dimensions were given a value."""
+    notes = []
+    for vi in model.graph.input:
+        info = value_info_from_proto(vi)
+        if vi.name not in feeds or vi.name in shapes or info is None or info.shape is None:
+            continue
+        if info.shape != feeds[vi.name].shape:
+            notes.append(f"{vi.name} {_shape(info.shape)} -> {list(feeds[vi.name].shape)}")
+    return notes
+
+
+# ---- check -------------------------------------------------------------------------------------
 def _all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Every value of the main graph at ``feeds``: inputs, initializers and each node output."""
     from .testing import run_model
@@ -519,11 +592,13 @@ def _declare_output_shapes(model: onnx.ModelProto, values: Sequence[np.ndarray |
 
 
 def _check(args: argparse.Namespace) -> int:
+    from .runtime.profile import random_feeds
     from .testing import check_gradients
 
     model = load_model(args.model)
-    rng = np.random.default_rng(args.seed)
-    feeds, notes = _random_feeds(model, _parse_shapes(args.shape), rng)
+    shapes = _checked_shapes(model, args.shape)
+    feeds = random_feeds(model, batch=2, seed=args.seed, shapes=shapes)
+    notes = _set_dims(model, feeds, shapes)
     print(f"gradient check of {args.model} (opset {opset_of(model)}), against central finite differences")
     described = ", ".join(f"{k} {v.dtype} {list(v.shape)}" for k, v in feeds.items())
     print(f"random inputs: {described or '-'}")
