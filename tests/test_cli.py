@@ -410,8 +410,8 @@ def test_bench_refuses_a_model_without_parameters(tmp_path, capsys):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
     assert main(["bench", str(path), "--steps", "2"]) == 2
     assert capsys.readouterr().err == (
-        "onnxgrad: error: the model has no trainable floating-point initializer: "
-        "a training step has nothing to compute gradients for\n"
+        "onnxgrad: error: nothing to differentiate: the model has no floating-point initializer to "
+        "train and no input was named in inputs_requiring_grad\n"
     )
 
 

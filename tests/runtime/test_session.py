@@ -112,6 +112,18 @@ def test_unknown_provider_is_an_input_error():
         onnxgrad.ForwardBackward(mlp(), providers=["NoSuchExecutionProvider"])
 
 
+def test_nothing_to_differentiate_is_an_input_error():
+    """A model without trainable initializers, and no input asked for: refused up front (onnxruntime
+    would fail on the empty backward graph with a native error)."""
+    model = mlp()
+    with pytest.raises(InputError, match=r"^nothing to differentiate: the model has no floating-point"):
+        onnxgrad.ForwardBackward(model, trainable=[])
+    fb = onnxgrad.ForwardBackward(model, trainable=[], inputs_requiring_grad=["x"])
+    x = RNG.standard_normal((3, 4))
+    got = fb.forward({"x": x}).backward()
+    np.testing.assert_allclose(got["x"], numpy_mlp_grads(model, x, np.ones((3, 3)))["x"], rtol=1e-10)
+
+
 def test_gradients_with_respect_to_inputs_and_initializers():
     model = mlp()
     x = RNG.standard_normal((3, 4))

@@ -131,16 +131,20 @@ class Runner:
         self, values: Mapping[str, OrtValueLike], training: bool
     ) -> tuple[list[C.OrtValue], dict[str, OrtValueLike] | None]:
         """Run the forward on inputs and parameters: (user outputs, saved values or None)."""
-        wanted = self.fwd_outputs if training else self.graphs.outputs
+        graphs = self.graphs
+        wanted = self.fwd_outputs if training else graphs.outputs
         try:
             results = run(self.fwd, values, wanted)
         except Exception as exc:
             raise OnnxGradRuntimeError(f"the forward graph failed in onnxruntime: {exc}") from exc
+        if not training:  # wanted is graphs.outputs
+            return results, None
+        # the forward graph returns the user outputs first, then the intermediates to save
         env = dict(zip(wanted, results))
-        outputs = [env[o] for o in self.graphs.outputs]
-        if not training:
-            return outputs, None
-        return outputs, {s: env[s] if s in env else values[s] for s in self.graphs.saved}
+        saved = {}
+        for s in graphs.saved:
+            saved[s] = env[s] if s in env else values[s]
+        return results[: len(graphs.outputs)], saved
 
     def backward_session(self) -> ort.InferenceSession:
         """The backward session, made on first use (inference-only users never pay for it)."""
@@ -153,11 +157,16 @@ class Runner:
         self, saved: Mapping[str, OrtValueLike], grads: Mapping[str, OrtValueLike]
     ) -> list[C.OrtValue]:
         """Run the backward: one gradient per name of ``self.wrt``. ``grads`` by user output name."""
-        feeds = {name: saved[name] for name in self.graphs.saved}
-        feeds.update({name: grads[out] for out, name in self.graphs.grad_inputs.items()})
-        names = [self.graphs.grad_outputs[w] for w in self.wrt]
+        graphs = self.graphs
+        feeds = {}
+        for name in graphs.saved:
+            feeds[name] = saved[name]
+        for out, name in graphs.grad_inputs.items():
+            feeds[name] = grads[out]
+        names = [graphs.grad_outputs[w] for w in self.wrt]
+        session = self._bwd if self._bwd is not None else self.backward_session()  # lock: first use only
         try:
-            return run(self.backward_session(), feeds, names)
+            return run(session, feeds, names)
         except Exception as exc:
             raise OnnxGradRuntimeError(f"the backward graph failed in onnxruntime: {exc}") from exc
 
@@ -235,6 +244,11 @@ class ForwardBackward:
                     outputs = [o for o in user_outputs if o in _float_outputs(proto)]
             graphs = build_gradient(
                 proto, trainable=trainable, inputs_requiring_grad=inputs_requiring_grad, outputs=outputs
+            )
+        if not graphs.wrt:
+            raise InputError(
+                "nothing to differentiate: the model has no floating-point initializer to train and "
+                "no input was named in inputs_requiring_grad"
             )
         self.graphs = graphs
         self.output_names = user_outputs
