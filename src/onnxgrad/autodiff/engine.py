@@ -2,6 +2,7 @@
 
 The whole pass in one screen (:func:`build_gradient`):
 
+0. rewrite the model where a form with the same values has a cheaper gradient (``rewrite.py``);
 1. mark the values that *require grad* (flowing forward from the trainable initializers and chosen
    inputs through ops that carry a gradient) and those that *reach* an output that takes a gradient;
 2. walk the nodes in reverse topological order; for every node with an output in both sets, sum the
@@ -40,6 +41,7 @@ from .graph import (
     topological_order,
 )
 from .registry import NodeContext, _load_rules, lookup
+from .rewrite import rewrite_for_training
 
 
 @dataclass
@@ -244,7 +246,7 @@ def _prepare(model: onnx.ModelProto) -> onnx.ModelProto:
         from onnx import inliner
 
         copy = inliner.inline_local_functions(copy)
-    return copy
+    return rewrite_for_training(copy)
 
 
 def _select_trainable(inits: dict[str, onnx.TensorProto], trainable: Iterable[str] | None) -> list[str]:

@@ -1,0 +1,91 @@
+"""Forward rewrites before differentiation: same values, same gradients, cheaper backward."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+from onnx import helper, numpy_helper
+
+import onnxgrad
+from onnxgrad.testing import check_gradients, run_gradients
+from tests.models import make_model
+
+RNG = np.random.default_rng(5)
+
+
+def conv_relu_pool(dtype: type = np.float64, pool: dict | None = None, extra: str | None = None):
+    """x -> Conv -> Relu -> MaxPool -> y; ``extra``: "output" makes the ReLU a graph output too,
+    "reuse" feeds it to a second node, "indices" makes the pool's Indices an output."""
+    pool = pool if pool is not None else {"kernel_shape": [2, 2], "strides": [2, 2]}
+    pool_out = ["y", "i"] if extra == "indices" else ["y"]
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("MaxPool", ["r"], pool_out, **pool),
+    ]
+    outputs = [("y", dtype, ["N", 3, None, None])]
+    if extra == "output":
+        outputs.append(("r", dtype, ["N", 3, 6, 7]))
+    if extra == "reuse":
+        nodes.append(helper.make_node("ReduceSum", ["r"], ["s"], keepdims=0))
+        outputs.append(("s", dtype, []))
+    if extra == "indices":
+        outputs.append(("i", np.int64, ["N", 3, None, None]))
+    inits = {"w": RNG.standard_normal((3, 2, 3, 3)).astype(dtype), "b": RNG.standard_normal(3).astype(dtype)}
+    return make_model(nodes, [("x", dtype, ["N", 2, 6, 7])], outputs, inits)
+
+
+def forward_ops(model) -> list[str]:
+    return [n.op_type for n in onnxgrad.build_gradient(model).forward.graph.node if n.op_type != "Shape"]
+
+
+def test_relu_then_maxpool_is_swapped_with_the_same_values_and_gradients():
+    model = conv_relu_pool()
+    assert forward_ops(model) == ["Conv", "MaxPool", "Relu"]
+    x = RNG.standard_normal((2, 2, 6, 7))
+    x[0, :, :3, :3] = -5.0  # windows where the ReLU gives all zeros (ties in MaxPool(Relu))
+    graphs = onnxgrad.build_gradient(model)
+    assert "r" not in graphs.saved  # the full-size ReLU output is no longer kept for the backward
+    # float32 in onnxruntime (no float64 Conv there): the same values as the model itself
+    model32 = conv_relu_pool(np.float32)
+    x32 = x.astype(np.float32)
+    sess = ort.InferenceSession(model32.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = onnxgrad.ForwardBackward(model32).forward({"x": x32}).outputs[0]
+    # (onnxruntime picks another Conv kernel once ReLU no longer follows it: float32 rounding)
+    np.testing.assert_allclose(got, sess.run(None, {"x": x32})[0], rtol=1e-6, atol=1e-6)
+    res = check_gradients(model, {"x": x}, wrt=["x", "w", "b"], backend="reference")
+    assert res.ok, res.report()
+
+
+def test_swapped_gradients_match_torch():
+    model = conv_relu_pool(np.float64, {"kernel_shape": [3, 2], "strides": [3, 2], "pads": [1, 0, 1, 0]})
+    x = RNG.standard_normal((2, 2, 6, 7))
+    x[1, :, :3, :] = -5.0
+    params = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    dy = RNG.standard_normal((2, 3, 2, 3))
+    _, got = run_gradients(
+        onnxgrad.build_gradient(model, inputs_requiring_grad=["x"]), {"x": x}, {"y": dy}, "reference"
+    )
+    tx, tw, tb = (torch.tensor(v, requires_grad=True) for v in (x, params["w"], params["b"]))
+    r = F.relu(F.conv2d(tx, tw, tb, padding=1))
+    ty = F.max_pool2d(F.pad(r, (0, 0, 1, 1), value=-np.inf), (3, 2), stride=(3, 2))
+    ty.backward(torch.tensor(dy))
+    for name, t in (("x", tx), ("w", tw), ("b", tb)):
+        np.testing.assert_allclose(got[name], t.grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    ("extra", "pool"),
+    [
+        ("output", None),  # the ReLU output is a model output
+        ("reuse", None),  # another node reads it
+        ("indices", None),  # the pool's Indices are used: they would change
+        (None, {"kernel_shape": [2, 2], "pads": [2, 2, 2, 2]}),  # windows of padding alone
+    ],
+    ids=["relu-is-output", "relu-reused", "indices-used", "padding-only-windows"],
+)
+def test_relu_and_maxpool_stay_when_swapping_would_change_something(extra, pool):
+    assert forward_ops(conv_relu_pool(pool=pool, extra=extra))[:3] == ["Conv", "Relu", "MaxPool"]
