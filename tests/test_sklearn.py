@@ -178,9 +178,13 @@ def test_params_clone_and_partial_fit(digits, sgd_diabetes):
 
 
 def test_sample_weight_zero_drops_samples():
-    """Full-batch training: zero weights on half the samples equal training on the other half."""
+    """Full-batch training: zero weights on a third of the samples equal training on the rest.
+
+    (Not on every other sample: iris then keeps 25 samples of each class, the bias gradient at the
+    zero start is exactly 0, and Adam turns the float32 rounding noise of that 0, which depends on
+    the order of the sum, into full-size steps.)"""
     X, y = load_iris(return_X_y=True)
-    keep = np.arange(len(X)) % 2 == 0
+    keep = np.arange(len(X)) % 3 != 0
     kwargs = {"lr": 0.1, "epochs": 5, "batch_size": 200, "shuffle": False}
     weighted = OnnxClassifier(linear_logits(4, 3), **kwargs).fit(X, y, sample_weight=keep.astype(float))
     half = OnnxClassifier(linear_logits(4, 3), **kwargs).fit(X[keep], y[keep])

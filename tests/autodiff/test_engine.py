@@ -267,3 +267,28 @@ def test_supported_ops_lists_first_wave():
     ops = onnxgrad.supported_ops()
     for op in ["Add", "Mul", "MatMul", "Gemm", "Relu", "Sigmoid", "Tanh", "Exp"]:
         assert ops[op] in ("rule", "formula")
+
+
+def test_views_of_saved_or_fed_values_are_made_again_not_saved():
+    """x -> Reshape (run-time shape) -> Reshape (fixed shape) -> MatMul W: the backward reads x
+    itself, fed by the caller, and reshapes it again; Flatten of a saved value likewise."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Reshape", ["x", "s"], ["x1"]),
+        helper.make_node("Reshape", ["x1", "rows"], ["x2"]),
+        helper.make_node("MatMul", ["x2", "W"], ["h"]),
+        helper.make_node("Tanh", ["h"], ["t"]),  # saved: its gradient reads it
+        helper.make_node("Flatten", ["t"], ["f"], axis=1),
+        helper.make_node("MatMul", ["f", "V"], ["y"]),
+    ]
+    model = make_model(
+        nodes,
+        [("x", np.float64, ["N", 2, 3])],
+        [("y", np.float64, ["N", 2])],
+        {"rows": np.array([-1, 3]), "W": RNG.standard_normal((3, 4)), "V": RNG.standard_normal((4, 2))},
+    )
+    graphs = onnxgrad.build_gradient(model, inputs_requiring_grad=["x"])
+    assert "x" in graphs.saved and "t" in graphs.saved
+    assert not {"x1", "x2", "f"} & set(graphs.saved)
+    res = check_gradients(model, {"x": RNG.standard_normal((2, 2, 3))}, wrt=["x", "W", "V"])
+    assert res.ok, res.report()

@@ -89,3 +89,79 @@ def test_swapped_gradients_match_torch():
 )
 def test_relu_and_maxpool_stay_when_swapping_would_change_something(extra, pool):
     assert forward_ops(conv_relu_pool(pool=pool, extra=extra))[:3] == ["Conv", "Relu", "MaxPool"]
+
+
+# ---- MatMul + Add (+ Relu) on a batch of sequences -> Gemm ----------------------------------------
+def linear3d(dtype: type = np.float64, relu: bool = True, x_shape=("N", "S", 4), bias_first: bool = False):
+    """y = Relu(MatMul(x, W) + b) as PyTorch exports a Linear on a batch of sequences."""
+    add_in = ["b", "m"] if bias_first else ["m", "b"]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m"]), helper.make_node("Add", add_in, ["a"])]
+    if relu:
+        nodes.append(helper.make_node("Relu", ["a"], ["y"]))
+    inits = {"W": RNG.standard_normal((4, 5)).astype(dtype), "b": RNG.standard_normal(5).astype(dtype)}
+    out = "y" if relu else "a"
+    return make_model(nodes, [("x", dtype, list(x_shape))], [(out, dtype, [*x_shape[:-1], 5])], inits)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "x_dims"),
+    [
+        ({}, (2, 3, 4)),
+        ({"relu": False, "bias_first": True}, (2, 3, 4)),
+        ({"x_shape": ("N", 4)}, (3, 4)),
+        ({"x_shape": (2, "S", "T", 4)}, (2, 3, 2, 4)),
+        ({"x_shape": (4,)}, (4,)),
+    ],
+    ids=["3d-relu", "3d-bias-first", "2d", "4d", "1d"],
+)
+def test_matmul_add_becomes_one_gemm(kwargs, x_dims):
+    model = linear3d(**kwargs)
+    ops = forward_ops(model)
+    assert "Gemm" in ops and "MatMul" not in ops and "Add" not in ops
+    x = RNG.standard_normal(x_dims)
+    res = check_gradients(model, {"x": x}, wrt=["x", "W", "b"])
+    assert res.ok, res.report()
+    # float32: the values of the model itself
+    model32 = linear3d(np.float32, **kwargs)
+    sess = ort.InferenceSession(model32.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = onnxgrad.ForwardBackward(model32).forward({"x": x.astype(np.float32)}).outputs[0]
+    np.testing.assert_allclose(got, sess.run(None, {"x": x.astype(np.float32)})[0], rtol=1e-6, atol=1e-6)
+
+
+def test_linear_layers_match_torch():
+    model = linear3d()
+    params = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    x, dy = RNG.standard_normal((2, 3, 4)), RNG.standard_normal((2, 3, 5))
+    got = onnxgrad.gradients(model, {"x": x}, {"y": dy}, wrt=["x", "W", "b"])
+    tx, tw, tb = (torch.tensor(v, requires_grad=True) for v in (x, params["W"], params["b"]))
+    F.relu(F.linear(tx, tw.T, tb)).backward(torch.tensor(dy))
+    for name, t in (("x", tx), ("W", tw), ("b", tb)):
+        np.testing.assert_allclose(got[name], t.grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_matmul_add_stays_when_a_gemm_cannot_take_it():
+    base = linear3d(relu=False)
+    cases = {}
+    weight_input = make_model(
+        list(base.graph.node),
+        [("x", np.float64, ["N", 3, 4]), ("W", np.float64, [4, 5])],
+        [("a", np.float64, ["N", 3, 5])],
+        {"b": RNG.standard_normal(5)},
+    )
+    cases["weight is an input"] = weight_input
+    bias2d = make_model(
+        list(base.graph.node),
+        [("x", np.float64, ["N", 3, 4])],
+        [("a", np.float64, ["N", 3, 5])],
+        {"W": RNG.standard_normal((4, 5)), "b": RNG.standard_normal((1, 5))},
+    )
+    cases["2-D bias"] = bias2d
+    reused = make_model(
+        [*base.graph.node, helper.make_node("Neg", ["m"], ["n"])],
+        [("x", np.float64, ["N", 3, 4])],
+        [("a", np.float64, ["N", 3, 5]), ("n", np.float64, ["N", 3, 5])],
+        {"W": RNG.standard_normal((4, 5)), "b": RNG.standard_normal(5)},
+    )
+    cases["product read twice"] = reused
+    for why, model in cases.items():
+        assert {"MatMul", "Add"} <= set(forward_ops(model)), why

@@ -38,6 +38,7 @@ from .graph import (
     node_operands,
     opset_of,
     sort_nodes,
+    to_array,
     topological_order,
 )
 from .registry import NodeContext, _load_rules, lookup
@@ -136,6 +137,7 @@ def build_gradient(
             total = g.zeros_like(g.fwd(w))
         final.append((w, total))
     _name_outputs(g, final, grad_outputs)
+    _recompute_views(g, nodes, set(graph_inputs) | set(trainable_names))
 
     # 3. assemble both models
     forward = _forward_model(model, nodes, g, trainable_names, grad_inputs, infos)
@@ -151,6 +153,52 @@ def build_gradient(
         grad_inputs=grad_inputs,
         grad_outputs=grad_outputs,
     )
+
+
+# Ops whose output is their input's buffer read with another shape.
+_VIEWS = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
+
+
+def _recompute_views(g: GradBuilder, nodes: Sequence[onnx.NodeProto], fed: set[str]) -> None:
+    """A saved view (Reshape, Flatten, Squeeze, Unsqueeze, Identity with constant parameters) of a
+    value that is saved anyway or fed by the caller is made again in the backward, not saved.
+
+    The backward then holds one buffer where the forward would hand over two views of it (and
+    onnxruntime copies a graph output that is a view of an input or of another output). A Reshape
+    to a fixed shape reads through views before it: a reshape of a reshape is a reshape.
+    """
+    producer = {o: n for n in nodes for o in n.output}
+    for name in list(g.saved):
+        node = producer.get(name)
+        if node is None or node.op_type not in _VIEWS or node.domain not in ("", "ai.onnx"):
+            continue
+        params = [i for i in node.input[1:] if i]
+        if not node.input or any(p not in g.consts for p in params) or not _same_in_backward(node):
+            continue
+        src = node.input[0]
+        fixed = node.op_type == "Reshape" and params and 0 not in to_array(g.consts[params[0]]).tolist()
+        while fixed and src not in g.saved and src not in fed:
+            view = producer.get(src)
+            if view is None or view.op_type not in _VIEWS or view.domain not in ("", "ai.onnx"):
+                break
+            src = view.input[0]
+        if src not in g.saved and src not in fed:
+            continue
+        del g.saved[name]
+        again = onnx.NodeProto()
+        again.CopyFrom(node)
+        again.input[0] = g._use(g.fwd(src))
+        for p in params:
+            g._use(g.fwd(p))  # constants: copied into the backward
+        g.nodes.insert(0, again)
+
+
+def _same_in_backward(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` means the same in the backward graph's opset (at least 13): Squeeze and
+    Unsqueeze took their axes as an attribute before opset 13, Reshape its shape before opset 5."""
+    if node.op_type in ("Squeeze", "Unsqueeze", "Reshape"):
+        return not any(a.name in ("axes", "shape") for a in node.attribute)
+    return True
 
 
 @dataclass
