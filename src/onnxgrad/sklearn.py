@@ -22,7 +22,7 @@ import onnxruntime as ort
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
 from sklearn.utils.validation import check_array, check_is_fitted
 
-from .autodiff.graph import FLOAT_TYPES, infer_value_infos, load_model, np_dtype
+from .autodiff.graph import FLOAT_TYPES, infer_value_infos, load_model, np_dtype, unique_name
 from .errors import InputError
 from .train.losses import add_loss, keep_outputs, with_parameters
 from .train.trainer import History, Trainer
@@ -62,11 +62,7 @@ def to_onnx_model(model: Any, X: np.ndarray, *, classifier: bool = False) -> onn
 def _fresh(model: onnx.ModelProto, base: str) -> str:
     g = model.graph
     taken = {v.name for v in (*g.input, *g.output, *g.initializer)} | {o for n in g.node for o in n.output}
-    name, k = base, 1
-    while name in taken:
-        k += 1
-        name = f"{base}_{k}"
-    return name
+    return unique_name(base, taken)
 
 
 class _OnnxEstimator(BaseEstimator):

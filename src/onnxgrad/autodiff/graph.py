@@ -459,6 +459,16 @@ def local_names(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
+def unique_name(base: str, taken: set[str]) -> str:
+    """``base``, or ``base_2``, ``base_3``... the first not in ``taken``; it is added to ``taken``."""
+    name, k = base, 1
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    taken.add(name)
+    return name
+
+
 def all_names(graph: onnx.GraphProto) -> set[str]:
     """Every value name of ``graph`` and of its subgraphs (for choosing fresh names)."""
     names: set[str] = set()

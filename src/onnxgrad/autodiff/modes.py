@@ -18,7 +18,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import ModelError
-from .graph import check_model, infer_value_infos, load_model, opset_of, subgraphs
+from .graph import check_model, infer_value_infos, load_model, opset_of, subgraphs, unique_name
 
 _SWITCHED = ("Dropout", "BatchNormalization")
 
@@ -113,12 +113,7 @@ class _Switcher:
         self._new_outputs: list[tuple[str, str]] = []  # (output name, statistic it updates)
 
     def fresh(self, hint: str) -> str:
-        name, k = hint, 0
-        while name in self.taken:
-            k += 1
-            name = f"{hint}_{k}"
-        self.taken.add(name)
-        return name
+        return unique_name(hint, self.taken)
 
     def _refuse_training(self, node: onnx.NodeProto, need: int) -> None:
         raise ModelError(

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph import all_names, node_operands, opset_of
+from .graph import all_names, node_operands, opset_of, unique_name
 
 
 def rewrite_for_training(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -46,7 +46,7 @@ def _relu_after_max_pool(graph: onnx.GraphProto, taken: set[str]) -> None:
             continue
         if not _commutes(pool):
             continue
-        pooled = _fresh(f"{pool.output[0]}_before_relu", taken)
+        pooled = unique_name(f"{pool.output[0]}_before_relu", taken)
         new_pool, new_relu = onnx.NodeProto(), onnx.NodeProto()
         new_pool.CopyFrom(pool)
         new_pool.input[0], new_pool.output[0] = relu.input[0], pooled
@@ -87,7 +87,7 @@ def _dense_layers(graph: onnx.GraphProto, taken: set[str]) -> None:
         relu = sole_consumer(add.output[0], "Relu")
         last = relu if relu is not None else add
         k, n = int(w.dims[0]), int(w.dims[1])
-        rows, flat, gemm, lead, full = (_fresh(f"{mm.output[0]}_{s}", taken) for s in _PARTS)
+        rows, flat, gemm, lead, full = (unique_name(f"{mm.output[0]}_{s}", taken) for s in _PARTS)
         consts = {
             rows: np.array([-1, k], dtype=np.int64),
             f"{rows}_start": np.array([0], dtype=np.int64),
@@ -102,7 +102,7 @@ def _dense_layers(graph: onnx.GraphProto, taken: set[str]) -> None:
             helper.make_node("Gemm", [flat, mm.input[1], bias], [gemm]),
         ]
         if relu is not None:
-            activated = _fresh(f"{gemm}_relu", taken)
+            activated = unique_name(f"{gemm}_relu", taken)
             nodes.append(helper.make_node("Relu", [gemm], [activated]))
             gemm = activated
         nodes += [
@@ -146,12 +146,3 @@ def _commutes(pool: onnx.NodeProto) -> bool:
     pads = list(attrs.get("pads") or [0] * 2 * len(kernel))
     extents = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
     return all(p < extents[i % len(kernel)] for i, p in enumerate(pads))
-
-
-def _fresh(base: str, taken: set[str]) -> str:
-    name, k = base, 1
-    while name in taken:
-        k += 1
-        name = f"{base}_{k}"
-    taken.add(name)
-    return name

@@ -41,6 +41,7 @@ from ..autodiff.graph import (
     load_model,
     np_dtype,
     opset_of,
+    unique_name,
 )
 from ..errors import InputError
 
@@ -62,12 +63,7 @@ class _Emitter:
         self.taken |= {o for n in graph.node for o in n.output} | {n.name for n in graph.node}
 
     def fresh(self, hint: str) -> str:
-        name, k = f"{self.prefix}/{hint}", 1
-        while name in self.taken:
-            k += 1
-            name = f"{self.prefix}/{hint}_{k}"
-        self.taken.add(name)
-        return name
+        return unique_name(f"{self.prefix}/{hint}", self.taken)
 
     def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs: Any) -> str:
         out = out or self.fresh(op_type.lower())
