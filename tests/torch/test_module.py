@@ -222,3 +222,184 @@ def test_eval_mode_gradients_match_torch():
     net(x).sum().backward()
     for tname, p in m.named_parameters():
         torch.testing.assert_close(p.grad, dict(net.named_parameters())[m.onnx_names[tname]].grad)
+
+
+# ---- what the per-call caches must not change ------------------------------------------------------------
+def test_a_parameter_replaced_between_calls_is_the_one_fed_and_trained(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    m(x).sum().backward()  # the call signature is now known
+    new = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    m.p_0_weight = new
+    y = m(x)
+    ref = torch.func.functional_call(net64, {"0.weight": new.detach()}, (x,))
+    torch.testing.assert_close(y, ref)
+    y.sum().backward()
+    assert new.grad is not None and torch.isfinite(new.grad).all()
+    # functional_call puts a plain tensor in _parameters for the duration of the call
+    w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    out = torch.func.functional_call(m, {"p_0_weight": w}, (x,))
+    torch.testing.assert_close(out, torch.func.functional_call(net64, {"0.weight": w.detach()}, (x,)))
+    (gw,) = torch.autograd.grad(out.sum(), w)
+    assert gw.shape == w.shape and gw.abs().sum() > 0
+
+
+def test_freezing_a_parameter_between_calls_changes_what_is_differentiated(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    m(x).sum().backward()
+    assert m.p_2_bias.grad is not None
+    m.zero_grad(set_to_none=True)
+    m.p_2_bias.requires_grad_(False)
+    m(x).sum().backward()
+    assert m.p_2_bias.grad is None and m.p_0_weight.grad is not None
+    with torch.no_grad():  # nothing requires grad: no graph
+        assert m(x).grad_fn is None
+    assert m(x).grad_fn is not None  # and back
+
+
+def test_a_new_input_shape_or_dtype_is_validated_again(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    m(torch.randn(3, 4, dtype=torch.float64))
+    assert m(torch.randn(5, 4, dtype=torch.float64)).shape == (5, 3)  # the batch dimension is free
+    for _ in range(2):  # a refused signature is not remembered as valid
+        with pytest.raises(InputError, match=r"input 'x' has shape \(3, 5\), the model expects"):
+            m(torch.randn(3, 5, dtype=torch.float64))
+        with pytest.raises(InputError, match=r"input 'x' has dtype float32, the model expects float64"):
+            m(torch.randn(3, 4))
+        with pytest.raises(InputError, match=r"input 'x' has rank 1"):
+            m(torch.randn(4, dtype=torch.float64))
+        with pytest.raises(InputError, match=r"input 'x' must be a torch.Tensor, got ndarray"):
+            m(np.zeros((3, 4)))
+        with pytest.raises(InputError, match=r"expected 1 input tensor\(s\) \['x'\], got 0"):
+            m()
+    assert m(torch.randn(3, 4, dtype=torch.float64)).shape == (3, 3)
+
+
+def test_many_input_shapes_keep_the_signature_memory_bounded(net64):
+    from onnxgrad.torch import module as module_impl
+
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    for n in range(1, module_impl._MAX_PLANS + 20):
+        m(torch.randn(n, 4, dtype=torch.float64))
+    assert len(m._plans) <= module_impl._MAX_PLANS
+    assert len(m._variants) == 1  # one graph variant for all of them
+
+
+def test_strided_and_offset_inputs_give_the_same_values_and_gradients(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    base = torch.randn(4, 6, dtype=torch.float64)
+    cases = {
+        "transposed": base[:, :4].t().contiguous().t(),  # column-major: not contiguous
+        "sliced columns": base[:, 1:5],  # strided rows
+        "offset rows": torch.randn(9, 4, dtype=torch.float64)[5:],  # contiguous, storage offset
+    }
+    for name, x in cases.items():
+        xr = x.detach().clone().requires_grad_()
+        xs = x.detach().requires_grad_()  # the same strides and storage offset
+        assert xs.stride() == x.stride() and xs.storage_offset() == x.storage_offset()
+        y = m(xs)
+        torch.testing.assert_close(y, net64(x.detach()), msg=name)
+        (g,) = torch.autograd.grad(y.pow(2).sum(), xs)
+        (want,) = torch.autograd.grad(net64(xr).pow(2).sum(), xr)
+        torch.testing.assert_close(g, want, msg=name)
+
+
+def test_in_place_change_of_a_saved_input_is_reported_by_torch(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    y = m(x)
+    x.add_(1.0)  # x is saved for the weight gradient of the first layer
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def _two_outputs_model():
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.arange(12, dtype=np.float64).reshape(4, 3) / 10, "w")
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["h"]),
+            helper.make_node("Tanh", ["h"], ["a"]),
+            helper.make_node("Mul", ["h", "h"], ["b"]),
+        ],
+        "two",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["n", 4])],
+        [
+            helper.make_tensor_value_info("a", TensorProto.DOUBLE, ["n", 3]),
+            helper.make_tensor_value_info("b", TensorProto.DOUBLE, ["n", 3]),
+        ],
+        [w],
+    )
+    return onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_an_output_left_out_of_the_loss_counts_as_a_zero_gradient():
+    m = OnnxModule(_two_outputs_model())
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    w = m.w.detach().clone().requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    for _ in range(2):
+        x.grad, m.w.grad, xr.grad, w.grad = None, None, None, None
+        a, b = m(x)
+        assert a.requires_grad and b.requires_grad
+        a.sum().backward()  # b does not reach the loss
+        torch.tanh(xr @ w).sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad)
+        torch.testing.assert_close(m.w.grad, w.grad)
+
+
+def test_tensors_cross_to_onnxruntime_and_back_by_dlpack():
+    from onnxgrad.runtime.values import from_torch, to_torch
+
+    base = torch.arange(12.0).reshape(3, 4)
+    cases = [
+        base,
+        base[1:],  # storage offset
+        torch.nn.Parameter(base.clone()),  # requires grad: shared, not refused
+        torch.tensor([True, False, True]),
+        torch.zeros(0, 3),
+        torch.tensor(2.5, dtype=torch.float64),
+        base.to(torch.bfloat16),
+    ]
+    for t in cases:
+        value = from_torch(t)
+        back = to_torch(value)
+        assert back.dtype == t.dtype and back.shape == t.shape
+        assert torch.equal(back, t.detach())
+        assert back.data_ptr() == t.data_ptr() or t.numel() == 0  # no copy
+    strided = base.t()
+    value = from_torch(strided)  # a strided view crosses as a contiguous copy
+    assert value.shape() == [4, 3] and torch.equal(to_torch(value), strided)
+    # the value holds its tensor: the buffer outlives every Python reference to the tensor
+    value = from_torch(torch.full((1000,), 7.0))
+    assert torch.equal(to_torch(value), torch.full((1000,), 7.0))
+
+
+def test_run_takes_wrappers_other_mappings_and_iterables():
+    from types import MappingProxyType
+
+    from onnx import TensorProto, helper
+
+    from onnxgrad.runtime.values import from_numpy, run
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    a = np.array([1.0, -1.0], np.float32)
+    for feeds, names in [
+        ({"x": from_numpy(a)}, ["y"]),
+        ({"x": ort.OrtValue.ortvalue_from_numpy(a)}, ("y",)),
+        (MappingProxyType({"x": from_numpy(a)}), iter(["y"])),
+    ]:
+        (y,) = run(sess, feeds, names)
+        np.testing.assert_array_equal(y.numpy(), [1.0, 0.0])
+    with pytest.raises(Exception, match="Unexpected input data type"):  # a failed run is not retried
+        run(sess, {"x": from_numpy(a.astype(np.float64))}, ["y"])
