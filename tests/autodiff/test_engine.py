@@ -292,3 +292,15 @@ def test_views_of_saved_or_fed_values_are_made_again_not_saved():
     assert not {"x1", "x2", "f"} & set(graphs.saved)
     res = check_gradients(model, {"x": RNG.standard_normal((2, 2, 3))}, wrt=["x", "W", "V"])
     assert res.ok, res.report()
+
+
+def test_bias_gradients_share_one_ones_vector():
+    """Both biases of the MLP (batch N) are summed by ones(N) @ dY: one ones vector for both."""
+    model = mlp()
+    ops = [n.op_type for n in onnxgrad.build_gradient(model).backward.graph.node]
+    assert ops.count("ConstantOfShape") == 1 and ops.count("MatMul") == 2 and "ReduceSum" not in ops
+    x = RNG.standard_normal((3, 4))
+    got = onnxgrad.gradients(model, {"x": x}, wrt=["b1", "b2"])
+    want = numpy_mlp_grads(model, x, np.ones((3, 3)))
+    for name in ("b1", "b2"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-10, err_msg=name)

@@ -167,6 +167,7 @@ class GradBuilder:
         self._taken = set(taken_names)
         self._counter = 0
         self._const_cache: dict[tuple, Var] = {}
+        self._ones_cache: dict[tuple, Var] = {}  # see _ones_for
         self._shape_cache: dict[str, Var] = {}
         self._fwd_vars: dict[str, Var] = {}
         self.versions: dict[str, int] = {}  # opset of each domain of the model ("" for ai.onnx)
@@ -466,38 +467,51 @@ class GradBuilder:
         axes_v = axes if isinstance(axes, Var) else self.const(np.array(list(axes), dtype=np.int64))
         return self.op("ReduceSum", x, axes_v, keepdims=int(keepdims))
 
-    def sum_leading(self, x: Var, lead: int, rest: tuple[Dim, ...]) -> Var:
-        """``x`` summed over its first ``lead`` axes (the other axes have shape ``rest``).
+    def sum_leading(
+        self, x: Var, lead: int, rest: tuple[Dim, ...], lead_dims: tuple[Dim, ...] | None = None
+    ) -> Var:
+        """``x`` summed over its first ``lead`` axes (of sizes ``lead_dims`` when known; the other
+        axes have shape ``rest``).
 
         A bias gradient: for float tensors with static ``rest``, ones(M) @ x.reshape(M, K) is one
         matrix-vector product, measured 1.7-5x faster than onnxruntime's ReduceSum over leading axes
         (256 x 512: 0.096 -> 0.017 ms; 2048 x 1024: 0.46 -> 0.27 ms).
         """
-        if self._sum_by_matmul(x, rest):
-            k = math.prod(rest)  # type: ignore[arg-type]
+        if not self._sum_by_matmul(x, rest, lead_dims):
+            return self.reduce_sum(x, list(range(lead)), keepdims=False)
+        k = math.prod(rest)  # type: ignore[arg-type]
+        rows = x
+        if lead != 1 or len(rest) != 1:
             rows = self.op("Reshape", x, self.const(np.array([-1, k], dtype=np.int64)))
-            count = self.op("Shape", rows, end=1, dtype=INT64)
-            ones = self.op(
-                "ConstantOfShape",
-                count,
-                value=numpy_helper.from_array(np.ones(1, np_dtype(x.dtype))),
-                dtype=x.dtype,
-            )
-            out = self.op("MatMul", ones, rows, dtype=x.dtype, shape=(k,))
-            if len(rest) == 1:
-                return out
-            return self.op("Reshape", out, self.const(np.array(rest, dtype=np.int64)), shape=rest)
-        return self.reduce_sum(x, list(range(lead)), keepdims=False)
+        out = self.op("MatMul", self._ones_for(rows, lead_dims, x.dtype), rows, dtype=x.dtype, shape=(k,))
+        if len(rest) == 1:
+            return out
+        return self.op("Reshape", out, self.const(np.array(rest, dtype=np.int64)), shape=rest)
 
-    def _sum_by_matmul(self, x: Var, rest: tuple[Dim, ...]) -> bool:
+    def _sum_by_matmul(self, x: Var, rest: tuple[Dim, ...], lead_dims: tuple[Dim, ...] | None) -> bool:
         if x.dtype not in (TensorProto.FLOAT, TensorProto.DOUBLE) or x.sequence or self.opset < 15:
             return False  # onnxruntime's MatMul: float and double; Shape(end=) needs opset 15
         if not rest or not all(isinstance(d, int) and d > 0 for d in rest):
             return False
-        # Small tensors: one ReduceSum beats four nodes.
-        if x.shape is not None and all(isinstance(d, int) for d in x.shape):
-            return math.prod(x.shape) >= 4096  # type: ignore[arg-type]
+        if lead_dims is not None and all(isinstance(d, int) for d in lead_dims):
+            # Small tensors: one ReduceSum beats a product
+            return math.prod(lead_dims) * math.prod(rest) >= 4096  # type: ignore[arg-type]
         return True
+
+    def _ones_for(self, rows: Var, lead_dims: tuple[Dim, ...] | None, dtype: int) -> Var:
+        """ones(M) for the M rows of ``rows``: a constant when M is static, else made at run time,
+        once per symbolic leading shape (the bias gradients of a model share one)."""
+        one = np.ones(1, np_dtype(dtype))
+        if lead_dims is not None and all(isinstance(d, int) for d in lead_dims):
+            return self.const(np.ones(math.prod(lead_dims), np_dtype(dtype)), dtype)  # type: ignore[arg-type]
+        key = (dtype, lead_dims) if lead_dims is not None and None not in lead_dims else None
+        ones = self._ones_cache.get(key) if key is not None else None
+        if ones is None:
+            count = self.op("Shape", rows, end=1, dtype=INT64)
+            ones = self.op("ConstantOfShape", count, value=numpy_helper.from_array(one), dtype=dtype)
+            if key is not None:
+                self._ones_cache[key] = ones
+        return ones
 
     def reshape(self, x: Var, like: Var) -> Var:
         """``x`` reshaped to the shape of forward value ``like``."""
@@ -527,7 +541,7 @@ class GradBuilder:
                 if not axes:
                     return grad
                 if len(axes) == lead:
-                    return self.sum_leading(grad, lead, ts)
+                    return self.sum_leading(grad, lead, ts, rs[:lead])
                 if lead == 0:
                     return self.reduce_sum(grad, axes, keepdims=True)
                 return self.reshape(self.reduce_sum(grad, axes, keepdims=False), target)
