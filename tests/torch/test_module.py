@@ -403,3 +403,31 @@ def test_run_takes_wrappers_other_mappings_and_iterables():
         np.testing.assert_array_equal(y.numpy(), [1.0, 0.0])
     with pytest.raises(Exception, match="Unexpected input data type"):  # a failed run is not retried
         run(sess, {"x": from_numpy(a.astype(np.float64))}, ["y"])
+
+
+def test_integer_output_comes_back_without_a_gradient():
+    """A model with a float and an int64 output (ArgMax): both come out, the float one trains."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["y"]),
+            helper.make_node("ArgMax", ["y"], ["k"], axis=1, keepdims=0),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3]),
+            helper.make_tensor_value_info("k", TensorProto.INT64, ["N"]),
+        ],
+        [numpy_helper.from_array(w, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    om = OnnxModule(model)
+    x = torch.randn(5, 4)
+    y, k = om(x)
+    assert k.dtype == torch.int64 and not k.requires_grad and y.requires_grad
+    torch.testing.assert_close(k, (x @ torch.from_numpy(w)).argmax(dim=1))
+    y.sum().backward()
+    torch.testing.assert_close(om.w.grad, x.T @ torch.ones(5, 3))

@@ -241,7 +241,7 @@ class ForwardBackward:
                         if i.data_type in FLOAT_TYPES and i.name not in self._modes.running_stats
                     ]
                 if outputs is None:
-                    outputs = [o for o in user_outputs if o in _float_outputs(proto)]
+                    outputs = [o for o in user_outputs if o in float_outputs(proto)]
             graphs = build_gradient(
                 proto, trainable=trainable, inputs_requiring_grad=inputs_requiring_grad, outputs=outputs
             )
@@ -440,7 +440,8 @@ def _overridable(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProt
     return model
 
 
-def _float_outputs(model: onnx.ModelProto) -> set[str]:
+def float_outputs(model: onnx.ModelProto) -> set[str]:
+    """The outputs of ``model`` declared with a floating-point type: those that take a gradient."""
     return {o.name for o in model.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES}
 
 

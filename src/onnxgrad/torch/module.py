@@ -26,7 +26,7 @@ from ..autodiff.graph import FLOAT_TYPES, load_model, to_array, unique_name, val
 from ..autodiff.modes import follows_training_flag, set_training_mode
 from ..errors import InputError
 from ..pythonop import make_runner
-from ..runtime.session import resolve_providers
+from ..runtime.session import float_outputs, resolve_providers
 from ..runtime.values import from_torch, to_torch
 from ..validate import check_input
 
@@ -168,6 +168,9 @@ class OnnxModule(nn.Module):
         super().__init__()
         proto = load_model(model)
         self.output_names = [o.name for o in proto.graph.output]
+        # the outputs that take a gradient (integer and bool outputs come back non-differentiable)
+        floats = float_outputs(proto)
+        self._grad_outputs = [o for o in self.output_names if o in floats]
         # Dropout and BatchNormalization follow .train() / .eval(): one model per mode, sharing
         # initializer names; in training mode BatchNormalization's running statistics come out as
         # extra outputs, written back into their buffers after each forward.
@@ -252,7 +255,7 @@ class OnnxModule(nn.Module):
                     wrt_params,
                     wrt_inputs,
                     [n for n in onnx_names if n not in wrt_params],
-                    self.output_names,
+                    self._grad_outputs,
                     self._feed_names,
                     resolve_providers(self._providers),
                     self._session_options,
