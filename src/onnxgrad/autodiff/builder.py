@@ -513,6 +513,34 @@ class GradBuilder:
                 self._ones_cache[key] = ones
         return ones
 
+    def dim(self, x: Var, axis: int) -> int | Var:
+        """Size of ``x`` along ``axis``: an int when static, else a 1-D int64 Var of length 1."""
+        if x.shape is not None and -len(x.shape) <= axis < len(x.shape):
+            d = x.shape[axis]
+            if isinstance(d, int):
+                return d
+        return self.op("Gather", self.shape_of(x), [axis], dtype=INT64, shape=(1,))
+
+    def shape_vector(self, parts: Sequence[int | Var]) -> Var:
+        """A 1-D int64 shape from ints and 1-D int64 Vars (such as :meth:`dim`'s), one constant
+        when every part is an int."""
+        if all(isinstance(p, int) for p in parts):
+            return self.const(np.array(parts, dtype=np.int64))
+        pieces: list[Var] = []
+        run: list[int] = []
+        for p in parts:
+            if isinstance(p, int):
+                run.append(p)
+                continue
+            if run:
+                pieces.append(self.const(np.array(run, dtype=np.int64)))
+                run = []
+            pieces.append(p)
+        if run:
+            pieces.append(self.const(np.array(run, dtype=np.int64)))
+        singles = all(isinstance(p, int) or p.shape == (1,) for p in parts)
+        return self.op("Concat", *pieces, axis=0, dtype=INT64, shape=(len(parts),) if singles else None)
+
     def reshape(self, x: Var, like: Var) -> Var:
         """``x`` reshaped to the shape of forward value ``like``."""
         return self.op("Reshape", x, self.shape_of(like), shape=like.shape)

@@ -25,7 +25,6 @@ from .nn import (
     Window,
     _conv_weight_grad,
     _pool_rows,
-    _shape_vec,
     _spatial_dims,
     _spatial_rank,
     _static,
@@ -47,20 +46,13 @@ def _kernel(n: NodeContext, w: Var | None, nsp: int) -> list[int] | None:
     return None
 
 
-def _dim(g: GradBuilder, x: Var, axis: int) -> Var | int:
-    """Size of ``x`` along ``axis`` (>= 0): an int when static, else a 1-D int64 Var."""
-    if x.shape is not None and isinstance(x.shape[axis], int):
-        return int(x.shape[axis])  # type: ignore[arg-type]
-    return g.Slice(g.shape_of(x), [axis], [axis + 1])
-
-
 def _int(g: GradBuilder, size: Var | int) -> Var | int:
-    """A size from :func:`_dim` as an int or a scalar int64 Var, for arithmetic."""
+    """A size from :meth:`GradBuilder.dim` as an int or a scalar int64 Var, for arithmetic."""
     return size if isinstance(size, int) else g.Squeeze(size, [0])
 
 
 def _scalar(g: GradBuilder, size: Var | int, dtype: int) -> Var:
-    """A size from :func:`_dim` as a scalar of ``dtype``."""
+    """A size from :meth:`GradBuilder.dim` as a scalar of ``dtype``."""
     if isinstance(size, int):
         return g.const(np.array(size), dtype)
     return g.Cast(g.Squeeze(size, [0]), to=dtype)
@@ -263,7 +255,7 @@ def max_roi_pool(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     corners = g.Cast(g.Slice(rois, [1], [5], [1]), to=TensorProto.FLOAT) * np.float32(scale)
     corners = _round_half_away(g, corners)  # (R, 4): x1, y1, x2, y2
     batch = g.Cast(_column(g, rois, 0), to=INT64)  # (R, 1)
-    h, w = _dim(g, x, 2), _dim(g, x, 3)
+    h, w = g.dim(x, 2), g.dim(x, 3)
     rows = _roi_bins(g, corners, 1, 3, ph, h)  # (R, ph, H)
     cols = _roi_bins(g, corners, 0, 2, pw, w)  # (R, pw, W)
     xb = g.Gather(x, g.Squeeze(batch, [1]), axis=0)  # (R, C, H, W)
@@ -277,7 +269,7 @@ def max_roi_pool(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     h_arg = g.ArgMax(over_rows, axis=3, keepdims=0)  # (R, C, ph, pw)
     w_sel = g.GatherElements(w_arg, h_arg, axis=2)
     nonempty = g.And(g.Unsqueeze(_any(g, rows), [2]), g.Unsqueeze(_any(g, cols), [1]))  # (R, ph, pw)
-    c_dim = _dim(g, x, 1)
+    c_dim = g.dim(x, 1)
     channels = g.Unsqueeze(_arange(g, c_dim), [0, 2, 3])  # (1, C, 1, 1)
     image = g.Unsqueeze(batch, [2, 3]) * _int(g, c_dim) + channels  # (R, C, 1, 1)
     index = image * _int(g, h) * _int(g, w) + h_arg * _int(g, w) + w_sel  # into X flattened
@@ -315,7 +307,7 @@ def _roi_bins(g: GradBuilder, corners: Var, lo: int, hi: int, bins: int, size: V
 
 def _batch_scatter(g: GradBuilder, per_roi: Var, batch: Var, x: Var) -> Var:
     """dX[n] = sum of per_roi[r] over the regions r of image n: one MatMul with an (N, R) one-hot."""
-    images = _arange(g, _dim(g, x, 0))
+    images = _arange(g, g.dim(x, 0))
     onehot = g.Cast(g.Equal(g.Unsqueeze(images, [1]), g.Unsqueeze(batch, [0])), to=x.dtype)
     flat = g.MatMul(onehot, g.Reshape(per_roi, [0, -1]))
     return g.Reshape(flat, g.shape_of(x), shape=x.shape)
@@ -384,7 +376,7 @@ def _roi_align_axis(
 
     weights = pair((1.0 - frac) * keep, frac * keep)
     onehot = g.Cast(g.Equal(g.Unsqueeze(pair(low, high), [4]), _arange(g, size, dtype)), to=dtype)
-    s = g.Reshape(onehot * g.Unsqueeze(weights, [4]), _shape_vec(g, [0, bins, -1, size]))
+    s = g.Reshape(onehot * g.Unsqueeze(weights, [4]), g.shape_vector([0, bins, -1, size]))
     real2 = g.Reshape(g.Expand(g.Unsqueeze(real, [2]), [1, 1, 2]), [0, -1])  # (R, 2G)
     slots = 2 * n_grid if isinstance(n_grid, int) else n_grid * 2
     return _Samples(s, real2, grid, slots)
@@ -412,8 +404,8 @@ def roi_align(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     scale = float(n.attr("spatial_scale", 1.0))
     half = n.opset >= 16 and str(n.attr("coordinate_transformation_mode", "half_pixel")) == "half_pixel"
     rois = g.Cast(rois, to=x.dtype) if rois.dtype != x.dtype else rois
-    ys = _roi_align_axis(g, rois, 1, 3, ph, _dim(g, x, 2), ratio, scale, half)
-    xs = _roi_align_axis(g, rois, 0, 2, pw, _dim(g, x, 3), ratio, scale, half)
+    ys = _roi_align_axis(g, rois, 1, 3, ph, g.dim(x, 2), ratio, scale, half)
+    xs = _roi_align_axis(g, rois, 0, 2, pw, g.dim(x, 3), ratio, scale, half)
     batch = g.Cast(batch, to=INT64) if batch.dtype != INT64 else batch
     if str(n.attr("mode", "avg")).lower() == "avg":
         count = g.Max(ys.grid * xs.grid, g.const(np.array(1.0), x.dtype))  # (R, 1)
@@ -433,10 +425,10 @@ def _roi_align_max(
     """Per-region dX of max mode. V = S_y X S_x^T holds every candidate weight * X; a one-hot of
     each bin's argmax candidate, times dY, goes back through the same matrices."""
     xb = g.Gather(x, batch, axis=0)  # (R, C, H, W)
-    sy = g.Unsqueeze(g.Reshape(ys.weights, _shape_vec(g, [0, -1, _dim(g, x, 2)])), [1])  # (R, 1, ph 2G, H)
-    sx = g.Unsqueeze(g.Reshape(xs.weights, _shape_vec(g, [0, -1, _dim(g, x, 3)])), [1])  # (R, 1, pw 2G', W)
+    sy = g.Unsqueeze(g.Reshape(ys.weights, g.shape_vector([0, -1, g.dim(x, 2)])), [1])  # (R, 1, ph 2G, H)
+    sx = g.Unsqueeze(g.Reshape(xs.weights, g.shape_vector([0, -1, g.dim(x, 3)])), [1])  # (R, 1, pw 2G', W)
     values = g.MatMul(sy, g.MatMul(xb, g.Transpose(sx, perm=[0, 1, 3, 2])))  # (R, C, ph 2G, pw 2G')
-    split = _shape_vec(g, [0, 0, ph, -1, pw, xs.slots])
+    split = g.shape_vector([0, 0, ph, -1, pw, xs.slots])
     values = g.Transpose(g.Reshape(values, split), perm=[0, 1, 2, 4, 3, 5])  # (R, C, ph, pw, 2G, 2G')
     real = g.Unsqueeze(g.And(g.Unsqueeze(ys.real, [2]), g.Unsqueeze(xs.real, [1])), [1, 2, 3])
     values = where(real, values, g.const(np.array(-np.inf), x.dtype))
@@ -449,7 +441,7 @@ def _roi_align_max(
     hot = chosen * g.Unsqueeze(dy * g.Unsqueeze(sampled, [2, 3]), [4])
     hot = g.Transpose(g.Reshape(hot, g.Shape(values)), perm=[0, 1, 2, 4, 3, 5])  # (R, C, ph, 2G, pw, 2G')
     hot = g.Reshape(
-        hot, _shape_vec(g, [0, 0, -1, pw * xs.slots if isinstance(xs.slots, int) else xs.slots * pw])
+        hot, g.shape_vector([0, 0, -1, pw * xs.slots if isinstance(xs.slots, int) else xs.slots * pw])
     )
     return g.MatMul(g.MatMul(g.Transpose(sy, perm=[0, 1, 3, 2]), hot), sx)  # (R, C, H, W)
 

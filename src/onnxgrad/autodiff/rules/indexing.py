@@ -26,7 +26,7 @@ from onnx import TensorProto, helper
 from ...errors import GradientNotImplementedError
 from ..builder import INT64, GradBuilder, Var, cast, where
 from ..registry import NodeContext, rule
-from .shape import Grads, _axis, _dim, _first_only, _need_rank, _numel, _positions, _scatter_positions
+from .shape import Grads, _axis, _first_only, _need_rank, _numel, _positions, _scatter_positions
 
 
 def _where(n: NodeContext) -> str:
@@ -191,7 +191,7 @@ def tensor_scatter(g: GradBuilder, n: NodeContext) -> Grads:
         grads[0] = g.TensorScatter(n.dy, g.zeros_like(upd), w, axis=axis, mode=mode, shape=past.shape)
     if not n.needs[1]:
         return grads
-    seq = _dim(g, upd, axis)
+    seq = g.dim(upd, axis)
     if w is None:
         grads[1] = g.Slice(n.dy, [0], [seq] if isinstance(seq, int) else seq, [axis], shape=upd.shape)
         return grads
@@ -199,7 +199,7 @@ def tensor_scatter(g: GradBuilder, n: NodeContext) -> Grads:
     steps = g.Range(g.const(np.int64(0)), seq_v, g.const(np.int64(1)))
     slots = g.Unsqueeze(w, [1]) + g.Unsqueeze(steps, [0])  # (batch, sequence)
     if mode == "circular":
-        length = _dim(g, past, axis)
+        length = g.dim(past, axis)
         slots = g.Mod(slots, g.const(np.int64(length)) if isinstance(length, int) else length)
     rank = _need_rank(n, past)
     slots = g.Unsqueeze(slots, [i for i in range(1, rank) if i != axis])

@@ -51,25 +51,6 @@ def _static(dims: list[Dim]) -> list[int] | None:
     return [int(d) for d in dims] if all(isinstance(d, int) for d in dims) else None  # type: ignore[arg-type]
 
 
-def _shape_vec(g: GradBuilder, items: list[int | Var]) -> Var:
-    """A 1-D int64 shape from ints and 1-D int64 Vars (a constant when every item is an int)."""
-    if all(isinstance(i, int) for i in items):
-        return g.const(np.array(items, dtype=np.int64))
-    parts: list[Var] = []
-    run: list[int] = []
-    for item in items:
-        if isinstance(item, int):
-            run.append(item)
-            continue
-        if run:
-            parts.append(g.const(np.array(run, dtype=np.int64)))
-            run = []
-        parts.append(item)
-    if run:
-        parts.append(g.const(np.array(run, dtype=np.int64)))
-    return g.Concat(*parts, axis=0)
-
-
 def _spatial_items(g: GradBuilder, x: Var, nsp: int) -> list[int | Var]:
     """X's spatial dims: ints when static, else one 1-D slice of its run-time shape."""
     static = _static(_spatial_dims(x, nsp))
@@ -227,9 +208,9 @@ def _conv_weight_grad(
         # (N, G Cg, H...) -> (N, G, Cg, H...) -> (Cg, G, N, H...) -> (Cg, G N, H...): a grouped
         # Conv then pairs output channel m only with the batch copies of its own group.
         sp = _spatial_items(g, x, nsp)
-        x5 = g.Reshape(x, _shape_vec(g, [0, group, -1, *sp]))
+        x5 = g.Reshape(x, g.shape_vector([0, group, -1, *sp]))
         xt = g.Transpose(x5, perm=[2, 1, 0, *range(3, 3 + nsp)])
-        xr = g.Reshape(xt, _shape_vec(g, [0, -1, *sp]))
+        xr = g.Reshape(xt, g.shape_vector([0, -1, *sp]))
     dyr = g.Transpose(dy, perm=swap)  # (M, N, Ho...): the kernel
     r = g.Conv(
         xr, dyr, strides=list(win.dilations), dilations=list(win.strides), pads=list(win.pads), group=group

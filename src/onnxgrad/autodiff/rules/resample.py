@@ -25,7 +25,7 @@ import numpy as np
 from ...errors import GradientNotImplementedError
 from ..builder import INT64, GradBuilder, Var, cast, where
 from ..registry import NodeContext, rule
-from .shape import Grads, _dim, _first_only, _need_rank, _shape_vec, _zeros
+from .shape import Grads, _first_only, _need_rank, _zeros
 
 F32 = np.float32
 
@@ -365,7 +365,7 @@ def upsample(g: GradBuilder, n: NodeContext) -> Grads:
 # ---- GridSample --------------------------------------------------------------------------------
 def _float_dim(g: GradBuilder, x: Var, axis: int) -> float | Var:
     """Size of ``x`` along ``axis`` as a float, or a scalar Var of x's dtype when not static."""
-    d = _dim(g, x, axis)
+    d = g.dim(x, axis)
     return float(d) if isinstance(d, int) else g.Cast(g.Squeeze(d, [0]), to=x.dtype)
 
 
@@ -477,18 +477,18 @@ def grid_sample(g: GradBuilder, n: NodeContext) -> Grads:
         index = term if index is None else index + term
         w = _spread(g, dims[j].weight, j, k)
         weight = w if weight is None else weight * w
-        size = _dim(g, x, 2 + j)
+        size = g.dim(x, 2 + j)
         if isinstance(stride, int) and isinstance(size, int):
             stride = stride * size
         else:
-            stride = g.Mul(_shape_vec(g, [stride]), _shape_vec(g, [size]))
+            stride = g.Mul(g.shape_vector([stride]), g.shape_vector([size]))
     assert index is not None and weight is not None
     dy_k = g.Unsqueeze(g.Reshape(dy, [0, 0, -1]), list(range(2, 2 + k)))  # (N, C, 1, .., 1, Q)
-    index_nc = g.Expand(g.Reshape(index, [0, 1, -1]), _shape_vec(g, [1, _dim(g, x, 1), 1]))
+    index_nc = g.Expand(g.Reshape(index, [0, 1, -1]), g.shape_vector([1, g.dim(x, 1), 1]))
     grads: Grads = [None, None]
     if n.needs[0]:
         values = g.Reshape(dy_k * g.Unsqueeze(weight, [1]), [0, 0, -1])
-        plane = _zeros(g, _shape_vec(g, [_dim(g, x, 0), _dim(g, x, 1), stride]), x.dtype)  # (N, C, P)
+        plane = _zeros(g, g.shape_vector([g.dim(x, 0), g.dim(x, 1), stride]), x.dtype)  # (N, C, P)
         dx = g.ScatterElements(plane, index_nc, values, axis=2, reduction="add")
         grads[0] = g.reshape(dx, x)
     if n.needs[1] and dims[0].slope is None:

@@ -53,34 +53,6 @@ def _need_rank(n: NodeContext, x: Var) -> int:
     return x.rank
 
 
-def _dim(g: GradBuilder, x: Var, axis: int) -> int | Var:
-    """Size of ``x`` along ``axis``: an int when static, else a 1-D int64 Var of length 1."""
-    if x.shape is not None and -len(x.shape) <= axis < len(x.shape):
-        d = x.shape[axis]
-        if isinstance(d, int):
-            return d
-    return g.Gather(g.shape_of(x), [axis], dtype=INT64, shape=(1,))
-
-
-def _shape_vec(g: GradBuilder, parts: Sequence[int | Var]) -> Var:
-    """A 1-D int64 shape from ints and length-1 Vars; one constant when every part is an int."""
-    if all(isinstance(p, int) for p in parts):
-        return g.const(np.array(parts, dtype=np.int64))
-    pieces: list[Var] = []
-    run: list[int] = []
-    for p in parts:
-        if isinstance(p, int):
-            run.append(p)
-            continue
-        if run:
-            pieces.append(g.const(np.array(run, dtype=np.int64)))
-            run = []
-        pieces.append(p)
-    if run:
-        pieces.append(g.const(np.array(run, dtype=np.int64)))
-    return g.Concat(*pieces, axis=0, dtype=INT64, shape=(len(parts),))
-
-
 def _zeros(g: GradBuilder, shape: Var, dtype: int) -> Var:
     """Zeros of run-time ``shape`` and element type ``dtype``."""
     zero = numpy_helper.from_array(np.zeros(1, dtype=np_dtype(dtype)))
@@ -131,7 +103,7 @@ def _nonneg_indices(g: GradBuilder, n: NodeContext, x: Var, axis: int) -> Var:
     value = n.const_input(1)
     if value is not None and value.min(initial=0) >= 0:
         return g.const(value.astype(np.int64))
-    dim = _dim(g, x, axis)
+    dim = g.dim(x, axis)
     if value is not None and isinstance(dim, int):
         return g.const(np.where(value < 0, value + dim, value).astype(np.int64))
     idx = _as_int64(g, n.inputs[1])  # type: ignore[arg-type]
@@ -167,7 +139,7 @@ def depth_to_space(g: GradBuilder, n: NodeContext) -> Grads:
         return [g.SpaceToDepth(n.dy, blocksize=b, shape=n.x.shape)]
     # CRD: x viewed as (N, C', b, b, H, W) was transposed to (N, C', H, b, W, b); undo that.
     x = n.x
-    dy6 = g.Reshape(n.dy, _shape_vec(g, [0, 0, _dim(g, x, 2), b, _dim(g, x, 3), b]))
+    dy6 = g.Reshape(n.dy, g.shape_vector([0, 0, g.dim(x, 2), b, g.dim(x, 3), b]))
     return [g.reshape(g.Transpose(dy6, perm=[0, 1, 3, 5, 2, 4]), x)]
 
 
@@ -185,8 +157,8 @@ def concat(g: GradBuilder, n: NodeContext) -> Grads:
     axis = int(n.attr("axis", 1))  # optional, default 1, before opset 4
     if len(n.inputs) == 1:
         return [n.dy]
-    sizes = [_dim(g, x, axis) for x in n.inputs]  # type: ignore[arg-type]
-    parts = g.Split(n.dy, _shape_vec(g, sizes), axis=axis, outputs=len(sizes))
+    sizes = [g.dim(x, axis) for x in n.inputs]  # type: ignore[arg-type]
+    parts = g.Split(n.dy, g.shape_vector(sizes), axis=axis, outputs=len(sizes))
     return [p if need else None for p, need in zip(parts, n.needs)]
 
 
@@ -342,8 +314,8 @@ def tile(g: GradBuilder, n: NodeContext) -> Grads:
         if r != 1:  # axes repeated once need no reduction
             sum_axes.append(len(parts))
             parts.append(int(r))
-        parts.append(_dim(g, x, i))
-    grouped = g.Reshape(n.dy, _shape_vec(g, parts))
+        parts.append(g.dim(x, i))
+    grouped = g.Reshape(n.dy, g.shape_vector(parts))
     return _first_only(n, g.reduce_sum(grouped, sum_axes, keepdims=False))
 
 
