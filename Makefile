@@ -1,16 +1,22 @@
-# Two commands do everything: `make demo` and `make test`. Each creates .venv when missing.
+# Two commands do everything: `make demo` and `make test`. Each creates .venv when missing, from the
+# lock (requirements/lock.txt), so a clean clone tests the same versions on any date.
+# Two more legs tell us about drift before users do: `make test-latest` (every dependency at its newest
+# release, no lock) and `make test-oldest` (every dependency at the lower bound pyproject.toml declares).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+LOCK := requirements/lock.txt
 STAMP := $(VENV)/.installed
+PIP_QUIET := --quiet --disable-pip-version-check
+# torch first: a spec pip could satisfy with a newer release pulls a CUDA build of several GB.
+TORCH := torch==2.13.0
 
-.PHONY: demo test lint bench fuzz clean
+.PHONY: demo test test-latest test-oldest test-wheel lint bench fuzz lock clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first and pinned: a looser spec would pull a newer CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install $(PIP_QUIET) -c $(LOCK) $(TORCH)
+	$(PY) -m pip install $(PIP_QUIET) -c $(LOCK) -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -19,9 +25,50 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
+# Newest releases of everything (torch included, as far as pip may take it), no lock.
+.venv-latest/.installed: pyproject.toml
+	rm -rf .venv-latest && $(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/python -m pip install $(PIP_QUIET) --upgrade pip
+	.venv-latest/bin/python -m pip install $(PIP_QUIET) --upgrade --upgrade-strategy eager -e ".[dev]"
+	.venv-latest/bin/python -m pip list --disable-pip-version-check | grep -iE "^(onnx|onnxruntime|numpy|torch|scikit-learn|skl2onnx) "
+	touch $@
+
+test-latest: .venv-latest/.installed
+	.venv-latest/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider
+
+# Every dependency at the lower bound pyproject.toml declares (tools/lower_bounds.py).
+.venv-oldest/.installed: pyproject.toml $(LOCK) tools/lower_bounds.py
+	rm -rf .venv-oldest && $(PYTHON) -m venv .venv-oldest
+	$(PYTHON) tools/lower_bounds.py pyproject.toml $(LOCK) > .venv-oldest/constraints.txt
+	.venv-oldest/bin/python -m pip install $(PIP_QUIET) -c .venv-oldest/constraints.txt $(TORCH)
+	.venv-oldest/bin/python -m pip install $(PIP_QUIET) -c .venv-oldest/constraints.txt -e ".[dev]"
+	.venv-oldest/bin/python -m pip list --disable-pip-version-check | grep -iE "^(onnx|onnxruntime|numpy|torch|scikit-learn|skl2onnx) "
+	touch $@
+
+test-oldest: .venv-oldest/.installed
+	.venv-oldest/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider
+
+# Installed as users install it: the wheel (not editable) in a clean venv, then a smoke script.
+test-wheel: $(STAMP)
+	rm -rf dist .venv-wheel
+	$(PY) -m build --quiet --sdist --wheel --outdir dist .
+	$(PYTHON) -m venv .venv-wheel
+	.venv-wheel/bin/python -m pip install $(PIP_QUIET) -c $(LOCK) $(TORCH)
+	.venv-wheel/bin/python -m pip install $(PIP_QUIET) -c $(LOCK) "$$(ls dist/onnxgrad-*.whl)[torch,sklearn,train]"
+	cd /tmp && $(CURDIR)/.venv-wheel/bin/python $(CURDIR)/tools/wheel_smoke.py
+
+# Refresh the lock: resolve the dev extra afresh in a throwaway venv and freeze it.
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install $(PIP_QUIET) $(TORCH)
+	.venv-lock/bin/python -m pip install $(PIP_QUIET) ".[dev]"
+	(echo "# pip constraints for make test / make demo; refresh with: make lock"; \
+	 .venv-lock/bin/python -m pip freeze --disable-pip-version-check --exclude onnxgrad) > $(LOCK)
+	rm -rf .venv-lock
+
 lint: $(STAMP)
-	$(PY) -m ruff check src tests bench
-	$(PY) -m ruff format --check src tests bench
+	$(PY) -m ruff check src tests bench tools
+	$(PY) -m ruff format --check src tests bench tools
 
 bench: $(STAMP)
 	$(PY) bench/compare_torch.py --json out/bench.json
@@ -30,4 +77,4 @@ fuzz: $(STAMP)
 	ONNXGRAD_FUZZ=1 $(PY) -m pytest -q tests/reliability/test_fuzz.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-latest .venv-oldest .venv-wheel build dist src/*.egg-info .pytest_cache

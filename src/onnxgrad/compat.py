@@ -37,7 +37,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto
-from onnxruntime.capi import _pybind_state as C
 
 from .autodiff.engine import GradientGraphs, build_gradient, check_graphs
 from .autodiff.graph import (
@@ -49,6 +48,7 @@ from .autodiff.graph import (
     to_array,
     value_info_from_proto,
 )
+from .deps import C
 from .errors import InputError, OnnxGradRuntimeError
 from .pythonop import make_runner
 from .runtime.session import Runner, resolve_providers

@@ -8,6 +8,7 @@ naturally catch (``ValueError`` for bad input, ``NotImplementedError`` for a mis
 from __future__ import annotations
 
 __all__ = [
+    "DependencyError",
     "GradientNotImplementedError",
     "InputError",
     "ModelError",
@@ -39,3 +40,7 @@ class PythonOpError(OnnxGradError, RuntimeError):
 
 class OnnxGradRuntimeError(OnnxGradError, RuntimeError):
     """Running a graph failed, or the forward/backward protocol was not followed."""
+
+
+class DependencyError(OnnxGradError, ImportError):
+    """An installed onnxruntime or torch is outside the supported range, or lacks an API onnxgrad needs."""

@@ -21,6 +21,7 @@ from onnx import helper, numpy_helper
 from ..autodiff.engine import GradientGraphs, build_gradient
 from ..autodiff.graph import FLOAT_TYPES, ValueInfo, load_model, np_dtype, to_array, value_info_from_proto
 from ..autodiff.modes import ModeSwitch, follows_training_flag, set_training_mode
+from ..deps import require_onnxruntime
 from ..errors import InputError, OnnxGradRuntimeError
 from ..pythonop import make_runner
 from .values import C, OrtValueLike, from_numpy, run
@@ -64,6 +65,7 @@ def make_session(
     forward and a backward session, and the idle pool's spinning threads would take the cores of
     the one running (measured: the mlp step 8.9 ms with spinning, 4.2 ms without).
     """
+    require_onnxruntime()
     if options is None:
         options = default_options()
     try:

@@ -1,0 +1,273 @@
+"""The one place where onnxgrad meets the APIs of onnxruntime and torch that moved between releases.
+
+Each capability is probed once, by trying it on a tiny value (not by reading version strings), and
+the form that works is bound to a module-level function at import (onnxruntime) or on first use
+(torch, which ``import onnxgrad`` must not load). Everything else in onnxgrad calls these functions
+and never the moved API itself:
+
+==========================  ==============================================================
+what                        forms seen
+==========================  ==============================================================
+OrtValue from DLPack        ``from_dlpack(capsule, is_bool)`` (onnxruntime <= 1.31; bool
+                            travels as uint8 plus the flag); ``from_dlpack(capsule)``
+                            (1.32; bool travels as DLPack bool)
+OrtValue to a torch tensor  ``OrtValue.to_dlpack()`` then torch's capsule reader; bool
+                            comes back as uint8 from onnxruntimes that export it so
+running on OrtValues        ``InferenceSession._sess.run_with_ort_values`` (C-level values,
+                            one call); the public wrapper as the fallback
+OrtValue from numpy         ``OrtValue.ortvalue_from_numpy(array, OrtDevice)``
+CPU device                  ``OrtDevice(type, memory type, id)`` or with a vendor id
+torch DLPack                ``torch._C._from_dlpack`` (no protocol checks) or
+                            ``torch.from_dlpack``; ``torch.utils.dlpack.to_dlpack``
+==========================  ==============================================================
+
+A release outside the supported range, or one missing a capability, raises
+:class:`~onnxgrad.errors.DependencyError` naming the installed version and the supported range, at
+the first use that needs it (:func:`require_onnxruntime`, :func:`require_torch`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from onnxruntime.capi import _pybind_state as C
+
+from .errors import DependencyError
+
+__all__ = [
+    "CPU",
+    "SUPPORTED",
+    "C",
+    "DependencyError",
+    "ortvalue_from_capsule",
+    "ortvalue_from_numpy",
+    "require_onnxruntime",
+    "require_torch",
+    "run_with_ort_values",
+    "torch_interop",
+]
+
+#: The lower bounds that CI's oldest leg tests; pyproject.toml declares the same (a test checks).
+SUPPORTED: dict[str, str] = {"onnxruntime": "1.21", "onnx": "1.17", "numpy": "1.24", "torch": "2.13"}
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string: ``'2.13.0+cpu'`` -> ``(2, 13, 0)``."""
+    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0].split("rc")[0])[:3])
+
+
+def _check_range(package: str, installed: str) -> None:
+    minimum = SUPPORTED[package]
+    if version_tuple(installed) < version_tuple(minimum):
+        raise DependencyError(
+            f"onnxgrad needs {package}>={minimum}; {package} {installed} is installed "
+            f"(supported: {package}>={minimum})"
+        )
+
+
+def _missing(package: str, installed: str, what: str, why: BaseException | None = None) -> DependencyError:
+    detail = f" ({type(why).__name__}: {why})" if why is not None else ""
+    return DependencyError(
+        f"{package} {installed} does not offer {what}, which onnxgrad needs{detail}; "
+        f"supported: {package}>={SUPPORTED[package]}"
+    )
+
+
+# ---- onnxruntime ---------------------------------------------------------------------------------
+ORT_VERSION: str = getattr(ort, "__version__", "0")
+
+
+def _cpu_device() -> Any:
+    """The CPU ``OrtDevice`` of the C layer, in whichever constructor form this release has."""
+    cpu, memory = C.OrtDevice.cpu(), C.OrtDevice.default_memory()
+    for args in ((cpu, memory, 0), (cpu, memory, 0, 0)):  # (type, mem, id) / (type, mem, vendor, id)
+        try:
+            return C.OrtDevice(*args)
+        except TypeError:
+            continue
+    return None
+
+
+CPU: Any = _cpu_device()
+
+
+def ortvalue_from_numpy(arr: np.ndarray) -> Any:
+    """A C-level OrtValue sharing ``arr``'s buffer (``arr`` must be C-contiguous and kept alive)."""
+    return C.OrtValue.ortvalue_from_numpy(arr, CPU)
+
+
+def _probe_from_dlpack() -> tuple[str, Callable[[Any, bool], Any] | None]:
+    """Which ``OrtValue.from_dlpack`` form this onnxruntime has, tried on a numpy int64 scalar.
+
+    Returns the form's name (``"capsule+flag"``, ``"capsule"`` or ``"none"``) and an adapter
+    ``(capsule, is_bool) -> OrtValue``.
+    """
+    from_dlpack = getattr(C.OrtValue, "from_dlpack", None)
+    if from_dlpack is None:
+        return "none", None
+    probe = np.zeros((), np.int64)
+    try:
+        from_dlpack(probe.__dlpack__(), False)
+        return "capsule+flag", from_dlpack
+    except TypeError:
+        pass
+    try:
+        from_dlpack(probe.__dlpack__())
+    except TypeError:
+        return "none", None
+    return "capsule", lambda capsule, is_bool: from_dlpack(capsule)
+
+
+DLPACK_FORM, _from_dlpack_adapter = _probe_from_dlpack()
+
+
+def ortvalue_from_capsule(capsule: Any, is_bool: bool = False) -> Any:
+    """A C-level OrtValue from a DLPack capsule (``is_bool``: the capsule holds uint8 standing for
+    bool, as torch tensors are handed over to onnxruntimes whose DLPack has no bool)."""
+    if _from_dlpack_adapter is None:
+        raise _missing("onnxruntime", ORT_VERSION, "OrtValue.from_dlpack")
+    return _from_dlpack_adapter(capsule, is_bool)
+
+
+_RUN_ON_VALUES = hasattr(C.InferenceSession, "run_with_ort_values")
+
+
+def _native(feeds: Mapping[str, Any], outputs: Sequence[str]) -> bool:
+    return (
+        type(feeds) is dict
+        and isinstance(outputs, (list, tuple))
+        and all(type(v) is C.OrtValue for v in feeds.values())
+    )
+
+
+def _unwrap(value: Any) -> Any:
+    return getattr(value, "_ortvalue", value)
+
+
+def run_with_ort_values(
+    sess: ort.InferenceSession,
+    feeds: Mapping[str, Any],
+    outputs: Sequence[str],
+    run_options: ort.RunOptions | None = None,
+) -> list[Any]:
+    """Run ``sess`` on OrtValues (C-level or wrappers); returns C-level OrtValues, one per output."""
+    if not _RUN_ON_VALUES:
+        raise _missing("onnxruntime", ORT_VERSION, "InferenceSession.run_with_ort_values")
+    try:  # the common case, a dict of C-level values and a list of names, goes through as it is
+        result = sess._sess.run_with_ort_values(feeds, outputs, run_options)
+    except (TypeError, RuntimeError):  # what pybind11 raises when it cannot convert an argument
+        if _native(feeds, outputs):  # the arguments were fine: the run itself failed
+            raise
+        c_feeds = {k: _unwrap(v) for k, v in feeds.items()}  # wrappers, another mapping type
+        outputs = list(outputs)  # an iterator of names
+        result = sess._sess.run_with_ort_values(c_feeds, outputs, run_options)
+    # indexing, not list(result): the vector type has no __iter__, and Python's fallback (calling
+    # __getitem__ up to an IndexError raised through pybind11) costs ~30 µs
+    return [result[i] for i in range(len(outputs))]
+
+
+def require_onnxruntime() -> None:
+    """Raise :class:`DependencyError` if the installed onnxruntime cannot run onnxgrad's graphs."""
+    _check_range("onnxruntime", ORT_VERSION)
+    if CPU is None:
+        raise _missing("onnxruntime", ORT_VERSION, "an OrtDevice constructor onnxgrad knows")
+    if not _RUN_ON_VALUES:
+        raise _missing("onnxruntime", ORT_VERSION, "InferenceSession.run_with_ort_values")
+
+
+# ---- torch (imported on first use only) ----------------------------------------------------------
+class TorchInterop:
+    """torch <-> OrtValue without copies, in the forms the installed torch and onnxruntime speak.
+
+    Built once by :func:`torch_interop`; its two methods are bound to plain functions so that each
+    call costs a fraction of a microsecond.
+    """
+
+    def __init__(self, torch: Any, from_capsule: Callable[[Any, bool], Any], dlpack_form: str) -> None:
+        from torch.utils.dlpack import to_dlpack
+
+        self.torch = torch
+        self.version: str = torch.__version__
+        self._to_dlpack = to_dlpack
+        # the capsule reader torch.from_dlpack ends in, without its protocol checks (0.1 µs a call)
+        self._from_dlpack = getattr(torch._C, "_from_dlpack", None) or torch.from_dlpack
+        self._from_capsule = from_capsule
+        self._bool, self._uint8 = torch.bool, torch.uint8
+        self.dlpack_form = dlpack_form
+        # whether bool crosses as DLPack bool (new form) or as uint8 with a flag (old form)
+        self.bool_as_uint8 = dlpack_form == "capsule+flag"
+
+    def to_ortvalue(self, t: Any) -> Any:
+        """An OrtValue sharing a CPU tensor's buffer (a contiguous copy for a strided view).
+
+        The value goes through a DLPack capsule whose deleter holds the tensor: the OrtValue keeps
+        the buffer alive by itself. ``t`` may require grad (the value only reads the buffer).
+        """
+        if not t.is_contiguous():  # onnxruntime only takes dense row-major buffers
+            t = t.detach().contiguous()
+        if t.dtype is self._bool:
+            if self.bool_as_uint8:
+                return self._from_capsule(self._to_dlpack(t.detach().view(self._uint8)), True)
+            return self._from_capsule(self._to_dlpack(t.detach()), False)
+        try:
+            capsule = self._to_dlpack(t)
+        except RuntimeError:  # a torch that refuses to export tensors requiring grad
+            capsule = self._to_dlpack(t.detach())
+        return self._from_capsule(capsule, False)
+
+    def to_tensor(self, value: Any) -> Any:
+        """A tensor sharing a C-level OrtValue's buffer (the tensor keeps the value alive)."""
+        t = self._from_dlpack(value.to_dlpack())
+        # onnxruntimes with an older DLPack carry bool as uint8; only then is the type worth asking
+        if t.dtype is self._uint8 and value.data_type() == "tensor(bool)":
+            t = t.view(self._bool)
+        return t
+
+
+_INTEROP: TorchInterop | None = None
+
+
+def require_torch() -> Any:
+    """Import torch, check its release, and return the module (raises :class:`DependencyError`)."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise DependencyError(
+            f"this part of onnxgrad needs torch>={SUPPORTED['torch']}, which is not installed "
+            f"(pip install 'onnxgrad[torch]')"
+        ) from exc
+    _check_range("torch", torch.__version__)
+    return torch
+
+
+def torch_interop() -> TorchInterop:
+    """The :class:`TorchInterop` for the installed torch and onnxruntime (built on first call)."""
+    global _INTEROP
+    if _INTEROP is None:
+        torch = require_torch()
+        require_onnxruntime()
+        if _from_dlpack_adapter is None:
+            raise _missing("onnxruntime", ORT_VERSION, "OrtValue.from_dlpack")
+        interop = TorchInterop(torch, _from_dlpack_adapter, DLPACK_FORM)
+        _probe_torch(interop)
+        _INTEROP = interop
+    return _INTEROP
+
+
+def _probe_torch(interop: TorchInterop) -> None:
+    """Round-trip a float and a bool tensor; a release whose DLPack disagrees fails here, clearly."""
+    torch = interop.torch
+    for sample in (torch.arange(3, dtype=torch.float32), torch.tensor([True, False])):
+        try:
+            back = interop.to_tensor(interop.to_ortvalue(sample))
+            ok = back.dtype == sample.dtype and bool((back == sample).all())
+        except Exception as exc:  # any failure of the installed pair is a capability we lack
+            what = f"a DLPack exchange with torch {interop.version}"
+            raise _missing("onnxruntime", ORT_VERSION, what, exc) from exc
+        if not ok:
+            what = f"a DLPack exchange of {sample.dtype} with torch {interop.version}"
+            raise _missing("onnxruntime", ORT_VERSION, what)
