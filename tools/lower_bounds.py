@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 TOOLING = {"pytest", "pytest-xdist", "hypothesis", "ruff", "build", "import-linter"}
 

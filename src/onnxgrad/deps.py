@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 #: The lower bounds that CI's oldest leg tests; pyproject.toml declares the same (a test checks).
-SUPPORTED: dict[str, str] = {"onnxruntime": "1.21", "onnx": "1.17", "numpy": "1.24", "torch": "2.13"}
+SUPPORTED: dict[str, str] = {"onnxruntime": "1.31", "onnx": "1.19", "numpy": "1.24", "torch": "2.13"}
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -100,13 +100,17 @@ def ortvalue_from_numpy(arr: np.ndarray) -> Any:
     return C.OrtValue.ortvalue_from_numpy(arr, CPU)
 
 
-def _probe_from_dlpack() -> tuple[str, Callable[[Any, bool], Any] | None]:
-    """Which ``OrtValue.from_dlpack`` form this onnxruntime has, tried on a numpy int64 scalar.
+FromCapsule = Callable[[Any, bool], Any]  # (capsule, is_bool) -> OrtValue
+
+
+def probe_from_dlpack(
+    from_dlpack: Callable[..., Any] | None,
+) -> tuple[str, FromCapsule | None]:
+    """Which form of ``OrtValue.from_dlpack`` ``from_dlpack`` is, tried on a numpy int64 scalar.
 
     Returns the form's name (``"capsule+flag"``, ``"capsule"`` or ``"none"``) and an adapter
-    ``(capsule, is_bool) -> OrtValue``.
+    ``(capsule, is_bool) -> OrtValue`` for it.
     """
-    from_dlpack = getattr(C.OrtValue, "from_dlpack", None)
     if from_dlpack is None:
         return "none", None
     probe = np.zeros((), np.int64)
@@ -122,7 +126,7 @@ def _probe_from_dlpack() -> tuple[str, Callable[[Any, bool], Any] | None]:
     return "capsule", lambda capsule, is_bool: from_dlpack(capsule)
 
 
-DLPACK_FORM, _from_dlpack_adapter = _probe_from_dlpack()
+DLPACK_FORM, _from_dlpack_adapter = probe_from_dlpack(getattr(C.OrtValue, "from_dlpack", None))
 
 
 def ortvalue_from_capsule(capsule: Any, is_bool: bool = False) -> Any:
@@ -187,7 +191,7 @@ class TorchInterop:
     call costs a fraction of a microsecond.
     """
 
-    def __init__(self, torch: Any, from_capsule: Callable[[Any, bool], Any], dlpack_form: str) -> None:
+    def __init__(self, torch: Any, from_capsule: FromCapsule, dlpack_form: str) -> None:
         from torch.utils.dlpack import to_dlpack
 
         self.torch = torch

@@ -317,27 +317,33 @@ class Trainer:
         )
         for cb in self.callbacks:
             cb.on_train_begin(self)
-        while self.epoch < epochs and not self.stop_training:
-            self._run_epoch(loader, val, epochs)
-            if checkpoint is not None:
-                self.save_checkpoint(checkpoint)
+        bar = self._bar(max(epochs - self.epoch, 0) * len(loader), _epoch_label(self.epoch + 1, epochs))
+        try:
+            while self.epoch < epochs and not self.stop_training:
+                self._run_epoch(loader, val, epochs, bar)
+                if checkpoint is not None:
+                    self.save_checkpoint(checkpoint)
+        finally:
+            if bar is not None:
+                bar.close()
         for cb in self.callbacks:
             cb.on_train_end(self)
         return self.history
 
-    def _run_epoch(self, loader: BatchLoader, val: dict[str, np.ndarray] | None, epochs: int) -> None:
+    def _run_epoch(
+        self, loader: BatchLoader, val: dict[str, np.ndarray] | None, epochs: int, bar: Any
+    ) -> None:
         epoch = self.epoch + 1
         start = time.perf_counter()
         for cb in self.callbacks:
             cb.on_epoch_begin(self, epoch)
-        bar = self._bar(len(loader), epoch, epochs)
+        if bar is not None:
+            bar.set_description(_epoch_label(epoch, epochs), refresh=False)
         total, seen = 0.0, 0
         for step, batch in enumerate(loader):
             result = self.fb.forward(batch)
             loss = float(result.outputs[self.loss_index])
             if not math.isfinite(loss):
-                if bar is not None:
-                    bar.close()
                 raise OnnxGradRuntimeError(
                     f"the loss is {loss} at epoch {epoch}, batch {step + 1}: "
                     "lower the learning rate, or check the data for NaN and infinite values"
@@ -360,23 +366,22 @@ class Trainer:
         self.epoch = epoch
         self.history.append(logs)
         if bar is not None:
-            bar.set_postfix({k: f"{logs[k]:.4g}" for k in ("loss", "val_loss") if k in logs}, refresh=False)
-            bar.close()
+            bar.set_postfix({k: f"{logs[k]:.4g}" for k in ("loss", "val_loss") if k in logs})
         for cb in self.callbacks:
             cb.on_epoch_end(self, epoch, logs)
 
-    def _bar(self, total: int, epoch: int, epochs: int) -> Any:
-        """A tqdm bar over the epoch's batches, or ``None`` (no progress wanted, or no tqdm)."""
+    def _bar(self, total: int, desc: str) -> Any:
+        """One tqdm bar over every batch of a ``fit`` run (its description names the epoch), or
+        ``None`` (no progress wanted, or no tqdm)."""
         if not self.progress:
             return None
         try:
             from tqdm.auto import tqdm
         except ModuleNotFoundError:  # an optional dependency: train without a bar
             return None
-        width = len(str(epochs))
         return tqdm(
             total=total,
-            desc=f"epoch {epoch:>{width}}/{epochs}",
+            desc=desc,
             unit="batch",
             leave=True,
             file=sys.stderr,
@@ -491,3 +496,8 @@ def _unpack(obj: Any, arrays: Mapping[str, np.ndarray]) -> Any:
     if isinstance(obj, list):
         return [_unpack(v, arrays) for v in obj]
     return obj
+
+
+def _epoch_label(epoch: int, epochs: int) -> str:
+    """The progress bar's description: ``'epoch  3/15'`` (aligned, so the bar does not jump)."""
+    return f"epoch {epoch:>{len(str(epochs))}}/{epochs}"
