@@ -185,3 +185,12 @@ def test_onnx_is_within_range():
     assert deps.version_tuple(onnx.__version__) >= deps.version_tuple(deps.SUPPORTED["onnx"])
     assert deps.version_tuple("2.13.0+cpu") == (2, 13, 0)
     assert deps.version_tuple("1.32.0rc1") == (1, 32, 0)
+
+
+def test_the_process_exits_after_importing_onnxgrad():
+    # onnx 1.19 hung at exit when a schema's Python shape inference outlived the interpreter
+    import subprocess
+
+    code = "import onnxgrad; print('imported')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr

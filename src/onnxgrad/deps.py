@@ -28,6 +28,8 @@ the first use that needs it (:func:`require_onnxruntime`, :func:`require_torch`)
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -75,6 +77,34 @@ def _missing(package: str, installed: str, what: str, why: BaseException | None 
         f"{package} {installed} does not offer {what}, which onnxgrad needs{detail}; "
         f"supported: {package}>={SUPPORTED[package]}"
     )
+
+
+# ---- onnx ----------------------------------------------------------------------------------------
+_REGISTERED: list[Any] = []
+
+
+def register_onnx_schema(schema: Any) -> None:
+    """Register an ``onnx.defs.OpSchema`` for this process.
+
+    A schema whose shape inference is a Python function is deregistered at exit, while the
+    interpreter still runs: onnx 1.19 otherwise destroys that function in its static registry
+    after Python has finalized, and the process hangs on exit waiting for the GIL.
+    """
+    import onnx
+
+    onnx.defs.register_schema(schema)
+    if not _REGISTERED:
+        atexit.register(_deregister_onnx_schemas)
+    _REGISTERED.append((schema.name, schema.since_version, schema.domain))
+
+
+def _deregister_onnx_schemas() -> None:
+    import onnx
+
+    while _REGISTERED:
+        name, version, domain = _REGISTERED.pop()
+        with contextlib.suppress(Exception):  # already gone: nothing to release
+            onnx.defs.deregister_schema(name, version, domain)
 
 
 # ---- onnxruntime ---------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import onnx
 from onnx import TensorProto
 from onnx.defs import OpSchema
 
+from ..deps import register_onnx_schema
 from .spec import MS_DOMAIN, PYTHON_OP, PYTHON_OP_GRAD
 
 _ANY_TENSOR = [
@@ -167,7 +168,7 @@ def register_schemas() -> None:
             if existing.doc == schema.doc:
                 continue  # ours, already there
             onnx.defs.deregister_schema(schema.name, schema.since_version, schema.domain)
-        onnx.defs.register_schema(schema)
+        register_onnx_schema(schema)
 
 
 register_schemas()
