@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 #: The lower bounds that CI's oldest leg tests; pyproject.toml declares the same (a test checks).
-SUPPORTED: dict[str, str] = {"onnxruntime": "1.31", "onnx": "1.19", "numpy": "1.24", "torch": "2.13"}
+SUPPORTED: dict[str, str] = {"onnxruntime": "1.31", "onnx": "1.23", "numpy": "1.24", "torch": "2.13"}
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
