@@ -38,7 +38,7 @@ from ..autodiff.graph import all_subgraphs, node_operands, topological_order
 from ..deps import ortvalue_from_capsule
 from ..errors import OnnxGradRuntimeError, PythonOpError
 from ..runtime.session import split_forward
-from ..runtime.values import C, OrtValueLike, from_numpy, from_torch, run, to_torch, unwrap
+from ..runtime.values import C, OrtValueLike, contiguous, from_numpy, from_torch, run, to_torch, unwrap
 from .registry import Functions, contexts, resolve_function
 from .spec import PYTHON_OP, check_tensor, describe, is_python_node, parse_backward, parse_forward
 
@@ -426,7 +426,7 @@ class PythonGraph:
         if const is None:
             if name not in self.inits:
                 raise OnnxGradRuntimeError(f"value {name!r} is neither fed nor computed")
-            arr = np.ascontiguousarray(onnx.numpy_helper.to_array(self.inits[name]))
+            arr = contiguous(onnx.numpy_helper.to_array(self.inits[name]))
             const = self._const_values.setdefault(name, (arr, from_numpy(arr)))
         return const[1]
 
@@ -527,7 +527,7 @@ def run_model(
     graph = PythonGraph(
         model, list(providers or ["CPUExecutionProvider"]), functions=functions, allow_import=allow_import
     )
-    arrays = {k: np.ascontiguousarray(v) for k, v in feeds.items()}  # kept alive while running
+    arrays = {k: contiguous(v) for k, v in feeds.items()}  # kept alive while running
     wanted = [o.name for o in model.graph.output]
     env = graph.run({k: from_numpy(a) for k, a in arrays.items()}, wanted, training)
     return [np.array(env[o].numpy(), copy=True) for o in wanted]
