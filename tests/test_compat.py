@@ -398,6 +398,46 @@ def test_forward_backward_and_input_to_ort_return_an_ortvaluevector(data, linreg
     assert type(out) is OrtValueVector
 
 
+def test_integer_feature_gets_none_in_every_kind_of_result():
+    """The gradient of a non-float feature reads back as None from the OrtValueVector; in a
+    caller's C.OrtValueVector it is an empty placeholder (the C++ vector cannot hold None)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["k"], ["kf"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["x", "kf"], ["xk"]),
+            helper.make_node("MatMul", ["xk", "W"], ["y"]),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2]),
+            helper.make_tensor_value_info("k", TensorProto.INT64, ["N", 1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1])],
+        [numpy_helper.from_array(np.array([[1.0], [2.0]], np.float32), "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    fn = OrtGradientForwardBackward(model).new_instance()
+    x, k, w = (
+        np.ones((3, 2), np.float32),
+        np.array([[1], [2], [3]], np.int64),
+        np.array([[1.0], [2.0]], np.float32),
+    )
+    G = np.ones((3, 1), np.float32)
+    fn.forward([x, k, w], training=True)
+    grads = fn.backward([G])
+    assert type(grads) is OrtValueVector and grads[1] is None and len(grads) == 3
+    np.testing.assert_allclose(grads[0].numpy(), k * w.T)
+    np.testing.assert_allclose(grads[2].numpy(), (x * k).T @ G)
+    fn.forward([x, k, w], training=True)
+    cache = C.OrtValueVector()
+    assert fn.backward([G], backward_outputs_cache=cache) is cache and len(cache) == 3
+    assert list(cache[1].shape()) == [0]  # the placeholder
+    np.testing.assert_allclose(cache[2].numpy(), (x * k).T @ G)
+
+
 # ---- the ai.onnx.ml rules on their own -------------------------------------------------------
 def test_linear_regressor_rule_input_gradient(data):
     X, y = data

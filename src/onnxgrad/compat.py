@@ -266,6 +266,8 @@ def _fill(cache: Any, values: list[Any]) -> Any:
         return cache
     if hasattr(cache, "push_back"):  # an (empty) C.OrtValueVector, as the original used
         for v in values:
+            if v is None:  # no gradient (a non-float feature): the empty placeholder
+                v = _empty_placeholder()
             cache.push_back(v._ortvalue if isinstance(v, ort.OrtValue) else v)
         return cache
     raise TypeError(f"an output cache must be a list or an OrtValueVector, not {type(cache)}")
