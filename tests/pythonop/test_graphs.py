@@ -389,6 +389,19 @@ def test_declared_input_types_and_ranks_are_checked_when_the_node_runs():
         parse_forward(_cube_node(input_tensor_ranks=[2, 2]))
 
 
+def test_output_rank_is_checked_against_output_tensor_ranks():
+    node = _cube_node(input_tensor_ranks=[-1], output_tensor_ranks=[3])
+    node.name = "cube2"
+    model = _model([node], [_vi("x")], [_vi("y", 3)])
+    with pytest.raises(
+        PythonOpError,
+        match=r"^PythonOp node 'cube2' \(tests\.pythonop\.functions\.Cube\): output 0 has rank 2 "
+        r"\(shape \(2, 3\)\), the node records rank 3 \(output_tensor_ranks\)$",
+    ):
+        run_model(model, {"x": np.ones((2, 3))})
+    assert len(contexts) == 0
+
+
 def test_pythonopgrad_checks_the_gradients_it_receives():
     fwd = _cube_node(class_name="Cube")
     grad = helper.make_node(

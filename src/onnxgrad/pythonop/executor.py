@@ -186,6 +186,12 @@ class PythonOpKernel:
                     f"{self.where}: output {i} has dtype {o.dtype}, the node records "
                     f"{helper.tensor_dtype_to_string(t)}"
                 )
+        for i, (o, r) in enumerate(zip(outs, self.spec.output_ranks)):
+            if r >= 0 and o.dim() != r:
+                raise PythonOpError(
+                    f"{self.where}: output {i} has rank {o.dim()} (shape {tuple(o.shape)}), the node "
+                    f"records rank {r} (output_tensor_ranks)"
+                )
         return outs
 
     def _copy_set(self, n: int, keep: bool) -> set[int]:
