@@ -11,7 +11,7 @@ PIP_QUIET := --quiet --disable-pip-version-check
 # torch first: a spec pip could satisfy with a newer release pulls a CUDA build of several GB.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-latest test-oldest test-wheel lint bench fuzz lock clean
+.PHONY: demo test test-latest test-oldest test-wheel lint bench fuzz lock clean docs-coverage
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,13 @@ test-wheel: $(STAMP)
 	.venv-wheel/bin/python -m pip install $(PIP_QUIET) -c $(LOCK) $(TORCH)
 	.venv-wheel/bin/python -m pip install $(PIP_QUIET) -c $(LOCK) "$$(ls dist/onnxgrad-*.whl)[torch,sklearn,train]"
 	cd /tmp && $(CURDIR)/.venv-wheel/bin/python $(CURDIR)/tools/wheel_smoke.py
+
+# docs/coverage.md: its introduction, then what `onnxgrad coverage --markdown` prints (tests/test_docs.py
+# compares them exactly).
+docs-coverage: $(STAMP)
+	sed '/^| op |/,$$d' docs/coverage.md > docs/coverage.md.new
+	$(PY) -m onnxgrad coverage --markdown >> docs/coverage.md.new
+	mv docs/coverage.md.new docs/coverage.md
 
 # Refresh the lock: resolve the dev extra afresh in a throwaway venv and freeze it.
 lock:

@@ -9,9 +9,11 @@ scikit-learn's own backpropagation (``MLPRegressor._backprop``) and a numpy back
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import os
 import pickle
+import re
 import warnings
 
 import numpy as np
@@ -23,13 +25,13 @@ from skl2onnx import to_onnx
 from sklearn.datasets import load_diabetes, make_classification
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LinearRegression, LogisticRegression
-from sklearn.neural_network import MLPRegressor
+from sklearn.neural_network import MLPClassifier, MLPRegressor
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 import onnxgrad.autodiff.rules.ml  # noqa: F401  (registers the ai.onnx.ml rules)
 from onnxgrad import gradients
-from onnxgrad.compat import OrtGradientForwardBackward, OrtGradientForwardBackwardFunction
+from onnxgrad.compat import OrtGradientForwardBackward, OrtGradientForwardBackwardFunction, OrtValueVector
 from onnxgrad.errors import InputError, OnnxGradRuntimeError
 
 DTYPES = [np.float32, np.float64]
@@ -279,8 +281,21 @@ def declare_scaler_output(onx: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def test_pipeline_scaler_mlp_undeclared(pipeline):
+    """The Scaler's output type is not declared: the graphs still build, and forward and the
+    weight gradients are right (the input gradient is not asked for: X's path has no float type)."""
     pipe, raw = pipeline
-    OrtGradientForwardBackward(convert(pipe, raw, np.float32))
+    fb = OrtGradientForwardBackward(convert(pipe, raw, np.float32))
+    assert fb.weights_to_train == ["coefficient", "intercepts", "coefficient1", "intercepts1"]
+    fn = fb.new_instance()
+    x = raw[:10].astype(np.float32)
+    weights = mlp_weights(fb)
+    out = fn.forward([x, *weights], training=True)
+    assert_close(out[0], pipe.predict(raw[:10]).reshape((-1, 1)), np.float32)
+    G = np.ones((10, 1), dtype=np.float32)
+    grads = fn.backward([G])
+    ref = numpy_mlp_backprop(weights, pipe[0].transform(raw[:10]), G)
+    for got, key in zip(grads[1:], ("W0", "b0", "W1", "b1")):
+        assert_close(got, ref[key].reshape(got.shape()), np.float32)
 
 
 def test_pipeline_scaler_mlp_input_gradient(pipeline):
@@ -322,6 +337,105 @@ def test_classifier_outputs_and_names():
         assert_close(gx, dZ @ W.T, np.float64)
         assert_close(gw, x.T @ dZ, np.float64)
         assert_close(gb, dZ.sum(axis=0).reshape(gb.shape()), np.float64)
+
+
+def test_mlp_classifier_with_a_0d_initializer():
+    """skl2onnx's MLPClassifier has a 0-d float initializer, ``unity`` (probability of class 0 =
+    unity - sigmoid), selected by default. Before: forward refused it, shape (1,) instead of ()."""
+    X, y = make_classification(80, n_features=4, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        clf = MLPClassifier(hidden_layer_sizes=(5,), max_iter=300, random_state=0).fit(X, y)
+    onx = convert(clf, X, np.float32, options={"zipmap": False})
+    fb = OrtGradientForwardBackward(onx)
+    assert fb.weights_to_train == ["coefficient", "intercepts", "coefficient1", "intercepts1", "unity"]
+    weights = [fb.get_initializer(n) for n in fb.weights_to_train]
+    assert weights[-1].shape == ()
+    fn = fb.new_instance()
+    x = X[:6].astype(np.float32)
+    label, proba = fn.forward([x, *weights], training=True)
+    np.testing.assert_array_equal(label.numpy(), clf.predict(X[:6]))
+    assert_close(proba, clf.predict_proba(X[:6]), np.float32)
+    G = np.random.default_rng(7).standard_normal((6, 2)).astype(np.float32)
+    grads = fn.backward([None, G])
+    assert [tuple(g.shape()) for g in grads] == [x.shape] + [w.shape for w in weights]
+    # sigmoid output: p1 = s(z), p0 = unity - p1
+    p1 = clf.predict_proba(X[:6])[:, 1:]
+    dz = (G[:, 1:] - G[:, :1]) * p1 * (1 - p1)
+    ref = numpy_mlp_backprop(weights[:4], x, dz)
+    for got, key in zip(grads, ("X", "W0", "b0", "W1", "b1")):
+        assert_close(got, ref[key].reshape(got.shape()), np.float32)
+    assert_close(grads[-1], np.array(G[:, 0].sum()), np.float32)
+    assert grads[-1].numpy().shape == ()
+
+
+def test_forward_backward_and_input_to_ort_return_an_ortvaluevector(data, linreg):
+    """The original returned onnxruntime's OrtValueVector from all three; ours is one (a subclass
+    that also indexes, slices and unpacks like the list earlier versions returned)."""
+    X, _ = data
+    fb = OrtGradientForwardBackward(linreg_onnx(linreg, X, np.float32))
+    fn = fb.new_instance()
+    coef, intercept = fb.get_initializer("coef"), fb.get_initializer("intercept")
+    values = fn.input_to_ort([X[:4].astype(np.float32), coef, intercept], None, debug=False)
+    assert type(values) is OrtValueVector and isinstance(values, C.OrtValueVector)
+    assert fn.input_to_ort(values, None, debug=False) is values  # already converted
+    gc.collect()  # the arrays made for X[:4] are held by the vector, not freed under it
+    np.testing.assert_array_equal(values[0].numpy(), X[:4].astype(np.float32))
+    assert len(values.to_dlpacks(lambda capsule: capsule)) == 3  # the C++ vector holds them too
+    out = fn.forward(values, training=True)
+    assert type(out) is OrtValueVector and len(out) == 1
+    (y,) = out
+    assert isinstance(y, ort.OrtValue) and out[-1] is y and out[:] == [y]
+    assert_close(y, linreg.predict(X[:4]).reshape((-1, 1)), np.float32)
+    grads = fn.backward([np.ones((4, 1), np.float32)])
+    assert type(grads) is OrtValueVector and len(grads) == 3
+    gx, gw = grads[0], grads[1:]
+    assert [tuple(g.shape()) for g in gw] == [coef.shape, intercept.shape]
+    assert_close(gx, np.tile(coef.reshape(1, -1), (4, 1)), np.float32)
+    assert_close(grads[-1], [4.0], np.float32)
+    assert repr(grads) == f"OrtValueVector(3 values, shapes={[(4, X.shape[1]), coef.shape, intercept.shape]})"
+    out = fn.forward(values, training=False)
+    assert type(out) is OrtValueVector
+
+
+def test_integer_feature_gets_none_in_every_kind_of_result():
+    """The gradient of a non-float feature reads back as None from the OrtValueVector; in a
+    caller's C.OrtValueVector it is an empty placeholder (the C++ vector cannot hold None)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["k"], ["kf"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["x", "kf"], ["xk"]),
+            helper.make_node("MatMul", ["xk", "W"], ["y"]),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2]),
+            helper.make_tensor_value_info("k", TensorProto.INT64, ["N", 1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1])],
+        [numpy_helper.from_array(np.array([[1.0], [2.0]], np.float32), "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    fn = OrtGradientForwardBackward(model).new_instance()
+    x, k, w = (
+        np.ones((3, 2), np.float32),
+        np.array([[1], [2], [3]], np.int64),
+        np.array([[1.0], [2.0]], np.float32),
+    )
+    G = np.ones((3, 1), np.float32)
+    fn.forward([x, k, w], training=True)
+    grads = fn.backward([G])
+    assert type(grads) is OrtValueVector and grads[1] is None and len(grads) == 3
+    np.testing.assert_allclose(grads[0].numpy(), k * w.T)
+    np.testing.assert_allclose(grads[2].numpy(), (x * k).T @ G)
+    fn.forward([x, k, w], training=True)
+    cache = C.OrtValueVector()
+    assert fn.backward([G], backward_outputs_cache=cache) is cache and len(cache) == 3
+    assert list(cache[1].shape()) == [0]  # the placeholder
+    np.testing.assert_allclose(cache[2].numpy(), (x * k).T @ G)
 
 
 # ---- the ai.onnx.ml rules on their own -------------------------------------------------------
@@ -495,7 +609,8 @@ def test_save_onnx_graph(tmp_path, data, linreg):
     assert set(saved) == {"_optimized_pre_grad_model", "_trained_onnx"}
     for attr, path in saved.items():
         assert os.path.exists(path)
-        assert os.path.basename(path) == f"pre_GradLR_suf.{attr}.onnx"
+        # the original's names: {prefix}{class name}{suffix}.{attribute}.onnx, nothing abbreviated
+        assert os.path.basename(path) == f"pre_OrtGradientLR_suf.{attr}.onnx"
         model = onnx.load(path)
         onnx.checker.check_model(model, full_check=True)
         ort.InferenceSession(path, providers=["CPUExecutionProvider"])
@@ -550,7 +665,15 @@ def test_bad_providers(data, linreg, providers):
     X, _ = data
     if providers == "torch:meta":
         providers = torch_device("meta")
-    with pytest.raises(ValueError):
+    if providers == ["cpu", "cuda"]:
+        message = r"^providers \['cpu', 'cuda'\] must all designate one device$"
+    else:
+        bad = providers[0] if isinstance(providers, list | tuple) else providers
+        message = (
+            rf"^unexpected providers {re.escape(repr(bad))}: expected None, 'cpu', 'cuda', 'cuda:N', 'gpu', "
+            r"a torch\.device, or a list of 'CPUExecutionProvider' / 'CUDAExecutionProvider'$"
+        )
+    with pytest.raises(InputError, match=message):
         OrtGradientForwardBackward(linreg_onnx(linreg, X, np.float32), providers=providers)
 
 
@@ -576,7 +699,7 @@ def test_device_helpers():
     to_type = OrtGradientForwardBackward._provider_name_to_device_type
     assert to_type("CPUExecutionProvider") == C.OrtDevice.cpu()
     assert to_type("CUDAExecutionProvider") == C.OrtDevice.cuda()
-    with pytest.raises(ValueError):
+    with pytest.raises(InputError, match=r"^unexpected provider name 'NONE'$"):
         to_type("NONE")
     values = fn_cls.input_to_ort([np.zeros((2, 3), np.float32)[:, ::2]], None, debug=True)
     assert values[0].shape() == [2, 2] and values[0].device_name() == "cpu"

@@ -1,26 +1,38 @@
-"""Every code block of docs/*.md runs as written.
+"""Every page of docs/*.md does what it shows, and checks what it promises.
 
-Blocks fenced ``python`` run with this interpreter, blocks fenced ``bash`` with bash (``set -e``,
-with this interpreter's ``onnxgrad`` command first on the PATH); other fences (``text``,
-``console``) are not run. Each block runs in its own subprocess; the blocks of one page share a
-fresh temporary directory as working directory and run in order, so a page can write a model in
-one block and train it from the command line in the next.
+* Blocks fenced ``python`` run with this interpreter, blocks fenced ``bash`` with bash (``set -e``,
+  with this interpreter's ``onnxgrad`` command first on the PATH). Each block runs in its own
+  subprocess; the blocks of one page share a fresh temporary directory as working directory and run
+  in order, so a page can write a model in one block and train it from the command line in the next.
+* A ``python`` block must check something (an ``assert``, or a call to an ``assert_*`` function such
+  as ``np.testing.assert_allclose``): a block that only runs proves that it does not crash.
+* Blocks fenced ``console`` show commands (lines starting with ``$ ``) and what they print. The
+  ``onnxgrad ...`` and ``python -m onnxgrad ...`` commands run, in order with the page's other
+  blocks, and print exactly what the page shows (numbers in scientific notation, such as finite
+  difference errors, may differ in their digits); other commands (``torchrun``) are shown only.
+* ``text`` blocks (code that cannot run here, sample output that depends on the machine) are not run.
+* docs/coverage.md is what ``onnxgrad coverage --markdown`` prints, under the page's introduction.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
 RUNNERS = {"python": [sys.executable, "-"], "bash": ["bash", "-e", "-s"]}
 PAGES = sorted(DOCS.glob("*.md"))
+ONNXGRAD_COMMAND = re.compile(r"^(onnxgrad|python -m onnxgrad)\b")
+SCIENTIFIC = re.compile(r"\d\.\d+e[-+]\d+")
 
 
 def blocks(page: Path) -> list[tuple[str, str, int]]:
@@ -29,15 +41,81 @@ def blocks(page: Path) -> list[tuple[str, str, int]]:
     return [(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 2) for m in FENCE.finditer(text)]
 
 
+def console_commands(code: str) -> list[tuple[str, str]]:
+    """(command, output shown after it) for each ``$ `` line of a console block."""
+    found: list[tuple[str, list[str]]] = []
+    lines = code.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("$ "):
+            command = line[2:]
+            while command.endswith("\\") and i + 1 < len(lines):  # continuation lines
+                i += 1
+                command = command[:-1] + " " + lines[i].strip()
+            found.append((command, []))
+        elif found:
+            found[-1][1].append(line)
+        i += 1
+    return [(command, "\n".join(output)) for command, output in found]
+
+
+def normalized(text: str) -> str:
+    """Lines without trailing blanks, no trailing empty lines, scientific numbers masked."""
+    lines = [SCIENTIFIC.sub("<x.xxe-xx>", line.rstrip()) for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines)
+
+
+def checks_something(code: str) -> bool:
+    """Whether a python block holds an ``assert`` or calls an ``assert_*`` function."""
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Assert):
+            return True
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name.startswith("assert"):
+                return True
+    return False
+
+
+def python_blocks() -> list[tuple[str, str, int]]:
+    """(where, code, first line) of every python block of the docs and the README."""
+    found = []
+    for page in [*PAGES, ROOT / "README.md"]:
+        found += [(page.name, code, line) for lang, code, line in blocks(page) if lang == "python"]
+    return found
+
+
+def _run(args: list[str], cwd: Path, env: dict[str, str], code: str | None = None) -> Any:
+    return subprocess.run(args, input=code, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
 def test_every_task_has_a_page():
     names = {p.stem for p in PAGES}
     assert {"finetune", "torch_layer", "custom_function", "sklearn", "migrate_onnxcustom"} <= names
 
 
+@pytest.mark.parametrize(("where", "code", "line"), python_blocks(), ids=lambda v: str(v)[:40])
+def test_python_blocks_check_what_they_show(where, code, line):
+    assert checks_something(code), f"{where}, python block at line {line} asserts nothing"
+
+
+def test_console_blocks_are_parsed():
+    code = "$ onnxgrad info a.onnx \\\n    --x 1\nline 1\n  line 2  \n\n$ torchrun x.py\n"
+    assert console_commands(code) == [
+        ("onnxgrad info a.onnx  --x 1", "line 1\n  line 2  \n"),
+        ("torchrun x.py", ""),
+    ]
+    assert normalized("error  1.02e-09   ok  \n\n") == "error  <x.xxe-xx>   ok"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=[p.stem for p in PAGES])
 def test_page_runs(page, tmp_path):
     found = blocks(page)
-    runnable = [(lang, code, line) for lang, code, line in found if lang in RUNNERS]
+    runnable = [(lang, code, line) for lang, code, line in found if lang in RUNNERS or lang == "console"]
     unknown = {lang for lang, _, _ in found} - {*RUNNERS, "text", "console"}
     assert not unknown, f"{page.name}: fences {unknown} are neither run nor marked text/console"
     if not runnable:
@@ -47,12 +125,44 @@ def test_page_runs(page, tmp_path):
         "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
         "MPLBACKEND": "Agg",
         "PYTHONWARNINGS": "ignore::DeprecationWarning",
+        "COLUMNS": "100",
     }
     for lang, code, line in runnable:
-        done = subprocess.run(
-            RUNNERS[lang], input=code, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-        )
+        if lang == "console":
+            for command, shown in console_commands(code):
+                if not ONNXGRAD_COMMAND.match(command):
+                    continue  # shown only (torchrun...)
+                command = re.sub(r"^python\b", f'"{sys.executable}"', command)
+                done = _run(["bash", "-c", command], tmp_path, env)
+                assert done.returncode == 0, (
+                    f"{page.name}, console block at line {line}: {command!r} failed "
+                    f"(exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+                )
+                if shown.strip():
+                    assert normalized(done.stdout) == normalized(shown), (
+                        f"{page.name}, console block at line {line}: {command!r} prints something else "
+                        "than the page shows"
+                    )
+            continue
+        done = _run(RUNNERS[lang], tmp_path, env, code)
         assert done.returncode == 0, (
             f"{page.name}, {lang} block at line {line} failed (exit {done.returncode}):\n"
             f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         )
+
+
+def test_coverage_page_is_what_the_command_prints():
+    """docs/coverage.md = its introduction + ``onnxgrad coverage --markdown``, exactly. Regenerate
+    it with ``make docs-coverage``."""
+    page = (DOCS / "coverage.md").read_text()
+    intro, table_start, _ = page.partition("\n| op |")
+    assert table_start, "docs/coverage.md has no table"
+    assert "Generated by `onnxgrad coverage --markdown`" in intro
+    done = subprocess.run(
+        [sys.executable, "-m", "onnxgrad", "coverage", "--markdown"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    assert page == f"{intro}\n{done.stdout}", "docs/coverage.md is stale: run `make docs-coverage`"

@@ -35,3 +35,12 @@ def test_readme_python_blocks_run(tmp_path):
         script.write_text(block)
         res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
         assert res.returncode == 0, res.stderr
+
+
+def test_readme_counts_the_ops_with_rules():
+    """The README's "N ops with rules" is the number of standard-domain ops with a rule or formula."""
+    claim = re.search(r"(\d+) ops with rules", (ROOT / "README.md").read_text())
+    assert claim, "the README no longer says how many ops have rules"
+    ops = onnxgrad.supported_ops()
+    standard = [op for op, how in ops.items() if "." not in op and how in ("rule", "formula")]
+    assert int(claim.group(1)) == len(standard)

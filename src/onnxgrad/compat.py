@@ -52,8 +52,9 @@ from .deps import C
 from .errors import InputError, OnnxGradRuntimeError
 from .pythonop import make_runner
 from .runtime.session import Runner, resolve_providers
+from .runtime.values import contiguous
 
-__all__ = ["OrtGradientForwardBackward", "OrtGradientForwardBackwardFunction"]
+__all__ = ["OrtGradientForwardBackward", "OrtGradientForwardBackwardFunction", "OrtValueVector"]
 
 Device = tuple[str, int]  # ("cpu" | "cuda", index)
 
@@ -193,15 +194,80 @@ def _check_value(kind: str, position: int, info: ValueInfo | None, value: ort.Or
         raise InputError(f"{kind} {position} ({info.name!r}) has shape {shape}, expected {expected}")
 
 
+class OrtValueVector(C.OrtValueVector):
+    """onnxruntime's ``OrtValueVector``, what the original ``forward``, ``backward`` and
+    ``input_to_ort`` returned, that also behaves like the Python list earlier onnxgrad versions
+    returned.
+
+    It is a real ``C.OrtValueVector`` (``isinstance`` holds; ``push_back``, ``to_dlpacks``,
+    ``dlpack_at``, ``element_type_at`` work), and on the Python side: ``len``, iteration,
+    unpacking, negative indices and slices (a slice is a ``list``). Items read back are the
+    public ``onnxruntime.OrtValue``; each keeps the buffer it borrows (a numpy array given to
+    :meth:`~OrtGradientForwardBackwardFunction.input_to_ort`) alive, which the bare C++ vector
+    does not. ``None`` (the gradient of a non-float feature) is stored in the C++ vector as an
+    empty float tensor and reads back as ``None``.
+    """
+
+    def __init__(self, values: Iterable[Any] = ()) -> None:
+        super().__init__()
+        self._items: list[ort.OrtValue | None] = []
+        for v in values:
+            self.append(v)
+
+    def append(self, value: Any) -> None:
+        """Add an ``OrtValue`` (public or ``C.OrtValue``) or ``None``."""
+        if value is None:
+            self.push_back(_empty_placeholder())
+        elif isinstance(value, ort.OrtValue):
+            self.push_back(value._ortvalue)
+        elif isinstance(value, C.OrtValue):
+            self.push_back(value)
+            value = ort.OrtValue(value)
+        else:
+            raise TypeError(f"an OrtValueVector holds OrtValues, not {type(value).__name__}")
+        self._items.append(value)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._items[index]
+
+    def __iter__(self) -> Any:
+        return iter(self._items)
+
+    def __repr__(self) -> str:
+        shapes = [None if v is None else tuple(v.shape()) for v in self._items]
+        return f"OrtValueVector({len(self)} values, shapes={shapes})"
+
+
+_PLACEHOLDER: list[Any] = []
+
+
+def _empty_placeholder() -> Any:
+    """A ``C.OrtValue`` of shape (0,), owned by this module (stands for ``None`` in the C++ vector)."""
+    if not _PLACEHOLDER:
+        arr = np.empty(0, np.float32)
+        _PLACEHOLDER.extend([arr, ort.OrtValue.ortvalue_from_numpy(arr)._ortvalue])
+    return _PLACEHOLDER[1]
+
+
 def _fill(cache: Any, values: list[Any]) -> Any:
-    """Put ``values`` into a caller's cache (list or OrtValueVector) and return it."""
+    """Put ``values`` into a caller's cache (list or OrtValueVector) and return it; without a
+    cache, a new :class:`OrtValueVector`."""
     if cache is None:
-        return values
+        return OrtValueVector(values)
+    if isinstance(cache, OrtValueVector):
+        for v in values:
+            cache.append(v)
+        return cache
     if isinstance(cache, list):
         cache[:] = values
         return cache
-    if hasattr(cache, "push_back"):  # an (empty) OrtValueVector, as the original used
+    if hasattr(cache, "push_back"):  # an (empty) C.OrtValueVector, as the original used
         for v in values:
+            if v is None:  # no gradient (a non-float feature): the empty placeholder
+                v = _empty_placeholder()
             cache.push_back(v._ortvalue if isinstance(v, ort.OrtValue) else v)
         return cache
     raise TypeError(f"an output cache must be a list or an OrtValueVector, not {type(cache)}")
@@ -522,15 +588,16 @@ class OrtGradientForwardBackwardFunction:
         return "Cpu" if _parse_device(device)[0] == "cpu" else "Gpu"
 
     @staticmethod
-    def input_to_ort(
-        tensors: Iterable[Any], devices: Sequence[Any] | None, debug: bool
-    ) -> list[ort.OrtValue]:
-        """Convert numpy arrays / OrtValues (or an ``OrtValueVector``) into a list of OrtValues.
+    def input_to_ort(tensors: Iterable[Any], devices: Sequence[Any] | None, debug: bool) -> OrtValueVector:
+        """Convert numpy arrays / OrtValues (or an ``OrtValueVector``) into an
+        :class:`OrtValueVector`, as the original did (it also behaves as a list).
 
         Arrays are placed on ``devices[i]`` (the last device repeats, ``None`` means CPU); CPU
         arrays are wrapped without a copy when contiguous. With ``debug``, every value must
         already be on its device.
         """
+        if isinstance(tensors, OrtValueVector) and not debug:
+            return tensors  # as the original: a vector is already converted
         values: list[ort.OrtValue] = []
         devices = list(devices or [None])
         for i, t in enumerate(tensors):
@@ -543,14 +610,14 @@ class OrtGradientForwardBackwardFunction:
                 values.append(ort.OrtValue(t))
             else:
                 kind, index = _parse_device(device)
-                arr = np.ascontiguousarray(np.asarray(t))
+                arr = contiguous(t)
                 values.append(ort.OrtValue.ortvalue_from_numpy(arr, kind, index))
             if debug and _parse_device(values[-1])[0] != _parse_device(device)[0]:
                 raise InputError(
                     f"value {i} is on {values[-1].device_name()!r}, expected "
                     f"{OrtGradientForwardBackwardFunction.device_name(device)!r}"
                 )
-        return values
+        return OrtValueVector(values)
 
     def save_for_backward(self, inputs: Iterable[Any]) -> None:
         """Keep ``inputs`` (a shallow copy of the list) for :attr:`saved_tensors`."""
@@ -567,10 +634,11 @@ class OrtGradientForwardBackwardFunction:
 
     def forward(
         self, inputs: Sequence[Any], training: bool = False, forward_outputs_cache: Any = None
-    ) -> list[ort.OrtValue]:
+    ) -> OrtValueVector | list[ort.OrtValue]:
         """Run the model on ``inputs``: the features (``_input_names``) then the weights
         (``_weights_to_train``), as numpy arrays or OrtValues. Returns one OrtValue per output
-        (``.numpy()`` gives the array), in ``forward_outputs_cache`` when one is given.
+        (``.numpy()`` gives the array) in an :class:`OrtValueVector`, as the original did, or in
+        ``forward_outputs_cache`` when one is given (a list or an ``OrtValueVector``).
 
         With ``training``, what the backward needs is pushed on this instance's stack.
         """
@@ -597,10 +665,11 @@ class OrtGradientForwardBackwardFunction:
 
     def backward(
         self, grad_outputs: Sequence[Any], backward_outputs_cache: Any = None
-    ) -> list[ort.OrtValue | None]:
+    ) -> OrtValueVector | list[ort.OrtValue | None]:
         """Gradients for the latest pending training forward (LIFO), given one gradient per
-        output (``None`` counts as zeros). Returns one OrtValue per forward input: the features
-        first, then the weights (``None`` for a non-float feature).
+        output (``None`` counts as zeros). Returns an :class:`OrtValueVector` (as the original
+        did; or ``backward_outputs_cache`` filled) with one OrtValue per forward input: the
+        features first, then the weights (``None`` for a non-float feature).
         """
         cls = type(self)
         if not self.states_:
@@ -635,7 +704,8 @@ class OrtGradientForwardBackwardFunction:
     ) -> dict[str, str | bytes]:
         """Save the forward graph (``_optimized_pre_grad_model``) and the gradient graph
         (``_trained_onnx``) in ``folder`` (which must exist) as
-        ``<prefix><class name><suffix>.<attribute>.onnx``; returns ``{attribute: path}``.
+        ``{prefix}{class name}{suffix}.{attribute}.onnx``, as the original named them; returns
+        ``{attribute: path}``.
 
         When ``folder`` is not a path (the original passed ``bytes``), nothing is written and the
         result maps each attribute to the serialized model.
@@ -651,8 +721,6 @@ class OrtGradientForwardBackwardFunction:
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"folder {os.fspath(folder)!r} does not exist")
         base = f"{prefix or ''}{cls.__name__}{suffix or ''}"
-        for long, short in (("Learning", "L"), ("OrtGradient", "Grad"), ("ForwardBackward", "FB")):
-            base = base.replace(long, short)  # the original's abbreviations
         saved: dict[str, str | bytes] = {}
         for attr, model in models.items():
             path = os.path.join(os.fspath(folder), f"{base}.{attr}.onnx")

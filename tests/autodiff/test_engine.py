@@ -258,9 +258,12 @@ def test_bias_gradient_sums_leading_axes(shape, bias, by_matmul, dtype):
 
 def test_save_writes_both_graphs(tmp_path):
     graphs = onnxgrad.build_gradient(mlp())
-    paths = graphs.save(tmp_path)
-    for p in paths:
-        onnx.checker.check_model(onnx.load(p), full_check=True)
+    paths = graphs.save(tmp_path / "new")  # the folder is created
+    assert paths == [str(tmp_path / "new" / "forward.onnx"), str(tmp_path / "new" / "backward.onnx")]
+    for p, proto in zip(paths, (graphs.forward, graphs.backward)):
+        loaded = onnx.load(p)
+        onnx.checker.check_model(loaded, full_check=True)
+        assert loaded == proto  # exactly what was built
 
 
 def test_supported_ops_lists_first_wave():

@@ -21,17 +21,9 @@ from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.testing import check_gradients, check_op, node_model, run_model
+from tests.autodiff.random_data import pos, rnd  # one generator per test (conftest.py)
 
-RNG = np.random.default_rng(1234)
 F32 = np.float32
-
-
-def rnd(*shape: int, dtype: Any = np.float64) -> np.ndarray:
-    return RNG.standard_normal(shape).astype(dtype)
-
-
-def pos(*shape: int) -> np.ndarray:
-    return RNG.random(shape) + 0.5
 
 
 def f32(*arrays: np.ndarray | None) -> list[np.ndarray | None]:
@@ -384,10 +376,14 @@ MAXPOOL_CASES = [
     ((1, 2, 7, 8), {"kernel_shape": [2, 2], "strides": [3, 2], "dilations": [2, 1]}),
     ((1, 2, 5, 6), {"kernel_shape": [2, 3], "strides": [2, 3], "storage_order": 1}),
     ((1, 2, 4, 5, 6), {"kernel_shape": [2, 2, 3], "strides": [2, 2, 3], "auto_pad": "SAME_UPPER"}),
+    # kernel <= stride, yet dilated windows overlap: stride < (kernel - 1) * dilation + 1
+    ((1, 2, 7, 7), {"kernel_shape": [2, 2], "strides": [2, 2], "dilations": [2, 2]}),
+    ((2, 3, 9), {"kernel_shape": [3], "strides": [4], "dilations": [2]}),
+    ((1, 2, 7, 9), {"kernel_shape": [2, 3], "strides": [3, 3], "dilations": [2, 2]}),  # one axis only
 ]
 MAXPOOL_IDS = ["1d", "overlap", "geometry", "ceil", "column-major", "3d-column-major", "same"]
 MAXPOOL_IDS += ["disjoint", "disjoint-gaps", "disjoint-ceil", "disjoint-dilated", "disjoint-column-major"]
-MAXPOOL_IDS += ["disjoint-3d-same"]
+MAXPOOL_IDS += ["disjoint-3d-same", "overlap-dilated", "overlap-dilated-1d", "overlap-dilated-one-axis"]
 
 
 @pytest.mark.parametrize(("xs", "attrs"), MAXPOOL_CASES, ids=MAXPOOL_IDS)
@@ -439,6 +435,20 @@ def test_max_pool_disjoint_windows_with_ties_versus_torch() -> None:
     x = np.maximum(rnd(2, 3, 6, 8), 0.0)
     x[:, :, :2, :2] = 0.0
     versus_torch("MaxPool", [x], {"kernel_shape": [2, 2], "strides": [2, 2]}, lambda t: F.max_pool2d(t, 2))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_max_pool_dilated_windows_sharing_their_maximum_versus_torch(dtype: type) -> None:
+    """kernel 2 <= stride 2, dilation 2: each window spans 3 elements, neighbours share one. The
+    shared element is the maximum of 4 windows: its gradient is the sum of their 4 dY (a
+    MaxUnpool, fit for disjoint windows only, would keep one)."""
+    x = rnd(2, 3, 5, 5).astype(dtype)
+    x[:, :, 2, 2] = 10.0
+    attrs = {"kernel_shape": [2, 2], "strides": [2, 2], "dilations": [2, 2]}
+    model = node_model("MaxPool", [x], attrs=attrs)
+    _, cot, ours = grads(model, {"in0": x}, ["in0"])
+    np.testing.assert_allclose(ours["in0"][:, :, 2, 2], cot.sum(axis=(2, 3)), rtol=1e-6)
+    versus_torch("MaxPool", [x], attrs, lambda t: F.max_pool2d(t, 2, stride=2, dilation=2))
 
 
 def test_max_pool_versus_torch() -> None:
@@ -678,3 +688,12 @@ def test_pool_ceil_mode_window_starting_in_padding(op: str) -> None:
     # the shapes onnxruntime produces.
     attrs = dict(kernel_shape=[2, 2], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1)
     check_op(op, [rnd(1, 2, 5, 5, dtype=F32)], attrs=attrs)  # no float64 AveragePool in onnxruntime
+
+
+def test_random_data_depend_only_on_the_test(request: pytest.FixtureRequest) -> None:
+    """Each test draws from its own generator: data do not depend on the tests run before."""
+    from tests.autodiff.random_data import seeded
+
+    want = seeded(request.node.nodeid)
+    np.testing.assert_array_equal(rnd(2, 3), want.standard_normal((2, 3)))
+    np.testing.assert_array_equal(pos(4), want.random(4) + 0.5)

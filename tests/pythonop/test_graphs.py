@@ -16,7 +16,7 @@ from onnxgrad.errors import PythonOpError
 from onnxgrad.pythonop import FIRST_HANDLE, contexts, make_runner, register_function, resolve_function
 from onnxgrad.pythonop.executor import PythonOpRunner, run_model
 from onnxgrad.pythonop.registry import ContextRegistry, unregister_function
-from onnxgrad.pythonop.spec import decode_constants, encode_constants, parse_forward
+from onnxgrad.pythonop.spec import complete_class_names, decode_constants, encode_constants, parse_forward
 from onnxgrad.runtime.session import Runner
 from tests.models import mlp
 from tests.pythonop import functions as F
@@ -34,7 +34,9 @@ def _model(nodes, inputs, outputs, initializers=()):
     return model
 
 
-def _cube_node(x="x", ctx="ctx", y="y", **overrides):
+def _cube_node(x="x", ctx="ctx", y="y", class_name=None, **overrides):
+    """A PythonOp calling Cube; ``class_name``: its ``name`` attribute (none by default, as in files
+    written before onnxgrad wrote it)."""
     attrs = dict(
         func_name=CUBE,
         input_convention="d",
@@ -48,7 +50,10 @@ def _cube_node(x="x", ctx="ctx", y="y", **overrides):
     )
     attrs.update(overrides)
     attrs = {k: v for k, v in attrs.items() if v is not None}
-    return helper.make_node("PythonOp", [x], [ctx, y], domain="com.microsoft", **attrs)
+    node = helper.make_node("PythonOp", [x], [ctx, y], domain="com.microsoft", **attrs)
+    if class_name is not None:  # make_node's own ``name=`` is the node's name
+        node.attribute.append(helper.make_attribute("name", class_name))
+    return node
 
 
 def _vi(name, rank=2, dtype=DOUBLE):
@@ -75,7 +80,8 @@ def test_checker_and_shape_inference_accept_both_nodes_and_type_their_outputs():
         output_tensor_ranks=[2],
         output_tensor_requires_grads=[1],
     )
-    model = _model([_cube_node(), grad], [_vi("x"), _vi("dy")], [_vi("y"), _vi("dx")])
+    grad.attribute.append(helper.make_attribute("name", "Cube"))
+    model = _model([_cube_node(class_name="Cube"), grad], [_vi("x"), _vi("dy")], [_vi("y"), _vi("dx")])
     onnx.checker.check_model(model, full_check=True)
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
     types = {vi.name: vi.type.tensor_type for vi in inferred.graph.value_info}
@@ -87,6 +93,69 @@ def test_checker_and_shape_inference_accept_both_nodes_and_type_their_outputs():
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
     dx = next(vi for vi in inferred.graph.value_info if vi.name == "dx").type.tensor_type
     assert dx.elem_type == DOUBLE and len(dx.shape.dim) == 2
+
+
+@pytest.mark.parametrize("op", ["PythonOp", "PythonOpGrad"])
+def test_checker_requires_the_class_name_as_both_schema_generations_do(op):
+    """Seeds 000, 001 and 002 mark ``name`` required; a node with only ``func_name`` fails the
+    checker, and onnxgrad's own loaders add ``name`` to their copy first."""
+    fwd = _cube_node(class_name="Cube")
+    grad = helper.make_node(
+        "PythonOpGrad",
+        ["ctx", "dy"],
+        ["dx"],
+        domain="com.microsoft",
+        func_name=CUBE,
+        output_convention="d",
+        output_tensor_requires_grads=[1],
+    )
+    grad.attribute.append(helper.make_attribute("name", "Cube"))
+    target = fwd if op == "PythonOp" else grad
+    model = _model([fwd, grad], [_vi("x"), _vi("dy")], [_vi("y"), _vi("dx")])
+    onnx.checker.check_model(model, full_check=True)
+    kept = [a for a in target.attribute if a.name != "name"]
+    del target.attribute[:]
+    target.attribute.extend(kept)
+    model = _model([fwd, grad], [_vi("x"), _vi("dy")], [_vi("y"), _vi("dx")])
+    with pytest.raises(
+        onnx.checker.ValidationError, match=rf"(?s)Required attribute 'name' is missing.*OpType: {op}\b"
+    ):
+        onnx.checker.check_model(model, full_check=True)
+    assert complete_class_names(model.graph) == 1  # name = func_name, on the node lacking it only
+    onnx.checker.check_model(model, full_check=True)
+    names = {n.op_type: [a.s for a in n.attribute if a.name == "name"] for n in model.graph.node}
+    assert names == {"PythonOp": [b"Cube"], "PythonOpGrad": [b"Cube"], op: [CUBE.encode()]}
+
+
+def test_pythonop_schema_requires_what_the_original_requires():
+    schema = onnx.defs.get_schema("PythonOp", 1, "com.microsoft")
+    required = sorted(n for n, a in schema.attributes.items() if a.required)
+    assert required == [
+        "input_tensor_ranks",
+        "input_tensor_types",
+        "name",
+        "output_tensor_ranks",
+        "output_tensor_requires_grads",
+        "output_tensor_types",
+    ]
+    schema = onnx.defs.get_schema("PythonOpGrad", 1, "com.microsoft")
+    assert sorted(n for n, a in schema.attributes.items() if a.required) == [
+        "name",
+        "output_tensor_requires_grads",
+    ]
+
+
+def test_files_without_name_still_build_and_the_gradient_writes_name():
+    model = _model([_cube_node()], [_vi("x")], [_vi("y")])  # func_name only
+    graphs = onnxgrad.build_gradient(model, inputs_requiring_grad=["x"])
+    for proto in (graphs.forward, graphs.backward):
+        onnx.checker.check_model(proto, full_check=True)
+    (fwd,) = [n for n in graphs.forward.graph.node if n.op_type == "PythonOp"]
+    (grad,) = [n for n in graphs.backward.graph.node if n.op_type == "PythonOpGrad"]
+    for node in (fwd, grad):
+        attrs = {a.name: a.s for a in node.attribute if a.type == onnx.AttributeProto.STRING}
+        assert (attrs["name"], attrs["func_name"]) == (CUBE.encode(), CUBE.encode())
+    assert not any(a.name == "name" for a in model.graph.node[0].attribute)  # the caller's model
 
 
 def test_checker_accepts_the_older_attribute_spellings():
@@ -285,6 +354,110 @@ def test_saved_caller_buffers_are_copied_so_later_changes_do_not_leak_into_backw
         np.testing.assert_allclose(res.backward()["x"], np.full((2, 2), 12.0))  # 3 * 2**2
     (kernel,) = fb._runner.fwd.kernels.values()
     assert kernel._saved == {0}
+
+
+def test_declared_input_types_and_ranks_are_checked_when_the_node_runs():
+    """input_tensor_types / input_tensor_ranks exist "for input checks": before, a node declaring
+    DOUBLE rank 4 ran Cube on a float rank-2 input."""
+    node = _cube_node(input_tensor_ranks=[4], output_tensor_types=[TensorProto.FLOAT])
+    node.name = "cube1"
+    model = _model([node], [_vi("x", dtype=TensorProto.FLOAT)], [_vi("y", dtype=TensorProto.FLOAT)])
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(
+        PythonOpError,
+        match=r"^PythonOp node 'cube1' \(tests\.pythonop\.functions\.Cube\): input 0 \('x'\) is FLOAT "
+        r"of rank 2, the node declares DOUBLE \(input_tensor_types\)$",
+    ):
+        run_model(model, {"x": x})
+    float_cube = {"output_tensor_types": [TensorProto.FLOAT], "input_tensor_types": [TensorProto.FLOAT]}
+    node = _cube_node(input_tensor_ranks=[4], **float_cube)
+    node.name = "cube1"
+    model = _model([node], [_vi("x", dtype=TensorProto.FLOAT)], [_vi("y", dtype=TensorProto.FLOAT)])
+    with pytest.raises(
+        PythonOpError,
+        match=r"^PythonOp node 'cube1' \(tests\.pythonop\.functions\.Cube\): input 0 \('x'\) has rank 2, "
+        r"the node declares rank 4 \(input_tensor_ranks\)$",
+    ):
+        run_model(model, {"x": x})
+    assert len(contexts) == 0
+    # -1 means "not recorded": any rank runs
+    node = _cube_node(input_tensor_ranks=[-1], **float_cube)
+    model = _model([node], [_vi("x", dtype=TensorProto.FLOAT)], [_vi("y", dtype=TensorProto.FLOAT)])
+    (y,) = run_model(model, {"x": x})
+    np.testing.assert_array_equal(y, x)
+    with pytest.raises(PythonOpError, match=r"input_tensor_ranks has 2 entries for 1 tensor\(s\)"):
+        parse_forward(_cube_node(input_tensor_ranks=[2, 2]))
+
+
+def test_output_rank_is_checked_against_output_tensor_ranks():
+    node = _cube_node(input_tensor_ranks=[-1], output_tensor_ranks=[3])
+    node.name = "cube2"
+    model = _model([node], [_vi("x")], [_vi("y", 3)])
+    with pytest.raises(
+        PythonOpError,
+        match=r"^PythonOp node 'cube2' \(tests\.pythonop\.functions\.Cube\): output 0 has rank 2 "
+        r"\(shape \(2, 3\)\), the node records rank 3 \(output_tensor_ranks\)$",
+    ):
+        run_model(model, {"x": np.ones((2, 3))})
+    assert len(contexts) == 0
+
+
+def test_pythonopgrad_checks_the_gradients_it_receives():
+    fwd = _cube_node(class_name="Cube")
+    grad = helper.make_node(
+        "PythonOpGrad",
+        ["ctx", "dy"],
+        ["dx"],
+        name="cube_grad",
+        domain="com.microsoft",
+        func_name=CUBE,
+        output_convention="d",
+        input_tensor_types=[DOUBLE],
+        input_tensor_ranks=[2],
+        output_tensor_requires_grads=[1],
+    )
+    dy = helper.make_tensor_value_info("dy", TensorProto.FLOAT, [None, None])
+    model = _model([fwd, grad], [_vi("x"), dy], [_vi("y"), _vi("dx")])
+    with pytest.raises(
+        PythonOpError,
+        match=r"^PythonOpGrad node 'cube_grad' \(tests\.pythonop\.functions\.Cube\): input 1 \('dy'\) is "
+        r"FLOAT of rank 2, the node declares DOUBLE \(input_tensor_types\)$",
+    ):
+        run_model(model, {"x": np.ones((2, 3)), "dy": np.ones((2, 3), np.float32)})
+    assert len(contexts) == 0  # the ctx is released all the same
+    model = _model([fwd, grad], [_vi("x"), _vi("dy", 1)], [_vi("y"), _vi("dx")])
+    with pytest.raises(PythonOpError, match=r"input 1 \('dy'\) has rank 1, the node declares rank 2"):
+        run_model(model, {"x": np.ones((2, 3)), "dy": np.ones(6)})
+    assert len(contexts) == 0
+
+
+@pytest.mark.parametrize("op", ["PythonOp", "PythonOpGrad"])
+def test_inplace_flag_is_refused(op):
+    """The old ``inplace`` flag asked that outputs reuse input memory; onnxgrad refuses it rather
+    than ignore it (0, as the original exporter wrote it, is accepted)."""
+    fwd = _cube_node(inplace=1 if op == "PythonOp" else 0)
+    grad = helper.make_node(
+        "PythonOpGrad",
+        ["ctx", "dy"],
+        ["dx"],
+        domain="com.microsoft",
+        func_name=CUBE,
+        output_convention="d",
+        output_tensor_requires_grads=[1],
+        inplace=1 if op == "PythonOpGrad" else 0,
+    )
+    grad.name, fwd.name = "g", "f"
+    model = _model([fwd, grad], [_vi("x"), _vi("dy")], [_vi("y"), _vi("dx")])
+    name = "f" if op == "PythonOp" else "g"
+    with pytest.raises(
+        PythonOpError,
+        match=rf"^{op} node '{name}' \(tests\.pythonop\.functions\.Cube\) sets inplace=1, which onnxgrad "
+        r"does not support: its outputs would reuse input buffers",
+    ):
+        run_model(model, {"x": np.ones((2, 3)), "dy": np.ones((2, 3))})
+    if op == "PythonOp":
+        with pytest.raises(PythonOpError, match="sets inplace=1"):
+            onnxgrad.build_gradient(_model([fwd], [_vi("x")], [_vi("y")]), inputs_requiring_grad=["x"])
 
 
 def test_safe_run_mode_0_calls_forward_directly_in_inference():

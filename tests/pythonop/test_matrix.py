@@ -63,6 +63,7 @@ def test_single_tensor_input_and_output(no_leaks):
     (node,) = _python_nodes(model)
     attrs = node_attributes(node)
     assert attrs["func_name"] == "tests.pythonop.functions.Cube"
+    assert attrs["name"] == "Cube"  # required by both schema generations: the class's __qualname__
     assert attrs["input_convention"] == "d" and attrs["training_mode"] == 1
     assert attrs["input_tensor_types"] == [onnx.TensorProto.DOUBLE] and attrs["input_tensor_ranks"] == [2]
     assert attrs["output_tensor_types"] == [onnx.TensorProto.DOUBLE] and attrs["output_tensor_ranks"] == [2]
@@ -108,6 +109,31 @@ def test_unstorable_argument_is_refused_at_export_without_an_address():
     for bad, kind in (([3, 4], "list"), ((1, 2.5), "tuple"), (torch.float32, "dtype")):
         with pytest.raises(PythonOpError, match=f"argument 1 of apply.. is a {kind}"):
             onnxgrad.export(F.Apply(lambda h, bad=bad: F.Tagged.apply(h, bad)), (x,))
+
+
+class ReturnsInt(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2, 7
+
+    @staticmethod
+    def backward(ctx, g, _):
+        return g * 2
+
+
+@pytest.mark.parametrize("functions", [None, [F.Cube]])  # kept as PythonOp, or inlined
+def test_function_returning_a_non_tensor_is_refused_at_export(functions):
+    """Before: torch's INTERNAL ASSERT in _jit_pass_lower_all_tuples, naming nothing."""
+    module = F.Apply(lambda h: ReturnsInt.apply(h)[0])
+    original = torch.autograd.Function.__dict__["apply"]
+    message = (
+        r"^tests\.pythonop\.test_matrix\.ReturnsInt\.forward returned output 1 of 2 as int 7: a "
+        r"Function exported as a PythonOp node \(or inlined\) may return only tensors\."
+    )
+    with pytest.raises(PythonOpError, match=message):
+        onnxgrad.export(module, (torch.randn(3, 4),), functions=functions)
+    assert torch.autograd.Function.__dict__["apply"] is original  # restored after the export
+    assert ReturnsInt.apply(torch.ones(1))[1] == 7  # outside an export nothing is checked
 
 
 def test_input_that_needs_no_gradient(no_leaks):

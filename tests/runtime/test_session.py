@@ -104,7 +104,37 @@ def test_in_place_parameter_updates_are_seen_without_rebuild():
     before = fb.forward({"x": x}, training=False).outputs[0].copy()
     fb.parameters["b2"][:] += 10.0  # live buffer
     after = fb.forward({"x": x}, training=False).outputs[0]
-    assert np.all(after > before)
+    p = fb.parameters
+    z = np.maximum(x @ p["W1"] + p["b1"], 0) @ p["W2"] + p["b2"]
+    np.testing.assert_allclose(after, 1 / (1 + np.exp(-z)), rtol=1e-12)  # the new b2 is used
+    z_before = np.log(before / (1 - before))
+    np.testing.assert_allclose(z, z_before + 10.0, rtol=1e-9, atol=1e-9)
+
+
+def test_0d_parameters_and_inputs_keep_their_shape():
+    """np.ascontiguousarray turns a 0-d array into shape (1,): parameters, inputs and output
+    gradients of shape () must stay 0-d."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "s"], ["p"]), helper.make_node("Mul", ["p", "t"], ["y"])],
+        "scalars",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [3]),
+         helper.make_tensor_value_info("t", TensorProto.DOUBLE, [])],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [3])],
+        [numpy_helper.from_array(np.array(2.0), "s")],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    fb = onnxgrad.ForwardBackward(model, inputs_requiring_grad=["t"])
+    fb.set_parameters({"s": np.array(3.0)})
+    assert fb.parameters["s"].shape == ()
+    x = np.array([1.0, 2.0, 3.0])
+    res = fb.forward({"x": x, "t": np.array(0.5)})
+    np.testing.assert_allclose(res.outputs[0], x * 1.5)
+    grads = res.backward({"y": np.ones(3)})
+    assert grads["s"].shape == () and grads["t"].shape == ()
+    np.testing.assert_allclose([grads["s"], grads["t"]], [x.sum() * 0.5, x.sum() * 3.0])
 
 
 def test_unknown_provider_is_an_input_error():

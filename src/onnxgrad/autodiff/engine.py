@@ -24,6 +24,7 @@ import onnx
 from onnx import helper
 
 from ..errors import GradientNotImplementedError, InputError, ModelError
+from ..pythonop.spec import complete_class_names
 from .builder import GradBuilder, Var
 from .graph import (
     FLOAT_TYPES,
@@ -289,6 +290,7 @@ def _prepare(model: onnx.ModelProto) -> onnx.ModelProto:
     ordered = topological_order(copy.graph)  # the checker insists on sorted nodes; we sort them
     del copy.graph.node[:]
     copy.graph.node.extend(ordered)
+    complete_class_names(copy.graph)  # PythonOp nodes of files that have func_name but no name
     check_model(copy)
     if copy.functions:  # model-local functions: differentiate their bodies
         from onnx import inliner

@@ -127,10 +127,15 @@ def check_model(model: onnx.ModelProto) -> None:
     """Run the ONNX checker, turning its failures into :class:`ModelError`.
 
     The weights are left out (:func:`without_weights`): serializing them is most of the checker's
-    time, and :mod:`onnxgrad.validate` has checked their sizes when the model was loaded.
+    time, and :mod:`onnxgrad.validate` has checked their sizes when the model was loaded. PythonOp
+    nodes naming their class by ``func_name`` only are checked as if they had ``name`` too.
     """
+    from ..pythonop.spec import complete_class_names  # registers the PythonOp schemas too
+
+    skeleton = without_weights(model)
+    complete_class_names(skeleton.graph)  # files that name the class by func_name only
     try:
-        onnx.checker.check_model(without_weights(model))
+        onnx.checker.check_model(skeleton)
     except onnx.checker.ValidationError as exc:
         # onnx deprecates some op versions that onnxruntime still runs (GroupNormalization-18)
         if "is deprecated in domain_version" not in str(exc):

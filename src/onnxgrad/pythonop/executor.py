@@ -38,9 +38,9 @@ from ..autodiff.graph import all_subgraphs, node_operands, topological_order
 from ..deps import ortvalue_from_capsule
 from ..errors import OnnxGradRuntimeError, PythonOpError
 from ..runtime.session import split_forward
-from ..runtime.values import C, OrtValueLike, from_numpy, from_torch, run, to_torch, unwrap
+from ..runtime.values import C, OrtValueLike, contiguous, from_numpy, from_torch, run, to_torch, unwrap
 from .registry import Functions, contexts, resolve_function
-from .spec import PYTHON_OP, describe, is_python_node, parse_backward, parse_forward
+from .spec import PYTHON_OP, check_tensor, describe, is_python_node, parse_backward, parse_forward
 
 
 # ---- tensors across the boundary --------------------------------------------------------------
@@ -127,6 +127,8 @@ class PythonOpKernel:
         self.where = f"{describe(node)} ({self.spec.func_name})"
         self.caller_owned = list(caller_owned)
         self.n_outputs = len(node.output) - 1
+        # (position, label, dtype, rank) of each input the node records a dtype or rank for
+        self.checks = _checks(node.input, self.spec.input_types, self.spec.input_ranks, 0)
         # Learned on the first call (of any kind / in training): inputs to copy before the call.
         self._dirty: set[int] | None = None
         self._saved: set[int] | None = None
@@ -135,6 +137,9 @@ class PythonOpKernel:
         spec = self.spec
         keep = training and spec.training_mode
         data = [to_torch(ov) for ov in inputs]
+        for i, label, want_type, want_rank in self.checks:
+            t = data[i]
+            check_tensor(self.where, label, want_type, want_rank, onnx_type_of(t), t.dim())
         copy = self._copy_set(len(data), keep)
         with torch.enable_grad() if keep else torch.no_grad():
             leaves: list[torch.Tensor | None] = []
@@ -181,6 +186,12 @@ class PythonOpKernel:
                     f"{self.where}: output {i} has dtype {o.dtype}, the node records "
                     f"{helper.tensor_dtype_to_string(t)}"
                 )
+        for i, (o, r) in enumerate(zip(outs, self.spec.output_ranks)):
+            if r >= 0 and o.dim() != r:
+                raise PythonOpError(
+                    f"{self.where}: output {i} has rank {o.dim()} (shape {tuple(o.shape)}), the node "
+                    f"records rank {r} (output_tensor_ranks)"
+                )
         return outs
 
     def _copy_set(self, n: int, keep: bool) -> set[int]:
@@ -215,13 +226,20 @@ class PythonOpGradKernel:
         self.spec = parse_backward(node)
         self.where = f"{describe(node)} ({self.spec.func_name})"
         self.output_names = list(node.output)
+        # the incoming gradients (inputs 1..N) the node records a dtype or rank for
+        self.checks = _checks(node.input[1:], self.spec.input_types, self.spec.input_ranks, 1)
 
     def __call__(self, inputs: Sequence[C.OrtValue | None], training: bool) -> list[C.OrtValue]:
         handle = int(inputs[0].numpy())  # type: ignore[union-attr]  # a 0-d int64
         ctx: _Context = contexts.get(handle, self.where)
         try:
-            grads = inputs[1 : 1 + len(ctx.outputs)]  # the older layout appends the forward outputs
-            pairs = [(e, to_torch(g)) for e, g in zip(ctx.outputs, grads) if e is not None and g is not None]
+            grads = [to_torch(g) if g is not None else None for g in inputs[1 : 1 + len(ctx.outputs)]]
+            for i, label, want_type, want_rank in self.checks:  # i: position in ``inputs``
+                g = grads[i - 1] if i - 1 < len(grads) else None
+                if g is not None:
+                    check_tensor(self.where, label, want_type, want_rank, onnx_type_of(g), g.dim())
+            # the older layout appends the forward outputs: only the first N are gradients
+            pairs = [(e, g) for e, g in zip(ctx.outputs, grads) if e is not None and g is not None]
             wrt = [(i, leaf) for i, leaf in enumerate(ctx.leaves) if leaf is not None]
             found: dict[int, torch.Tensor | None] = {}
             if pairs and wrt:
@@ -248,6 +266,19 @@ class PythonOpGradKernel:
                 g = torch.zeros(shape, dtype=dtype)
             outs.append(to_ort(g))
         return outs
+
+
+def _checks(
+    names: Sequence[str], types: Sequence[int], ranks: Sequence[int], offset: int
+) -> list[tuple[int, str, int, int]]:
+    """``(position, label, dtype, rank)`` for each named input that has a recorded dtype or rank."""
+    out = []
+    for k, name in enumerate(names):
+        want_type = types[k] if k < len(types) else 0
+        want_rank = ranks[k] if k < len(ranks) else -1
+        if name and (want_type or want_rank >= 0):
+            out.append((k + offset, f"input {k + offset} ({name!r})", want_type, want_rank))
+    return out
 
 
 # ---- the partitioned graph --------------------------------------------------------------------
@@ -401,7 +432,7 @@ class PythonGraph:
         if const is None:
             if name not in self.inits:
                 raise OnnxGradRuntimeError(f"value {name!r} is neither fed nor computed")
-            arr = np.ascontiguousarray(onnx.numpy_helper.to_array(self.inits[name]))
+            arr = contiguous(onnx.numpy_helper.to_array(self.inits[name]))
             const = self._const_values.setdefault(name, (arr, from_numpy(arr)))
         return const[1]
 
@@ -502,7 +533,7 @@ def run_model(
     graph = PythonGraph(
         model, list(providers or ["CPUExecutionProvider"]), functions=functions, allow_import=allow_import
     )
-    arrays = {k: np.ascontiguousarray(v) for k, v in feeds.items()}  # kept alive while running
+    arrays = {k: contiguous(v) for k, v in feeds.items()}  # kept alive while running
     wanted = [o.name for o in model.graph.output]
     env = graph.run({k: from_numpy(a) for k, a in arrays.items()}, wanted, training)
     return [np.array(env[o].numpy(), copy=True) for o in wanted]

@@ -85,6 +85,8 @@ def grad_python_op(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     )
     made = made if isinstance(made, tuple) else (made,)
     grad_node = g.nodes[-1]
+    # required by both schema generations; make_node would take ``name=`` for the node's own name
+    grad_node.attribute.append(helper.make_attribute("name", attrs.get("name") or spec.func_name))
     result: list[Var | None] = []
     for i, x in enumerate(n.inputs):
         if i >= count or not needs[i] or x is None:

@@ -1,10 +1,21 @@
 """``com.microsoft`` PythonOp and PythonOpGrad, version 1, registered with ``onnx.defs``.
 
 With them registered, ``onnx.checker.check_model(full_check=True)`` and ``onnx.shape_inference``
-accept models holding these nodes. Every attribute spelling found in real files is declared (all
-optional: which of two spellings is present is checked when a node runs). Shape inference gives
-output 0 of PythonOp an int64 scalar (the ctx handle) and every other output the dtype and rank its
-``output_tensor_types`` / ``output_tensor_ranks`` record, with unknown dimensions.
+accept models holding these nodes. Every attribute spelling found in real files is declared. Required,
+as in the original's schemas (seeds 000, 001, 002): ``name`` on both nodes, and on PythonOp the
+type, rank and gradient-flag tables of its tensors (``input_tensor_types``, ``input_tensor_ranks``,
+``output_tensor_types``, ``output_tensor_ranks``, ``output_tensor_requires_grads``), on PythonOpGrad
+``output_tensor_requires_grads``. Attributes with two spellings in real files
+(``input_convention``/``call_convention``, ``input_requires_grads``/``input_tensor_requires_grads``,
+``output_convention``) stay optional here: which one is present is checked when a node runs.
+
+Files with ``func_name`` but no ``name`` (written by earlier onnxgrad versions and newer ORT
+exporters) fail ``onnx.checker`` with these schemas; onnxgrad's own entry points
+(:func:`onnxgrad.build_gradient` and what builds on it) add ``name`` to their copy first
+(:func:`~onnxgrad.pythonop.spec.complete_class_names`), and the runtime reads either spelling.
+
+Shape inference gives output 0 of PythonOp an int64 scalar (the ctx handle) and every other output
+the dtype and rank its ``output_tensor_types`` / ``output_tensor_ranks`` record, with unknown dimensions.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ _ANY_TENSOR = [
 
 _A = OpSchema.AttrType
 _COMMON = {
-    "name": (_A.STRING, "Class of the autograd.Function (older files)."),
+    "name": (_A.STRING, "Name of the custom class (required; onnxgrad writes its __qualname__)."),
     "func_name": (_A.STRING, "Class of the autograd.Function, fully qualified 'module.QualName'."),
     "inplace": (_A.INT, "Old flag: outputs reuse input memory."),
     "safe_run_mode": (_A.INT, "1 (default): run through apply with autograd bookkeeping."),
@@ -77,8 +88,22 @@ _BACKWARD = {
 }
 
 
-def _attributes(table: dict[str, tuple[OpSchema.AttrType, str]]) -> list[OpSchema.Attribute]:
-    return [OpSchema.Attribute(n, t, doc, required=False) for n, (t, doc) in sorted(table.items())]
+# Required in the original's schemas, and spelled one way in every generation.
+_REQUIRED_FORWARD = {
+    "name",
+    "input_tensor_types",
+    "input_tensor_ranks",
+    "output_tensor_types",
+    "output_tensor_ranks",
+    "output_tensor_requires_grads",
+}
+_REQUIRED_BACKWARD = {"name", "output_tensor_requires_grads"}
+
+
+def _attributes(
+    table: dict[str, tuple[OpSchema.AttrType, str]], required: set[str]
+) -> list[OpSchema.Attribute]:
+    return [OpSchema.Attribute(n, t, doc, required=n in required) for n, (t, doc) in sorted(table.items())]
 
 
 def _tensor_type(elem_type: int, rank: int | None) -> onnx.TypeProto:
@@ -138,7 +163,7 @@ def _schemas() -> list[OpSchema]:
         inputs=[_variadic("inputs", 0)],
         outputs=[_ctx("context"), _variadic("outputs", 0)],
         type_constraints=constraints,
-        attributes=_attributes({**_COMMON, **_FORWARD}),
+        attributes=_attributes({**_COMMON, **_FORWARD}, _REQUIRED_FORWARD),
     )
     forward.set_type_and_shape_inference_function(_infer_python_op)
     backward = OpSchema(
@@ -151,7 +176,7 @@ def _schemas() -> list[OpSchema]:
         inputs=[_ctx("context"), _variadic("inputs", 0)],
         outputs=[_variadic("outputs", 0)],
         type_constraints=constraints,
-        attributes=_attributes({**_COMMON, **_BACKWARD}),
+        attributes=_attributes({**_COMMON, **_BACKWARD}, _REQUIRED_BACKWARD),
     )
     backward.set_type_and_shape_inference_function(_infer_python_op_grad)
     return [forward, backward]

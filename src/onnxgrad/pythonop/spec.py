@@ -14,6 +14,15 @@ tables whose ``*_positions`` are indices into the full argument list:
 
 Both spellings found in real files are read: ``func_name``/``name``,
 ``input_convention``/``call_convention``, ``input_requires_grads``/``input_tensor_requires_grads``.
+Both schema generations of the original mark ``name`` required, so onnxgrad writes it (the class's
+``__qualname__``, as the original did) next to ``func_name`` (``module.QualName``, which takes
+precedence when both are present); :func:`complete_class_names` adds ``name`` to nodes of files that
+only have ``func_name`` (earlier onnxgrad exports, newer ORT exporters) so that they pass the checker.
+
+``input_tensor_types`` / ``input_tensor_ranks`` are checked against the tensors a node receives
+when it runs (a dtype of 0 or a rank of -1 means "not recorded"). The old ``inplace`` flag is
+refused when set: onnxgrad never lets a Function's output reuse an input buffer the runtime owns
+(a Function writing in place is run on a copy, see :mod:`.executor`).
 This module does not import torch.
 """
 
@@ -79,6 +88,65 @@ def function_name(node: onnx.NodeProto) -> str:
     return str(name)
 
 
+def complete_class_names(graph: onnx.GraphProto) -> int:
+    """Add ``name`` (= ``func_name``) to the PythonOp/PythonOpGrad nodes of ``graph`` that lack it.
+
+    Both schema generations of the original mark ``name`` required, and the schema registered by
+    :mod:`.schemas` says so too; files written by onnxgrad before it wrote ``name``, and by newer ORT
+    exporters, only have ``func_name``. onnxgrad's own loaders call this on their copy of a model
+    before the ONNX checker sees it. Returns the number of nodes changed.
+    """
+    changed = 0
+    for node in graph.node:
+        if not is_python_node(node) or any(a.name == "name" for a in node.attribute):
+            continue
+        func = next((a.s for a in node.attribute if a.name == "func_name" and a.s), None)
+        if func is not None:
+            node.attribute.append(helper.make_attribute("name", func.decode()))
+            changed += 1
+    return changed
+
+
+def _check_inplace(attrs: dict[str, Any], where: str) -> None:
+    if attrs.get("inplace", 0):
+        raise PythonOpError(
+            f"{where} sets inplace={attrs['inplace']}, which onnxgrad does not support: its outputs "
+            "would reuse input buffers that onnxruntime or the caller still owns. Set inplace to 0 "
+            "(or remove it): a Function that writes into its inputs still runs, on a copy"
+        )
+
+
+def _typed(attrs: dict[str, Any], n: int, where: str, what: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``{what}_tensor_types`` / ``_ranks`` (empty when not recorded), checked against ``n`` tensors."""
+    types = tuple(int(t) for t in attrs.get(f"{what}_tensor_types", ()))
+    ranks = tuple(int(r) for r in attrs.get(f"{what}_tensor_ranks", ()))
+    for key, values in ((f"{what}_tensor_types", types), (f"{what}_tensor_ranks", ranks)):
+        if values and len(values) != n:
+            raise PythonOpError(f"{where}: {key} has {len(values)} entries for {n} tensor(s)")
+    return types, ranks
+
+
+def check_tensor(where: str, label: str, want_type: int, want_rank: int, dtype: int, rank: int) -> None:
+    """Raise :class:`PythonOpError` when a tensor's ONNX dtype or rank differs from the node's record
+    (``input_tensor_types`` / ``input_tensor_ranks``; 0 and -1 mean "not recorded")."""
+    if want_type and dtype != want_type:
+        raise PythonOpError(
+            f"{where}: {label} is {_type_name(dtype)} of rank {rank}, the node declares "
+            f"{_type_name(want_type)} (input_tensor_types)"
+        )
+    if want_rank >= 0 and rank != want_rank:
+        raise PythonOpError(
+            f"{where}: {label} has rank {rank}, the node declares rank {want_rank} (input_tensor_ranks)"
+        )
+
+
+def _type_name(dtype: int) -> str:
+    try:
+        return helper.tensor_dtype_to_string(dtype).removeprefix("TensorProto.")
+    except (KeyError, ValueError):
+        return f"type {dtype}"
+
+
 def _flags(values: Sequence[int] | None, count: int, default: Sequence[bool]) -> tuple[bool, ...]:
     if values is None:
         return tuple(default)
@@ -94,6 +162,7 @@ class ForwardSpec:
     convention: str  # one 'd' (tensor) or 'c' (constant) per apply argument
     constants: dict[int, Any]  # argument position -> value
     input_types: tuple[int, ...]  # ONNX dtype of each tensor argument (empty when not recorded)
+    input_ranks: tuple[int, ...]  # rank of each tensor argument (empty when not recorded)
     requires_grad: tuple[bool, ...]  # per tensor argument
     output_types: tuple[int, ...]  # per tensor output (ctx excluded)
     output_ranks: tuple[int, ...]
@@ -127,6 +196,7 @@ def parse_forward(node: onnx.NodeProto) -> ForwardSpec:
             f"{where} ({func}): input_convention {convention!r} has {n_in} tensor argument(s) "
             f"but the node has {len(node.input)} input(s)"
         )
+    _check_inplace(attrs, f"{where} ({func})")
     constants = decode_constants(attrs, where, func)
     for pos, c in enumerate(convention):
         if c == "c" and pos not in constants:
@@ -136,7 +206,7 @@ def parse_forward(node: onnx.NodeProto) -> ForwardSpec:
     extra = [p for p in constants if p >= len(convention)]
     if extra:
         raise PythonOpError(f"{where} ({func}): constants at positions {extra} beyond input_convention")
-    in_types = tuple(attrs.get("input_tensor_types", ()))
+    in_types, in_ranks = _typed(attrs, n_in, f"{where} ({func})", "input")
     float_in = [t in _FLOAT_TYPES for t in in_types] if len(in_types) == n_in else [True] * n_in
     req = _first(attrs, "input_requires_grads", "input_tensor_requires_grads")
     if req is not None and len(req) == len(convention) and len(req) != n_in:
@@ -149,6 +219,7 @@ def parse_forward(node: onnx.NodeProto) -> ForwardSpec:
         convention=convention,
         constants=constants,
         input_types=in_types,
+        input_ranks=in_ranks,
         requires_grad=_flags(req, n_in, float_in),
         output_types=out_types,
         output_ranks=tuple(attrs.get("output_tensor_ranks", ())),
@@ -165,6 +236,8 @@ class BackwardSpec:
     func_name: str
     convention: str  # the forward's input_convention
     n_grads: int | None  # gradient inputs after the ctx (None: known only from the ctx)
+    input_types: tuple[int, ...] = ()  # ONNX dtype of each gradient input (empty when not recorded)
+    input_ranks: tuple[int, ...] = ()  # rank of each gradient input (empty when not recorded)
 
 
 def parse_backward(node: onnx.NodeProto) -> BackwardSpec:
@@ -175,6 +248,7 @@ def parse_backward(node: onnx.NodeProto) -> BackwardSpec:
     convention = _first(attrs, "output_convention", "input_convention", "call_convention")
     if convention is None:
         raise PythonOpError(f"{where} ({func}) has no 'output_convention'")
+    _check_inplace(attrs, f"{where} ({func})")
     if not node.input or not node.input[0]:
         raise PythonOpError(f"{where} ({func}): input 0 must be the ctx handle of the forward")
     n_outputs = convention.count("d")
@@ -190,7 +264,18 @@ def parse_backward(node: onnx.NodeProto) -> BackwardSpec:
             f"{where} ({func}): {len(node.input)} inputs, expected 1 + {n_grads} (ctx, one gradient per "
             f"forward output) or 1 + 2 x {n_grads} (older layout, followed by the forward outputs)"
         )
-    return BackwardSpec(func_name=func, convention=convention, n_grads=n_grads)
+    ranks = tuple(int(r) for r in attrs.get("input_tensor_ranks", ()))
+    if ranks and n_grads is not None and len(ranks) != n_grads:
+        raise PythonOpError(
+            f"{where} ({func}): input_tensor_ranks has {len(ranks)} entries for {n_grads} gradient(s)"
+        )
+    return BackwardSpec(
+        func_name=func,
+        convention=convention,
+        n_grads=n_grads,
+        input_types=tuple(int(t) for t in types or ()),
+        input_ranks=ranks,
+    )
 
 
 # ---- constants ------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from ..autodiff.modes import ModeSwitch, follows_training_flag, set_training_mod
 from ..deps import require_onnxruntime
 from ..errors import InputError, OnnxGradRuntimeError
 from ..pythonop import make_runner
-from .values import C, OrtValueLike, from_numpy, run
+from .values import C, OrtValueLike, contiguous, from_numpy, run
 
 Feeds = Mapping[str, Any]
 
@@ -303,7 +303,7 @@ class ForwardBackward:
             arr = np.asarray(value)
             if arr.shape != old.shape:
                 raise InputError(f"parameter {name!r} has shape {old.shape}, got {arr.shape}")
-            arr = np.ascontiguousarray(arr, dtype=old.dtype)
+            arr = contiguous(arr, old.dtype)
             if arr is value:  # never alias a caller's array we do not own
                 arr = arr.copy()
             self._params[name] = arr
@@ -396,7 +396,7 @@ class ForwardBackward:
                     raise InputError(
                         f"gradient of output {out!r} has shape {arr.shape}, the output has {ref.shape}"
                     )
-                feeds[out] = np.ascontiguousarray(arr)
+                feeds[out] = contiguous(arr)
         return feeds
 
 
@@ -424,7 +424,7 @@ def check_array(name: str, value: Any, info: ValueInfo) -> np.ndarray:
                     f"input {name!r} has shape {arr.shape}, the model expects "
                     f"{_fmt_shape(info.shape)} (dimension {i} must be {want})"
                 )
-    return np.ascontiguousarray(arr)
+    return contiguous(arr)
 
 
 def _fmt_shape(shape: tuple) -> str:

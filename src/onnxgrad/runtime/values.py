@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..deps import C, ortvalue_from_numpy, run_with_ort_values, torch_interop
 
 __all__ = ["C", "OrtValueLike", "from_numpy", "from_torch", "run", "to_torch", "unwrap"]
@@ -20,6 +22,16 @@ _C_ORTVALUE = C.OrtValue
 
 from_numpy = ortvalue_from_numpy
 run = run_with_ort_values
+
+
+def contiguous(value: Any, dtype: Any = None) -> np.ndarray:
+    """``value`` as a C-contiguous array (itself when it already is one of ``dtype``).
+
+    ``np.ascontiguousarray`` returns at least one dimension: a 0-d array (a scalar weight such as
+    skl2onnx's ``unity``) would come back with shape ``(1,)``.
+    """
+    arr = np.asarray(value, dtype=dtype)
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
 def unwrap(value: OrtValueLike) -> Any:

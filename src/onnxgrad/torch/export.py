@@ -10,6 +10,8 @@ and the rest of the module is standard ONNX. Non-tensor arguments are stored by 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import io
 import threading
@@ -61,7 +63,7 @@ def export(
         input_names = _default_input_names(module, args, kwargs)
     opset_version = opset or _default_opset()
     buf = io.BytesIO()
-    with _EXPORT_LOCK, warnings.catch_warnings():
+    with _EXPORT_LOCK, warnings.catch_warnings(), _tensor_outputs_checked(state):
         warnings.simplefilter("ignore", DeprecationWarning)
         previous = _previous_symbolic(opset_version)
         torch.onnx.register_custom_op_symbolic(_SYMBOLIC, state.symbolic, opset_version)
@@ -98,6 +100,46 @@ def export(
         for cls in state.exported.values():
             register_function(cls)
     return model
+
+
+@contextlib.contextmanager
+def _tensor_outputs_checked(state: _ExportState) -> Any:
+    """While tracing, a Function whose ``forward`` returns a non-tensor (``return y, 7``) fails with
+    a :class:`PythonOpError` naming it, instead of torch's INTERNAL ASSERT in a later pass.
+
+    ``Function.apply`` is wrapped for the duration of the export (under the export lock); calls
+    outside a trace, and in other threads, go straight through.
+    """
+    original = torch.autograd.Function.__dict__.get("apply")
+    if not isinstance(original, classmethod):  # torch moved it: no check, torch's own error stands
+        yield
+        return
+    func = original.__func__
+
+    @functools.wraps(func)
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        out = func(cls, *args, **kwargs)
+        if torch._C._get_tracing_state() is not None:
+            outs = out if isinstance(out, tuple | list) else (out,)
+            bad = [(i, v) for i, v in enumerate(outs) if not isinstance(v, torch.Tensor)]
+            if bad:
+                i, value = bad[0]
+                shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
+                error = PythonOpError(
+                    f"{qualified_name(cls)}.forward returned output {i} of {len(outs)} as "
+                    f"{type(value).__name__} {shown}: a Function exported as a PythonOp node (or inlined) "
+                    "may return only tensors. Return it as a tensor (torch.tensor(...)), or keep the "
+                    "value out of the Function's outputs"
+                )
+                state.error = state.error or error
+                raise error
+        return out
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original  # type: ignore[method-assign]
 
 
 class _ExportState:
@@ -180,6 +222,7 @@ def _python_op(g: Any, node: Any, cls: type, args: Sequence[Any], training: bool
     ]
     it = iter(in_grads)
     attrs: dict[str, Any] = {
+        "name": cls.__qualname__,  # required by both schema generations of the original
         "func_name": func,
         "input_convention": convention,
         "input_requires_grads": [int(next(it)) if c == "d" else 0 for c in convention],
