@@ -91,7 +91,19 @@ CONSTANT_SLOTS: dict[str, dict[int, str]] = {
     "CumSum": {1: "CumSum axis"},
     "Where": {0: "Where condition"},
     "NonMaxSuppression": {2: "NMS arguments", 3: "NMS arguments", 4: "NMS arguments"},
+    # integer slots: such initializers are never trainable, these say what they are
+    "Squeeze": {1: "axes"},
+    "Unsqueeze": {1: "axes"},
+    "Split": {1: "split sizes"},
+    "Gather": {1: "indices"},
+    "GatherElements": {1: "indices"},
+    "GatherND": {1: "indices"},
+    "ScatterND": {1: "indices"},
+    "ScatterElements": {1: "indices"},
 }
+for _op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSumSquare",
+            "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp"):  # fmt: skip
+    CONSTANT_SLOTS[_op] = {1: "axes"}
 
 # ops whose operands are combined elementwise (with broadcasting): usage leaves them ambiguous
 ELEMENTWISE = {
@@ -199,19 +211,15 @@ def parameter_reasons(model: onnx.ModelProto) -> dict[str, str | None]:
     infos: dict | None = None
     reasons: dict[str, str | None] = {}
     for name, t in inits.items():
-        if t.data_type not in FLOAT_TYPES:
-            reasons[name] = _kind(t)
+        if t.data_type not in FLOAT_TYPES:  # never trainable; the usage, when it says more
+            slot = next((r for r in (_slot_reason(n, k) for n, k in uses[name]) if r), None)
+            reasons[name] = _kind(t) if slot is None else f"{slot} ({_dtype_name(t.data_type)})"
             continue
         kind = next((p.value for p in t.metadata_props if p.key == _TORCH_KIND), None)
         if kind in ("BUFFER", "CONSTANT_TENSOR"):
             reasons[name] = "torch buffer" if kind == "BUFFER" else "torch constant"
             continue
-        reason = None
-        for node, k in uses[name]:
-            if node.domain in ("", "ai.onnx"):
-                reason = CONSTANT_SLOTS.get(node.op_type, {}).get(k)
-                if reason:
-                    break
+        reason = next((r for r in (_slot_reason(n, k) for n, k in uses[name]) if r), None)
         if reason is None and uses[name]:
             ambiguous = all(n.domain in ("", "ai.onnx") and n.op_type in ELEMENTWISE for n, _ in uses[name])
             size = int(np.prod(t.dims, dtype=np.int64))
@@ -227,6 +235,12 @@ def parameter_reasons(model: onnx.ModelProto) -> dict[str, str | None]:
                         reason = "scalar constant"
         reasons[name] = reason
     return reasons
+
+
+def _slot_reason(node: onnx.NodeProto, k: int) -> str | None:
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    return CONSTANT_SLOTS.get(node.op_type, {}).get(k)
 
 
 def _is_epsilon(name: str, uses: list[tuple[onnx.NodeProto, int]], producer: dict) -> bool:
