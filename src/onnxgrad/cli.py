@@ -37,7 +37,7 @@ from .autodiff.graph import (
     topological_order,
     value_info_from_proto,
 )
-from .autodiff.params import select_parameters
+from .autodiff.params import padding_rows, select_parameters
 from .autodiff.registry import lookup
 from .errors import GradientNotImplementedError, InputError, OnnxGradError
 
@@ -258,16 +258,21 @@ def _info(args: argparse.Namespace) -> int:
     groups = selection.groups
     if groups:
         print("\ntied weights (one parameter stored several times, trained as one unless tie_weights=False):")
-        rows = [
-            (source, t.name, t.how) for source, ties in groups.items() for t in ties
-        ]
+        rows = [(source, t.name, t.how) for source, ties in groups.items() for t in ties]
         print(_table(("parameter", "also stored as", "how"), rows, indent=2))
+    rows = [
+        (node.input[0], str(row), node.name or node.output[0])
+        for node in selection.model.graph.node
+        for out, row in padding_rows(selection.model, selection.trainable).items()
+        if node.output and node.output[0] == out and node.op_type == "Gather"
+    ]
+    if rows:
+        print("\nembedding padding rows (no gradient, as torch's padding_idx):")
+        print(_table(("table", "row", "node"), rows, indent=2))
     left = [(n, r) for n, r in selection.reasons.items()]
     if left:
         print(f"\nleft out of the default trainable set: {len(left)} initializers")
-        rows = [
-            (n, _dtype(inits[n].data_type), _shape(tuple(inits[n].dims)), reason) for n, reason in left
-        ]
+        rows = [(n, _dtype(inits[n].data_type), _shape(tuple(inits[n].dims)), reason) for n, reason in left]
         print(_table(("name", "type", "shape", "why"), rows, indent=2))
 
     ops = Counter((n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in g.node)

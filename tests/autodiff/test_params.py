@@ -263,7 +263,8 @@ def test_cast_copy_is_one_parameter():
         helper.make_node("MatMul", ["x", "w16"], ["b"]),
         helper.make_node("Add", ["a", "b"], ["y"]),
     ]
-    model = make_model(nodes, [("x", F32, ["N", D_IN])], [("y", F32, None)], {"W16": w.astype(np.float16), "W": w})
+    inits = {"W16": w.astype(np.float16), "W": w}
+    model = make_model(nodes, [("x", F32, ["N", D_IN])], [("y", F32, None)], inits)
     selection = select_parameters(model)
     assert selection.trainable == ["W"]
     assert [(t.name, t.source, t.how) for t in selection.ties] == [("W16", "W", "cast to float16")]
@@ -307,3 +308,33 @@ def test_graph_inputs_and_left_out_initializers_are_not_tied():
     model = tied_model(w, np.ascontiguousarray(w.T))
     model.graph.input.append(helper.make_tensor_value_info("W_T", onnx.TensorProto.FLOAT, [D_OUT, D_IN]))
     assert select_parameters(model).ties == []  # W_T may be fed at run time
+
+
+# ---- what torch knows and ONNX forgets -------------------------------------------------------------
+def embedding_model(fx_node: str | None) -> onnx.ModelProto:
+    model = make_model(
+        [helper.make_node("Gather", ["table", "ids"], ["y"], axis=0)],
+        [("ids", np.int64, ["N"])],
+        [("y", F32, ["N", 4])],
+        {"table": rnd(6, 4)},
+    )
+    if fx_node is not None:  # what torch.onnx.export(dynamo=True) writes on the node
+        entry = model.graph.node[0].metadata_props.add()
+        entry.key, entry.value = "pkg.torch.onnx.fx_node", fx_node
+    return model
+
+
+def test_embedding_padding_row_gets_no_gradient():
+    ids = np.array([0, 1, 1, 3], np.int64)
+    fx = (
+        "%embedding : [num_users=1] = call_function[target=torch.ops.aten.embedding.default]"
+        "(args = (%p_emb_weight, %ids, {}), kwargs = {{}})"
+    )
+    expected = np.zeros((6, 4), F32)
+    np.add.at(expected, ids, 1.0)
+    for node, zero_row in ((fx.format(1), 1), (fx.format(-1), None), (None, None)):
+        got = onnxgrad.gradients(embedding_model(node), {"ids": ids})["table"]
+        want = expected.copy()
+        if zero_row is not None:
+            want[zero_row] = 0
+        np.testing.assert_array_equal(got, want)

@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -40,7 +41,7 @@ from .graph import (
     to_array,
     topological_order,
 )
-from .params import Tie, select_parameters
+from .params import Tie, padding_rows, select_parameters
 from .registry import NodeContext, _load_rules, lookup
 from .rewrite import rewrite_for_training
 
@@ -129,6 +130,7 @@ def build_gradient(
     taken = set(infos) | all_names(graph)
     g = GradBuilder(infos, consts, taken, max(opset, MIN_BACKWARD_OPSET))
     g.versions = versions
+    g.padding_rows = padding_rows(model, trainable_names)  # torch Embedding(padding_idx=...)
     grads: dict[str, list[Var]] = {}
     grad_inputs: dict[str, str] = {}
     for out in grad_outs:
@@ -286,9 +288,19 @@ def reverse_pass(
             opset=version,
             g=g,
         )
-        for name, need, grad in zip(operands, needs, r.fn(g, ctx)):
+        for k, (name, need, grad) in enumerate(zip(operands, needs, r.fn(g, ctx))):
             if need and grad is not None:
+                if k == 0 and node.op_type == "Gather" and node.output[0] in g.padding_rows:
+                    grad = _without_row(g, grad, g.infos[name], g.padding_rows[node.output[0]])
                 grads.setdefault(name, []).append(grad)
+
+
+def _without_row(g: GradBuilder, grad: Var, table: ValueInfo, row: int) -> Var:
+    """``grad`` with row ``row`` zeroed: the gradient torch gives an Embedding's padding row."""
+    shape = table.shape or ()
+    mask = np.ones((shape[0],) + (1,) * (len(shape) - 1))
+    mask[row] = 0
+    return grad * g.const(mask, grad.dtype)
 
 
 # ---- selection and validation ----------------------------------------------------------------

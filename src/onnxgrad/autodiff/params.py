@@ -48,6 +48,7 @@ every use add up, as in torch. :func:`untie` turns those nodes back into initial
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -485,3 +486,37 @@ def select_parameters(
     for t in ties:
         left_out.pop(t.name, None)
     return Selection(tie_parameters(model, ties), selected, left_out, ties)
+
+
+# ---- what torch knows and ONNX forgets -------------------------------------------------------------
+_FX_NODE = "pkg.torch.onnx.fx_node"
+_EMBEDDING = re.compile(r"aten\.embedding\.default\]\(args = \(%[\w.]+, %[\w.]+, (-?\d+)")
+
+
+def padding_rows(model: onnx.ModelProto, trainable: Iterable[str]) -> dict[str, int]:
+    """Gather nodes of the main graph that are a torch ``Embedding`` with a ``padding_idx``, as the
+    output name -> the padding row, for the tables in ``trainable``.
+
+    torch gives that row no gradient. ``torch.onnx.export(dynamo=True)`` writes a plain ``Gather``
+    but keeps the aten call in the node's ``pkg.torch.onnx.fx_node`` metadata
+    (``aten.embedding.default(args = (%weight, %ids, 0))``), which is read here; the TorchScript
+    exporter keeps no trace of it.
+    """
+    wanted = set(trainable)
+    inits = {i.name: i for i in model.graph.initializer}
+    rows: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        if node.input[0] not in wanted or node.input[0] not in inits:
+            continue
+        if any(a.name == "axis" and a.i != 0 for a in node.attribute):
+            continue
+        fx = next((p.value for p in node.metadata_props if p.key == _FX_NODE), "")
+        match = _EMBEDDING.search(fx)
+        if match is None:
+            continue
+        row, n_rows = int(match.group(1)), inits[node.input[0]].dims[0]
+        if 0 <= row < n_rows:  # aten's -1: no padding row (nn.Embedding makes others positive)
+            rows[node.output[0]] = row
+    return rows
