@@ -116,6 +116,46 @@ def test_scalar_constants_and_one_output_bias():
     assert got == {"half": "scalar constant", "scale": "scalar constant", "w": None, "b1": None}
 
 
+def test_rotary_tables_and_usage_through_casts_and_views():
+    # RoPE's cos and sin tables as the exporters fold them, [1, 1, T, D]: position 0 is cos 0 = 1
+    # and sin 0 = 0; a scalar read through Identity (a torch "lifted tensor") then Where
+    positions = np.arange(8)[:, None] * (1.0 / 10000 ** (np.arange(4) / 4))[None, :]
+    angles = np.concatenate([positions, positions], axis=-1)[None, None].astype(F32)
+    nodes = [
+        helper.make_node("Mul", ["x", "cos"], ["a"]),
+        helper.make_node("Mul", ["x", "sin"], ["b"]),
+        helper.make_node("Add", ["a", "b"], ["c"]),
+        helper.make_node("Mul", ["c", "gain"], ["d"]),
+        helper.make_node("Identity", ["zero"], ["z"]),
+        helper.make_node("IsNaN", ["d"], ["nan"]),
+        helper.make_node("Where", ["nan", "z", "d"], ["e"]),
+        helper.make_node("Cast", ["w64"], ["w"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+        helper.make_node("Reshape", ["e", "shape"], ["f"]),
+        helper.make_node("MatMul", ["f", "wt"], ["y"]),
+    ]
+    gain = np.tanh(rnd(1, 1, 8, 8))  # values in [-1, 1] too, but no constant first row: a weight
+    inits = {
+        "cos": np.cos(angles),
+        "sin": np.sin(angles),
+        "gain": gain,
+        "zero": np.array(0.0, F32),
+        "w64": rnd(8, 8).astype(np.float64),
+        "shape": np.array([-1, 8], np.int64),
+        "mask": np.ones(3, bool),
+    }
+    got = reasons(nodes, inits, x_shape=(2, 1, 8, 8))
+    assert got == {
+        "cos": "rotary position table",
+        "sin": "rotary position table",
+        "gain": None,
+        "zero": "scalar constant",
+        "w64": None,
+        "shape": "Reshape shape (int64)",
+        "mask": "not floating-point (bool)",
+    }
+
+
 def test_batch_norm_running_statistics_and_dropout_ratio():
     nodes = [
         helper.make_node("BatchNormalization", ["x", "s", "b", "mean", "var"], ["n"]),

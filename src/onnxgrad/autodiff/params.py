@@ -20,15 +20,20 @@ when (first rule that applies):
    hand-written normalization): ``"epsilon"``;
 5. it is read by elementwise ops only and holds a mask: only 0 and very negative values (at most
    -1e4, or -inf) added to scores (``"additive mask"``), or only 0 and 1 multiplied
-   (``"0/1 mask"``);
+   (``"0/1 mask"``); or it is only multiplied and is a rotary position table that the exporter
+   folded from a buffer (RoPE's cos and sin: values in [-1, 1], the row of position 0, along
+   axis -2, all ones or all zeros): ``"rotary position table"``;
 6. it has one value and every elementwise op that reads it broadcasts it along a last dimension
    longer than 1 (a scale or offset, ``x * 0.5``): ``"scalar constant"``. One value against a last
    dimension of 1 or unknown is kept: that is the bias of a one-output linear layer.
 
 An initializer no node reads stays in the set (its gradient is zero).
 
-Rules 4 to 6 are the rank/size heuristics: they apply only to values that the usage leaves
-ambiguous (elementwise operands). A learned scalar gain (``alpha * x`` with one ``alpha``) is thus
+Rules 4 to 6 are the value/rank/size heuristics: they apply only to values that the usage leaves
+ambiguous (elementwise operands). Usage is read through ops that pass a value on unchanged but
+for its type or layout (``Identity``, ``Cast``, ``CastLike``, ``Reshape``, ``Unsqueeze``,
+``Squeeze``, ``Flatten``, ``Expand``, ``Transpose``): a scalar cast and then multiplied is a
+scalar constant. A learned scalar gain (``alpha * x`` with one ``alpha``) is thus
 left out by default; name it in ``trainable=`` to train it. Any floating-point initializer can be
 named explicitly.
 
@@ -174,7 +179,7 @@ class Selection:
 # ---- the default set -----------------------------------------------------------------------------
 def _uses(graph: onnx.GraphProto, names: set[str]) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
     """For each of ``names``: the (node, input slot) pairs that read it, in subgraphs too (a value a
-    subgraph captures counts with the slot -1 of the node that reads it inside)."""
+    subgraph captures counts with the node and slot that read it inside)."""
     uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {n: [] for n in names}
 
     def walk(g: onnx.GraphProto, visible: set[str]) -> None:
@@ -191,6 +196,28 @@ def _uses(graph: onnx.GraphProto, names: set[str]) -> dict[str, list[tuple[onnx.
     return uses
 
 
+# ops that pass a value on unchanged but for its type, shape or layout (input 0): an initializer
+# read through them is judged by what reads their output
+_TRANSPARENT = {
+    "Identity", "Cast", "CastLike", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Transpose",
+}  # fmt: skip
+
+
+def _through(
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]], name: str, seen: set[str]
+) -> list[tuple[onnx.NodeProto, int]]:
+    out = []
+    for node, k in consumers.get(name, []):
+        passes = k == 0 and node.domain in ("", "ai.onnx") and node.op_type in _TRANSPARENT
+        if passes and node.output and node.output[0] in consumers:
+            if node.output[0] not in seen:
+                seen.add(node.output[0])
+                out.extend(_through(consumers, node.output[0], seen))
+        else:
+            out.append((node, k))
+    return out
+
+
 def _dtype_name(data_type: int) -> str:
     return helper.tensor_dtype_to_string(data_type).removeprefix("TensorProto.").lower()
 
@@ -199,7 +226,7 @@ def _kind(t: TensorProto) -> str:
     name = _dtype_name(t.data_type)
     if name.startswith(("int", "uint")):
         return f"integer ({name})"
-    return name
+    return f"not floating-point ({name})"
 
 
 def parameter_reasons(model: onnx.ModelProto) -> dict[str, str | None]:
@@ -207,7 +234,9 @@ def parameter_reasons(model: onnx.ModelProto) -> dict[str, str | None]:
     default trainable set), else why not (see the module's documentation for the rules)."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    uses = _uses(graph, set(inits))
+    values = set(inits) | {o for n in graph.node for o in n.output if o}
+    consumers = _uses(graph, values)
+    uses = {n: _through(consumers, n, set()) for n in inits}
     producer = {o: n for n in graph.node for o in n.output}
     infos: dict | None = None
     reasons: dict[str, str | None] = {}
@@ -228,7 +257,7 @@ def parameter_reasons(model: onnx.ModelProto) -> dict[str, str | None]:
                 if size == 1 and _is_epsilon(name, uses[name], producer):
                     reason = "epsilon"
                 else:
-                    reason = _mask(t, uses[name])
+                    reason = _mask(t, uses[name]) or _rotary(t, uses[name])
                 if reason is None and size == 1:
                     if infos is None:
                         infos = infer_value_infos(model)
@@ -272,12 +301,27 @@ def _mask(t: TensorProto, uses: list[tuple[onnx.NodeProto, int]]) -> str | None:
     return None
 
 
+def _rotary(t: TensorProto, uses: list[tuple[onnx.NodeProto, int]]) -> str | None:
+    """A rotary position table (RoPE's cos or sin, folded from the inverse frequencies): multiplied
+    only, every value in [-1, 1], the row of position 0 (axis -2) all 1 (cos 0) or all 0 (sin 0)
+    while the next row is not constant."""
+    if len(t.dims) < 2 or t.dims[-2] < 2 or t.dims[-1] < 2 or any(n.op_type != "Mul" for n, _ in uses):
+        return None
+    value = to_array(t)
+    first, second = np.take(value, 0, axis=-2), np.take(value, 1, axis=-2)
+    if not (np.abs(value) <= 1).all() or (second == second.flat[0]).all():
+        return None
+    if (first == 1).all() or (first == 0).all():
+        return "rotary position table"
+    return None
+
+
 def _broadcast(name: str, t: TensorProto, uses: list[tuple[onnx.NodeProto, int]], infos: dict) -> bool:
     """Whether every elementwise use spreads the one value of ``t`` along a last dim longer than 1."""
     if len(t.dims) == 0:
         return True
     for node, k in uses:
-        others = [i for j, i in enumerate(node.input) if j != k and i and i != name]
+        others = [i for j, i in enumerate(node.input) if j != k and i]
         if node.op_type == "Where":
             others = [i for j, i in enumerate(node.input) if j not in (0, k) and i]
         last = []
