@@ -378,3 +378,24 @@ def test_embedding_padding_row_gets_no_gradient():
         if zero_row is not None:
             want[zero_row] = 0
         np.testing.assert_array_equal(got, want)
+
+
+def test_transposes_of_any_rank_either_way():
+    a = rnd(4, 8, 16)
+    b = np.ascontiguousarray(a.transpose(1, 2, 0))
+    nodes = [
+        helper.make_node("Mul", ["x", "a"], ["p"]),
+        helper.make_node("Transpose", ["b"], ["bt"], perm=[2, 0, 1]),
+        helper.make_node("Mul", ["p", "bt"], ["y"]),
+    ]
+    model = make_model(nodes, [("x", F32, [4, 8, 16])], [("y", F32, [4, 8, 16])], {"a": a, "b": b})
+    for named, other, value in (("a", "b", b), ("b", "a", a)):
+        selection = select_parameters(model, trainable=[named])
+        assert selection.trainable == [named]
+        (tie,) = selection.ties
+        assert (tie.source, tie.name) == (named, other)
+        source = {"a": a, "b": b}[named]
+        np.testing.assert_array_equal(tie.compute(source), value)
+    x = rnd(4, 8, 16)
+    grads = onnxgrad.ForwardBackward(model).forward({"x": x}).backward()
+    np.testing.assert_allclose(grads["a"], 2 * x * a, rtol=1e-5)  # y = x * a * a

@@ -365,11 +365,13 @@ def find_ties(model: onnx.ModelProto, candidates: Iterable[str], prefer: Iterabl
     for names in buckets.values():
         if len(names) < 2:
             continue
-        sums = {n: float(np.sum(values[n], dtype=np.float64)) for n in names}
         # pairs (a, b) where b is computed exactly from a
         derive: dict[tuple[str, str], Tie] = {}
         for a, b in itertools.permutations(names, 2):
-            if not np.isclose(sums[a], sums[b], rtol=1e-2, atol=1e-3 * values[a].size):
+            back = derive.get((b, a))
+            if back is not None and back.to is None:  # a transpose or a copy goes both ways
+                perm = None if back.perm is None else tuple(int(i) for i in np.argsort(back.perm))
+                derive[(a, b)] = Tie(b, a, perm)
                 continue
             tie = _derivation(a, values[a], b, values[b], inits[a].data_type, inits[b].data_type)
             if tie is not None:
@@ -378,18 +380,36 @@ def find_ties(model: onnx.ModelProto, candidates: Iterable[str], prefer: Iterabl
     return ties
 
 
+_SAMPLE = 64  # elements compared before whole tensors
+
+
 def _derivation(a: str, va: np.ndarray, b: str, vb: np.ndarray, ta: int, tb: int) -> Tie | None:
     """The tie computing ``b`` from ``a`` bit for bit, or None."""
     to = None if ta == tb else tb
     perms: list[tuple[int, ...] | None] = [None]
     if va.ndim <= 4:
         perms += [p for p in itertools.permutations(range(va.ndim)) if p != tuple(range(va.ndim))]
+    # a few elements first (cheap), then the whole tensor
+    rng = np.random.default_rng(0)
+    where = tuple(rng.integers(0, d, _SAMPLE) for d in vb.shape)
     for perm in perms:
         tie = Tie(b, a, perm, to)
         if (va.shape if perm is None else tuple(va.shape[i] for i in perm)) != vb.shape:
             continue
-        got = tie.compute(va)
-        if got.dtype == vb.dtype and got.tobytes() == vb.tobytes():
+        source = list(where)
+        if perm is not None:
+            for k, p in enumerate(perm):
+                source[p] = where[k]
+        sample = va[tuple(source)]
+        if to is not None:
+            sample = sample.astype(vb.dtype)
+        if sample.tobytes() != vb[where].tobytes():  # one differs: no need to look at all
+            continue
+        got = va if perm is None else np.transpose(va, perm)  # a view: no copy
+        if to is not None:
+            got = got.astype(vb.dtype)
+        bits = np.dtype(f"u{vb.dtype.itemsize}")
+        if got.dtype == vb.dtype and np.array_equal(got.view(bits), vb.view(bits)):  # bit for bit
             return tie
     return None
 
@@ -422,9 +442,9 @@ def tie_parameters(model: onnx.ModelProto, ties: list[Tie]) -> onnx.ModelProto:
         return out
     graph = out.graph
     tied = {t.name for t in ties}
-    kept = [i for i in graph.initializer if i.name not in tied]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
+    for k in reversed(range(len(graph.initializer))):  # in place: no copy of the other weights
+        if graph.initializer[k].name in tied:
+            del graph.initializer[k]
     taken = {n.name for n in graph.node} | {o for n in graph.node for o in n.output}
     taken |= {i.name for i in graph.initializer}
     nodes = []
