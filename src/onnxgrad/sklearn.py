@@ -214,7 +214,10 @@ class _OnnxEstimator(BaseEstimator):
         self.history_ = trainer.history
         self.loss_curve_ = list(trainer.history["loss"])
         self.n_iter_ = len(self.loss_curve_)
-        self.onnx_model_ = with_parameters(self._base_, trainer.parameters)
+        params = dict(trainer.parameters)
+        for tie in trainer.fb.graphs.ties:  # tied copies, computed from their parameter
+            params[tie.name] = tie.compute(params[tie.source])
+        self.onnx_model_ = with_parameters(self._base_, params)
         self._session_ = None
 
     # ---- prediction ----------------------------------------------------------------------------

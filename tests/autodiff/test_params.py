@@ -172,6 +172,18 @@ def test_batch_norm_running_statistics_and_dropout_ratio():
     }
 
 
+def test_one_read_as_a_weight_makes_a_parameter():
+    # the TorchScript exporter aliases equal initializers: a BatchNormalization's running variance
+    # (ones) read through Identity of its weight (ones at initialization)
+    nodes = [
+        helper.make_node("Identity", ["s"], ["var"]),
+        helper.make_node("BatchNormalization", ["x", "s", "b", "mean", "var"], ["y"]),
+    ]
+    inits = {"s": np.ones(3, F32), "b": np.zeros(3, F32), "mean": np.zeros(3, F32)}
+    model = make_model(nodes, [("x", F32, ["N", 3, 4])], [("y", F32, None)], inits)
+    assert parameter_reasons(model) == {"s": None, "b": None, "mean": "BatchNormalization running mean"}
+
+
 def test_torch_buffers_marked_by_the_exporter():
     model = make_model(
         [helper.make_node("Mul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "buf"], ["y"])],

@@ -12,7 +12,8 @@ when (first rule that applies):
 1. it is not floating-point (``"integer"``, ``"bool"``...): never trainable, even when named;
 2. the exporter marked it as a buffer or a constant of the source model (torch.export's input kind,
    kept by ``torch.onnx.export(dynamo=True)`` in some saves): ``"torch buffer"``;
-3. an op reads it in a slot that takes a constant, not a weight: a ``Pow`` exponent, a ``Clip``
+3. every op that reads it does so in a slot that takes a constant, not a weight (one read as a
+   weight makes it a parameter): a ``Pow`` exponent, a ``Clip``
    bound, a ``Reshape``/``Expand`` shape, ``Range`` arguments, a ``Pad`` or ``ConstantOfShape``
    value, ``Dropout``'s ratio, ``Resize`` scales, a ``BatchNormalization`` running statistic,
    quantization scales, an RNN's initial state (table :data:`CONSTANT_SLOTS`);
@@ -249,7 +250,11 @@ def parameter_reasons(model: onnx.ModelProto) -> dict[str, str | None]:
         if kind in ("BUFFER", "CONSTANT_TENSOR"):
             reasons[name] = "torch buffer" if kind == "BUFFER" else "torch constant"
             continue
-        reason = next((r for r in (_slot_reason(n, k) for n, k in uses[name]) if r), None)
+        # every read in a constant slot: exporters alias equal initializers (the TorchScript one
+        # reads a BatchNormalization's ones running variance through Identity of its ones weight),
+        # so one read as a weight makes a parameter
+        slots = [_slot_reason(n, k) for n, k in uses[name]]
+        reason = slots[0] if slots and all(slots) else None
         if reason is None and uses[name]:
             ambiguous = all(n.domain in ("", "ai.onnx") and n.op_type in ELEMENTWISE for n, _ in uses[name])
             size = int(np.prod(t.dims, dtype=np.int64))
@@ -510,7 +515,8 @@ def select_parameters(
     documentation). Raises :class:`InputError` for a name that is not a floating-point initializer.
     """
     inits = {i.name: i for i in model.graph.initializer}
-    reasons = parameter_reasons(model)
+    # named initializers, untied: the reasons are not needed (a front end building a variant)
+    reasons = parameter_reasons(model) if trainable is None or tie_weights else {}
     if trainable is None:
         names = [n for n, r in reasons.items() if r is None]
         explicit: list[str] = []
@@ -531,7 +537,7 @@ def select_parameters(
     ties: list[Tie] = []
     if tie_weights:
         chosen = set(names)
-        candidates = [n for n in inits if reasons[n] is None or n in chosen]
+        candidates = [n for n in inits if reasons.get(n) is None or n in chosen]
         found = find_ties(model, candidates, prefer=explicit)
         by_source: dict[str, list[Tie]] = {}
         for t in found:

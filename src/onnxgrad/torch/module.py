@@ -373,4 +373,6 @@ class OnnxModule(nn.Module):
             kind = "parameter" if tname in self._parameters else "buffer"
             shape = tuple(getattr(self, tname).shape)
             lines.append(f"({tname}): {kind} {shape} <- ONNX {oname!r}")
+        for tie in getattr(self, "tied", []):
+            lines.append(f"ONNX {tie.name!r} <- {tie.how} of {tie.source!r} (tied)")
         return "\n".join(lines)
