@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import onnx
 import pytest
@@ -291,6 +293,9 @@ def test_tied_weights_in_onnx_module():
         module.W.mul_(3)
     inits = {i.name: numpy_helper.to_array(i) for i in module.to_onnx().graph.initializer}
     np.testing.assert_array_equal(inits["W_T"], 3 * w.T)
+    again = pickle.loads(pickle.dumps(module))
+    np.testing.assert_array_equal(numpy_helper.to_array(again.to_onnx().graph.initializer[-1]), 3 * w.T)
+    assert "ONNX 'W_T' <- transpose [1, 0] of 'W' (tied)" in repr(module)
     apart = OnnxModule(model, tie_weights=False)
     assert [n for n, _ in apart.named_parameters()] == ["W", "W_T"]
 
