@@ -480,3 +480,44 @@ def test_random_feeds_dtypes_and_errors():
     with pytest.raises(InputError, match=r"^input 'f' has no shape in the model: give one"):
         random_feeds(model)
     assert random_feeds(model, shapes={"f": (2, 2)})["f"].shape == (2, 2)
+
+
+def test_info_shows_what_is_left_out_and_the_tied_groups(tmp_path, capsys):
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 32)).astype(np.float32)
+    inits = {
+        "W": w,
+        "W_T": np.ascontiguousarray(w.T),
+        "p": np.array(2.0, np.float32),
+        "eps": np.array([1e-5], np.float32),
+        "axes": np.array([-1], np.int64),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["a"]),
+        helper.make_node("Gemm", ["x", "W_T"], ["b"], transB=1),
+        helper.make_node("Add", ["a", "b"], ["h"]),
+        helper.make_node("Pow", ["h", "p"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq", "axes"], ["var"]),
+        helper.make_node("Add", ["var", "eps"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tied",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    path = tmp_path / "tied.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8), path)
+    assert main(["info", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "trainable parameters: 1 tensors, 512 values" in text
+    assert "  W     float  [16, 32]  512\n" in text
+    assert "  parameter  also stored as  how\n  W          W_T             transpose [1, 0]\n" in text
+    assert "left out of the default trainable set: 3 initializers" in text
+    lines = ("p     float  []     Pow exponent", "eps   float  [1]    epsilon")
+    lines += ("axes  int64  [1]    axes (int64)",)
+    for line in lines:
+        assert f"  {line}\n" in text

@@ -37,6 +37,7 @@ from .autodiff.graph import (
     topological_order,
     value_info_from_proto,
 )
+from .autodiff.params import padding_rows, select_parameters
 from .autodiff.registry import lookup
 from .errors import GradientNotImplementedError, InputError, OnnxGradError
 
@@ -79,7 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--trainable",
         nargs="+",
         metavar="NAME",
-        help="initializers to differentiate (default: every floating-point one)",
+        help="initializers to differentiate (default: the parameters `onnxgrad info` lists)",
+    )
+    p.add_argument(
+        "--no-tie-weights",
+        action="store_true",
+        help="train initializers that hold one parameter (tied weights) apart",
     )
     p.add_argument(
         "--inputs-requiring-grad",
@@ -178,6 +184,7 @@ def _grad(args: argparse.Namespace) -> int:
         trainable=args.trainable,
         inputs_requiring_grad=args.inputs_requiring_grad,
         outputs=args.outputs,
+        tie_weights=not args.no_tie_weights,
     )
     fwd_path, bwd_path = graphs.save(args.output_dir)
     print(f"forward   {fwd_path} ({len(graphs.forward.graph.node)} nodes)")
@@ -241,15 +248,32 @@ def _info(args: argparse.Namespace) -> int:
         print(f"\n{title}:")
         print(_table(("name", "type", "shape"), [_describe(v) for v in values], indent=2))
 
-    params = [t for t in g.initializer if t.data_type in FLOAT_TYPES]
+    selection = select_parameters(model)
+    params = [inits[n] for n in selection.trainable]
     total = sum(_numel(t.dims) for t in params)
     print(f"\ntrainable parameters: {len(params)} tensors, {total:,} values")
     rows = [(t.name, _dtype(t.data_type), _shape(tuple(t.dims)), f"{_numel(t.dims):,}") for t in params]
     if rows:
         print(_table(("name", "type", "shape", "size"), rows, indent=2))
-    others = len(g.initializer) - len(params)
-    if others:
-        print(f"  (+ {others} non-floating-point initializers, never trainable)")
+    groups = selection.groups
+    if groups:
+        print("\ntied weights (one parameter stored several times, trained as one unless tie_weights=False):")
+        rows = [(source, t.name, t.how) for source, ties in groups.items() for t in ties]
+        print(_table(("parameter", "also stored as", "how"), rows, indent=2))
+    rows = [
+        (node.input[0], str(row), node.name or node.output[0])
+        for node in selection.model.graph.node
+        for out, row in padding_rows(selection.model, selection.trainable).items()
+        if node.output and node.output[0] == out and node.op_type == "Gather"
+    ]
+    if rows:
+        print("\nembedding padding rows (no gradient, as torch's padding_idx):")
+        print(_table(("table", "row", "node"), rows, indent=2))
+    left = [(n, r) for n, r in selection.reasons.items()]
+    if left:
+        print(f"\nleft out of the default trainable set: {len(left)} initializers")
+        rows = [(n, _dtype(inits[n].data_type), _shape(tuple(inits[n].dims)), reason) for n, reason in left]
+        print(_table(("name", "type", "shape", "why"), rows, indent=2))
 
     ops = Counter((n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in g.node)
     print("\nops:")

@@ -40,7 +40,6 @@ from onnx import TensorProto
 
 from .autodiff.engine import GradientGraphs, build_gradient, check_graphs
 from .autodiff.graph import (
-    FLOAT_TYPES,
     ValueInfo,
     load_model,
     np_dtype,
@@ -48,6 +47,7 @@ from .autodiff.graph import (
     to_array,
     value_info_from_proto,
 )
+from .autodiff.params import select_parameters
 from .deps import C
 from .errors import InputError, OnnxGradRuntimeError
 from .pythonop import make_runner
@@ -278,8 +278,9 @@ class OrtGradientForwardBackward:
     """Forward and backward of an ONNX graph, as a class with ``forward`` and ``backward``.
 
     :param onnx_model: the model (``ModelProto``, path or bytes)
-    :param weights_to_train: initializers to train, in any order; ``None`` selects every
-        floating-point initializer (see :meth:`_select_initializer_names`)
+    :param weights_to_train: initializers to train, in any order; ``None`` selects the model's
+        parameters, initializers that hold one parameter trained as one (see
+        :meth:`_select_initializer_names`); named initializers are trained apart
     :param input_names: the model inputs in the order ``forward`` receives them (``None``: the
         graph's order); every input must be listed
     :param output_names: the outputs ``forward`` returns and ``backward`` takes gradients for
@@ -314,6 +315,7 @@ class OrtGradientForwardBackward:
         debug: bool = False,
     ) -> None:
         model = load_model(onnx_model)
+        self._tie_weights = weights_to_train is None  # the default set ties; named weights do not
         if weights_to_train is None:
             weights_to_train = self._select_initializer_names(model)
         if isinstance(weights_to_train, str):
@@ -351,13 +353,15 @@ class OrtGradientForwardBackward:
 
     @staticmethod
     def _select_initializer_names(onnx_model: onnx.ModelProto) -> list[str]:
-        """Names of every FLOAT16 / BFLOAT16 / FLOAT / DOUBLE initializer, in graph order.
+        """The default trainable set (:func:`onnxgrad.autodiff.params.select_parameters`), in
+        graph order: floating-point initializers that are parameters, not exponents, epsilons,
+        masks or other constants; of initializers holding one parameter, the one kept.
 
         Integer initializers (shapes, axes) are never trained. Raises :class:`InputError` when
         there is none.
         """
         model = load_model(onnx_model)
-        names = [i.name for i in model.graph.initializer if i.data_type in FLOAT_TYPES]
+        names = select_parameters(model).trainable
         if names:
             return names
         hint = ""
@@ -446,6 +450,7 @@ class OrtGradientForwardBackward:
             trainable=self.weights_to_train,
             inputs_requiring_grad=[n for n in self.input_names if is_float(n)],
             outputs=[n for n in self.output_names if is_float(n)],
+            tie_weights=getattr(self, "_tie_weights", False),
         )
         if self.debug:
             check_graphs(graphs)

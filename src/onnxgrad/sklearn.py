@@ -22,7 +22,8 @@ import onnxruntime as ort
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
 from sklearn.utils.validation import check_array, check_is_fitted
 
-from .autodiff.graph import FLOAT_TYPES, infer_value_infos, load_model, np_dtype, unique_name
+from .autodiff.graph import infer_value_infos, load_model, np_dtype, unique_name
+from .autodiff.params import select_parameters
 from .errors import InputError
 from .train.losses import add_loss, keep_outputs, with_parameters
 from .train.trainer import History, Trainer
@@ -178,9 +179,8 @@ class _OnnxEstimator(BaseEstimator):
         """A trainer on the training model, its weights taken from ``start``; with ``resume``, its
         history (``loss_curve_``, ``n_iter_``) continues the previous fit's, as scikit-learn's
         warm starts do."""
-        floats = [i for i in self._train_model_.graph.initializer if i.data_type in FLOAT_TYPES]
-        if self.trainable is None:  # 0-d constants (skl2onnx's `unity`) are not weights
-            trainable = [i.name for i in floats if len(i.dims) >= 1]
+        if self.trainable is None:  # the parameters: not skl2onnx's `unity` and other constants
+            trainable = select_parameters(self._train_model_).trainable
         else:
             trainable = list(self.trainable)
         if not trainable:
@@ -214,7 +214,10 @@ class _OnnxEstimator(BaseEstimator):
         self.history_ = trainer.history
         self.loss_curve_ = list(trainer.history["loss"])
         self.n_iter_ = len(self.loss_curve_)
-        self.onnx_model_ = with_parameters(self._base_, trainer.parameters)
+        params = dict(trainer.parameters)
+        for tie in trainer.fb.graphs.ties:  # tied copies, computed from their parameter
+            params[tie.name] = tie.compute(params[tie.source])
+        self.onnx_model_ = with_parameters(self._base_, params)
         self._session_ = None
 
     # ---- prediction ----------------------------------------------------------------------------
@@ -250,8 +253,8 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
     ``model``: ONNX model (proto, path, bytes) or fitted scikit-learn regressor. ``output``: the
     model output to train (default: the first floating-point one). ``l1`` / ``l2``: penalties on
     the initializers of rank >= 2 (skl2onnx stores MLP intercepts as ``(1, n)`` matrices: they are
-    penalized too). ``trainable``: initializer names (default: every floating-point one with
-    at least one dimension). Fitted attributes: ``onnx_model_``, ``loss_curve_``, ``history_``,
+    penalized too). ``trainable``: initializer names (default: the model's parameters,
+    see :mod:`onnxgrad.autodiff.params`). Fitted attributes: ``onnx_model_``, ``loss_curve_``, ``history_``,
     ``n_iter_`` (epochs), ``n_features_in_``.
     """
 

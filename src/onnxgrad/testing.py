@@ -187,7 +187,7 @@ def check_gradients(
         trainable = [w for w in wrt if w in inits]
         req = [w for w in wrt if w not in inits]
     if graphs is None:
-        graphs = build_gradient(proto, trainable=trainable, inputs_requiring_grad=req)
+        graphs = build_gradient(proto, trainable=trainable, inputs_requiring_grad=req, tie_weights=False)
     fwd, bwd = run_model(graphs.forward, backend), run_model(graphs.backward, backend)
     params = {n: numpy_helper.to_array(inits[n]) for n in graphs.trainable}
     values = {**{k: np.asarray(v) for k, v in feeds.items()}, **params}

@@ -171,6 +171,8 @@ class GradBuilder:
         self._shape_cache: dict[str, Var] = {}
         self._fwd_vars: dict[str, Var] = {}
         self.versions: dict[str, int] = {}  # opset of each domain of the model ("" for ai.onnx)
+        # Gather output -> table row that gets no gradient (torch Embedding's padding_idx)
+        self.padding_rows: dict[str, int] = {}
         self.parent: GradBuilder | None = None
         self.local: set[str] = set()  # forward values of this scope (for a child builder)
 

@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -27,7 +28,6 @@ from ..errors import GradientNotImplementedError, InputError, ModelError
 from ..pythonop.spec import complete_class_names
 from .builder import GradBuilder, Var
 from .graph import (
-    FLOAT_TYPES,
     MIN_BACKWARD_OPSET,
     ValueInfo,
     all_names,
@@ -42,6 +42,7 @@ from .graph import (
     to_array,
     topological_order,
 )
+from .params import Tie, padding_rows, select_parameters
 from .registry import NodeContext, _load_rules, lookup
 from .rewrite import rewrite_for_training
 
@@ -64,6 +65,8 @@ class GradientGraphs:
     outputs: list[str]  # user outputs of the forward graph, in order
     grad_inputs: dict[str, str] = field(default_factory=dict)  # user output -> backward input
     grad_outputs: dict[str, str] = field(default_factory=dict)  # wrt name -> backward output
+    # initializers computed from a trainable one (tied weights, see autodiff/params.py)
+    ties: list[Tie] = field(default_factory=list)
 
     @property
     def wrt(self) -> list[str]:
@@ -87,16 +90,22 @@ def build_gradient(
     trainable: Iterable[str] | None = None,
     inputs_requiring_grad: Iterable[str] = (),
     outputs: Iterable[str] | None = None,
+    tie_weights: bool = True,
 ) -> GradientGraphs:
     """Build the forward and backward graphs of ``model``.
 
-    ``trainable``: initializer names to differentiate (``None``: every floating-point initializer).
+    ``trainable``: initializer names to differentiate (``None``: the model's parameters, leaving
+    out exponents, epsilons, shapes, masks and other constants; see
+    :mod:`onnxgrad.autodiff.params`). ``tie_weights``: initializers that hold one parameter (equal,
+    or equal up to a transpose or a cast) are trained as one, the others computed from it
+    (``GradientGraphs.ties``); ``False`` trains them apart.
     ``inputs_requiring_grad``: graph inputs whose gradients the backward also returns.
     ``outputs``: outputs that take a gradient (``None``: every floating-point output); the others
     are treated as having a zero gradient.
     """
     _load_rules()
-    model = _prepare(load_model(model))
+    selection = select_parameters(_prepare(load_model(model)), trainable, tie_weights=tie_weights)
+    model = selection.model
     graph = model.graph
     nodes = list(graph.node)
     infos = infer_value_infos(model)
@@ -105,7 +114,7 @@ def build_gradient(
 
     inits = {i.name: i for i in graph.initializer}
     graph_inputs = [i.name for i in graph.input if i.name not in inits]
-    trainable_names = _select_trainable(inits, trainable)
+    trainable_names = selection.trainable
     input_names = _select_inputs(graph_inputs, infos, inputs_requiring_grad)
     out_names = [o.name for o in graph.output]
     grad_outs = _select_outputs(out_names, infos, outputs)
@@ -122,6 +131,7 @@ def build_gradient(
     taken = set(infos) | all_names(graph)
     g = GradBuilder(infos, consts, taken, max(opset, MIN_BACKWARD_OPSET))
     g.versions = versions
+    g.padding_rows = padding_rows(model, trainable_names)  # torch Embedding(padding_idx=...)
     grads: dict[str, list[Var]] = {}
     grad_inputs: dict[str, str] = {}
     for out in grad_outs:
@@ -153,6 +163,7 @@ def build_gradient(
         outputs=out_names,
         grad_inputs=grad_inputs,
         grad_outputs=grad_outputs,
+        ties=selection.ties,
     )
 
 
@@ -278,9 +289,19 @@ def reverse_pass(
             opset=version,
             g=g,
         )
-        for name, need, grad in zip(operands, needs, r.fn(g, ctx)):
+        for k, (name, need, grad) in enumerate(zip(operands, needs, r.fn(g, ctx))):
             if need and grad is not None:
+                if k == 0 and node.op_type == "Gather" and node.output[0] in g.padding_rows:
+                    grad = _without_row(g, grad, g.infos[name], g.padding_rows[node.output[0]])
                 grads.setdefault(name, []).append(grad)
+
+
+def _without_row(g: GradBuilder, grad: Var, table: ValueInfo, row: int) -> Var:
+    """``grad`` with row ``row`` zeroed: the gradient torch gives an Embedding's padding row."""
+    shape = table.shape or ()
+    mask = np.ones((shape[0],) + (1,) * (len(shape) - 1))
+    mask[row] = 0
+    return grad * g.const(mask, grad.dtype)
 
 
 # ---- selection and validation ----------------------------------------------------------------
@@ -297,23 +318,6 @@ def _prepare(model: onnx.ModelProto) -> onnx.ModelProto:
 
         copy = inliner.inline_local_functions(copy)
     return rewrite_for_training(copy)
-
-
-def _select_trainable(inits: dict[str, onnx.TensorProto], trainable: Iterable[str] | None) -> list[str]:
-    if trainable is None:
-        return [n for n, t in inits.items() if t.data_type in FLOAT_TYPES]
-    if isinstance(trainable, str):
-        trainable = [trainable]
-    names = list(dict.fromkeys(trainable))
-    for n in names:
-        if n not in inits:
-            raise InputError(f"trainable name {n!r} is not an initializer of the model")
-        if inits[n].data_type not in FLOAT_TYPES:
-            raise InputError(
-                f"initializer {n!r} has type {helper.tensor_dtype_to_string(inits[n].data_type)}: "
-                "only floating-point initializers can be trained"
-            )
-    return names
 
 
 def _select_inputs(graph_inputs: list[str], infos: dict[str, ValueInfo], names: Iterable[str]) -> list[str]:

@@ -21,6 +21,7 @@ from onnx import helper, numpy_helper
 from ..autodiff.engine import GradientGraphs, build_gradient
 from ..autodiff.graph import FLOAT_TYPES, ValueInfo, load_model, np_dtype, to_array, value_info_from_proto
 from ..autodiff.modes import ModeSwitch, follows_training_flag, set_training_mode
+from ..autodiff.params import untie
 from ..deps import require_onnxruntime
 from ..errors import InputError, OnnxGradRuntimeError
 from ..pythonop import make_runner
@@ -225,6 +226,7 @@ class ForwardBackward:
         outputs: Iterable[str] | None = None,
         providers: str | Sequence[Any] | None = None,
         session_options: ort.SessionOptions | None = None,
+        tie_weights: bool = True,
     ) -> None:
         self._modes: ModeSwitch | None = None  # Dropout / BatchNormalization follow `training`
         if isinstance(model_or_graphs, GradientGraphs):
@@ -235,17 +237,16 @@ class ForwardBackward:
             user_outputs = [o.name for o in proto.graph.output]
             if follows_training_flag(proto):
                 self._modes = set_training_mode(proto, True)
+                # running statistics are buffers, left out of the default set by how they are used
                 proto = _overridable(self._modes.model, self._modes.buffers)
-                if trainable is None:  # running statistics are buffers, not parameters
-                    trainable = [
-                        i.name
-                        for i in proto.graph.initializer
-                        if i.data_type in FLOAT_TYPES and i.name not in self._modes.running_stats
-                    ]
                 if outputs is None:
                     outputs = [o for o in user_outputs if o in float_outputs(proto)]
             graphs = build_gradient(
-                proto, trainable=trainable, inputs_requiring_grad=inputs_requiring_grad, outputs=outputs
+                proto,
+                trainable=trainable,
+                inputs_requiring_grad=inputs_requiring_grad,
+                outputs=outputs,
+                tie_weights=tie_weights,
             )
         if not graphs.wrt:
             raise InputError(
@@ -274,7 +275,9 @@ class ForwardBackward:
         if self._eval_runner is None:
             model = _overridable(set_training_mode(self._modes.model, False).model, self._modes.buffers)
             outputs = list(self.graphs.grad_inputs)
-            graphs = build_gradient(model, trainable=self.graphs.trainable, outputs=outputs)
+            graphs = build_gradient(
+                model, trainable=self.graphs.trainable, outputs=outputs, tie_weights=bool(self.graphs.ties)
+            )
             self._eval_runner = make_runner(graphs, self.providers, self._options)
         return self._eval_runner
 
@@ -313,7 +316,7 @@ class ForwardBackward:
         """The inference model (user outputs only, Dropout and BatchNormalization in inference
         mode) carrying the current parameter and running-statistics values."""
         graphs = self._runner_for(False).graphs
-        model = inference_model(graphs, {**self._params, **self._buffers})
+        model = untie(inference_model(graphs, {**self._params, **self._buffers}), graphs.ties)
         if self._modes is not None:  # running statistics back to plain initializers
             inputs = [i for i in model.graph.input if i.name not in self._buffers]
             del model.graph.input[:]
@@ -492,7 +495,8 @@ def gradients(
     """Gradients of the model's outputs at ``feeds``, in one call.
 
     ``grad_outputs``: output name -> array (``None``: ones for every floating-point output).
-    ``wrt``: initializer and/or input names (``None``: every trainable initializer).
+    ``wrt``: initializer and/or input names (``None``: the default trainable set, tied weights
+    as one; named initializers each get their own gradient).
     """
     proto = load_model(model)
     inits = {i.name for i in proto.graph.initializer}
@@ -507,7 +511,9 @@ def gradients(
         trainable = [w for w in wrt if w in inits]
         req = [w for w in wrt if w in inputs]
     outputs = None if grad_outputs is None else list(grad_outputs)
-    graphs = build_gradient(proto, trainable=trainable, inputs_requiring_grad=req, outputs=outputs)
+    graphs = build_gradient(
+        proto, trainable=trainable, inputs_requiring_grad=req, outputs=outputs, tie_weights=wrt is None
+    )
     fb = ForwardBackward(graphs, providers=providers)
     result = fb.forward(feeds, training=True)
     grads = result.backward(grad_outputs)

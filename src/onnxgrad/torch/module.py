@@ -24,6 +24,7 @@ from torch import nn
 from ..autodiff.engine import build_gradient
 from ..autodiff.graph import FLOAT_TYPES, load_model, to_array, unique_name, value_info_from_proto
 from ..autodiff.modes import follows_training_flag, set_training_mode
+from ..autodiff.params import select_parameters, untie
 from ..errors import InputError
 from ..pythonop import make_runner
 from ..runtime.session import float_outputs, resolve_providers
@@ -76,8 +77,8 @@ class _Variant:
         proto.graph.initializer.extend(kept)
         declared = {i.name for i in proto.graph.input}
         proto.graph.input.extend([a for a in added if a.name not in declared])
-        self.graphs = graphs = build_gradient(
-            proto, trainable=trainable, inputs_requiring_grad=inputs, outputs=outputs
+        self.graphs = graphs = build_gradient(  # the module chose and tied its parameters already
+            proto, trainable=trainable, inputs_requiring_grad=inputs, outputs=outputs, tie_weights=False
         )
         self.runner = make_runner(self.graphs, providers, options)
         # model inputs then initializers, the order of the tensors a call hands to _OnnxFunction
@@ -152,9 +153,14 @@ class _OnnxFunction(torch.autograd.Function):
 class OnnxModule(nn.Module):
     """An ONNX model as a PyTorch layer.
 
-    ``trainable``: initializer names that become ``nn.Parameter``s (``None``: every floating-point
-    initializer); other floating-point initializers become buffers. ``forward(*tensors)`` takes the
-    model inputs in order and returns a tensor (one output) or a tuple.
+    ``trainable``: initializer names that become ``nn.Parameter``s (``None``: the model's
+    parameters, leaving out exponents, epsilons, shapes, masks, running statistics and other
+    constants; see :mod:`onnxgrad.autodiff.params`); other floating-point initializers become
+    buffers. ``tie_weights``: initializers holding one parameter (equal, or equal up to a transpose
+    or a cast, such as GPT-2's embedding and its folded transposed copy) become one ``nn.Parameter``,
+    the others computed from it in the graph (``tied``); ``False`` keeps them apart.
+    ``forward(*tensors)`` takes the model inputs in order and returns a tensor (one output) or a
+    tuple.
     """
 
     def __init__(
@@ -164,9 +170,12 @@ class OnnxModule(nn.Module):
         trainable: Iterable[str] | None = None,
         providers: str | Sequence[Any] | None = None,
         session_options: ort.SessionOptions | None = None,
+        tie_weights: bool = True,
     ) -> None:
         super().__init__()
-        proto = load_model(model)
+        selection = select_parameters(load_model(model), trainable, tie_weights=tie_weights)
+        proto = selection.model
+        self.tied = selection.ties  # initializers computed from a parameter
         self.output_names = [o.name for o in proto.graph.output]
         # the outputs that take a gradient (integer and bool outputs come back non-differentiable)
         floats = float_outputs(proto)
@@ -190,15 +199,7 @@ class OnnxModule(nn.Module):
         self._session_options = session_options
         inits = {i.name: i for i in proto.graph.initializer}
         floats = [n for n, t in inits.items() if t.data_type in FLOAT_TYPES]
-        if trainable is None:  # every float initializer but the running statistics
-            params = [n for n in floats if n not in self._running_stats]
-        else:
-            params = [trainable] if isinstance(trainable, str) else list(dict.fromkeys(trainable))
-            for n in params:
-                if n not in inits:
-                    raise InputError(f"trainable name {n!r} is not an initializer of the model")
-                if n not in floats:
-                    raise InputError(f"initializer {n!r} is not floating-point: it cannot be trained")
+        params = set(selection.trainable)
         taken: set[str] = set()
         self.onnx_names: dict[str, str] = {}  # torch attribute name -> ONNX initializer name
         for n in floats:
@@ -350,7 +351,7 @@ class OnnxModule(nn.Module):
         ]
         del proto.graph.initializer[:]
         proto.graph.initializer.extend(inits)
-        return proto
+        return untie(proto, getattr(self, "tied", []))  # tied copies back to initializers
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -372,4 +373,6 @@ class OnnxModule(nn.Module):
             kind = "parameter" if tname in self._parameters else "buffer"
             shape = tuple(getattr(self, tname).shape)
             lines.append(f"({tname}): {kind} {shape} <- ONNX {oname!r}")
+        for tie in getattr(self, "tied", []):
+            lines.append(f"ONNX {tie.name!r} <- {tie.how} of {tie.source!r} (tied)")
         return "\n".join(lines)
