@@ -246,3 +246,49 @@ def test_errors(tmp_path):
     runner = Runner(tmp_path)
     with pytest.raises(InputError, match="missing batch"):
         runner.step({"pixels": np.zeros((2, 8), np.float32)})
+
+
+def test_cli_writes_the_folder(tmp_path, capsys):
+    from onnxgrad.cli import main
+
+    path = tmp_path / "mlp.onnx"
+    onnx.save(small_mlp(), path)
+    out = tmp_path / "art"
+    argv = [str(path), "--loss", "cross_entropy", "--optimizer", "sgd", "--momentum", "0.9", "--nesterov"]
+    assert main(["artifacts", *argv, "--lr", "0.05", "-o", str(out)]) == 0
+    assert "parameters (4)" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["optimizer"]["nesterov"] is True and manifest["lr"]["default"] == 0.05
+    ref_losses, _, _, _ = train_both(
+        small_mlp(),
+        digits_like(),
+        optimizer="sgd",
+        lr=0.05,
+        momentum=0.9,
+        nesterov=True,
+        tmp_path=tmp_path / "b",
+    )
+    runner = Runner(out, threads=1)
+    data = digits_like()
+    losses = [
+        runner.step({k: v[i : i + BATCH] for k, v in data.items()}) for i in range(0, STEPS * BATCH, BATCH)
+    ]
+    assert_close(losses, ref_losses)
+    assert (
+        main(
+            [
+                "artifacts",
+                str(path),
+                "--loss",
+                "mse",
+                "--optimizer",
+                "adam",
+                "--betas",
+                "2",
+                "0.9",
+                "-o",
+                str(out),
+            ]
+        )
+        == 2
+    )
