@@ -11,7 +11,7 @@ PIP_QUIET := --quiet --disable-pip-version-check
 # torch first: a spec pip could satisfy with a newer release pulls a CUDA build of several GB.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-latest test-oldest test-wheel lint bench fuzz lock clean
+.PHONY: demo test test-latest test-oldest test-wheel test-js lint bench fuzz lock clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,13 @@ lock:
 	 .venv-lock/bin/python -m pip freeze --disable-pip-version-check --exclude onnxgrad) > $(LOCK)
 	rm -rf .venv-lock
 
+# The JavaScript runner (js/) on onnxruntime-node against the Python runner: the fixture (the digits
+# MLP's training folder and the Python losses) is written by js/test/make_fixture.py.
+test-js: $(STAMP)
+	cd js && npm ci --no-audit --no-fund
+	$(PY) js/test/make_fixture.py js/test/fixture
+	cd js && node --test test/
+
 lint: $(STAMP)
 	$(PY) -m ruff check src tests bench tools
 	$(PY) -m ruff format --check src tests bench tools
@@ -77,4 +84,5 @@ fuzz: $(STAMP)
 	ONNXGRAD_FUZZ=1 $(PY) -m pytest -q tests/reliability/test_fuzz.py
 
 clean:
-	rm -rf $(VENV) .venv-latest .venv-oldest .venv-wheel build dist src/*.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-latest .venv-oldest .venv-wheel build dist src/*.egg-info .pytest_cache \
+		js/node_modules js/test/fixture

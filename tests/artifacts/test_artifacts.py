@@ -203,7 +203,10 @@ def test_folder_is_self_describing(tmp_path):
     loss, *rest = sess.run(None, feeds)
     assert loss.shape == () and len(rest) == len(feedback)
     inference = ort.InferenceSession(str(tmp_path / "inference.onnx"))
-    assert next(i.name for i in inference.get_inputs()) == "pixels"
+    assert [i.name for i in inference.get_inputs()] == [
+        "pixels",
+        *[p["name"] for p in manifest["parameters"]],
+    ]
 
 
 def test_save_writes_trained_inference_model(tmp_path):

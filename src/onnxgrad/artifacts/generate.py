@@ -8,8 +8,10 @@
   state tensor and every running statistic (BatchNormalization). Outputs: ``loss``, then the new
   value of each parameter, state tensor and running statistic, named ``next/<input name>``.
 * ``eval_step.onnx``: the loss and the model's outputs, parameters fed as inputs, no update.
-* ``inference.onnx``: the model itself, its trainable initializers also declared as inputs, so a
-  runtime can feed trained values without rewriting the file.
+* ``inference.onnx``: the model (inference mode) taking its trainable parameters and running
+  statistics as inputs, so a runtime feeds the trained values without rewriting the file
+  (onnxruntime-web and -node cannot feed initializers); :meth:`Runner.save` writes the usual
+  self-contained model.
 * ``state.safetensors``: the starting parameters, optimizer state and running statistics
   (see :mod:`onnxgrad.artifacts.tensors`); metadata ``step`` holds the update count.
 """
@@ -131,7 +133,7 @@ def generate(
     eval_step = _with_fed_initializers(eval_lossy, [*trainable, *stats], remove=True)
     eval_step = keep_outputs(eval_step, [loss_name, *model_outputs])
     _reorder_outputs(eval_step, [loss_name, *model_outputs])
-    inference = _with_fed_initializers(eval_model, [*trainable, *stats], remove=False)
+    inference = _with_fed_initializers(eval_model, [*trainable, *stats], remove=True)
     for m in (eval_step, inference):
         m.ir_version = max(ir_version_for(m.opset_import), min(m.ir_version, 10))
         check_model(m)

@@ -169,11 +169,9 @@ class Runner:
         """The inference model carrying the trained parameters and running statistics."""
         model = onnx.load(os.path.join(self.folder, self.manifest["files"]["inference"]))
         current = self._arrays[self._current]
-        names = set(self.manifest["inference"]["parameters"])
+        names = list(self.manifest["inference"]["parameters"])
         g = model.graph
-        for i, init in enumerate(g.initializer):
-            if init.name in names:
-                g.initializer[i].CopyFrom(numpy_helper.from_array(current[init.name], init.name))
+        g.initializer.extend(numpy_helper.from_array(current[n], n) for n in names)
         inputs = [i for i in g.input if i.name not in names]  # back to the model's own inputs
         del g.input[:]
         g.input.extend(inputs)
