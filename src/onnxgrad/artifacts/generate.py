@@ -37,6 +37,7 @@ from ..autodiff.graph import (
     load_model,
     np_dtype,
     opset_of,
+    subgraphs,
     to_array,
     unique_name,
 )
@@ -263,35 +264,48 @@ def _train_step(
 
 
 def _forward_identities(model: onnx.ModelProto) -> None:
-    """Drop the Identity nodes that name the outputs where the producer's value can be renamed.
+    """Name the step's outputs at their producers instead of through Identity nodes.
 
-    A value read by one node, the Identity, is renamed to the output's name (one copy fewer per
-    tensor and step when onnxruntime writes straight into bound output buffers).
+    The value an output-naming Identity reads is renamed to the output's name everywhere (a graph
+    output may also feed other nodes), which saves onnxruntime one copy per tensor and step. Values
+    that subgraphs read, graph inputs and initializers keep their Identity.
     """
     g = model.graph
     outputs = {o.name for o in g.output}
-    readers: dict[str, int] = {}
-    for n in g.node:
-        for i in n.input:
-            readers[i] = readers.get(i, 0) + 1
-    graph_values = {i.name for i in g.input} | {i.name for i in g.initializer} | outputs
-    producer = {o: n for n in g.node for o in n.output}
+    fixed = {i.name for i in g.input} | {i.name for i in g.initializer} | outputs
+    fixed |= {name for n in g.node for sub in subgraphs(n) for name in _reads(sub)}
+    producers = {o for n in g.node for o in n.output}
+    renames: dict[str, str] = {}
     drop = []
     for n in g.node:
         if n.op_type != "Identity" or n.output[0] not in outputs:
             continue
         src = n.input[0]
-        if readers.get(src) != 1 or src in graph_values or src not in producer:
+        if src in fixed or src not in producers or src in renames:
             continue
-        p = producer[src]
-        p.output[list(p.output).index(src)] = n.output[0]
+        renames[src] = n.output[0]
         drop.append(n)
     for n in drop:
         g.node.remove(n)
-    renamed = {n.input[0] for n in drop}
-    infos = [v for v in g.value_info if v.name not in renamed]
+    for n in g.node:
+        for k, name in enumerate(n.input):
+            if name in renames:
+                n.input[k] = renames[name]
+        for k, name in enumerate(n.output):
+            if name in renames:
+                n.output[k] = renames[name]
+    infos = [v for v in g.value_info if v.name not in renames]
     del g.value_info[:]
     g.value_info.extend(infos)
+
+
+def _reads(graph: onnx.GraphProto) -> set[str]:
+    """Every name the nodes of ``graph`` and of its nested subgraphs read."""
+    names = {i for n in graph.node for i in n.input}
+    for n in graph.node:
+        for sub in subgraphs(n):
+            names |= _reads(sub)
+    return names
 
 
 def _check_standard(model: onnx.ModelProto) -> None:
