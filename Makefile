@@ -11,7 +11,7 @@ PIP_QUIET := --quiet --disable-pip-version-check
 # torch first: a spec pip could satisfy with a newer release pulls a CUDA build of several GB.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-latest test-oldest test-wheel test-js lint bench fuzz lock clean
+.PHONY: demo test test-latest test-oldest test-wheel test-js test-web lint bench fuzz lock clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -73,6 +73,14 @@ test-js: $(STAMP)
 	$(PY) js/test/make_fixture.py js/test/fixture
 	cd js && node --test test/
 
+# The browser: examples/web/ trains the digits MLP with onnxruntime-web (wasm) in headless chromium
+# (apt-get install -y chromium, or CHROMIUM=/path), served from localhost; also onnxruntime-web in
+# Node. Writes examples/web/out/screenshot.png (or $$SCREENSHOT).
+test-web: $(STAMP)
+	cd examples/web && npm ci --no-audit --no-fund
+	$(PY) js/test/make_fixture.py examples/web/fixture
+	cd examples/web && node test-web.mjs
+
 lint: $(STAMP)
 	$(PY) -m ruff check src tests bench tools
 	$(PY) -m ruff format --check src tests bench tools
@@ -85,4 +93,4 @@ fuzz: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .venv-latest .venv-oldest .venv-wheel build dist src/*.egg-info .pytest_cache \
-		js/node_modules js/test/fixture
+		js/node_modules js/test/fixture examples/web/node_modules examples/web/fixture examples/web/out
