@@ -295,3 +295,18 @@ def test_cli_writes_the_folder(tmp_path, capsys):
         )
         == 2
     )
+
+
+@pytest.mark.parametrize(("opset", "step_opset", "ir"), [(13, 18, 8), (18, 18, 8), (21, 21, 10)])
+def test_opset_and_ir_version(opset, step_opset, ir, tmp_path):
+    model = small_mlp()
+    model.opset_import[0].version = opset  # Gemm and Relu are the same from opset 13 to 21
+    art = generate(model, loss="cross_entropy", optimizer="adam", out_dir=tmp_path)
+    for proto in (art.train_step, art.eval_step, art.inference):
+        assert {o.domain or "ai.onnx": o.version for o in proto.opset_import}["ai.onnx"] <= max(opset, 18)
+        assert proto.ir_version <= 10
+    assert art.manifest["opset"] == step_opset and art.train_step.ir_version == ir
+    runner = Runner(tmp_path, threads=1)
+    data = digits_like()
+    first = runner.step({k: v[:BATCH] for k, v in data.items()})
+    assert np.isfinite(first)

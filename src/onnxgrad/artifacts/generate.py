@@ -136,7 +136,7 @@ def generate(
     _reorder_outputs(eval_step, [loss_name, *model_outputs])
     inference = _with_fed_initializers(eval_model, [*trainable, *stats], remove=True)
     for m in (eval_step, inference):
-        m.ir_version = max(ir_version_for(m.opset_import), min(m.ir_version, 10))
+        m.ir_version = _ir_version(m)
         check_model(m)
 
     state: dict[str, np.ndarray] = {}
@@ -253,7 +253,7 @@ def _train_step(
     model.graph.input.extend(inputs)  # every input stays, even one this optimizer does not read
     _forward_identities(model)
     _check_standard(model)
-    model.ir_version = ir_version_for(model.opset_import)
+    model.ir_version = _ir_version(model)
     check_model(model)
     names = {
         "batch": [i.name for i in model.graph.input if i.name in {b.name for b in batch}],
@@ -306,6 +306,16 @@ def _reads(graph: onnx.GraphProto) -> set[str]:
         for sub in subgraphs(n):
             names |= _reads(sub)
     return names
+
+
+def _ir_version(model: onnx.ModelProto) -> int:
+    """The lowest IR version the model's opsets allow (opset 18: 8, 21: 10), so that the oldest
+    runtimes that know the opset load it."""
+    standard = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    try:
+        return max(8, helper.find_min_ir_version_for(standard, ignore_unknown=True))
+    except Exception:  # pragma: no cover - an onnx without the table
+        return ir_version_for(model.opset_import)
 
 
 def _check_standard(model: onnx.ModelProto) -> None:
