@@ -11,7 +11,7 @@ PIP_QUIET := --quiet --disable-pip-version-check
 # torch first: a spec pip could satisfy with a newer release pulls a CUDA build of several GB.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-latest test-oldest test-wheel lint bench fuzz lock clean docs-coverage
+.PHONY: demo test test-latest test-oldest test-wheel test-js test-web lint bench fuzz lock clean docs-coverage
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -73,6 +73,21 @@ lock:
 	 .venv-lock/bin/python -m pip freeze --disable-pip-version-check --exclude onnxgrad) > $(LOCK)
 	rm -rf .venv-lock
 
+# The JavaScript runner (js/) on onnxruntime-node against the Python runner: the fixture (the digits
+# MLP's training folder and the Python losses) is written by js/test/make_fixture.py.
+test-js: $(STAMP)
+	cd js && npm ci --no-audit --no-fund
+	$(PY) js/test/make_fixture.py js/test/fixture
+	cd js && node --test test/
+
+# The browser: examples/web/ trains the digits MLP with onnxruntime-web (wasm) in headless chromium
+# (apt-get install -y chromium, or CHROMIUM=/path), served from localhost; also onnxruntime-web in
+# Node. Writes examples/web/out/screenshot.png (or $$SCREENSHOT).
+test-web: $(STAMP)
+	cd examples/web && npm ci --no-audit --no-fund
+	$(PY) js/test/make_fixture.py examples/web/fixture
+	cd examples/web && node test-web.mjs
+
 lint: $(STAMP)
 	$(PY) -m ruff check src tests bench tools
 	$(PY) -m ruff format --check src tests bench tools
@@ -84,4 +99,5 @@ fuzz: $(STAMP)
 	ONNXGRAD_FUZZ=1 $(PY) -m pytest -q tests/reliability/test_fuzz.py
 
 clean:
-	rm -rf $(VENV) .venv-latest .venv-oldest .venv-wheel build dist src/*.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-latest .venv-oldest .venv-wheel build dist src/*.egg-info .pytest_cache \
+		js/node_modules js/test/fixture examples/web/node_modules examples/web/fixture examples/web/out

@@ -26,6 +26,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ._version import __version__
+from .artifacts.cli import add_parser as add_artifacts_parser
 from .autodiff import build_gradient, rules_table, supported_ops
 from .autodiff.graph import (
     FLOAT_TYPES,
@@ -174,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_demo)
+
+    add_artifacts_parser(sub)
     return parser
 
 

@@ -1,0 +1,110 @@
+// Trains the digits MLP from an onnxgrad artifacts folder with onnxruntime-web (wasm backend), with
+// the same TrainingSession class Node uses (../../js/src/index.js, ort injected). The folder, the
+// data and the Python runner's losses come from js/test/make_fixture.py (in ./fixture/).
+import * as ort from './node_modules/onnxruntime-web/dist/ort.wasm.min.mjs';
+import { readSafetensors, TrainingSession } from '../../js/src/index.js';
+
+ort.env.wasm.numThreads = 1; // no cross-origin isolation needed
+ort.env.wasm.wasmPaths = new URL('./node_modules/onnxruntime-web/dist/', import.meta.url).href;
+
+const status = document.getElementById('status');
+const fixture = new URLSearchParams(location.search).get('fixture') ?? 'fixture/';
+const fetchBytes = async (path) => {
+  const response = await fetch(fixture + path);
+  if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
+  return new Uint8Array(await response.arrayBuffer());
+};
+
+function drawCurve(losses, expected) {
+  const c = document.getElementById('curve').getContext('2d');
+  const { width, height } = c.canvas;
+  const top = Math.max(...expected);
+  c.clearRect(0, 0, width, height);
+  const line = (values, color, widthPx) => {
+    c.strokeStyle = color;
+    c.lineWidth = widthPx;
+    c.beginPath();
+    values.forEach((v, i) => {
+      const x = 30 + (i / (expected.length - 1)) * (width - 40);
+      const y = height - 20 - (v / top) * (height - 30);
+      if (i === 0) c.moveTo(x, y);
+      else c.lineTo(x, y);
+    });
+    c.stroke();
+  };
+  line(expected, '#bbb', 5); // the Python runner's losses, under the browser's
+  line(losses, '#d33', 1.5);
+  c.fillStyle = '#222';
+  c.fillText(`loss (red: browser, grey: Python), ${losses.length} steps`, 35, 14);
+}
+
+function drawDigits(pixels, labels, predicted, count) {
+  const box = document.getElementById('digits');
+  for (let k = 0; k < count; k++) {
+    const canvas = document.createElement('canvas');
+    canvas.width = canvas.height = 8;
+    canvas.style.width = canvas.style.height = '40px';
+    const ctx = canvas.getContext('2d');
+    const image = ctx.createImageData(8, 8);
+    for (let i = 0; i < 64; i++) {
+      const v = 255 - Math.round(pixels[k * 64 + i] * 255);
+      image.data.set([v, v, v, 255], i * 4);
+    }
+    ctx.putImageData(image, 0, 0);
+    canvas.title = `label ${labels[k]}, predicted ${predicted[k]}`;
+    canvas.style.outline = predicted[k] === Number(labels[k]) ? '2px solid #3a3' : '2px solid #d33';
+    box.appendChild(canvas);
+  }
+}
+
+async function main() {
+  const expected = JSON.parse(new TextDecoder().decode(await fetchBytes('expected.json')));
+  const { tensors } = readSafetensors(await fetchBytes('digits.safetensors'));
+  const [rows, width] = tensors.pixels.dims;
+  const size = expected.batch_size;
+  const batchAt = (step) => {
+    const start = (step % Math.floor(rows / size)) * size;
+    return {
+      pixels: new ort.Tensor('float32', tensors.pixels.data.slice(start * width, (start + size) * width), [size, width]),
+      target: tensors.target.data.slice(start, start + size),
+    };
+  };
+  const session = await TrainingSession.create(ort, (name) => fetchBytes(`artifacts/${name}`), {
+    sessionOptions: { executionProviders: ['wasm'] },
+  });
+  const losses = [];
+  const started = performance.now();
+  for (let k = 0; k < expected.steps; k++) {
+    losses.push(await session.step(batchAt(k)));
+    if (k % 20 === 19) {
+      status.textContent = `step ${k + 1}/${expected.steps}: loss ${losses.at(-1).toFixed(4)}`;
+      drawCurve(losses, expected.losses);
+      await new Promise((r) => setTimeout(r, 0));
+    }
+  }
+  const ms = (performance.now() - started) / expected.steps;
+  drawCurve(losses, expected.losses);
+  const worst = Math.max(...losses.map((l, i) => Math.abs(l - expected.losses[i]) / Math.abs(expected.losses[i])));
+  // the last 297 rows were never trained on: predict them with inference.onnx and the trained weights
+  const held = rows - 297;
+  const pixels = tensors.pixels.data.slice(held * width);
+  const { logits } = await session.predict({ pixels: new ort.Tensor('float32', pixels, [297, width]) });
+  const predicted = [];
+  for (let r = 0; r < 297; r++) {
+    const row = logits.data.slice(r * 10, r * 10 + 10);
+    predicted.push(row.indexOf(Math.max(...row)));
+  }
+  const labels = tensors.target.data.slice(held);
+  const accuracy = predicted.filter((p, i) => p === Number(labels[i])).length / 297;
+  drawDigits(pixels, labels, predicted, 40);
+  document.getElementById('accuracy').textContent = `accuracy on 297 rows: ${(accuracy * 100).toFixed(1)}%`;
+  status.textContent =
+    `done: ${expected.steps} steps, loss ${losses[0].toFixed(4)} → ${losses.at(-1).toFixed(4)}, ` +
+    `${ms.toFixed(2)} ms/step, largest relative difference from Python ${worst.toExponential(2)}`;
+  window.__result = { done: true, losses, expected: expected.losses, worst, accuracy, msPerStep: ms };
+}
+
+main().catch((err) => {
+  status.textContent = `error: ${err.message}`;
+  window.__result = { done: true, error: String(err.stack ?? err) };
+});

@@ -1,0 +1,105 @@
+// make test-web: serve the repository on localhost, open examples/web/index.html in headless
+// chromium (puppeteer-core drives the system's chromium; nothing is downloaded), wait for the 200
+// training steps, check the losses against the Python runner's (relative 1e-4) and write a
+// screenshot ($SCREENSHOT or examples/web/out/screenshot.png).
+//
+// Also runs the same TrainingSession on onnxruntime-web in Node (wasm backend, no browser).
+import { existsSync } from 'node:fs';
+import { mkdir, readFile } from 'node:fs/promises';
+import { createServer } from 'node:http';
+import { dirname, extname, join, normalize, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+const here = dirname(fileURLToPath(import.meta.url));
+const root = resolve(here, '..', '..');
+const fixture = join(here, 'fixture');
+const screenshot = process.env.SCREENSHOT ?? join(here, 'out', 'screenshot.png');
+const RTOL = 1e-4;
+const TYPES = {
+  '.html': 'text/html', '.js': 'text/javascript', '.mjs': 'text/javascript', '.json': 'application/json',
+  '.wasm': 'application/wasm', '.png': 'image/png',
+};
+
+function check(losses, expected, where) {
+  if (losses.length !== expected.length) throw new Error(`${where}: ${losses.length} losses, expected ${expected.length}`);
+  losses.forEach((l, i) => {
+    if (!(Math.abs(l - expected[i]) <= 1e-6 + RTOL * Math.abs(expected[i]))) {
+      throw new Error(`${where}: step ${i} loss ${l}, Python ${expected[i]}`);
+    }
+  });
+  console.log(`${where}: ${losses.length} losses within ${RTOL} of Python's (${losses[0].toFixed(4)} -> ${losses.at(-1).toFixed(4)})`);
+}
+
+async function inNode(expected) {
+  const ort = await import('onnxruntime-web');
+  ort.env.wasm.numThreads = 1;
+  const { TrainingSession, readSafetensors } = await import('../../js/src/index.js');
+  const { tensors } = readSafetensors(await readFile(join(fixture, 'digits.safetensors')));
+  const session = await TrainingSession.create(ort, (name) => readFile(join(fixture, 'artifacts', name)));
+  const [rows, width] = tensors.pixels.dims;
+  const size = expected.batch_size;
+  const losses = [];
+  for (let k = 0; k < expected.steps; k++) {
+    const start = (k % Math.floor(rows / size)) * size;
+    losses.push(
+      await session.step({
+        pixels: new ort.Tensor('float32', tensors.pixels.data.slice(start * width, (start + size) * width), [size, width]),
+        target: tensors.target.data.slice(start, start + size),
+      }),
+    );
+  }
+  check(losses, expected.losses, 'onnxruntime-web (wasm) in Node');
+}
+
+function serve() {
+  const server = createServer(async (req, res) => {
+    const path = normalize(decodeURIComponent(new URL(req.url, 'http://x').pathname));
+    const file = join(root, path);
+    if (!file.startsWith(root) || !existsSync(file)) {
+      res.writeHead(404).end();
+      return;
+    }
+    try {
+      res.writeHead(200, { 'Content-Type': TYPES[extname(file)] ?? 'application/octet-stream' });
+      res.end(await readFile(file));
+    } catch {
+      res.writeHead(404).end();
+    }
+  });
+  return new Promise((ok) => server.listen(0, '127.0.0.1', () => ok(server)));
+}
+
+function findChromium() {
+  const candidates = [process.env.CHROMIUM, '/usr/bin/chromium', '/usr/bin/chromium-browser', '/usr/bin/google-chrome'];
+  return candidates.find((p) => p && existsSync(p));
+}
+
+async function inBrowser(expected) {
+  const executablePath = findChromium();
+  if (!executablePath) throw new Error('no chromium: apt-get install -y chromium, or set CHROMIUM');
+  const puppeteer = (await import('puppeteer-core')).default;
+  const server = await serve();
+  const url = `http://127.0.0.1:${server.address().port}/examples/web/index.html`;
+  const browser = await puppeteer.launch({ executablePath, headless: true, args: ['--no-sandbox', '--disable-gpu'] });
+  try {
+    const page = await browser.newPage();
+    await page.setViewport({ width: 1000, height: 520 });
+    page.on('console', (msg) => console.log(`  [page] ${msg.text()}`));
+    await page.goto(url);
+    await page.waitForFunction(() => window.__result?.done, { timeout: 240_000, polling: 500 });
+    const result = await page.evaluate(() => window.__result);
+    await mkdir(dirname(screenshot), { recursive: true });
+    await page.screenshot({ path: screenshot });
+    console.log(`screenshot: ${screenshot}`);
+    if (result.error) throw new Error(`the page failed: ${result.error}`);
+    check(result.losses, expected.losses, 'chromium, onnxruntime-web (wasm)');
+    console.log(`  ${result.msPerStep.toFixed(2)} ms/step, held-out accuracy ${(result.accuracy * 100).toFixed(1)}%`);
+  } finally {
+    await browser.close();
+    server.close();
+  }
+}
+
+const expected = JSON.parse(await readFile(join(fixture, 'expected.json'), 'utf8'));
+await inNode(expected);
+await inBrowser(expected);

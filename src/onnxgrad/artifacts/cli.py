@@ -1,0 +1,75 @@
+"""``onnxgrad artifacts MODEL --loss L --optimizer O -o DIR``: write a training folder."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..train.losses import LOSSES
+from .optim import OPTIMIZERS
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``artifacts`` subcommand on the ``onnxgrad`` subparsers."""
+    p = sub.add_parser(
+        "artifacts",
+        help="write one-graph training steps (train_step.onnx...) that any onnxruntime runs",
+        description=(
+            "Write train_step.onnx (forward, loss, backward and optimizer update in one graph), "
+            "eval_step.onnx, inference.onnx, state.safetensors and manifest.json."
+        ),
+    )
+    p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
+    p.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="the folder to write")
+    p.add_argument("--loss", required=True, choices=[*LOSSES, "none"], help="loss appended to the model")
+    p.add_argument("--loss-output", metavar="NAME", help="the value the loss reads (default: first output)")
+    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
+    p.add_argument("--lr", type=float, default=1e-3, help="default learning rate (an input of the step)")
+    p.add_argument("--weight-decay", type=float, help="default: the optimizer's (AdamW 0.01, others 0)")
+    p.add_argument("--momentum", type=float, help="SGD momentum")
+    p.add_argument("--dampening", type=float, help="SGD dampening")
+    p.add_argument("--nesterov", action="store_true", help="SGD Nesterov momentum")
+    p.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam/AdamW betas")
+    p.add_argument("--eps", type=float, help="Adam/AdamW epsilon")
+    p.add_argument("--requires-grad", nargs="+", metavar="NAME", help="initializers to train (default: all)")
+    p.add_argument("--frozen", nargs="+", default=[], metavar="NAME", help="initializers not to train")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .generate import generate
+
+    options = {
+        k: v
+        for k, v in {
+            "weight_decay": args.weight_decay,
+            "momentum": args.momentum,
+            "dampening": args.dampening,
+            "betas": tuple(args.betas) if args.betas else None,
+            "eps": args.eps,
+        }.items()
+        if v is not None
+    }
+    if args.nesterov:
+        options["nesterov"] = True
+    loss_options = {"output": args.loss_output} if args.loss_output else {}
+    art = generate(
+        args.model,
+        requires_grad=args.requires_grad,
+        frozen=args.frozen,
+        loss=None if args.loss == "none" else args.loss,
+        loss_options=loss_options,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        out_dir=args.output_dir,
+        **options,
+    )
+    m = art.manifest
+    print(f"wrote {args.output_dir}: {', '.join(m['files'].values())}")
+    print(f"opset {m['opset']}, IR {m['ir_version']}, {len(art.train_step.graph.node)} nodes in the step")
+    print(f"batch: {', '.join(b['name'] for b in m['batch'])}")
+    print(f"parameters ({len(m['parameters'])}): {', '.join(p['name'] for p in m['parameters'])}")
+    print(f"optimizer: {m['optimizer']}")
+    return 0
