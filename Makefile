@@ -81,9 +81,11 @@ test-js: $(STAMP)
 	cd js && node --test test/
 
 # The browser: examples/web/ trains the digits MLP with onnxruntime-web (wasm) in headless chromium
-# (apt-get install -y chromium, or CHROMIUM=/path), served from localhost; also onnxruntime-web in
+# (installed with apt-get when missing, or CHROMIUM=/path), served from localhost; also onnxruntime-web in
 # Node. Writes examples/web/out/screenshot.png (or $$SCREENSHOT).
 test-web: $(STAMP)
+	command -v chromium >/dev/null || [ -n "$${CHROMIUM:-}" ] || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 	cd examples/web && npm ci --no-audit --no-fund
 	$(PY) js/test/make_fixture.py examples/web/fixture
 	cd examples/web && node test-web.mjs

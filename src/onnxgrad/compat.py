@@ -40,6 +40,7 @@ from onnx import TensorProto
 
 from .autodiff.engine import GradientGraphs, build_gradient, check_graphs
 from .autodiff.graph import (
+    FLOAT_TYPES,
     ValueInfo,
     load_model,
     np_dtype,
@@ -47,7 +48,6 @@ from .autodiff.graph import (
     to_array,
     value_info_from_proto,
 )
-from .autodiff.params import select_parameters
 from .deps import C
 from .errors import InputError, OnnxGradRuntimeError
 from .pythonop import make_runner
@@ -315,7 +315,7 @@ class OrtGradientForwardBackward:
         debug: bool = False,
     ) -> None:
         model = load_model(onnx_model)
-        self._tie_weights = weights_to_train is None  # the default set ties; named weights do not
+        self._tie_weights = False  # the original trains every listed initializer on its own
         if weights_to_train is None:
             weights_to_train = self._select_initializer_names(model)
         if isinstance(weights_to_train, str):
@@ -353,15 +353,13 @@ class OrtGradientForwardBackward:
 
     @staticmethod
     def _select_initializer_names(onnx_model: onnx.ModelProto) -> list[str]:
-        """The default trainable set (:func:`onnxgrad.autodiff.params.select_parameters`), in
-        graph order: floating-point initializers that are parameters, not exponents, epsilons,
-        masks or other constants; of initializers holding one parameter, the one kept.
-
-        Integer initializers (shapes, axes) are never trained. Raises :class:`InputError` when
-        there is none.
+        """The original's default: every FLOAT16/FLOAT/DOUBLE/BFLOAT16 initializer, in graph order
+        (onnxgrad's own front ends choose by use instead, see
+        :func:`onnxgrad.autodiff.params.select_parameters`). Integer initializers (shapes, axes)
+        are never trained. Raises :class:`InputError` when there is none.
         """
         model = load_model(onnx_model)
-        names = select_parameters(model).trainable
+        names = [i.name for i in model.graph.initializer if i.data_type in FLOAT_TYPES]
         if names:
             return names
         hint = ""

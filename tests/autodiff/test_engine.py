@@ -307,3 +307,11 @@ def test_bias_gradients_share_one_ones_vector():
     want = numpy_mlp_grads(model, x, np.ones((3, 3)))
     for name in ("b1", "b2"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-10, err_msg=name)
+
+
+@pytest.mark.parametrize(("opset", "ir"), [(13, 8), (18, 8), (21, 10), (23, 11)])
+def test_ir_version_follows_the_opset(opset, ir):
+    from onnxgrad.autodiff.graph import ir_version_for
+
+    assert ir_version_for([helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]) == ir
+    assert ir_version_for([helper.make_opsetid("ai.onnx", opset)]) == ir

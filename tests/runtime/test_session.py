@@ -126,7 +126,8 @@ def test_0d_parameters_and_inputs_keep_their_shape():
     )  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
-    fb = onnxgrad.ForwardBackward(model, inputs_requiring_grad=["t"])
+    # a scalar gain is not in the default set (an exporter constant, by its use): name it
+    fb = onnxgrad.ForwardBackward(model, trainable=["s"], inputs_requiring_grad=["t"])
     fb.set_parameters({"s": np.array(3.0)})
     assert fb.parameters["s"].shape == ()
     x = np.array([1.0, 2.0, 3.0])

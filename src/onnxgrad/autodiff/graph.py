@@ -152,11 +152,8 @@ def opset_of(model: onnx.ModelProto, domain: str = "") -> int:
 
 def ir_version_for(opsets: Iterable[onnx.OperatorSetIdProto]) -> int:
     """The IR version to write for these opsets: what they need, at most what onnxruntime loads."""
-    pairs = [(o.domain, o.version) for o in opsets if o.domain in ("", "ai.onnx")]
-    try:
-        needed = helper.find_min_ir_version_for(pairs, ignore_unknown=True)
-    except Exception:  # pragma: no cover - very old onnx
-        needed = 8
+    standard = [helper.make_opsetid("", o.version) for o in opsets if o.domain in ("", "ai.onnx")]
+    needed = helper.find_min_ir_version_for(standard, ignore_unknown=True) if standard else 8
     return min(max(needed, 8), MAX_IR_VERSION)
 
 
