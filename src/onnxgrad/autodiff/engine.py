@@ -25,6 +25,7 @@ from onnx import helper
 
 from ..errors import GradientNotImplementedError, InputError, ModelError
 from .builder import GradBuilder, Var
+from .fold import known_tensors
 from .graph import (
     FLOAT_TYPES,
     MIN_BACKWARD_OPSET,
@@ -118,6 +119,7 @@ def build_gradient(
     # graph input can be overridden at run time, so it is not one of them.
     overridable = set(trainable_names) | {i.name for i in graph.input}
     consts = {k: v for k, v in constant_values(model).items() if k not in overridable}
+    consts.update(known_tensors(model, infos, overridable))  # axes and shapes computed from constants
     taken = set(infos) | all_names(graph)
     g = GradBuilder(infos, consts, taken, max(opset, MIN_BACKWARD_OPSET))
     g.versions = versions
