@@ -62,6 +62,8 @@ _REDUCTIONS: dict[str, Callable[..., np.ndarray]] = {
     "ReduceMax": np.max,
     "ReduceMin": np.min,
 }
+# Ops whose output may be known without known inputs.
+_SOURCES = {"Constant", "Shape", "Size"}
 # Before these opsets a reduction took its axes as an attribute.
 _AXES_INPUT_SINCE = {"ReduceSum": 13, "ReduceProd": 18, "ReduceMax": 18, "ReduceMin": 18}
 
@@ -112,16 +114,18 @@ def known_values(
             values[t.name] = numpy_helper.to_array(t)
         except Exception:
             continue
-    for node in graph.node:
-        if node.domain not in ("", "ai.onnx") or len(node.output) != 1 or not node.output[0]:
-            continue
-        try:
-            with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"):
+        for node in graph.node:
+            if node.domain not in ("", "ai.onnx") or len(node.output) != 1 or not node.output[0]:
+                continue
+            if node.op_type not in _SOURCES and not all(i in values for i in node.input if i):
+                continue
+            try:
                 value = _evaluate(node, values, shapes, opset)
-        except Exception:  # anything numpy or the op's attributes refuse: not known
-            value = None
-        if value is not None and value.size <= MAX_ELEMENTS and value.dtype.kind in "biuf":
-            values[node.output[0]] = np.asarray(value)
+            except Exception:  # anything numpy or the op's attributes refuse: not known
+                value = None
+            if value is not None and value.size <= MAX_ELEMENTS and value.dtype.kind in "biuf":
+                values[node.output[0]] = np.asarray(value)
     return values
 
 

@@ -237,7 +237,7 @@ def infer_value_infos(model: onnx.ModelProto) -> dict[str, ValueInfo]:
     # Values that constants and static shapes fix (axes, shapes computed by small graphs ONNX data
     # propagation does not follow) go to inference as Constant nodes, in the copy it works on. A
     # second round uses the shapes the first inferred, only while some rank is still unknown.
-    shapes = _collect_infos(model.graph)
+    shapes: dict[str, ValueInfo] = {}  # the first round folds what constants alone fix
     infos: dict[str, ValueInfo] = {}
     folded = -1
     for _ in range(3):
