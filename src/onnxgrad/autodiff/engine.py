@@ -43,7 +43,7 @@ from .graph import (
     topological_order,
 )
 from .registry import NodeContext, _load_rules, lookup
-from .rewrite import rewrite_for_training
+from .rewrite import centered_batch_norms, rewrite_for_training
 
 
 @dataclass
@@ -432,7 +432,8 @@ def _forward_model(
             outputs.append(info.to_proto())
             out_names.add(name)
     fwd_graph = helper.make_graph(
-        sort_nodes(list(nodes) + g.fwd_nodes),  # control-flow rules may add inputs to a forward node
+        # control-flow rules may add inputs to a forward node
+        sort_nodes(centered_batch_norms(list(nodes), infos, opset_of(model), g.fresh) + g.fwd_nodes),
         graph.name or "forward",
         inputs,
         outputs,
