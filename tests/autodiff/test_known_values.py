@@ -51,7 +51,9 @@ def _reshape_by_mod_chain():
 
 def test_rank_from_a_constant_chain_onnx_does_not_follow():
     m = _reshape_by_mod_chain()
+    before = m.SerializeToString()
     infos = infer_value_infos(m)
+    assert m.SerializeToString() == before  # folded in the copy inference works on, not in the model
     assert infos["two"].shape == (1,)
     assert infos["r"].shape == ("a", "b", 3, 4)
     assert infos["y"].rank == 3
@@ -149,3 +151,65 @@ def test_what_stays_unknown():
     graph = helper.make_graph([shape], "g", [], [])
     assert known_values(graph, {"x": ValueInfo("x", TensorProto.FLOAT, ("n", 3))}, 17) == {}
     assert known_values(graph, {"x": ValueInfo("x", TensorProto.FLOAT, (2, 3))}, 17)["y"].tolist() == [2, 3]
+
+
+def test_folded_inside_subgraphs_with_outer_constants():
+    """An If branch reshapes with a shape computed from a constant of the enclosing graph."""
+    branch_nodes = [
+        helper.make_node("Add", ["minus1", "three"], ["two_raw"]),
+        helper.make_node("Mod", ["two_raw", "three"], ["two"]),
+        helper.make_node("Concat", ["two", "three"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["r"]),
+    ]
+    out = helper.make_tensor_value_info("r", TensorProto.FLOAT, None)
+    then = helper.make_graph(branch_nodes, "then", [], [out])
+    other = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "six"], ["r2"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("r2", TensorProto.FLOAT, None)],
+    )
+    nodes = [
+        _const("minus1", np.array([-1], np.int64)),
+        _const("three", np.array([3], np.int64)),
+        _const("six", np.array([2, 3], np.int64)),
+        helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [6]),
+        helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+    ]
+    m = _model(nodes, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None])])
+    infos = infer_value_infos(m)
+    assert infos["r"].shape == (2, 3)
+    assert infos["y"].rank == 2
+
+
+def test_second_round_uses_inferred_static_shapes():
+    """Shape of an intermediate value, static only once inference has run, then Mod: ONNX data
+    propagation stops at Mod, so the first round leaves the Reshape's rank unknown; the second
+    folds the chain from the inferred shape."""
+    nodes = [
+        helper.make_node("Add", ["x", "w"], ["xw"]),
+        helper.make_node("Shape", ["xw"], ["s"]),
+        helper.make_node("Shape", ["xw"], ["cols"], start=1),  # [4]
+        _const("three", np.array([3], np.int64)),
+        helper.make_node("Mod", ["cols", "three"], ["end"]),  # 4 % 3 = 1
+        _const("zero", np.array([0], np.int64)),
+        helper.make_node("Slice", ["s", "zero", "end"], ["rows"]),  # [6]
+        _const("split", np.array([2, 2], np.int64)),
+        helper.make_node("Concat", ["rows", "split"], ["target"], axis=0),
+        helper.make_node("Reshape", ["xw", "target"], ["r"]),
+        _const("idx", np.array(1, np.int64)),
+        helper.make_node("Gather", ["r", "idx"], ["y"], axis=0),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None])
+    w = numpy_helper.from_array(np.ones((6, 4), np.float32), "w")
+    m = _model(nodes, [x], [y], [w])
+    assert infer_value_infos(m)["r"].shape == (6, 2, 2)
+    gy = np.arange(4, dtype=np.float32).reshape(2, 2)
+    got = onnxgrad.gradients(m, {"x": np.zeros((6, 4), np.float32)}, {"y": gy}, wrt=["w"])
+    want = np.zeros((6, 4), np.float32)
+    want[1] = gy.reshape(-1)
+    np.testing.assert_array_equal(got["w"], want)
