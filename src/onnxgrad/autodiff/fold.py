@@ -72,19 +72,22 @@ def constant_of(node: onnx.NodeProto) -> np.ndarray | None:
     """The value of a ``Constant`` node (dense tensor, float(s), int(s)), else None."""
     for attr in node.attribute:
         if attr.name == "value" and attr.HasField("t"):
-            if attr.t.data_location == TensorProto.EXTERNAL or attr.t.data_type == TensorProto.STRING:
+            t = attr.t
+            if math.prod(t.dims) > MAX_ELEMENTS:  # a weight held by a Constant: not followed, not copied
+                return None
+            if t.data_location == TensorProto.EXTERNAL or t.data_type == TensorProto.STRING:
                 return None
             try:
-                return numpy_helper.to_array(attr.t)
+                return numpy_helper.to_array(t)
             except Exception:
                 return None
         if attr.name == "value_int":
             return np.array(attr.i, dtype=np.int64)
-        if attr.name == "value_ints":
+        if attr.name == "value_ints" and len(attr.ints) <= MAX_ELEMENTS:
             return np.array(list(attr.ints), dtype=np.int64)
         if attr.name == "value_float":
             return np.array(attr.f, dtype=np.float32)
-        if attr.name == "value_floats":
+        if attr.name == "value_floats" and len(attr.floats) <= MAX_ELEMENTS:
             return np.array(list(attr.floats), dtype=np.float32)
     return None
 
