@@ -89,3 +89,56 @@ def test_swapped_gradients_match_torch():
 )
 def test_relu_and_maxpool_stay_when_swapping_would_change_something(extra, pool):
     assert forward_ops(conv_relu_pool(pool=pool, extra=extra))[:3] == ["Conv", "Relu", "MaxPool"]
+
+
+def batch_norm_model(shape: tuple, opset: int, training: int = 1, stats_out: bool = True, dtype=np.float64):
+    c = shape[1]
+    outs = ["y", "rm", "rv"] if training else ["y"]  # onnxruntime: all three when training
+    attrs = {"training_mode": training, "momentum": 0.8, "epsilon": 1e-3}
+    node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], outs, **attrs)
+    outputs = [("y", dtype, list(shape))] + ([("rm", dtype, [c]), ("rv", dtype, [c])] if stats_out else [])
+    inits = {
+        "s": RNG.standard_normal(c).astype(dtype),
+        "b": RNG.standard_normal(c).astype(dtype),
+        "m": RNG.standard_normal(c).astype(dtype),
+        "v": RNG.uniform(0.5, 2.0, c).astype(dtype),
+    }
+    return make_model([node], [("x", dtype, list(shape))], outputs, inits, opset=opset)
+
+
+@pytest.mark.parametrize("opset", [15, 18])
+@pytest.mark.parametrize("shape", [(6, 3), (4, 3, 5), (4, 3, 5, 2)], ids=["2d", "3d", "4d"])
+@pytest.mark.parametrize("stats_out", [True, False], ids=["stats", "y_only"])
+def test_training_batch_norm_forward_is_centered_with_onnxruntime_values(opset, shape, stats_out):
+    model = batch_norm_model(shape, opset, stats_out=stats_out)
+    assert "BatchNormalization" not in forward_ops(model)
+    x = RNG.standard_normal(shape) * 0.5 + 3.0
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = sess.run(None, {"x": x})
+    got = onnxgrad.ForwardBackward(model).forward({"x": x}).outputs
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+    if not stats_out:  # (finite differences would see the running statistics depend on x)
+        res = check_gradients(model, {"x": x}, wrt=["x", "s", "b"])
+        assert res.ok, res.report()
+
+
+def test_inference_batch_norm_is_left_to_onnxruntime():
+    assert forward_ops(batch_norm_model((4, 3, 5), 15, training=0, stats_out=False)) == ["BatchNormalization"]
+
+
+def test_float32_batch_norm_of_a_channel_far_from_zero_has_no_rounding_noise():
+    """mean 1000, std 1: onnxruntime's x * a + b leaves ~3e-5 of noise in y, the centered form
+    1e-6 at most (what remains is a per-channel shift from rounding the mean)."""
+    model = batch_norm_model((8, 3, 16, 16), 15, dtype=np.float32, stats_out=False)
+    x = (RNG.standard_normal((8, 3, 16, 16)) + 1000).astype(np.float32)
+    y = onnxgrad.ForwardBackward(model).forward({"x": x}).outputs[0].astype(np.float64)
+    inits = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in model.graph.initializer}
+    x64 = x.astype(np.float64)
+    mean, var = x64.mean((0, 2, 3), keepdims=True), x64.var((0, 2, 3), keepdims=True)
+    col = (1, 3, 1, 1)
+    want = (x64 - mean) / np.sqrt(var + 1e-3) * inits["s"].reshape(col) + inits["b"].reshape(col)
+    err = y - want
+    noise = err - err.mean((0, 2, 3), keepdims=True)
+    assert np.abs(noise).max() < 1e-6

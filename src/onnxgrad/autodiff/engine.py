@@ -27,6 +27,7 @@ from onnx import helper
 from ..errors import GradientNotImplementedError, InputError, ModelError
 from ..pythonop.spec import complete_class_names
 from .builder import GradBuilder, Var
+from .fold import known_tensors
 from .graph import (
     MIN_BACKWARD_OPSET,
     ValueInfo,
@@ -44,7 +45,7 @@ from .graph import (
 )
 from .params import Tie, padding_rows, select_parameters
 from .registry import NodeContext, _load_rules, lookup
-from .rewrite import rewrite_for_training
+from .rewrite import centered_batch_norms, rewrite_for_training
 
 
 @dataclass
@@ -128,6 +129,7 @@ def build_gradient(
     # graph input can be overridden at run time, so it is not one of them.
     overridable = set(trainable_names) | {i.name for i in graph.input}
     consts = {k: v for k, v in constant_values(model).items() if k not in overridable}
+    consts.update(known_tensors(model, infos, overridable))  # axes and shapes computed from constants
     taken = set(infos) | all_names(graph)
     g = GradBuilder(infos, consts, taken, max(opset, MIN_BACKWARD_OPSET))
     g.versions = versions
@@ -436,7 +438,8 @@ def _forward_model(
             outputs.append(info.to_proto())
             out_names.add(name)
     fwd_graph = helper.make_graph(
-        sort_nodes(list(nodes) + g.fwd_nodes),  # control-flow rules may add inputs to a forward node
+        # control-flow rules may add inputs to a forward node
+        sort_nodes(centered_batch_norms(list(nodes), infos, opset_of(model), g.fresh) + g.fwd_nodes),
         graph.name or "forward",
         inputs,
         outputs,

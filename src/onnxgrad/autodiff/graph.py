@@ -234,14 +234,42 @@ def infer_value_infos(model: onnx.ModelProto) -> dict[str, ValueInfo]:
     those are typed (from a small table, from the subgraph outputs) and inference is run again, so
     the values after them keep known ranks.
     """
-    inferred = _infer(without_weights(model))
-    declared: set[str] = set()
-    for _ in range(len(model.graph.node)):
-        retyped = _type_ml_outputs(inferred) or _type_control_flow_outputs(inferred, declared)
-        if retyped is None:
+    from .fold import fold_for_inference  # fold imports this module
+
+    # Values that constants and static shapes fix (axes, shapes computed by small graphs ONNX data
+    # propagation does not follow) go to inference as Constant nodes, in the copy it works on. A
+    # second round uses the shapes the first inferred, only while some rank is still unknown.
+    shapes: dict[str, ValueInfo] = {}  # the first round folds what constants alone fix
+    infos: dict[str, ValueInfo] = {}
+    folded = -1
+    for _ in range(3):
+        skeleton = without_weights(model)
+        count = fold_for_inference(skeleton, shapes)
+        if count <= folded:
+            break  # nothing more is known: the previous round stands
+        folded = count
+        inferred = _infer(skeleton)
+        declared: set[str] = set()
+        for _ in range(len(model.graph.node)):
+            retyped = _type_ml_outputs(inferred) or _type_control_flow_outputs(inferred, declared)
+            if retyped is None:
+                break
+            inferred = _infer(retyped)
+        infos = _collect_infos(inferred.graph)
+        if not _unknown_ranks(model.graph, infos):
             break
-        inferred = _infer(retyped)
-    return _collect_infos(inferred.graph)
+        shapes = infos
+    return infos
+
+
+def _unknown_ranks(graph: onnx.GraphProto, infos: dict[str, ValueInfo]) -> bool:
+    """Whether a standard-domain node of ``graph`` has an output of unknown rank."""
+    for node in graph.node:
+        if node.domain in ("", "ai.onnx"):
+            for out in node.output:
+                if out and (out not in infos or infos[out].shape is None):
+                    return True
+    return False
 
 
 def _collect_infos(graph: onnx.GraphProto) -> dict[str, ValueInfo]:
