@@ -543,7 +543,7 @@ class OrtGradientForwardBackwardFunction:
                 values.append(ort.OrtValue(t))
             else:
                 kind, index = _parse_device(device)
-                arr = np.ascontiguousarray(np.asarray(t))
+                arr = np.asarray(t, order="C")  # ascontiguousarray would make a 0-d array 1-d
                 values.append(ort.OrtValue.ortvalue_from_numpy(arr, kind, index))
             if debug and _parse_device(values[-1])[0] != _parse_device(device)[0]:
                 raise InputError(

@@ -401,7 +401,7 @@ class PythonGraph:
         if const is None:
             if name not in self.inits:
                 raise OnnxGradRuntimeError(f"value {name!r} is neither fed nor computed")
-            arr = np.ascontiguousarray(onnx.numpy_helper.to_array(self.inits[name]))
+            arr = np.asarray(onnx.numpy_helper.to_array(self.inits[name]), order="C")
             const = self._const_values.setdefault(name, (arr, from_numpy(arr)))
         return const[1]
 
@@ -502,7 +502,7 @@ def run_model(
     graph = PythonGraph(
         model, list(providers or ["CPUExecutionProvider"]), functions=functions, allow_import=allow_import
     )
-    arrays = {k: np.ascontiguousarray(v) for k, v in feeds.items()}  # kept alive while running
+    arrays = {k: np.asarray(v, order="C") for k, v in feeds.items()}  # kept alive while running
     wanted = [o.name for o in model.graph.output]
     env = graph.run({k: from_numpy(a) for k, a in arrays.items()}, wanted, training)
     return [np.array(env[o].numpy(), copy=True) for o in wanted]

@@ -303,7 +303,7 @@ class ForwardBackward:
             arr = np.asarray(value)
             if arr.shape != old.shape:
                 raise InputError(f"parameter {name!r} has shape {old.shape}, got {arr.shape}")
-            arr = np.ascontiguousarray(arr, dtype=old.dtype)
+            arr = np.asarray(arr, dtype=old.dtype, order="C")  # ascontiguousarray makes 0-d 1-d
             if arr is value:  # never alias a caller's array we do not own
                 arr = arr.copy()
             self._params[name] = arr
@@ -396,7 +396,7 @@ class ForwardBackward:
                     raise InputError(
                         f"gradient of output {out!r} has shape {arr.shape}, the output has {ref.shape}"
                     )
-                feeds[out] = np.ascontiguousarray(arr)
+                feeds[out] = np.asarray(arr, order="C")  # not ascontiguousarray: it makes 0-d 1-d
         return feeds
 
 
@@ -424,7 +424,7 @@ def check_array(name: str, value: Any, info: ValueInfo) -> np.ndarray:
                     f"input {name!r} has shape {arr.shape}, the model expects "
                     f"{_fmt_shape(info.shape)} (dimension {i} must be {want})"
                 )
-    return np.ascontiguousarray(arr)
+    return np.asarray(arr, order="C")  # not ascontiguousarray: it makes a 0-d array 1-d
 
 
 def _fmt_shape(shape: tuple) -> str:
