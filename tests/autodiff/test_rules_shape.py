@@ -107,6 +107,20 @@ def test_space_to_depth(dynamic):
     check_op("SpaceToDepth", [rand(2, 3, 4, 6)], attrs={"blocksize": 2}, dynamic=dynamic)
 
 
+@pytest.mark.parametrize("backend", ["onnxruntime", "reference"])
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_space_to_depth_modes_at_opset_28(mode, dynamic, backend):
+    """SpaceToDepth took a mode at opset 28: CRD is undone by DepthToSpace in CRD mode, not DCR."""
+    attrs = {"blocksize": 2, "mode": mode}
+    check_op("SpaceToDepth", [rand(2, 3, 4, 6)], attrs=attrs, opset=28, dynamic=dynamic, backend=backend)
+
+
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_depth_to_space_at_opset_28(mode):
+    check_op("DepthToSpace", [rand(2, 8, 2, 3)], attrs={"blocksize": 2, "mode": mode}, opset=28)
+
+
 # ---- joining and splitting --------------------------------------------------------------------
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize(

@@ -145,9 +145,14 @@ def depth_to_space(g: GradBuilder, n: NodeContext) -> Grads:
 
 @rule("SpaceToDepth")
 def space_to_depth(g: GradBuilder, n: NodeContext) -> Grads:
-    """The inverse permutation of DepthToSpace in DCR mode: dx = DepthToSpace(dy, DCR)."""
+    """The inverse permutation of DepthToSpace in the same mode: dx = DepthToSpace(dy, mode).
+
+    ``mode`` came to SpaceToDepth at opset 28 (DCR before); its CRD order moves x viewed as
+    (N, C, H', b, W', b) to (N, C, b, b, H', W'), which DepthToSpace's CRD mode undoes.
+    """
     b = int(n.attr("blocksize"))
-    return [g.DepthToSpace(n.dy, blocksize=b, mode="DCR", shape=n.x.shape)]
+    mode = str(n.attr("mode", "DCR"))
+    return [g.DepthToSpace(n.dy, blocksize=b, mode=mode, shape=n.x.shape)]
 
 
 # ---- joining and splitting ---------------------------------------------------------------------
