@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from onnx import TensorProto
 
 from ...errors import GradientNotImplementedError
 from ..builder import INT64, GradBuilder, Var, cast, where
@@ -248,15 +249,17 @@ def _resize_mode(n: NodeContext) -> _ResizeMode:
     return found
 
 
+class _RunTime(Exception):
+    """The taps cannot be computed when building: the backward computes them at run time."""
+
+
 def _const_or_fail(n: NodeContext, i: int, what: str) -> np.ndarray | None:
     """Input ``i`` when present: it must be known when building (None when absent or empty)."""
     if i >= len(n.inputs) or n.inputs[i] is None:
         return None
     value = n.const_input(i)
     if value is None:
-        raise GradientNotImplementedError(
-            f"{_where(n)}: the gradient needs constant {what} (an initializer or a Constant)"
-        )
+        raise _RunTime(f"{what} computed at run time")
     return value if value.size else None
 
 
@@ -295,9 +298,7 @@ def _resize_axes(n: NodeContext, mode: _ResizeMode) -> list[_AxisResize]:
         outs = [None if d is None else int(F32(s) * F32(d)) for s, d in zip(scale_of, dims)]
     elif sizes is not None:
         if any(d is None for d in dims):
-            raise GradientNotImplementedError(
-                f"{_where(n)}: sizes given, the resized dims of X must be static"
-            )
+            raise _RunTime("sizes given and resized dims of X not static")
         outs = [int(s) for s in sizes]
         scale_of = [F32(o) / F32(d) if d else F32(1) for o, d in zip(outs, dims)]
         policy = n.attr("keep_aspect_ratio_policy", "stretch")
@@ -324,7 +325,7 @@ def _resize_axes(n: NodeContext, mode: _ResizeMode) -> list[_AxisResize]:
         if kept and (mode.antialias or (s == 1 and plain)):
             continue
         if d is None:
-            raise GradientNotImplementedError(f"{_where(n)}: resized dim {a} of X must be static")
+            raise _RunTime(f"resized dim {a} of X not static")
         y_dim = n.y.shape[a] if n.y.shape is not None else None
         if isinstance(y_dim, int) and y_dim != o:
             raise GradientNotImplementedError(
@@ -339,21 +340,222 @@ def resize(g: GradBuilder, n: NodeContext) -> Grads:
     """Y = X resized: along each axis a, Y = W_a X with W_a from sizes, scales and attributes.
 
     dX = W^T dy, one resized axis at a time (the order does not matter: the maps are separable).
-    Every nearest mode and coordinate transformation, linear and cubic, antialias included; sizes,
-    scales and roi must be constants and the resized dims of X static.
+    Every nearest mode and coordinate transformation, linear and cubic, antialias included. With
+    constant sizes, scales and roi and static resized dims the taps are constants of the backward;
+    otherwise (scales or sizes computed at run time, symbolic dims) the backward builds each W_a
+    from the run-time sizes and scales (:func:`_resize_run_time`; antialias excepted).
     """
     if not n.needs[0]:
         return _first_only(n, None)
     mode = _resize_mode(n)
     rank = _need_rank(n, n.x)
     dx = n.dy
-    for ax in _resize_axes(n, mode):
+    try:
+        axes = _resize_axes(n, mode)
+    except _RunTime as why:
+        return _first_only(n, _resize_run_time(g, n, mode, rank, str(why)))
+    for ax in axes:
         idx, w = _resize_taps(mode, ax.n_out, ax.n_in, ax.scale, ax.roi)
         table, values = _transpose_taps(idx, w, ax.n_in)
         dx = _apply_adjoint(g, dx, ax.axis, rank, table, values)
     if dx is n.dy:  # a resize that changes nothing
         return _first_only(n, dx)
     return _first_only(n, g.Identity(dx, shape=n.x.shape))
+
+
+# ---- Resize: taps computed at run time ----------------------------------------------------------
+def _scalar_dim(g: GradBuilder, x: Var, axis: int) -> Var:
+    """Size of ``x`` along ``axis`` as a scalar int64 (a constant when static)."""
+    d = g.dim(x, axis)
+    return g.const(np.int64(d)) if isinstance(d, int) else g.Squeeze(d, [0])
+
+
+def _entry(g: GradBuilder, v: Var | np.ndarray, j: int, to: int) -> Var:
+    """Element ``j`` of a 1-D constant or run-time tensor, as a scalar of type ``to``."""
+    if isinstance(v, np.ndarray):
+        return g.const(np.asarray(v[j], dtype=np.float64 if to != INT64 else np.int64), to)
+    return g.Cast(g.Gather(v, g.const(np.int64(j)), axis=0), to=to)
+
+
+def _run_time_input(n: NodeContext, i: int) -> Var | np.ndarray | None:
+    """Input ``i``: its value when constant (None when absent or empty), else the forward value."""
+    if i >= len(n.inputs) or n.inputs[i] is None:
+        return None
+    value = n.const_input(i)
+    if value is None:
+        return n.inputs[i]
+    return value if value.size else None
+
+
+def _run_time_coords(
+    g: GradBuilder,
+    mode: _ResizeMode,
+    pos: Var,
+    n_out: Var,
+    n_in: Var,
+    scale: Var,
+    roi: tuple[Var, Var] | None,
+) -> Var:
+    """:func:`_source_coords` as ONNX ops, in float32 with onnxruntime's order of operations."""
+    f = TensorProto.FLOAT
+    d = TensorProto.DOUBLE
+    t = mode.transform
+    half = g.const(0.5, f)
+    zero = g.const(0.0, f)
+    out_f, in_f = g.Cast(n_out, to=f), g.Cast(n_in, to=f)
+    if t == "asymmetric":
+        return pos / scale
+    if t == "pytorch_half_pixel":
+        return where(g.Greater(n_out, g.const(np.int64(1))), (pos + half) / scale - half, zero)
+    if t == "tf_half_pixel_for_nn":
+        return (pos + half) / scale
+    if t == "align_corners":
+        c = pos * (in_f - 1.0) / (out_f - 1.0)  # type: ignore[operator]
+        return where(g.Equal(n_out, g.const(np.int64(1))), zero, c)
+    if t == "tf_crop_and_resize":
+        assert roi is not None
+        start, end = roi
+        last = in_f - 1.0  # type: ignore[operator]
+        c = start * last + (pos * (end - start) * last) / (out_f - 1.0)  # type: ignore[operator]
+        mid = g.Cast((g.Cast(start, to=d) + g.Cast(end, to=d)) * 0.5 * g.Cast(last, to=d), to=f)
+        return where(g.Greater(n_out, g.const(np.int64(1))), c, mid)
+    if t == "half_pixel_symmetric":
+        adjustment = out_f / (scale * in_f)
+        offset = in_f / 2.0 * (1.0 - adjustment)  # type: ignore[operator]
+        c = g.Cast(offset, to=d) + (g.Cast(pos, to=d) + 0.5) / g.Cast(scale, to=d) - 0.5
+        return g.Cast(c, to=f)
+    return (pos + half) / scale - half  # half_pixel
+
+
+def _run_time_nearest(g: GradBuilder, c: Var, how: str, scale: Var) -> Var:
+    """:func:`_nearest_index` as ONNX ops (float32 in, float32 integral values out)."""
+
+    def trunc(v: Var) -> Var:
+        return g.Cast(g.Cast(v, to=INT64), to=TensorProto.FLOAT)
+
+    def half_away(v: Var) -> Var:
+        return g.Sign(v) * g.Floor(g.Abs(v) + 0.5)
+
+    if how == "simple":
+        return where(g.Less(scale, g.const(1.0, TensorProto.FLOAT)), g.Ceil(c), trunc(c))
+    if how == "round_prefer_floor":
+        return where(g.Equal(c, trunc(c) + 0.5), g.Floor(c), half_away(c))
+    if how == "round_prefer_ceil":
+        return half_away(c)
+    return g.Floor(c) if how == "floor" else g.Ceil(c)
+
+
+def _run_time_matrix(g: GradBuilder, mode: _ResizeMode, c: Var, n_in: Var, scale: Var, dtype: int) -> Var:
+    """The (n_out, n_in) interpolation matrix of one axis from the float32 source coordinates."""
+    f = TensorProto.FLOAT
+    last = g.Cast(n_in - 1, to=f)  # type: ignore[operator]
+    zero = g.const(0.0, f)
+    if mode.mode == "nearest":
+        lo = _run_time_nearest(g, c, mode.nearest, scale)
+        idx = g.Unsqueeze(lo, [1])
+        w = g.Expand(g.const(np.ones((1, 1)), dtype), g.Shape(idx))
+    elif mode.mode == "linear":
+        cc = g.Min(g.Max(c, zero), last)
+        lo = g.Floor(cc)
+        frac = g.Unsqueeze(g.Cast(cc, to=dtype) - g.Cast(lo, to=dtype), [1])
+        idx = g.Unsqueeze(lo, [1]) + g.const(np.array([[0.0, 1.0]]), f)
+        w = g.Concat(1.0 - frac, frac, axis=1)
+    else:
+        lo = g.Floor(c)
+        idx = g.Unsqueeze(lo, [1]) + g.const(np.array([[-1.0, 0.0, 1.0, 2.0]]), f)
+        s = g.Unsqueeze(g.Cast(c, to=dtype) - g.Cast(lo, to=dtype), [1])
+        dist = g.Concat(s + 1.0, s, 1.0 - s, 2.0 - s, axis=1)
+        a = mode.cubic_a
+        near = ((dist * (a + 2) - (a + 3)) * dist) * dist + 1.0
+        far = ((dist * a - 5 * a) * dist + 8 * a) * dist - 4 * a
+        w = where(g.LessOrEqual(dist, g.const(1.0, dtype)), near, far)
+        if mode.exclude_outside:
+            outside = g.Or(g.Less(idx, zero), g.Greater(idx, last))
+            w = where(outside, g.const(0.0, dtype), w)
+            total = g.ReduceSum(w, g.const(np.array([1])), keepdims=1)
+            w = w / where(g.Equal(total, g.const(0.0, dtype)), g.const(1.0, dtype), total)
+    idx = g.Min(g.Max(idx, zero), last)
+    if mode.transform == "tf_crop_and_resize":  # outside the input: the extrapolation value
+        out = g.Unsqueeze(g.Or(g.Less(c, zero), g.Greater(c, last)), [1])
+        w = where(out, g.const(0.0, dtype), w)
+    columns = g.Cast(g.Range(g.const(np.int64(0)), n_in, g.const(np.int64(1))), to=f)
+    onehot = g.Cast(g.Equal(g.Unsqueeze(idx, [2]), columns), to=dtype)  # (n_out, K, n_in)
+    return g.ReduceSum(onehot * g.Unsqueeze(w, [2]), g.const(np.array([1])), keepdims=0)
+
+
+def _resize_run_time(g: GradBuilder, n: NodeContext, mode: _ResizeMode, rank: int, why: str) -> Var:
+    """dX = W_a^T dy along each axis that may change, each W_a built at run time.
+
+    Per axis, the source coordinate of each output position is computed in float32 as onnxruntime
+    does (from the scale given, or from output size / input size when sizes are given, the aspect
+    policy's min or max included), its taps are one-hot rows weighted by the interpolation weights,
+    and dX is one MatMul with W_a. Where no dim changes size onnxruntime copies X: the coordinates
+    are then the output positions themselves, which makes every W_a the identity.
+    """
+    if mode.antialias:
+        raise GradientNotImplementedError(
+            f"{_where(n)}: antialias needs constant scales or sizes and static resized dims ({why})"
+        )
+    x, dy = n.x, n.dy
+    f = TensorProto.FLOAT
+    if n.node.op_type == "Upsample" and n.opset < 9:
+        scales, sizes, roi = np.asarray(n.attr("scales"), dtype=F32), None, None
+    elif n.node.op_type == "Upsample" or n.opset < 11:
+        scales, sizes, roi = _run_time_input(n, 1), None, None
+    else:
+        scales, sizes = _run_time_input(n, 2), _run_time_input(n, 3)
+        if sizes is not None and not isinstance(scales, np.ndarray):
+            scales = None  # only one of them is given: a run-time scales input is then empty
+        roi = _run_time_input(n, 1) if mode.transform == "tf_crop_and_resize" else None
+    if scales is None and sizes is None:
+        raise GradientNotImplementedError(f"{_where(n)}: neither scales nor sizes is given")
+    axes = [a + rank if a < 0 else a for a in (n.attr("axes") or range(rank))]
+    n_ins = [_scalar_dim(g, x, a) for a in axes]
+    n_outs = [_scalar_dim(g, dy, a) for a in axes]
+    if scales is not None:
+        scale_of = [_entry(g, scales, j, f) for j in range(len(axes))]
+    else:
+        assert sizes is not None
+        scale_of = [_entry(g, sizes, j, f) / g.Cast(d, to=f) for j, d in enumerate(n_ins)]
+        policy = n.attr("keep_aspect_ratio_policy", "stretch")
+        if policy != "stretch":
+            if any(a < 0 for a in n.attr("axes") or ()):
+                raise GradientNotImplementedError(
+                    f"{_where(n)}: onnxruntime ignores negative axes under keep_aspect_ratio_policy "
+                    f"{policy!r}; give them as non-negative axes"
+                )
+            chosen = g.op("Min" if policy == "not_larger" else "Max", *scale_of)
+            scale_of = [chosen] * len(axes)
+    # onnxruntime copies X when no dim changes size, whatever the scales
+    same_dims = g.Equal(g.shape_of(x), g.Shape(dy))
+    copy = g.Cast(g.ReduceMin(g.Cast(same_dims, to=INT64), keepdims=0), to=TensorProto.BOOL)
+    dx = dy
+    plain = mode.mode == "nearest" or mode.transform != "tf_crop_and_resize"
+    for j, a in enumerate(axes):
+        scale = scales[j] if isinstance(scales, np.ndarray) else None
+        if scale is not None and F32(scale) == 1 and plain:
+            continue  # an axis of scale 1 maps to itself (the copy case included)
+        roi_a = None
+        if roi is not None:
+            roi_a = (_entry(g, roi, j, f), _entry(g, roi, len(axes) + j, f))
+        elif mode.transform == "tf_crop_and_resize":
+            roi_a = (g.const(0.0, f), g.const(1.0, f))
+        pos = g.Cast(g.Range(g.const(np.int64(0)), n_outs[j], g.const(np.int64(1))), to=f)
+        c = _run_time_coords(g, mode, pos, n_outs[j], n_ins[j], scale_of[j], roi_a)
+        keep = copy
+        if plain:  # onnxruntime maps an axis of scale 1 to itself (tf_half_pixel_for_nn included)
+            keep = g.Or(copy, g.Equal(scale_of[j], g.const(1.0, f)))
+        c = where(keep, pos, c)
+        w = _run_time_matrix(g, mode, c, n_ins[j], scale_of[j], dy.dtype)  # (n_out, n_in)
+        if a == rank - 1:
+            dx = g.MatMul(dx, w)
+        else:
+            perm = [*range(a), *range(a + 1, rank), a]
+            moved = g.MatMul(g.Transpose(dx, perm=perm), w)
+            dx = g.Transpose(moved, perm=[int(i) for i in np.argsort(perm)])
+    if dx is dy:
+        return dy
+    return g.Identity(dx, shape=n.x.shape)
 
 
 @rule("Upsample", since=7)
