@@ -504,20 +504,31 @@ def test_grid_sample_saves_only_what_it_reads() -> None:
     assert {"in0", "in1"} <= set(build_gradient(model, trainable=[], inputs_requiring_grad=["in1"]).saved)
 
 
-def test_grid_sample_cubic_is_refused() -> None:
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize(("align", "opset"), [(0, 20), (1, 22)])
+def test_grid_sample_cubic(padding: str, align: int, opset: int) -> None:
+    """4 x 4 taps per output, each padded on its own (the coordinate is not clipped)."""
+    attrs = {"mode": "cubic", "padding_mode": padding, "align_corners": align}
     x, grid = grid_inputs(2)
-    model = node_model("GridSample", [x, grid], attrs={"mode": "cubic"}, opset=20)
-    with pytest.raises(GradientNotImplementedError, match="mode 'cubic'"):
-        build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
+    check(node_model("GridSample", [x, grid], attrs=attrs, opset=opset), {"in0": x, "in1": grid})
+    model = node_model("GridSample", [x, grid], attrs=attrs, opset=opset, dynamic=True)
+    check(model, {"in0": x, "in1": grid})
 
 
-@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+def test_grid_sample_bicubic_opset_16_float32() -> None:
+    x, grid = grid_inputs(2, F32)
+    for padding in ("zeros", "border", "reflection"):
+        attrs = {"mode": "bicubic", "padding_mode": padding, "align_corners": 0}
+        check(node_model("GridSample", [x, grid], attrs=attrs, opset=16), {"in0": x, "in1": grid})
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
 @pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
 @pytest.mark.parametrize("align", [False, True])
 def test_grid_sample_versus_torch(mode: str, padding: str, align: bool) -> None:
     x, grid = grid_inputs(2)
     attrs = {
-        "mode": "linear" if mode == "bilinear" else mode,
+        "mode": {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode),
         "padding_mode": padding,
         "align_corners": int(align),
     }

@@ -2,14 +2,15 @@
 
 Resize is linear in X and separable: along each resized axis, output position o reads a few input
 positions i with weights w(o, i) that depend only on sizes, scales and attributes. Those taps are
-computed here at build time (mirroring onnxruntime's arithmetic: float32 coordinates, its rounding
+computed here at build time when sizes and scales are constants (else by the backward at run time,
+as one interpolation matrix per axis) (mirroring onnxruntime's arithmetic: float32 coordinates, its rounding
 of nearest indices, its antialias filter), transposed, and applied to dy as one Gather plus a
 weighted sum per axis: dX[.., i, ..] = sum_k dy[.., J[i, k], ..] * V[i, k].
 
 GridSample reads X at run-time positions: dX scatter-adds dy times the interpolation weights at the
-corners each output read (one ScatterElements), d grid is dy times the slope of the interpolation
-along each coordinate, times the slopes of the padding (border clipping, reflections) and of the
-unnormalization, as torch.nn.functional.grid_sample.
+corners each output read (2 per dim for linear, 4 for cubic; one ScatterElements), d grid is dy
+times the slope of the interpolation along each coordinate, times the slopes of the padding (border
+clipping, reflections) and of the unnormalization, as torch.nn.functional.grid_sample.
 
 Col2Im sums patches into an image; its adjoint cuts the patches back out (Im2Col): one Gather from
 the padded dy with a patch-position table computed at build time.
@@ -604,7 +605,7 @@ def _grid_corners(
     mode = n.attr("mode", "linear" if n.opset >= 20 else "bilinear")
     if mode not in ("linear", "bilinear", "nearest"):
         raise GradientNotImplementedError(
-            f"{_where(n)}: no gradient for mode {mode!r} (linear and nearest only)"
+            f"{_where(n)}: no gradient for mode {mode!r} (linear, cubic and nearest only)"
         )
 
     def lit(v: float | Var) -> Var:
@@ -645,6 +646,54 @@ def _grid_corners(
     return _Corners(index, weight, slope_w), dc
 
 
+_CUBIC_A = -0.75  # onnxruntime's (and torch's) bicubic coefficient
+
+
+def _grid_cubic_corners(
+    g: GradBuilder, n: NodeContext, coord: Var, size: float | Var
+) -> tuple[_Corners, float | Var]:
+    """The 4 taps floor(c) - 1 .. floor(c) + 2 of one normalized grid coordinate (N, Q), as
+    onnxruntime's (and torch's) cubic mode reads them: the coordinate is not clipped, each tap
+    outside the image reads zero, the edge pixel or its reflection off [c_min, c_max], by padding
+    mode. Weights are Keys' cubic with a = -0.75 of t = c - floor(c), slopes their derivatives in t;
+    and d(pixel coordinate)/d(coordinate)."""
+    align = bool(n.attr("align_corners", 0))
+    padding = n.attr("padding_mode", "zeros")
+    dt = coord.dtype
+
+    def lit(v: float | Var) -> Var:
+        return v if isinstance(v, Var) else g.const(v, dt)
+
+    last, zero = lit(size - 1.0), lit(0.0)
+    low, high = (0.0, size - 1.0) if align else (-0.5, size - 0.5)
+    dc: float | Var = (size - 1.0) * 0.5 if align else size * 0.5
+    c = coord * dc + (size - 1.0) * 0.5
+    lo = g.Floor(c)
+    t = g.Unsqueeze(c - lo, [1])  # (N, 1, Q)
+    taps = g.Unsqueeze(lo, [1]) + g.const(np.array([-1.0, 0.0, 1.0, 2.0]).reshape(1, 4, 1), dt)
+    sign = g.const(np.array([1.0, 1.0, -1.0, -1.0]).reshape(1, 4, 1), dt)
+    dist = g.const(np.array([1.0, 0.0, 1.0, 2.0]).reshape(1, 4, 1), dt) + t * sign  # t+1, t, 1-t, 2-t
+    far = g.const(np.array([True, False, False, True]).reshape(1, 4, 1))
+    a = _CUBIC_A
+    weight = where(
+        far,
+        ((dist * a - 5 * a) * dist + 8 * a) * dist - 4 * a,
+        ((dist * (a + 2) - (a + 3)) * dist) * dist + 1.0,
+    )
+    slope = sign * where(
+        far,
+        (dist * (3 * a) - 10 * a) * dist + 8 * a,
+        (dist * (3 * (a + 2)) - 2 * (a + 3)) * dist,
+    )
+    if padding == "zeros":
+        valid = cast(g.And(taps >= zero, taps <= last), coord)
+        weight, slope = weight * valid, slope * valid
+    elif padding == "reflection" and not (isinstance(high - low, float) and high - low == 0):
+        taps, _ = _reflect(g, taps, low, high - low)
+    index = g.Cast(g.Max(g.Min(taps, last), zero), to=INT64)
+    return _Corners(index, weight, slope), dc
+
+
 def _spread(g: GradBuilder, v: Var, j: int, k: int) -> Var:
     """(N, corners, Q) of spatial dim j to (N, 1, .., corners, .., 1, Q): corner axes 1..k."""
     others = [1 + i for i in range(k) if i != j]
@@ -657,7 +706,8 @@ def grid_sample(g: GradBuilder, n: NodeContext) -> Grads:
 
     dX = scatter-add of dy * w_k at p_k; d grid = sum_c dy * sum_k (dw_k / dcoord) X[p_k], times the
     slopes of the padding and of the unnormalization, as torch.nn.functional.grid_sample (zero for
-    nearest). Linear and nearest modes, any number of spatial dims, every padding mode.
+    nearest). Linear, nearest and cubic modes (4 x 4 taps: :func:`_grid_cubic_corners`), any number
+    of spatial dims, every padding mode.
     """
     x, grid, dy = n.inputs[0], n.inputs[1], n.dy
     assert x is not None and grid is not None
@@ -666,8 +716,10 @@ def grid_sample(g: GradBuilder, n: NodeContext) -> Grads:
     pieces = g.Split(grid, axis=-1, num_outputs=k, outputs=k) if k > 1 else (grid,)
     dims: list[_Corners] = []
     dcs: list[float | Var] = []
+    cubic = n.attr("mode", "linear") in ("cubic", "bicubic")
+    corner_fn = _grid_cubic_corners if cubic else _grid_corners
     for j in range(k):  # spatial dim j of X is grid component k - 1 - j
-        corners, dc = _grid_corners(g, n, g.Reshape(pieces[k - 1 - j], [0, -1]), _float_dim(g, x, 2 + j))
+        corners, dc = corner_fn(g, n, g.Reshape(pieces[k - 1 - j], [0, -1]), _float_dim(g, x, 2 + j))
         dims.append(corners)
         dcs.append(dc)
     # Flat index into X's spatial plane and weight of every corner: (N, 2, .., 2, Q).
@@ -697,7 +749,8 @@ def grid_sample(g: GradBuilder, n: NodeContext) -> Grads:
         grads[1] = g.zeros_like(grid)  # piecewise constant in the grid
     elif n.needs[1]:
         flat_x = g.Reshape(x, [0, 0, -1])  # (N, C, P)
-        picked = g.Reshape(g.GatherElements(flat_x, index_nc, axis=2), [0, 0, *[2] * k, -1])
+        width = 4 if cubic else 2  # corners per spatial dim
+        picked = g.Reshape(g.GatherElements(flat_x, index_nc, axis=2), [0, 0, *[width] * k, -1])
         per_corner = g.ReduceSum(picked * dy_k, [1], keepdims=0)  # (N, 2, .., 2, Q)
         parts = []
         for j in reversed(range(k)):  # grid components: last spatial dim first
