@@ -2,10 +2,11 @@
 
 Resize is linear in X and separable: along each resized axis, output position o reads a few input
 positions i with weights w(o, i) that depend only on sizes, scales and attributes. Those taps are
-computed here at build time when sizes and scales are constants (else by the backward at run time,
-as one interpolation matrix per axis) (mirroring onnxruntime's arithmetic: float32 coordinates, its rounding
+computed here at build time (mirroring onnxruntime's arithmetic: float32 coordinates, its rounding
 of nearest indices, its antialias filter), transposed, and applied to dy as one Gather plus a
-weighted sum per axis: dX[.., i, ..] = sum_k dy[.., J[i, k], ..] * V[i, k].
+weighted sum per axis: dX[.., i, ..] = sum_k dy[.., J[i, k], ..] * V[i, k]. Where sizes or scales
+are known only at run time, the backward computes the same coordinates with ONNX ops and applies
+one interpolation matrix per axis (a MatMul).
 
 GridSample reads X at run-time positions: dX scatter-adds dy times the interpolation weights at the
 corners each output read (2 per dim for linear, 4 for cubic; one ScatterElements), d grid is dy
