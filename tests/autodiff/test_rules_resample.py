@@ -582,11 +582,20 @@ def test_col2im_versus_torch() -> None:
     versus_torch(model, [x], fold, backend="reference")
 
 
-def test_col2im_needs_constant_shapes() -> None:
-    x = rnd(1, 4, 4)
-    model = node_model("Col2Im", [x, i64(3, 3), i64(2, 2)])
-    init = model.graph.initializer[0]
-    model.graph.initializer.remove(init)
-    model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, [2]))
-    with pytest.raises(GradientNotImplementedError, match="constant image_shape"):
-        build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
+@pytest.mark.parametrize("which", [(1,), (2,), (1, 2)], ids=["image", "block", "both"])
+@pytest.mark.parametrize(("attrs", "image", "block"), COL2IM_CASES)
+def test_col2im_run_time_shapes(
+    attrs: dict[str, Any], image: tuple[int, int], block: tuple[int, int], which: tuple[int, ...]
+) -> None:
+    """image_shape and/or block_shape fed at run time: the patch table is built by the backward."""
+    for dtype, backend in ((np.float64, "reference"), (F32, "onnxruntime")):
+        x = col2im_input(attrs, image, block, dtype)
+        model = node_model("Col2Im", [x, i64(*image), i64(*block)], attrs=attrs)
+        feeds = {"in0": x}
+        for i in which:
+            init = next(t for t in model.graph.initializer if t.name == f"in{i}")
+            model.graph.initializer.remove(init)
+            model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, [2]))
+            feeds[init.name] = onnx.numpy_helper.to_array(init)
+        result = check_gradients(model, feeds, wrt=["in0"], backend=backend)
+        assert result.ok, result.report()
