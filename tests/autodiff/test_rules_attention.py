@@ -21,7 +21,6 @@ import onnxgrad.autodiff.rules.attention  # noqa: F401  (registers the rules unt
 from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.autodiff.graph import ir_version_for
-from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.testing import check_gradients, node_model
 
 from .test_rules_linalg import ensure_output_shape, torch_grads
@@ -205,11 +204,36 @@ def test_attention_rule_asks_the_forward_for_the_probabilities() -> None:
     assert set(graphs.saved) == {"in0", "in1", "in2", node.output[3]}
 
 
-def test_attention_other_qk_output_mode_is_unsupported() -> None:
-    inputs = qkv(1, 2, 2, 3, 4)
-    model = attention_model(inputs, {"qk_matmul_output_mode": 1}, ["y", "", "", "qk"])
-    with pytest.raises(GradientNotImplementedError, match=r"Attention node .*qk_matmul_output in mode 1"):
-        build_gradient(model, trainable=[], inputs_requiring_grad=["in0"], outputs=["y"])
+QK_MODE_CASES = [
+    (case, mode)
+    for case in ("mha-mask-softcap", "gqa-mask-softcap", "causal", "mask-only")
+    for mode in range(4)
+    if not (case == "causal" and mode == 2)  # -inf in the output: no finite differences
+]
+
+
+@pytest.mark.parametrize(("case", "mode"), QK_MODE_CASES)
+def test_attention_qk_matmul_output_used_in_any_mode(case: str, mode: int) -> None:
+    """The model reads qk_matmul_output in mode 0 (scale Q K^T), 1 (softcapped), 2 (and masked) or
+    3 (probabilities): a mode-3 copy of the node gives the probabilities, and the output's gradient
+    joins at its stage. float64 through onnxruntime (onnx.reference's mode 0 includes the softcap)."""
+    if case == "mha-mask-softcap":
+        inputs, attrs = [*qkv(2, 2, 2, 3, 4), rnd(3, 4)], {"softcap": 1.5, "scale": 0.6}
+    elif case == "gqa-mask-softcap":
+        inputs, attrs = [*qkv(1, 4, 2, 4, 4), rnd(4, 4)], {"softcap": 2.0}
+    elif case == "causal":
+        inputs, attrs = qkv(1, 4, 2, 4, 4), {"is_causal": 1, "softcap": 2.0}
+    else:
+        inputs, attrs = [*qkv(1, 3, 3, 3, 5), rnd(1, 3, 3, 5)], {}
+    model = attention_model(inputs, {**attrs, "qk_matmul_output_mode": mode}, ["y", "", "", "qk"])
+    wrt = [f"in{i}" for i in range(len(inputs))]
+    result = check_gradients(model, {f"in{i}": x for i, x in enumerate(inputs)}, wrt=wrt)
+    assert result.ok, result.report()
+    # the qk output alone
+    model = attention_model(inputs, {**attrs, "qk_matmul_output_mode": mode}, ["y", "", "", "qk"])
+    graphs = build_gradient(model, trainable=[], inputs_requiring_grad=wrt, outputs=["qk"])
+    result = check_gradients(model, {f"in{i}": x for i, x in enumerate(inputs)}, wrt=wrt, graphs=graphs)
+    assert result.ok, result.report()
 
 
 # ---- RotaryEmbedding ------------------------------------------------------------------------

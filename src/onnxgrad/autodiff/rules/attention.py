@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import onnx
 from onnx import helper
 
 from ...errors import GradientNotImplementedError
 from ..builder import GradBuilder, Var, sigmoid
-from ..graph import Dim
+from ..graph import Dim, ValueInfo
 from ..registry import NodeContext, rule
 from .norm import node_label
 
@@ -82,17 +83,30 @@ class _Heads:
 
 
 def _probabilities(g: GradBuilder, n: NodeContext, shape: tuple[Dim, ...] | None) -> Var:
-    """The forward's softmax probabilities: its ``qk_matmul_output`` in mode 3, added if unused."""
+    """The forward's softmax probabilities: its ``qk_matmul_output`` in mode 3, added if unused.
+
+    Where the model reads that output in another mode (0: scale Q K^T, 1: after softcap, 2: after
+    the mask too), a copy of the node in mode 3 gives the probabilities (the attention is computed
+    twice in the forward).
+    """
     node = n.node
     mode = int(n.attr("qk_matmul_output_mode", 0))
     used = len(node.output) > 3 and bool(node.output[3])
-    if used and mode != _AFTER_SOFTMAX:
-        raise GradientNotImplementedError(
-            f"{node_label(n)}: the model reads qk_matmul_output in mode {mode}; the gradient needs the "
-            "softmax probabilities, which that output only gives in mode 3"
-        )
     q = n.inputs[0]
     assert q is not None
+    if used and mode != _AFTER_SOFTMAX:
+        y = g.new_fwd_value(f"{node.output[0]}_copy", n.y.info)
+        probs_name = g.new_fwd_value(f"{node.output[0]}_probs", ValueInfo("", q.dtype, shape))
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = g.fresh(f"{node.name or 'Attention'}_probs")
+        del copy.output[:]
+        copy.output.extend([y, "", "", probs_name])
+        for a in copy.attribute:
+            if a.name == "qk_matmul_output_mode":
+                a.i = _AFTER_SOFTMAX
+        g.fwd_nodes.append(copy)
+        return g.fwd(probs_name)
     probs = g.extra_output(node, 3, q.dtype, shape)
     if mode != _AFTER_SOFTMAX:
         for a in node.attribute:
@@ -124,7 +138,8 @@ def attention(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     """Y = P V with P = softmax(softcap(scale Q K^T) + bias), K, V after the past cache.
 
     dV = P^T dY; dP = dY V^T (+ the gradient of qk_matmul_output when the model uses it in mode
-    3); dS = P (dP - rowsum(dP P)) is the gradient of the logits, hence of an additive attn_mask
+    3; in modes 2, 1, 0 it adds to the logits before, between or after the mask and softcap
+    steps below); dS = P (dP - rowsum(dP P)) is the gradient of the logits, hence of an additive attn_mask
     (summed where the mask broadcasts, cut to the mask's length when it is shorter); softcap c
     multiplies it by 1 - tanh^2(scale Q K^T / c); then dQ = scale dS K and dK = scale dS^T Q.
     The cache: present_key = concat(past_key, K) along the sequence, so the gradient of the
@@ -164,18 +179,28 @@ def attention(g: GradBuilder, n: NodeContext) -> list[Var | None]:
         _split_cache(g, n, heads, dv_all, v, past_v, 2, 5, grads)
     if not (n.needs[0] or need_k or need_mask):
         return grads
+    # The gradient of qk_matmul_output joins at the stage its mode exposes: 3 the probabilities,
+    # 2 the masked logits, 1 the softcapped scores, 0 scale Q K^T.
+    mode = int(n.attr("qk_matmul_output_mode", 0))
+    d_qk = heads.group(n.dout[3]) if len(n.dout) > 3 and n.dout[3] is not None else None
     dp = g.MatMul(dy_g, _swap_last(g, v_all))  # (B, Hkv, R Sq, Skv)
-    if len(n.dout) > 3 and n.dout[3] is not None:
-        dp = dp + heads.group(n.dout[3])
+    if d_qk is not None and mode == _AFTER_SOFTMAX:
+        dp = dp + d_qk
     ds = probs * (dp - g.ReduceSum(dp * probs, [-1], keepdims=1))
+    if d_qk is not None and mode == 2:
+        ds = ds + d_qk
     if need_mask:
         grads[3] = _mask_grad(g, heads.ungroup(ds), mask, probs_shape)  # type: ignore[arg-type]
+    if d_qk is not None and mode == 1:
+        ds = ds + d_qk
     scale = _scale(g, n, q, heads)
     q_g = heads.group(heads.split(q, heads.q_heads))
     softcap = float(n.attr("softcap", 0.0) or 0.0)
     if softcap > 0:  # d(c tanh(s / c)) / ds = 1 - tanh^2(s / c), s = scale Q K^T recomputed
         t = g.Tanh(g.MatMul(q_g, _swap_last(g, k_all)) * scale / softcap)
         ds = ds * (1.0 - t * t)
+    if d_qk is not None and mode == 0:
+        ds = ds + d_qk
     ds = ds * scale
     if n.needs[0]:
         grads[0] = heads.merge(heads.ungroup(g.MatMul(ds, k_all)), q)
