@@ -6,6 +6,10 @@ cheaper. They run on the model before differentiation.
   pooled tensor, 4x smaller for the usual 2x2 pool, and the full-size activation is not saved for
   the backward. Conv-ReLU-MaxPool is the building block of most CNNs.
 
+- RNN, GRU and LSTM in batch-major layout (``layout=1``), which onnxruntime refuses to load,
+  become the time-major node between Transposes: X and the initial states are transposed in, Y and
+  the final states back out, under their original names.
+
 Measured and left out: ``MatMul(x, W) + b`` (+ ReLU) on a batch of sequences as one ``Gemm``
 between reshapes (what onnxruntime does itself when every dim is static). onnxruntime's Gemm
 writes the broadcast bias first and accumulates onto it, and applies the ReLU in a second pass: the
@@ -25,8 +29,47 @@ from .graph import all_names, node_operands, unique_name
 def rewrite_for_training(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` (changed in place and returned) with the rewrites above applied to its main graph,
     whose nodes must be in topological order (they stay so)."""
-    _relu_after_max_pool(model.graph, all_names(model.graph))
+    taken = all_names(model.graph)
+    _relu_after_max_pool(model.graph, taken)
+    _time_major_recurrences(model.graph, taken)
     return model
+
+
+_RECURRENT = ("RNN", "GRU", "LSTM")
+
+
+def _time_major_recurrences(graph: onnx.GraphProto, taken: set[str]) -> None:
+    """Batch-major RNN/GRU/LSTM nodes as time-major ones between Transposes (same values)."""
+    if not any(_is(node, op) for node in graph.node for op in _RECURRENT):
+        return
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        layout = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "layout"), 0)
+        if not any(_is(node, op) for op in _RECURRENT) or not layout:
+            nodes.append(node)
+            continue
+        new = onnx.NodeProto()
+        new.CopyFrom(node)
+        for a in new.attribute:
+            if a.name == "layout":
+                a.i = 0
+        # X (B, T, I) -> (T, B, I); initial_h, initial_c (B, D, H) -> (D, B, H)
+        for slot in (0, 5, 6):
+            if slot < len(node.input) and node.input[slot]:
+                moved = unique_name(f"{node.input[slot]}_time_major", taken)
+                nodes.append(helper.make_node("Transpose", [node.input[slot]], [moved], perm=[1, 0, 2]))
+                new.input[slot] = moved
+        after = []
+        for slot, out in enumerate(node.output):
+            if not out:
+                continue
+            moved = unique_name(f"{out}_time_major", taken)
+            new.output[slot] = moved
+            perm = [2, 0, 1, 3] if slot == 0 else [1, 0, 2]  # Y (T, D, B, H) -> (B, T, D, H)
+            after.append(helper.make_node("Transpose", [moved], [out], perm=perm))
+        nodes += [new, *after]
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def _relu_after_max_pool(graph: onnx.GraphProto, taken: set[str]) -> None:
