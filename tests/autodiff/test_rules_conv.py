@@ -26,6 +26,7 @@ from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.testing import check_gradients, node_model
+from tests.models import ort_loads_opset
 
 from .test_rules_linalg import ensure_output_shape, torch_grads
 
@@ -649,6 +650,8 @@ def test_causal_conv_with_state(
     names = ["out0", "out1"]
     runs = [(np.float64, "reference", 27), (np.float32, "onnxruntime", 27), (np.float32, "onnxruntime", 28)]
     for dtype, backend, opset in runs:
+        if backend == "onnxruntime" and not ort_loads_opset(opset):
+            continue
         ins = [None if a is None else a.astype(dtype) for a in inputs]
         model = node_model("CausalConvWithState", ins, attrs={"activation": act}, n_outputs=2, opset=opset)
         feeds = {i.name: ins[int(i.name[2:])] for i in model.graph.input}
