@@ -563,16 +563,21 @@ def scan8_model(directions: list[int], states: bool = True) -> onnx.ModelProto:
     )
 
 
+@pytest.mark.parametrize("lengths", [None, [3, 5]], ids=["full", "sequence_lens"])
 @pytest.mark.parametrize(
     ("directions", "states"), [([0, 0], True), ([0, 1], True), ([1, 1], True), ([1, 0], False)]
 )
-def test_scan_8_batch_axis_form(directions: list[int], states: bool):
-    """Scan-8 (batch axis 0, scan axis 1, reversed inputs) runs as Loops over the batch and the
-    steps, the values of Scan-8 (checked against onnxruntime's Scan-8), and differentiates as Loops."""
+def test_scan_8_batch_axis_form(directions: list[int], states: bool, lengths: list[int] | None):
+    """Scan-8 (batch axis 0, scan axis 1, reversed inputs, sequence_lens) runs as Loops over the
+    batch and the steps, with the values of onnxruntime's Scan-8, and differentiates as Loops."""
+    model = scan8_model(directions, states)
     feeds = {"x": RNG.standard_normal((2, 5, 4)), "z": RNG.standard_normal((2, 5, 3))}
     if states:
         feeds["h0"] = RNG.standard_normal((2, 3))
-    model = scan8_model(directions, states)
+    if lengths is not None:
+        model.graph.node[0].input[0] = "lens"
+        model.graph.input.append(vi("lens", TensorProto.INT64, [2]))
+        feeds["lens"] = np.array(lengths, dtype=np.int64)
     graphs = check(model, feeds, same_forward=False)
     assert "Scan" not in {n.op_type for n in graphs.forward.graph.node}
     inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
@@ -581,14 +586,23 @@ def test_scan_8_batch_axis_form(directions: list[int], states: bool):
         np.testing.assert_allclose(got[name], value, rtol=1e-14, atol=1e-15)
 
 
-def test_scan_8_with_sequence_lens_is_refused():
+def test_scan_8_with_sequence_lens_and_integer_state_is_refused():
+    """Steps past a length are masked by multiplication: an integer state cannot be."""
     body = graph(
-        "b", [node("Add", ["s", "x"], ["sn"])], [vi("s", F64, [2]), vi("x", F64, [2])], [vi("sn", F64, [2])]
+        "b",
+        [node("Add", ["s", "x"], ["sn"]), node("Add", ["c", "c"], ["cn"])],
+        [vi("s", F64, [2]), vi("c", TensorProto.INT64, [1]), vi("x", F64, [2])],
+        [vi("sn", F64, [2]), vi("cn", TensorProto.INT64, [1])],
     )
     model = make_model(
-        [node("Scan", ["lens", "s0", "xs"], ["sT"], body=body, num_scan_inputs=1)],
-        [("lens", np.int64, [1]), ("s0", np.float64, [1, 2]), ("xs", np.float64, [1, 3, 2])],
-        [("sT", np.float64, [1, 2])],
+        [node("Scan", ["lens", "s0", "c0", "xs"], ["sT", "cT"], body=body, num_scan_inputs=1)],
+        [
+            ("lens", np.int64, [1]),
+            ("s0", np.float64, [1, 2]),
+            ("c0", np.int64, [1, 1]),
+            ("xs", np.float64, [1, 3, 2]),
+        ],
+        [("sT", np.float64, [1, 2]), ("cT", np.int64, [1, 1])],
         opset=8,
     )
     with pytest.raises(GradientNotImplementedError, match=r"op 'Scan'.*opset 8"):

@@ -10,10 +10,12 @@ cheaper. They run on the model before differentiation.
   become the time-major node between Transposes: X and the initial states are transposed in, Y and
   the final states back out, under their original names.
 
-- Scan-8 (batch axis 0, sequence axis 1; no per-batch ``sequence_lens``) becomes the Loops it
-  means: over the batch, and inside over the steps, each step running the unchanged body on
-  ``x[b, t]`` (``t`` counted from the end for a reversed input). Loops of opset 1 keep the model's
-  opset, and the Loop rule differentiates them (Scan's own rule starts at opset 9).
+- Scan-8 (batch axis 0, sequence axis 1) becomes the Loops it means: over the batch, and inside
+  over the steps, each step running the unchanged body on ``x[b, t]`` (``t`` counted from the end
+  of the sequence for a reversed input). With ``sequence_lens``, steps past an element's length
+  keep its states and output zeros (masks; floating-point states and outputs only). Loops of
+  opset 1 keep the model's opset, and the Loop rule differentiates them (Scan's own rule starts
+  at opset 9).
 
 Measured and left out: ``MatMul(x, W) + b`` (+ ReLU) on a batch of sequences as one ``Gemm``
 between reshapes (what onnxruntime does itself when every dim is static). onnxruntime's Gemm
@@ -43,14 +45,14 @@ def rewrite_for_training(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _scan8_as_loops(graph: onnx.GraphProto, taken: set[str]) -> None:
-    """Scan-8 nodes without sequence_lens as nested Loops (see the module docstring)."""
+    """Scan-8 nodes as nested Loops (see the module docstring)."""
     if not any(_is(node, "Scan") for node in graph.node):
         return
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         scan_inputs = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
-        if not _is(node, "Scan") or (node.input and node.input[0]) or not scan_inputs:
-            nodes.append(node)  # sequence_lens, or nothing to scan: left as it is (no rule)
+        if not _is(node, "Scan") or not scan_inputs:
+            nodes.append(node)  # nothing to scan: left as it is (no rule)
             continue
         nodes.extend(_scan8_loops(node, taken))
     del graph.node[:]
@@ -68,6 +70,10 @@ def _scan8_loops(node: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
     n_state = len(operands) - m
     i64, boolean = onnx.TensorProto.INT64, onnx.TensorProto.BOOL
     scalar = helper.make_tensor_value_info
+    lens = node.input[0] if node.input and node.input[0] else None
+    floats = (onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
+    if lens is not None and any(v.type.tensor_type.elem_type not in floats for v in body.output):
+        return [node]  # masking the steps past a length needs floating-point states and outputs
 
     def fresh(hint: str) -> str:
         return unique_name(hint, taken)
@@ -92,21 +98,67 @@ def _scan8_loops(node: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
         outer.append(helper.make_node("Gather", [x, b], [xb], axis=0))
     steps, one = leading(elements[0], outer)
 
+    length = steps
+    if lens is not None:  # this element's length
+        length = fresh("scan_length")
+        outer.append(helper.make_node("Gather", [lens, b], [length], axis=0))
+
     # Inner Loop body: step t of element b, the original body's nodes on x[b, t].
     t, cond = fresh("scan_t"), fresh("scan_cond")
     inner: list[onnx.NodeProto] = []
+    valid = None
+    if lens is not None:  # step t < length (Less takes floats at opset 8)
+        tf, lf, valid, valid_i = fresh("t_float"), fresh("length_float"), fresh("valid"), fresh("valid_int")
+        inner += [
+            helper.make_node("Cast", [t], [tf], to=onnx.TensorProto.FLOAT),
+            helper.make_node("Cast", [length], [lf], to=onnx.TensorProto.FLOAT),
+            helper.make_node("Less", [tf, lf], [valid]),
+            helper.make_node("Cast", [valid], [valid_i], to=i64),
+        ]
     for k, (inp, elem) in enumerate(zip(body.input[n_state:], elements)):
         index = t
-        if dirs[k]:  # reversed: step t reads x[b, T - 1 - t]
+        if dirs[k]:  # reversed: step t reads x[b, length - 1 - t] (0 past the length)
             last, index = fresh("last_step"), fresh("reversed_t")
-            inner.append(helper.make_node("Sub", [steps, one], [last]))
+            inner.append(helper.make_node("Sub", [length, one], [last]))
             inner.append(helper.make_node("Sub", [last, t], [index]))
+            if valid is not None:
+                clamped = fresh("reversed_t_valid")
+                inner.append(helper.make_node("Mul", [index, valid_i], [clamped]))
+                index = clamped
         inner.append(helper.make_node("Gather", [elem, index], [inp.name], axis=0))
     inner += list(body.node)
     cond_out = fresh("scan_cond_out")
     inner.append(helper.make_node("Identity", [cond], [cond_out]))
     inner_inputs = [scalar(t, i64, []), scalar(cond, boolean, []), *body.input[:n_state]]
-    inner_outputs = [scalar(cond_out, boolean, []), *body.output]
+    results_inner = list(body.output)
+    if valid is not None:  # past the length: states unchanged, outputs zero
+        masks: dict[int, tuple[str, str]] = {}
+        results_inner = []
+        for k, o in enumerate(body.output):
+            dtype = o.type.tensor_type.elem_type
+            if dtype not in masks:
+                on, off, invalid = fresh("mask"), fresh("mask_off"), fresh("invalid")
+                inner += [
+                    helper.make_node("Cast", [valid], [on], to=dtype),
+                    helper.make_node("Not", [valid], [invalid]),
+                    helper.make_node("Cast", [invalid], [off], to=dtype),
+                ]
+                masks[dtype] = (on, off)
+            on, off = masks[dtype]
+            masked = fresh(f"{o.name}_masked")
+            if k < n_state:
+                kept, old = fresh(f"{o.name}_new"), fresh(f"{o.name}_old")
+                inner += [
+                    helper.make_node("Mul", [on, o.name], [kept]),
+                    helper.make_node("Mul", [off, body.input[k].name], [old]),
+                    helper.make_node("Add", [kept, old], [masked]),
+                ]
+            else:
+                inner.append(helper.make_node("Mul", [on, o.name], [masked]))
+            vi = onnx.ValueInfoProto(name=masked)
+            vi.type.CopyFrom(o.type)
+            results_inner.append(vi)
+    inner_outputs = [scalar(cond_out, boolean, []), *results_inner]
     inner_dummy = n_state == 0  # Loop-1 wants a loop-carried value: a dummy where there is none
     if inner_dummy:
         dummy_in, dummy_out = fresh("scan_dummy"), fresh("scan_dummy_out")
