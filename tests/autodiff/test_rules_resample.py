@@ -404,13 +404,24 @@ def test_resize_sizes_computed_from_another_tensor() -> None:
     check(model, {"x": rnd(2, 3, 3, 4), "skip": rnd(2, 3, 6, 8)}, backend="reference")
 
 
-def test_resize_run_time_antialias_is_refused() -> None:
-    x = rnd(1, 1, 3, 4)
-    model = node_model(
-        "Resize", [x, None, f32(1, 1, 0.5, 0.5)], attrs={"mode": "linear", "antialias": 1}, opset=18
-    )
-    with pytest.raises(GradientNotImplementedError, match="antialias needs constant"):
-        build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("mode", ["linear", "cubic"])
+def test_resize_run_time_antialias_matches_onnxruntime(transform: str, mode: str) -> None:
+    """Antialiased filters from run-time scales (windows of run-time width): the transpose of
+    onnxruntime's forward, symbolic dims too; axes keeping their size are copied."""
+    x = rnd(2, 1, 9, 7, dtype=F32)
+    roi = ROI if transform == "tf_crop_and_resize" else None
+    opset = 18 if transform != "half_pixel_symmetric" else 19
+    for exclude in (0, 1):
+        for scales in (f32(1, 1, 0.5, 0.4), f32(1, 1, 0.3, 1.5), f32(1, 1, 1.1, 0.6)):
+            attrs = {
+                "mode": mode,
+                "coordinate_transformation_mode": transform,
+                "antialias": 1,
+                "exclude_outside": exclude,
+            }
+            for dynamic in (False, True):
+                check_run_time(run_time(resize_model(x, attrs, opset, roi=roi, scales=scales), dynamic), x)
 
 
 EXACT_SIZES = ((8, 3), (2, 12))  # from 4 x 6: scales 2 and 1/2, coordinates exact in float32

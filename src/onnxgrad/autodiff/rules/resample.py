@@ -345,7 +345,7 @@ def resize(g: GradBuilder, n: NodeContext) -> Grads:
     Every nearest mode and coordinate transformation, linear and cubic, antialias included. With
     constant sizes, scales and roi and static resized dims the taps are constants of the backward;
     otherwise (scales or sizes computed at run time, symbolic dims) the backward builds each W_a
-    from the run-time sizes and scales (:func:`_resize_run_time`; antialias excepted).
+    from the run-time sizes and scales (:func:`_resize_run_time`, antialias included).
     """
     if not n.needs[0]:
         return _first_only(n, None)
@@ -485,6 +485,62 @@ def _run_time_matrix(g: GradBuilder, mode: _ResizeMode, c: Var, n_in: Var, scale
     return g.ReduceSum(onehot * g.Unsqueeze(w, [2]), g.const(np.array([1])), keepdims=0)
 
 
+def _run_time_antialias_matrix(
+    g: GradBuilder, mode: _ResizeMode, c: Var, pos: Var, n_in: Var, scale: Var, dtype: int
+) -> Var:
+    """:func:`_antialias_taps` as ONNX ops (in float64), as an (n_out, n_in) matrix.
+
+    The windows differ per output position, so the taps run over every input position any window
+    reaches (a Range from the lowest window start to the highest end), weighted where inside each
+    window and folded onto the edges by clipping (or dropped with exclude_outside).
+    """
+    d64, f = TensorProto.DOUBLE, TensorProto.FLOAT
+
+    def lit(v: float) -> Var:
+        return g.const(v, d64)
+
+    half = 1.0 if mode.mode == "linear" else 2.0  # support_size / 2
+    inv32 = g.const(1.0, f) / scale
+    inv = g.Cast(inv32, to=d64)
+    wide = g.GreaterOrEqual(inv, lit(1.0))
+    support = where(wide, inv * half, lit(half))
+    window = g.Ceil(support) * 2.0 + 1.0
+    stretch = where(wide, lit(1.0) / inv, lit(1.0))
+    exact = g.Equal(inv32, g.const(1.0, f))
+    center = where(exact, g.Cast(pos, to=d64), g.Cast(c, to=d64)) + 0.5  # (n_out,)
+    lo = g.Floor(center - support + 0.5)
+    hi = lo + g.Min(g.Max(g.Floor(center + support + 0.5) - lo, lit(0.0)), window)
+    size = g.Cast(n_in, to=d64)
+    if mode.exclude_outside:
+        lo = g.Min(g.Max(lo, lit(0.0)), size)
+        hi = g.Min(g.Max(hi, lit(0.0)), size)
+    start = g.ReduceMin(lo, keepdims=0)
+    stop = g.Max(g.ReduceMax(hi, keepdims=0), start)
+    taps = g.Unsqueeze(g.Range(start, stop, lit(1.0), dtype=d64), [0])  # (1, K)
+    lo2, hi2, center2 = (g.Unsqueeze(v, [1]) for v in (lo, hi, center))
+    inside = g.And(g.GreaterOrEqual(taps, lo2), g.Less(taps, hi2))
+    dist = g.Abs((taps - center2 + 0.5) * stretch)
+    one = lit(1.0)
+    if mode.mode == "linear":
+        fw = where(g.Less(dist, one), one - dist, lit(0.0))
+    else:
+        a = mode.cubic_a
+        near = ((dist * (a + 2) - (a + 3)) * dist) * dist + 1.0
+        far = (((dist - 5.0) * dist + 8.0) * dist - 4.0) * a
+        fw = where(g.Less(dist, one), near, where(g.Less(dist, lit(2.0)), far, lit(0.0)))
+    fw = where(inside, fw, lit(0.0))
+    total = g.ReduceSum(fw, g.const(np.array([1])), keepdims=1)
+    w = fw / where(g.Equal(total, lit(0.0)), one, total)  # (n_out, K)
+    idx = g.Min(g.Max(taps, lit(0.0)), size - 1.0)  # (1, K)
+    if mode.transform == "tf_crop_and_resize":  # outside the input: the extrapolation value
+        c64 = g.Unsqueeze(g.Cast(c, to=d64), [1])
+        w = where(g.Or(g.Less(c64, lit(0.0)), g.Greater(c64, size - 1.0)), lit(0.0), w)
+    columns = g.Cast(g.Range(g.const(np.int64(0)), n_in, g.const(np.int64(1))), to=d64)
+    onehot = g.Cast(g.Equal(g.Unsqueeze(idx, [2]), columns), to=d64)  # (1, K, n_in)
+    matrix = g.ReduceSum(onehot * g.Unsqueeze(w, [2]), g.const(np.array([1])), keepdims=0)
+    return g.Cast(matrix, to=dtype)
+
+
 def _resize_run_time(g: GradBuilder, n: NodeContext, mode: _ResizeMode, rank: int, why: str) -> Var:
     """dX = W_a^T dy along each axis that may change, each W_a built at run time.
 
@@ -492,12 +548,11 @@ def _resize_run_time(g: GradBuilder, n: NodeContext, mode: _ResizeMode, rank: in
     does (from the scale given, or from output size / input size when sizes are given, the aspect
     policy's min or max included), its taps are one-hot rows weighted by the interpolation weights,
     and dX is one MatMul with W_a. Where no dim changes size onnxruntime copies X: the coordinates
-    are then the output positions themselves, which makes every W_a the identity.
+    are then the output positions themselves, which makes every W_a the identity. Antialiased
+    axes build their filter matrix by :func:`_run_time_antialias_matrix` (an axis keeping its
+    size is copied, as with scale 1).
     """
-    if mode.antialias:
-        raise GradientNotImplementedError(
-            f"{_where(n)}: antialias needs constant scales or sizes and static resized dims ({why})"
-        )
+    del why  # every case has a run-time form
     x, dy = n.x, n.dy
     f = TensorProto.FLOAT
     if n.node.op_type == "Upsample" and n.opset < 9:
@@ -543,12 +598,17 @@ def _resize_run_time(g: GradBuilder, n: NodeContext, mode: _ResizeMode, rank: in
         elif mode.transform == "tf_crop_and_resize":
             roi_a = (g.const(0.0, f), g.const(1.0, f))
         pos = g.Cast(g.Range(g.const(np.int64(0)), n_outs[j], g.const(np.int64(1))), to=f)
-        c = _run_time_coords(g, mode, pos, n_outs[j], n_ins[j], scale_of[j], roi_a)
-        keep = copy
-        if plain:  # onnxruntime maps an axis of scale 1 to itself (tf_half_pixel_for_nn included)
-            keep = g.Or(copy, g.Equal(scale_of[j], g.const(1.0, f)))
-        c = where(keep, pos, c)
-        w = _run_time_matrix(g, mode, c, n_ins[j], scale_of[j], dy.dtype)  # (n_out, n_in)
+        if mode.antialias:  # an axis keeping its size is copied: as with scale 1
+            scale_a = where(g.Equal(n_outs[j], n_ins[j]), g.const(1.0, f), scale_of[j])
+            c = _run_time_coords(g, mode, pos, n_outs[j], n_ins[j], scale_a, roi_a)
+            w = _run_time_antialias_matrix(g, mode, c, pos, n_ins[j], scale_a, dy.dtype)
+        else:
+            c = _run_time_coords(g, mode, pos, n_outs[j], n_ins[j], scale_of[j], roi_a)
+            keep = copy
+            if plain:  # onnxruntime maps an axis of scale 1 to itself (tf_half_pixel_for_nn included)
+                keep = g.Or(copy, g.Equal(scale_of[j], g.const(1.0, f)))
+            c = where(keep, pos, c)
+            w = _run_time_matrix(g, mode, c, n_ins[j], scale_of[j], dy.dtype)  # (n_out, n_in)
         if a == rank - 1:
             dx = g.MatMul(dx, w)
         else:
