@@ -354,8 +354,8 @@ def resize(g: GradBuilder, n: NodeContext) -> Grads:
     dx = n.dy
     try:
         axes = _resize_axes(n, mode)
-    except _RunTime as why:
-        return _first_only(n, _resize_run_time(g, n, mode, rank, str(why)))
+    except _RunTime:  # sizes or scales known only at run time
+        return _first_only(n, _resize_run_time(g, n, mode, rank))
     for ax in axes:
         idx, w = _resize_taps(mode, ax.n_out, ax.n_in, ax.scale, ax.roi)
         table, values = _transpose_taps(idx, w, ax.n_in)
@@ -541,7 +541,7 @@ def _run_time_antialias_matrix(
     return g.Cast(matrix, to=dtype)
 
 
-def _resize_run_time(g: GradBuilder, n: NodeContext, mode: _ResizeMode, rank: int, why: str) -> Var:
+def _resize_run_time(g: GradBuilder, n: NodeContext, mode: _ResizeMode, rank: int) -> Var:
     """dX = W_a^T dy along each axis that may change, each W_a built at run time.
 
     Per axis, the source coordinate of each output position is computed in float32 as onnxruntime
@@ -552,7 +552,6 @@ def _resize_run_time(g: GradBuilder, n: NodeContext, mode: _ResizeMode, rank: in
     axes build their filter matrix by :func:`_run_time_antialias_matrix` (an axis keeping its
     size is copied, as with scale 1).
     """
-    del why  # every case has a run-time form
     x, dy = n.x, n.dy
     f = TensorProto.FLOAT
     if n.node.op_type == "Upsample" and n.opset < 9:
