@@ -64,3 +64,28 @@ def numpy_mlp_grads(model: onnx.ModelProto, x: np.ndarray, dy: np.ndarray) -> di
 
 
 __all__ = ["TensorProto", "make_model", "mlp", "numpy_mlp_grads"]
+
+
+_LOADS: dict[int, bool] = {}
+
+
+def ort_loads_opset(opset: int) -> bool:
+    """Whether the installed onnxruntime loads a model of this default-domain opset (1.32 loads 28;
+    the oldest supported release does not), for skipping checks that run new ops on it."""
+    if opset not in _LOADS:
+        import onnxruntime as ort
+
+        graph = helper.make_graph(
+            [helper.make_node("Identity", ["x"], ["y"])],
+            "probe",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        model.ir_version = ir_version_for(model.opset_import)
+        try:
+            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            _LOADS[opset] = True
+        except Exception:
+            _LOADS[opset] = False
+    return _LOADS[opset]

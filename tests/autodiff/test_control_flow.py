@@ -522,14 +522,87 @@ def test_missing_rule_inside_a_body_names_the_node():
         onnxgrad.build_gradient(model, inputs_requiring_grad=["h0"])
 
 
-def test_scan_8_is_refused():
+def scan8_model(directions: list[int], states: bool = True) -> onnx.ModelProto:
+    """Scan-8 over a batch of 2: h' = tanh((x_t W + h U) z_t), y_t = h' (no state: y_t = tanh(x_t W) z_t)."""
+    if states:
+        nodes = [
+            node("MatMul", ["xt", "W"], ["xw"]),
+            node("MatMul", ["h", "U"], ["hu"]),
+            node("Add", ["xw", "hu"], ["pre"]),
+            node("Mul", ["pre", "zt"], ["pre2"]),
+            node("Tanh", ["pre2"], ["h2"]),
+            node("Identity", ["h2"], ["yt"]),
+        ]
+        ins, outs = [vi("h", F64, [3])], [vi("h2", F64, [3])]
+    else:
+        nodes = [
+            node("MatMul", ["xt", "W"], ["xw"]),
+            node("Tanh", ["xw"], ["t"]),
+            node("Mul", ["t", "zt"], ["yt"]),
+        ]
+        ins, outs = [], []
+    body = graph("b", nodes, [*ins, vi("xt", F64, [4]), vi("zt", F64, [3])], [*outs, vi("yt", F64, [3])])
+    scan = node(
+        "Scan",
+        ["", *(["h0"] if states else []), "x", "z"],
+        [*(["hT"] if states else []), "ys"],
+        body=body,
+        num_scan_inputs=2,
+        directions=directions,
+    )
+    return make_model(
+        [scan],
+        [
+            *([("h0", np.float64, [2, 3])] if states else []),
+            ("x", np.float64, [2, 5, 4]),
+            ("z", np.float64, [2, 5, 3]),
+        ],
+        [*([("hT", np.float64, [2, 3])] if states else []), ("ys", np.float64, [2, 5, 3])],
+        initializers={"W": RNG.standard_normal((4, 3)) * 0.5, "U": RNG.standard_normal((3, 3)) * 0.5},
+        opset=8,
+    )
+
+
+@pytest.mark.parametrize("lengths", [None, [3, 5]], ids=["full", "sequence_lens"])
+@pytest.mark.parametrize(
+    ("directions", "states"), [([0, 0], True), ([0, 1], True), ([1, 1], True), ([1, 0], False)]
+)
+def test_scan_8_batch_axis_form(directions: list[int], states: bool, lengths: list[int] | None):
+    """Scan-8 (batch axis 0, scan axis 1, reversed inputs, sequence_lens) runs as Loops over the
+    batch and the steps, with the values of onnxruntime's Scan-8, and differentiates as Loops."""
+    model = scan8_model(directions, states)
+    feeds = {"x": RNG.standard_normal((2, 5, 4)), "z": RNG.standard_normal((2, 5, 3))}
+    if states:
+        feeds["h0"] = RNG.standard_normal((2, 3))
+    if lengths is not None:
+        model.graph.node[0].input[0] = "lens"
+        model.graph.input.append(vi("lens", TensorProto.INT64, [2]))
+        feeds["lens"] = np.array(lengths, dtype=np.int64)
+    graphs = check(model, feeds, same_forward=False)
+    assert "Scan" not in {n.op_type for n in graphs.forward.graph.node}
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    got = run_model(graphs.forward)({**{t: inits[t] for t in graphs.trainable}, **feeds})
+    for name, value in run_model(model)(feeds).items():  # to rounding: the products run per element
+        np.testing.assert_allclose(got[name], value, rtol=1e-14, atol=1e-15)
+
+
+def test_scan_8_with_sequence_lens_and_integer_state_is_refused():
+    """Steps past a length are masked by multiplication: an integer state cannot be."""
     body = graph(
-        "b", [node("Add", ["s", "x"], ["sn"])], [vi("s", F64, [2]), vi("x", F64, [2])], [vi("sn", F64, [2])]
+        "b",
+        [node("Add", ["s", "x"], ["sn"]), node("Add", ["c", "c"], ["cn"])],
+        [vi("s", F64, [2]), vi("c", TensorProto.INT64, [1]), vi("x", F64, [2])],
+        [vi("sn", F64, [2]), vi("cn", TensorProto.INT64, [1])],
     )
     model = make_model(
-        [node("Scan", ["", "s0", "xs"], ["sT"], body=body, num_scan_inputs=1)],
-        [("s0", np.float64, [1, 2]), ("xs", np.float64, [1, 3, 2])],
-        [("sT", np.float64, [1, 2])],
+        [node("Scan", ["lens", "s0", "c0", "xs"], ["sT", "cT"], body=body, num_scan_inputs=1)],
+        [
+            ("lens", np.int64, [1]),
+            ("s0", np.float64, [1, 2]),
+            ("c0", np.int64, [1, 1]),
+            ("xs", np.float64, [1, 3, 2]),
+        ],
+        [("sT", np.float64, [1, 2]), ("cT", np.int64, [1, 1])],
         opset=8,
     )
     with pytest.raises(GradientNotImplementedError, match=r"op 'Scan'.*opset 8"):

@@ -8,6 +8,7 @@ lines of torch for the rotary embedding and SwiGLU.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,8 +22,8 @@ import onnxgrad.autodiff.rules.attention  # noqa: F401  (registers the rules unt
 from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.autodiff.graph import ir_version_for
-from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.testing import check_gradients, node_model
+from tests.models import ort_loads_opset
 
 from .test_rules_linalg import ensure_output_shape, torch_grads
 
@@ -205,11 +206,36 @@ def test_attention_rule_asks_the_forward_for_the_probabilities() -> None:
     assert set(graphs.saved) == {"in0", "in1", "in2", node.output[3]}
 
 
-def test_attention_other_qk_output_mode_is_unsupported() -> None:
-    inputs = qkv(1, 2, 2, 3, 4)
-    model = attention_model(inputs, {"qk_matmul_output_mode": 1}, ["y", "", "", "qk"])
-    with pytest.raises(GradientNotImplementedError, match=r"Attention node .*qk_matmul_output in mode 1"):
-        build_gradient(model, trainable=[], inputs_requiring_grad=["in0"], outputs=["y"])
+QK_MODE_CASES = [
+    (case, mode)
+    for case in ("mha-mask-softcap", "gqa-mask-softcap", "causal", "mask-only")
+    for mode in range(4)
+    if not (case == "causal" and mode == 2)  # -inf in the output: no finite differences
+]
+
+
+@pytest.mark.parametrize(("case", "mode"), QK_MODE_CASES)
+def test_attention_qk_matmul_output_used_in_any_mode(case: str, mode: int) -> None:
+    """The model reads qk_matmul_output in mode 0 (scale Q K^T), 1 (softcapped), 2 (and masked) or
+    3 (probabilities): a mode-3 copy of the node gives the probabilities, and the output's gradient
+    joins at its stage. float64 through onnxruntime (onnx.reference's mode 0 includes the softcap)."""
+    if case == "mha-mask-softcap":
+        inputs, attrs = [*qkv(2, 2, 2, 3, 4), rnd(3, 4)], {"softcap": 1.5, "scale": 0.6}
+    elif case == "gqa-mask-softcap":
+        inputs, attrs = [*qkv(1, 4, 2, 4, 4), rnd(4, 4)], {"softcap": 2.0}
+    elif case == "causal":
+        inputs, attrs = qkv(1, 4, 2, 4, 4), {"is_causal": 1, "softcap": 2.0}
+    else:
+        inputs, attrs = [*qkv(1, 3, 3, 3, 5), rnd(1, 3, 3, 5)], {}
+    model = attention_model(inputs, {**attrs, "qk_matmul_output_mode": mode}, ["y", "", "", "qk"])
+    wrt = [f"in{i}" for i in range(len(inputs))]
+    result = check_gradients(model, {f"in{i}": x for i, x in enumerate(inputs)}, wrt=wrt)
+    assert result.ok, result.report()
+    # the qk output alone
+    model = attention_model(inputs, {**attrs, "qk_matmul_output_mode": mode}, ["y", "", "", "qk"])
+    graphs = build_gradient(model, trainable=[], inputs_requiring_grad=wrt, outputs=["qk"])
+    result = check_gradients(model, {f"in{i}": x for i, x in enumerate(inputs)}, wrt=wrt, graphs=graphs)
+    assert result.ok, result.report()
 
 
 # ---- RotaryEmbedding ------------------------------------------------------------------------
@@ -307,3 +333,105 @@ def test_swiglu(alpha: float | None) -> None:
         backend=REF,
         opset=28,
     )
+
+
+# ---- LinearAttention (opset 27) ----------------------------------------------------------------
+def torch_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past: torch.Tensor | None,
+    decay: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    hq: int,
+    hkv: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence of the ONNX definition, step by step (float64)."""
+    b, t, _ = q.shape
+    dk, dv, r = q.shape[-1] // hq, v.shape[-1] // hkv, hq // hkv
+    q4 = q.reshape(b, t, hq, dk).transpose(1, 2)
+    k4 = k.reshape(b, t, hkv, dk).transpose(1, 2)
+    v4 = v.reshape(b, t, hkv, dv).transpose(1, 2)
+    state = past if past is not None else torch.zeros(b, hkv, dk, dv, dtype=q.dtype)
+    outs = []
+    for i in range(t):
+        if decay is not None:
+            state = state * torch.exp(decay[:, i].reshape(b, hkv, -1))[..., None]
+        vt = v4[:, :, i]
+        if beta is not None:
+            vt = beta[:, i].reshape(b, -1, 1) * (vt - torch.einsum("bhdm,bhd->bhm", state, k4[:, :, i]))
+        state = state + k4[:, :, i, :, None] * vt[:, :, None, :]
+        outs.append(
+            torch.einsum("bhd,bhdm->bhm", q4[:, :, i], state.repeat_interleave(r, dim=1)) / math.sqrt(dk)
+        )
+    return torch.stack(outs, 2).transpose(1, 2).reshape(b, t, hq * dv), state
+
+
+def linear_attention_inputs(
+    rule: str, hq: int, hkv: int, per_head_decay: bool, shared_beta: bool, past: bool
+) -> list[np.ndarray | None]:
+    b, t, dk, dv = 2, 3, 3, 4
+    inputs = [rnd(b, t, hq * dk), rnd(b, t, hkv * dk) * 0.5, rnd(b, t, hkv * dv)]
+    inputs.append(rnd(b, hkv, dk, dv) if past else None)
+    inputs.append(-np.abs(rnd(b, t, hkv if per_head_decay else hkv * dk)) if "gated" in rule else None)
+    inputs.append(1 / (1 + np.exp(-rnd(b, t, 1 if shared_beta else hkv))) if "delta" in rule else None)
+    while inputs[-1] is None:
+        inputs.pop()
+    return inputs
+
+
+LINEAR_ATTENTION_CASES = [
+    # (update rule, q heads, kv heads, per-head decay, one beta for all heads, past_state)
+    (rule, *shape)
+    for rule in ("linear", "gated", "delta", "gated_delta")
+    for shape in ((2, 2, True, False, True), (4, 2, False, True, False))
+]
+
+
+@pytest.mark.parametrize("outputs", [("out0", "out1"), ("out0",), ("out1",)], ids=["both", "output", "state"])
+@pytest.mark.parametrize(("rule", "hq", "hkv", "per_head", "shared", "past"), LINEAR_ATTENTION_CASES)
+def test_linear_attention_versus_torch(
+    rule: str, hq: int, hkv: int, per_head: bool, shared: bool, past: bool, outputs: tuple[str, ...]
+) -> None:
+    """float64: the forward on onnx.reference equals the recurrence in torch (to its float32
+    arithmetic), the backward (two Scans, run on onnxruntime) equals torch autograd exactly."""
+    inputs = linear_attention_inputs(rule, hq, hkv, per_head, shared, past)
+    attrs = {"q_num_heads": hq, "kv_num_heads": hkv, "update_rule": rule}
+    model = node_model("LinearAttention", inputs, attrs=attrs, n_outputs=2, opset=27)
+    feeds = {i.name: inputs[int(i.name[2:])] for i in model.graph.input}
+    graphs = build_gradient(model, trainable=[], inputs_requiring_grad=list(feeds), outputs=list(outputs))
+    fwd = testing.run_model(graphs.forward, REF)(feeds)
+    cot = {o: rnd(*fwd[o].shape) for o in outputs}
+    bfeeds = {s: fwd[s] if s in fwd else feeds[s] for s in graphs.saved}
+    bfeeds.update({graphs.grad_inputs[o]: c for o, c in cot.items()})
+    res = testing.run_model(graphs.backward, "onnxruntime" if ort_loads_opset(27) else REF)(bfeeds)
+    ts = [None if x is None else torch.tensor(x, requires_grad=True) for x in inputs]
+    ts += [None] * (6 - len(ts))
+    y, state = torch_linear_attention(*ts, hq, hkv)  # type: ignore[arg-type]
+    np.testing.assert_allclose(fwd["out0"], y.detach().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fwd["out1"], state.detach().numpy(), rtol=1e-5, atol=1e-5)
+    loss = sum((t * torch.tensor(cot[o])).sum() for o, t in (("out0", y), ("out1", state)) if o in cot)
+    loss.backward()  # type: ignore[union-attr]
+    for i, t in enumerate(ts):
+        if t is None:
+            continue
+        want = np.zeros(t.shape) if t.grad is None else t.grad.numpy()
+        got = res[graphs.grad_outputs[f"in{i}"]]
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11, err_msg=f"in{i}")
+
+
+@pytest.mark.parametrize("opset", [27, 28])
+@pytest.mark.parametrize("rule", ["linear", "gated", "delta", "gated_delta"])
+def test_linear_attention_float32_onnxruntime(rule: str, opset: int) -> None:
+    """Finite differences through onnxruntime's own kernel (float32 only), symbolic dims too."""
+    if not ort_loads_opset(opset):
+        pytest.skip(f"this onnxruntime loads no opset {opset}")
+    inputs = [
+        None if x is None else x.astype(F32) for x in linear_attention_inputs(rule, 4, 2, True, False, True)
+    ]
+    attrs = {"q_num_heads": 4, "kv_num_heads": 2, "update_rule": rule}
+    for dynamic in (False, True):
+        model = node_model("LinearAttention", inputs, attrs=attrs, n_outputs=2, opset=opset, dynamic=dynamic)
+        feeds = {i.name: inputs[int(i.name[2:])] for i in model.graph.input}
+        result = check_gradients(model, feeds, wrt=list(feeds), eps=1e-2, rtol=5e-2, atol=1e-2)
+        assert result.ok, result.report()

@@ -26,6 +26,7 @@ from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.testing import check_gradients, node_model
+from tests.models import ort_loads_opset
 
 from .test_rules_linalg import ensure_output_shape, torch_grads
 
@@ -619,3 +620,60 @@ def test_deform_conv_needs_static_sizes() -> None:
     model = symbolic(node_model("DeformConv", inputs, opset=19), {0: (2, 3)})
     with pytest.raises(GradientNotImplementedError, match=r"DeformConv node .*static spatial sizes"):
         build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
+
+
+# ---- CausalConvWithState (opset 27) ----------------------------------------------------------
+CAUSAL_CONV_CASES = [
+    # (id, length, kernel, bias, past, activation)
+    ("full", 5, 3, True, True, "silu"),
+    ("no-bias-no-past", 5, 4, False, False, "none"),
+    ("short-input", 2, 4, True, True, "swish"),
+    ("past-only", 4, 2, False, True, "none"),
+]
+
+
+@pytest.mark.parametrize("outputs", [(0, 1), (0,), (1,)], ids=["both", "output", "present_state"])
+@pytest.mark.parametrize(
+    ("length", "k", "bias", "past", "act"),
+    [c[1:] for c in CAUSAL_CONV_CASES],
+    ids=[c[0] for c in CAUSAL_CONV_CASES],
+)
+def test_causal_conv_with_state(
+    length: int, k: int, bias: bool, past: bool, act: str, outputs: tuple
+) -> None:
+    """float64 through onnx.reference (onnxruntime runs it in float32 only; onnx.reference takes the
+    SiLU in float32, hence the wider step there), then float32 on onnxruntime at opsets 27 and 28,
+    and float64 against torch (conv1d with groups, then silu)."""
+    inputs = [rnd(2, 3, length), rnd(3, 1, k), rnd(3) if bias else None, rnd(2, 3, k - 1) if past else None]
+    while inputs[-1] is None:
+        inputs.pop()
+    names = ["out0", "out1"]
+    runs = [(np.float64, "reference", 27), (np.float32, "onnxruntime", 27), (np.float32, "onnxruntime", 28)]
+    for dtype, backend, opset in runs:
+        if backend == "onnxruntime" and not ort_loads_opset(opset):
+            continue
+        ins = [None if a is None else a.astype(dtype) for a in inputs]
+        model = node_model("CausalConvWithState", ins, attrs={"activation": act}, n_outputs=2, opset=opset)
+        feeds = {i.name: ins[int(i.name[2:])] for i in model.graph.input}
+        wanted = [names[o] for o in outputs]
+        graphs = build_gradient(model, trainable=[], inputs_requiring_grad=list(feeds), outputs=wanted)
+        tol = {"eps": 1e-3, "rtol": 1e-4, "atol": 5e-4} if backend == "reference" and act != "none" else {}
+        result = check_gradients(model, feeds, graphs=graphs, backend=backend, **tol)
+        assert result.ok, result.report()
+        if dtype is np.float64:
+            cot = {o: RNG.standard_normal((2, 3, length) if o == "out0" else (2, 3, k - 1)) for o in wanted}
+            _, ours = testing.run_gradients(graphs, feeds, cot, backend="reference")
+            ts = {name: torch.tensor(a, requires_grad=True) for name, a in feeds.items()}
+            state = ts["in3"] if "in3" in ts else torch.zeros(2, 3, k - 1, dtype=torch.float64)
+            padded = torch.cat([state, ts["in0"]], dim=2)
+            y = F.conv1d(padded, ts["in1"], ts.get("in2"), groups=3)
+            y = F.silu(y) if act != "none" else y
+            loss = sum(
+                (t * torch.tensor(cot[o])).sum()
+                for o, t in (("out0", y), ("out1", padded[:, :, -(k - 1) :]))
+                if o in cot
+            )
+            loss.backward()  # type: ignore[union-attr]
+            for name, t in ts.items():
+                want = np.zeros(t.shape) if t.grad is None else t.grad.numpy()
+                np.testing.assert_allclose(ours[name], want, rtol=1e-9, atol=1e-12, err_msg=name)

@@ -289,6 +289,40 @@ def test_det_of_singular_matrix_is_its_cofactor_matrix() -> None:
     check_op("Det", [x], backend="reference")  # finite differences agree there too
 
 
+def _cofactor_matrix(a: np.ndarray) -> np.ndarray:
+    n = a.shape[-1]
+    return np.array(
+        [
+            [(-1) ** (i + j) * np.linalg.det(np.delete(np.delete(a, i, 0), j, 1)) for j in range(n)]
+            for i in range(n)
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "n, rank", [(3, 2), (3, 1), (4, 2), (4, 3)], ids=["3x3-rank2", "3x3-rank1", "4x4-rank2", "4x4-rank3"]
+)
+def test_det_gradient_at_singular_matrices_is_the_adjugate_transpose(n: int, rank: int) -> None:
+    """d det(A)/dA = adj(A)^T (the cofactor matrix), finite where A has no inverse: nonzero and of
+    rank 1 for rank n-1, zero for rank n-2 (every (n-1)-minor vanishes)."""
+    a = rnd(n, rank) @ rnd(rank, n)
+    model = node_model("Det", [a])
+    graphs = build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
+    out = run_model(graphs.forward, "reference")({"in0": a})
+    feeds = {s: out.get(s, a) for s in graphs.saved}
+    feeds[graphs.grad_inputs["out0"]] = np.array(1.0)
+    dx = run_model(graphs.backward, "reference")(feeds)[graphs.grad_outputs["in0"]]
+    assert dx.shape == (n, n) and np.all(np.isfinite(dx))
+    cof = _cofactor_matrix(a)
+    np.testing.assert_allclose(dx, cof, atol=1e-10)
+    if rank == n - 1:
+        assert np.linalg.matrix_rank(dx, tol=1e-8) == 1
+    else:
+        np.testing.assert_allclose(dx, 0.0, atol=1e-10)
+    check_op("Det", [a], backend="reference")  # finite differences of the polynomial agree
+    check_op("Det", [a], backend="reference", opset=22, dynamic=True)
+
+
 def test_det_versus_torch() -> None:
     torch_grads("Det", [rnd(2, 3, 3)], {}, torch.linalg.det, backend="reference")
 

@@ -62,18 +62,22 @@ def resize_model(
     return node_model("Resize", inputs, attrs=attrs, opset=opset, constant=range(1, 4))
 
 
-def check_adjoint(model: onnx.ModelProto, x: np.ndarray) -> None:
+def check_adjoint(model: onnx.ModelProto, x: np.ndarray, extra: dict[str, np.ndarray] | None = None) -> None:
     """For a linear model of one input whose axis 0 is not resized: dX of random cotangents equals
     A^T cot exactly, A (the Jacobian of one item) read from onnxruntime's forward in float32, with the
-    basis of the item's inputs stacked on axis 0 (so one run of each graph checks everything)."""
+    basis of the item's inputs stacked on axis 0 (so one run of each graph checks everything).
+    ``extra``: feeds of the other inputs (run-time scales, sizes, roi)."""
     size = int(np.prod(x.shape[1:]))
     basis = np.eye(size, dtype=x.dtype).reshape(size, *x.shape[1:])
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+    if model.graph.output[0].type.tensor_type.shape.dim:
+        model.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "batch"
     graphs = build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
-    out = run_model(graphs.forward)({"in0": basis})["out0"]
+    feeds = {"in0": basis, **(extra or {})}
+    out = run_model(graphs.forward)(feeds)["out0"]
     jac = out.reshape(size, -1).T.astype(np.float64)  # (outputs of one item, inputs of one item)
     cot = RNG.standard_normal(out.shape).astype(x.dtype)
-    _, res = testing.run_gradients(graphs, {"in0": basis}, {"out0": cot})
+    _, res = testing.run_gradients(graphs, feeds, {"out0": cot})
     expected = cot.reshape(size, -1).astype(np.float64) @ jac
     np.testing.assert_allclose(res["in0"].reshape(size, -1), expected, rtol=1e-5, atol=1e-5)
 
@@ -275,13 +279,149 @@ def test_resize_saves_nothing() -> None:
     assert build_gradient(model, trainable=[], inputs_requiring_grad=["in0"]).saved == []
 
 
-def test_resize_needs_constant_scales() -> None:
-    x = rnd(1, 1, 3, 4)
-    model = node_model(
-        "Resize", [x, None, f32(1, 1, 2, 2)], attrs={"mode": "linear"}, opset=18
-    )  # scales: input
-    with pytest.raises(GradientNotImplementedError, match="constant scales"):
-        build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
+# ---- Resize: scales, sizes and roi known only at run time -----------------------------------------
+def run_time(model: onnx.ModelProto, dynamic: bool = False) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The model with its non-empty roi, scales and sizes initializers made graph inputs (their
+    values returned as feeds); ``dynamic``: every dim of X and Y symbolic too."""
+    feeds, keep = {}, []
+    for t in model.graph.initializer:
+        value = onnx.numpy_helper.to_array(t)
+        if t.name != "in0" and value.size:
+            feeds[t.name] = value
+            model.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        else:
+            keep.append(t)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    if dynamic:
+        for name, value in (("x", model.graph.input[0]), ("y", model.graph.output[0])):
+            for i, d in enumerate(value.type.tensor_type.shape.dim):
+                d.dim_param = f"{name}{i}"
+    return model, feeds
+
+
+def check_run_time(model_feeds: tuple[onnx.ModelProto, dict[str, np.ndarray]], x: np.ndarray) -> None:
+    check_adjoint(model_feeds[0], x, model_feeds[1])
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "symbolic"])
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+def test_resize_run_time_scales_match_onnxruntime(transform: str, mode: str, dynamic: bool) -> None:
+    """Scales (and roi) fed at run time: the interpolation matrices are built by the backward from
+    them, and must be the transpose of onnxruntime's forward for every mode and transformation."""
+    x = rnd(2, 1, 5, 4, dtype=F32)
+    nearest = ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"] if mode == "nearest" else [None]
+    for nearest_mode in nearest:
+        for scales in SCALES:
+            if transform == "half_pixel_symmetric" and nearest_mode == "round_prefer_floor":
+                continue  # onnxruntime breaks exact ties of this transform differently (see report)
+            attrs = {"mode": mode, "coordinate_transformation_mode": transform, "nearest_mode": nearest_mode}
+            roi = ROI if transform == "tf_crop_and_resize" else None
+            model, feeds = run_time(resize_model(x, attrs, 19, roi=roi, scales=scales), dynamic)
+            check_adjoint(model, x, feeds)
+
+
+def test_resize_run_time_other_forms_match_onnxruntime() -> None:
+    x = rnd(2, 1, 5, 4, dtype=F32)
+    # sizes at run time, with axes, aspect policies and negative axes
+    check_run_time(run_time(resize_model(x, {"mode": "linear", "axes": [2, 3]}, 18, sizes=i64(7, 3))), x)
+    for policy in ("not_larger", "not_smaller"):
+        attrs = {"mode": "linear", "keep_aspect_ratio_policy": policy, "axes": [2, 3]}
+        model, feeds = run_time(resize_model(x, attrs, 18, sizes=i64(8, 3)), dynamic=True)
+        check_adjoint(model, x, feeds)
+    model, feeds = run_time(resize_model(x, {"mode": "cubic", "axes": [-1, -2]}, 18, sizes=i64(3, 8)))
+    check_adjoint(model, x, feeds)
+    for nearest in ("round_prefer_floor", "floor"):
+        attrs = {"nearest_mode": nearest, "axes": [2, 3]}
+        model, feeds = run_time(resize_model(x, attrs, 18, sizes=i64(9, 2)), dynamic=True)
+        check_adjoint(model, x, feeds)
+    # opset 10 and Upsample-9 (nearest truncates up, rounds up down), 5-D and 3-D inputs
+    for mode in ("nearest", "linear"):
+        for scales in (f32(1, 1, 1.7, 2.5), f32(1, 1, 0.6, 0.75)):
+            check_run_time(run_time(resize_model(x, {"mode": mode}, 10, scales=scales)), x)
+            if scales.min() >= 1:  # Upsample only scales up
+                upsample = node_model("Upsample", [x, scales], attrs={"mode": mode}, opset=9, constant=[1])
+                check_run_time(run_time(upsample), x)
+    x5 = rnd(2, 1, 3, 4, 2, dtype=F32)
+    check_run_time(
+        run_time(resize_model(x5, {"mode": "linear"}, 18, scales=f32(1, 1, 1.5, 0.5, 2)), True), x5
+    )
+    x2 = rnd(2, 4, 3, dtype=F32)
+    model = resize_model(x2, {"mode": "linear", "axes": [1, 2]}, 18, scales=f32(1.5, 2))
+    check_run_time(run_time(model), x2)
+    # no dim changes size: onnxruntime copies X whatever the scales; a roi at run time
+    for scales in (f32(1, 1, 1.1, 1.1), f32(1, 1, 1.1, 2), f32(1, 1, 1, 2)):
+        check_run_time(run_time(resize_model(x, {"mode": "cubic"}, 18, scales=scales)), x)
+    crop = {"mode": "nearest", "coordinate_transformation_mode": "tf_crop_and_resize"}
+    check_run_time(run_time(resize_model(x, crop, 18, roi=ROI, scales=f32(1, 1, 1, 2))), x)
+
+
+def test_resize_constant_scales_symbolic_resized_dims() -> None:
+    """Constant scales, resized dims unknown when building: the taps come at run time."""
+    x = rnd(2, 1, 5, 4, dtype=F32)
+    model = resize_model(x, {"mode": "linear"}, 18, scales=f32(1, 1, 1.7, 0.55))
+    for i, d in enumerate(model.graph.input[0].type.tensor_type.shape.dim):
+        d.dim_param = f"x{i}"
+    check_adjoint(model, x)
+
+
+@pytest.mark.parametrize("attrs", FD_CASES, ids=lambda a: "-".join(str(v) for v in a.values()))
+def test_resize_run_time_finite_differences(attrs: dict[str, Any]) -> None:
+    """float64 through onnx.reference, scales then sizes fed at run time, X with symbolic dims."""
+    x = rnd(1, 2, 3, 4)
+    for model, feeds in (
+        run_time(resize_model(x, attrs, 13, scales=f32(1, 1, 2, 0.5)), dynamic=True),
+        run_time(resize_model(x, attrs, 18, sizes=i64(1, 2, 6, 2)), dynamic=True),
+    ):
+        result = check_gradients(model, {"in0": x, **feeds}, wrt=["in0"], backend="reference")
+        assert result.ok, result.report()
+
+
+def test_resize_sizes_computed_from_another_tensor() -> None:
+    """The export pattern of feature pyramids: sizes = Shape(x)[:2] ++ Shape(skip)[2:], nearest,
+    symbolic dims; gradients of x (and of skip, which the sum also reads), float64 finite differences."""
+    vi = helper.make_tensor_value_info
+    dims = ["n", "c"]
+    nodes = [
+        helper.make_node("Shape", ["x"], ["sx"], end=2),
+        helper.make_node("Shape", ["skip"], ["ss"], start=2),
+        helper.make_node("Concat", ["sx", "ss"], ["sizes"], axis=0),
+        helper.make_node("Resize", ["x", "", "", "sizes"], ["up"], mode="nearest"),
+        helper.make_node("Add", ["up", "skip"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "fpn",
+        [
+            vi("x", onnx.TensorProto.DOUBLE, [*dims, "h", "w"]),
+            vi("skip", onnx.TensorProto.DOUBLE, [*dims, "H", "W"]),
+        ],
+        [vi("y", onnx.TensorProto.DOUBLE, [*dims, "H", "W"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = testing.ir_version_for(model.opset_import)
+    check(model, {"x": rnd(2, 3, 3, 4), "skip": rnd(2, 3, 6, 8)}, backend="reference")
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("mode", ["linear", "cubic"])
+def test_resize_run_time_antialias_matches_onnxruntime(transform: str, mode: str) -> None:
+    """Antialiased filters from run-time scales (windows of run-time width): the transpose of
+    onnxruntime's forward, symbolic dims too; axes keeping their size are copied."""
+    x = rnd(2, 1, 9, 7, dtype=F32)
+    roi = ROI if transform == "tf_crop_and_resize" else None
+    opset = 18 if transform != "half_pixel_symmetric" else 19
+    for exclude in (0, 1):
+        for scales in (f32(1, 1, 0.5, 0.4), f32(1, 1, 0.3, 1.5), f32(1, 1, 1.1, 0.6)):
+            attrs = {
+                "mode": mode,
+                "coordinate_transformation_mode": transform,
+                "antialias": 1,
+                "exclude_outside": exclude,
+            }
+            for dynamic in (False, True):
+                check_run_time(run_time(resize_model(x, attrs, opset, roi=roi, scales=scales), dynamic), x)
 
 
 EXACT_SIZES = ((8, 3), (2, 12))  # from 4 x 6: scales 2 and 1/2, coordinates exact in float32
@@ -375,20 +515,31 @@ def test_grid_sample_saves_only_what_it_reads() -> None:
     assert {"in0", "in1"} <= set(build_gradient(model, trainable=[], inputs_requiring_grad=["in1"]).saved)
 
 
-def test_grid_sample_cubic_is_refused() -> None:
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize(("align", "opset"), [(0, 20), (1, 22)])
+def test_grid_sample_cubic(padding: str, align: int, opset: int) -> None:
+    """4 x 4 taps per output, each padded on its own (the coordinate is not clipped)."""
+    attrs = {"mode": "cubic", "padding_mode": padding, "align_corners": align}
     x, grid = grid_inputs(2)
-    model = node_model("GridSample", [x, grid], attrs={"mode": "cubic"}, opset=20)
-    with pytest.raises(GradientNotImplementedError, match="mode 'cubic'"):
-        build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
+    check(node_model("GridSample", [x, grid], attrs=attrs, opset=opset), {"in0": x, "in1": grid})
+    model = node_model("GridSample", [x, grid], attrs=attrs, opset=opset, dynamic=True)
+    check(model, {"in0": x, "in1": grid})
 
 
-@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+def test_grid_sample_bicubic_opset_16_float32() -> None:
+    x, grid = grid_inputs(2, F32)
+    for padding in ("zeros", "border", "reflection"):
+        attrs = {"mode": "bicubic", "padding_mode": padding, "align_corners": 0}
+        check(node_model("GridSample", [x, grid], attrs=attrs, opset=16), {"in0": x, "in1": grid})
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
 @pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
 @pytest.mark.parametrize("align", [False, True])
 def test_grid_sample_versus_torch(mode: str, padding: str, align: bool) -> None:
     x, grid = grid_inputs(2)
     attrs = {
-        "mode": "linear" if mode == "bilinear" else mode,
+        "mode": {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode),
         "padding_mode": padding,
         "align_corners": int(align),
     }
@@ -442,11 +593,20 @@ def test_col2im_versus_torch() -> None:
     versus_torch(model, [x], fold, backend="reference")
 
 
-def test_col2im_needs_constant_shapes() -> None:
-    x = rnd(1, 4, 4)
-    model = node_model("Col2Im", [x, i64(3, 3), i64(2, 2)])
-    init = model.graph.initializer[0]
-    model.graph.initializer.remove(init)
-    model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, [2]))
-    with pytest.raises(GradientNotImplementedError, match="constant image_shape"):
-        build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
+@pytest.mark.parametrize("which", [(1,), (2,), (1, 2)], ids=["image", "block", "both"])
+@pytest.mark.parametrize(("attrs", "image", "block"), COL2IM_CASES)
+def test_col2im_run_time_shapes(
+    attrs: dict[str, Any], image: tuple[int, int], block: tuple[int, int], which: tuple[int, ...]
+) -> None:
+    """image_shape and/or block_shape fed at run time: the patch table is built by the backward."""
+    for dtype, backend in ((np.float64, "reference"), (F32, "onnxruntime")):
+        x = col2im_input(attrs, image, block, dtype)
+        model = node_model("Col2Im", [x, i64(*image), i64(*block)], attrs=attrs)
+        feeds = {"in0": x}
+        for i in which:
+            init = next(t for t in model.graph.initializer if t.name == f"in{i}")
+            model.graph.initializer.remove(init)
+            model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, [2]))
+            feeds[init.name] = onnx.numpy_helper.to_array(init)
+        result = check_gradients(model, feeds, wrt=["in0"], backend=backend)
+        assert result.ok, result.report()

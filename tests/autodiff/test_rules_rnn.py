@@ -252,6 +252,48 @@ def test_batch_major_layout(op: str) -> None:
     check_reference(op, inputs, direction="bidirectional", layout=1)
 
 
+@pytest.mark.parametrize("outputs", [None, (0,), (1,)], ids=["all", "Y", "Y_h"])
+@pytest.mark.parametrize("op", list(GATES))
+def test_batch_major_layout_on_onnxruntime(op: str, outputs: tuple[int, ...] | None) -> None:
+    """onnxruntime refuses layout=1: the forward runs the time-major node between Transposes. Its
+    outputs equal the batch-major definition, its gradients finite differences (float32) and those
+    of the time-major model on transposed inputs."""
+    inputs = make_inputs(op, "bidirectional", lens=[2, 3], layout=1, peepholes=True, dtype=np.float32)
+    model = make_model(op, inputs, outputs=outputs, direction="bidirectional", layout=1)
+    feeds = feeds_of(model, inputs)
+    graphs = build_gradient(model, trainable=[], inputs_requiring_grad=list(feeds))
+    assert all(
+        helper.get_attribute_value(a) == 0
+        for nd in graphs.forward.graph.node
+        for a in nd.attribute
+        if a.name == "layout"
+    )
+    out = run_model(graphs.forward)(feeds)
+    want = np_recurrent(op, *inputs, direction="bidirectional", layout=1)
+    for k, o in enumerate(model.graph.node[0].output):
+        if o:
+            np.testing.assert_allclose(out[o], want[k], rtol=1e-4, atol=1e-5)
+    result = check_gradients(model, feeds, wrt=list(feeds), graphs=graphs, rtol=2e-2, atol=2e-3, eps=1e-2)
+    assert result.ok, result.report()
+    # the time-major model on transposed inputs has the transposed gradients
+    moved = [None if x is None else x for x in inputs]
+    for slot in (0, 5, 6):
+        if slot < len(moved) and moved[slot] is not None:
+            moved[slot] = np.ascontiguousarray(moved[slot].transpose(1, 0, 2))
+    model0 = make_model(op, moved, outputs=outputs, direction="bidirectional")
+    cot = {o: RNG.standard_normal(out[o].shape).astype(np.float32) for o in graphs.grad_inputs}
+    perms = {0: (1, 2, 0, 3), 1: (1, 0, 2), 2: (1, 0, 2)}  # batch-major cotangents to time-major
+    names = list(model.graph.node[0].output)
+    cot0 = {o: np.ascontiguousarray(c.transpose(perms[names.index(o)])) for o, c in cot.items()}
+    _, grads = run_gradients(graphs, feeds, cot)
+    graphs0 = build_gradient(model0, trainable=[], inputs_requiring_grad=list(feeds))
+    _, grads0 = run_gradients(graphs0, feeds_of(model0, moved), cot0)
+    for name, g in grads.items():
+        slot = int(name[2:])
+        g0 = grads0[name].transpose(1, 0, 2) if slot in (0, 5, 6) else grads0[name]
+        np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("op", list(GATES))
 def test_opset_7_without_optional_inputs(op: str) -> None:
     check_reference(op, make_inputs(op, "reverse", optional=False), opset=7, direction="reverse")

@@ -15,6 +15,7 @@ import onnxgrad
 from onnxgrad.autodiff.graph import ir_version_for
 from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.testing import check_gradients, check_op, node_model
+from tests.models import ort_loads_opset
 
 RNG = np.random.default_rng(0)
 
@@ -105,6 +106,24 @@ def test_depth_to_space(mode, dynamic):
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_space_to_depth(dynamic):
     check_op("SpaceToDepth", [rand(2, 3, 4, 6)], attrs={"blocksize": 2}, dynamic=dynamic)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "reference"])
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_space_to_depth_modes_at_opset_28(mode, dynamic, backend):
+    """SpaceToDepth took a mode at opset 28: CRD is undone by DepthToSpace in CRD mode, not DCR."""
+    if backend == "onnxruntime" and not ort_loads_opset(28):
+        pytest.skip("this onnxruntime loads no opset 28")
+    attrs = {"blocksize": 2, "mode": mode}
+    check_op("SpaceToDepth", [rand(2, 3, 4, 6)], attrs=attrs, opset=28, dynamic=dynamic, backend=backend)
+
+
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_depth_to_space_at_opset_28(mode):
+    if not ort_loads_opset(28):
+        pytest.skip("this onnxruntime loads no opset 28")
+    check_op("DepthToSpace", [rand(2, 8, 2, 3)], attrs={"blocksize": 2, "mode": mode}, opset=28)
 
 
 # ---- joining and splitting --------------------------------------------------------------------
@@ -334,14 +353,37 @@ def test_tile(shape, repeats, dynamic):
     check_op("Tile", [rand(*shape), i64(*repeats)], dynamic=dynamic)
 
 
-def test_tile_needs_constant_repeats():
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "repeats"), [((2, 3), (2, 3)), ((2, 1, 3), (1, 4, 1)), ((3,), (1,)), ((2, 2), (3, 1))]
+)
+def test_tile_run_time_repeats(shape, repeats, dynamic):
+    """Repeats fed as an input (not an initializer): read at run time, both x and r inputs."""
+    dims = [f"d{i}" for i in range(len(shape))] if dynamic else list(shape)
     m = model(
         [helper.make_node("Tile", ["x", "r"], ["y"])],
-        [("x", np.float64, [2, 3]), ("r", np.int64, [2])],
+        [("x", np.float64, dims), ("r", np.int64, [len(shape)])],
         [("y", np.float64, None)],
     )
-    with pytest.raises(GradientNotImplementedError, match="constant repeats"):
-        onnxgrad.build_gradient(m, inputs_requiring_grad=["x"])
+    res = check_gradients(m, {"x": rand(*shape), "r": i64(*repeats)}, wrt=["x"])
+    assert res.ok, res.report()
+
+
+def test_tile_repeats_computed_in_the_graph():
+    """Repeats made from another input's shape, as exporters write tile-to-batch."""
+    nodes = [
+        helper.make_node("Shape", ["b"], ["bs"], end=1),
+        helper.make_node("Concat", ["bs", "one"], ["r"], axis=0),
+        helper.make_node("Tile", ["x", "r"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [("x", np.float64, [1, 3]), ("b", np.float64, ["n", 2])],
+        [("y", np.float64, None)],
+        inits={"one": i64(1)},
+    )
+    res = check_gradients(m, {"x": rand(1, 3), "b": rand(4, 2)}, wrt=["x"])
+    assert res.ok, res.report()
 
 
 # ---- padding -----------------------------------------------------------------------------------

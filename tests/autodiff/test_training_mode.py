@@ -163,19 +163,52 @@ def test_batch_norm_training_opset9_form() -> None:
     check_bn_training(model, inputs, ["in0", "in1", "in2"])
 
 
-def test_batch_norm_training_running_statistics_carry_no_gradient() -> None:
+@pytest.mark.parametrize(("shape", "opset"), list(zip(BN_SHAPES, [14, 15, 14, 15])), ids=BN_IDS)
+def test_batch_norm_training_running_statistics_gradients(shape: tuple, opset: int) -> None:
+    """A loss reading the running mean and variance: their gradients reach input_mean, input_var
+    (times the momentum) and X (through the batch statistics), as finite differences say."""
+    inputs = bn_inputs(shape)
+    attrs = {"training_mode": 1, "epsilon": 1e-3, "momentum": 0.8}
+    for dynamic in (False, True):
+        model = node_model(
+            "BatchNormalization", inputs, attrs=attrs, opset=opset, n_outputs=3, dynamic=dynamic
+        )
+        feeds = {i.name: inputs[int(i.name[2:])] for i in model.graph.input}
+        for outputs in (["out0", "out1", "out2"], ["out1"], ["out2"], ["out1", "out2"]):
+            graphs = build_gradient(model, trainable=[], inputs_requiring_grad=list(feeds), outputs=outputs)
+            result = check_gradients(model, feeds, graphs=graphs)
+            assert result.ok, (outputs, result.report())
+
+
+def test_batch_norm_training_running_statistics_opset9_form() -> None:
+    """Before opset 14: the running statistics are outputs 1 and 2 (the saved ones carry none)."""
     inputs = bn_inputs((3, 2, 4))
+    model = node_model("BatchNormalization", inputs, attrs={"momentum": 0.7}, opset=9, n_outputs=5)
+    for out in model.graph.output[1:]:
+        out.type.CopyFrom(model.graph.input[1].type)
+    feeds = {i.name: inputs[int(i.name[2:])] for i in model.graph.input}
+    graphs = build_gradient(model, trainable=[], inputs_requiring_grad=list(feeds), outputs=["out1", "out2"])
+    result = check_gradients(model, feeds, graphs=graphs)
+    assert result.ok, result.report()
+
+
+def test_batch_norm_training_running_statistics_gradients_of_ones() -> None:
+    """backward(None) puts ones on every output, the running statistics included."""
+    inputs = bn_inputs((3, 2, 4))
+    x = inputs[0]
     model = node_model("BatchNormalization", inputs, attrs={"training_mode": 1}, opset=15, n_outputs=3)
     graphs = build_gradient(model, trainable=[], inputs_requiring_grad=["in0", "in3", "in4"])
-    assert set(graphs.grad_inputs) == {"out0", "out1", "out2"}  # running statistics are outputs
+    assert set(graphs.grad_inputs) == {"out0", "out1", "out2"}
     feeds = {f"in{i}": a for i, a in enumerate(inputs)}
     fb = onnxgrad.ForwardBackward(graphs)
-    res = fb.forward(feeds)
-    only_y = res.backward({"out0": np.ones_like(res.outputs[0])})
-    res = fb.forward(feeds)
-    ones = res.backward(None)  # ones on the running statistics too: ignored
-    np.testing.assert_array_equal(only_y["in0"], ones["in0"])
-    assert not ones["in3"].any() and not ones["in4"].any()
+    only_y = fb.forward(feeds).backward({"out0": np.ones((3, 2, 4))})
+    ones = fb.forward(feeds).backward(None)
+    np.testing.assert_allclose(ones["in3"], np.full(2, 0.9))
+    np.testing.assert_allclose(ones["in4"], np.full(2, 0.9))
+    centered = x - x.mean(axis=(0, 2), keepdims=True)
+    extra = 0.1 * (1 + 2 * centered) / 12  # (1 - momentum) (d rm + 2 (x - mean) d rv) / M
+    np.testing.assert_allclose(ones["in0"], only_y["in0"] + extra, rtol=1e-10, atol=1e-12)
+    assert not only_y["in3"].any() and not only_y["in4"].any()
 
 
 @pytest.mark.parametrize("shape", BN_SHAPES[1:3], ids=BN_IDS[1:3])

@@ -220,3 +220,35 @@ def test_training_flag_switches_batchnorm_and_dropout():
     np.testing.assert_allclose(
         sess.run(None, {"x": x})[0], fb.forward({"x": x}, training=False).outputs[0], rtol=1e-12
     )
+
+
+@pytest.mark.parametrize("opset", [11, 22])
+def test_scalar_output_gradient_and_scalar_input_keep_their_rank(opset):
+    """np.ascontiguousarray turns a 0-d array into shape (1,): a given scalar output gradient made
+    the gradient of Det of a 2-D matrix come back (1, 2, 2), and a scalar input fed as (1,)."""
+    from onnx import TensorProto, helper
+
+    from onnxgrad.autodiff.graph import ir_version_for
+
+    graph = helper.make_graph(
+        [helper.make_node("Det", ["x"], ["d"]), helper.make_node("Mul", ["d", "s"], ["y"])],
+        "det",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2]),
+            helper.make_tensor_value_info("s", TensorProto.FLOAT, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = ir_version_for(model.opset_import)
+    x = np.array([[2.0, 1.0], [0.5, 3.0]], dtype=np.float32)
+    s = np.array(1.5, dtype=np.float32)
+    grads = onnxgrad.gradients(
+        model, {"x": x, "s": s}, {"y": np.array(2.0, dtype=np.float32)}, wrt=["x", "s"]
+    )
+    assert grads["x"].shape == (2, 2) and grads["s"].shape == ()
+    np.testing.assert_allclose(grads["x"], 3.0 * np.array([[3.0, -0.5], [-1.0, 2.0]]), rtol=1e-6)
+    np.testing.assert_allclose(grads["s"], 2.0 * np.linalg.det(x), rtol=1e-6)
+    fb = onnxgrad.ForwardBackward(model, inputs_requiring_grad=["x"])
+    res = fb.forward({"x": x, "s": s})
+    assert res.outputs[0].shape == ()

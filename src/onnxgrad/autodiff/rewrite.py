@@ -15,6 +15,17 @@ cheaper. They run on the model before differentiation.
   4e-8 besides a per-channel shift; gradients of a BN-conv-BN-ReLU stack 4.5e-2 off float64
   torch instead of 1e-5). The gradient rule is unchanged: it reads x and recomputes the statistics.
 
+- RNN, GRU and LSTM in batch-major layout (``layout=1``), which onnxruntime refuses to load,
+  become the time-major node between Transposes: X and the initial states are transposed in, Y and
+  the final states back out, under their original names.
+
+- Scan-8 (batch axis 0, sequence axis 1) becomes the Loops it means: over the batch, and inside
+  over the steps, each step running the unchanged body on ``x[b, t]`` (``t`` counted from the end
+  of the sequence for a reversed input). With ``sequence_lens``, steps past an element's length
+  keep its states and output zeros (masks; floating-point states and outputs only). Loops of
+  opset 1 keep the model's opset, and the Loop rule differentiates them (Scan's own rule starts
+  at opset 9).
+
 Measured and left out: ``MatMul(x, W) + b`` (+ ReLU) on a batch of sequences as one ``Gemm``
 between reshapes (what onnxruntime does itself when every dim is static). onnxruntime's Gemm
 writes the broadcast bias first and accumulates onto it, and applies the ReLU in a second pass: the
@@ -36,8 +47,217 @@ from .graph import ValueInfo, all_names, node_operands, np_dtype, unique_name
 def rewrite_for_training(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` (changed in place and returned) with the rewrites above applied to its main graph,
     whose nodes must be in topological order (they stay so)."""
-    _relu_after_max_pool(model.graph, all_names(model.graph))
+    taken = all_names(model.graph)
+    _relu_after_max_pool(model.graph, taken)
+    _time_major_recurrences(model.graph, taken)
+    if any(o.domain in ("", "ai.onnx") and o.version < 9 for o in model.opset_import):
+        _scan8_as_loops(model.graph, taken)
     return model
+
+
+def _scan8_as_loops(graph: onnx.GraphProto, taken: set[str]) -> None:
+    """Scan-8 nodes as nested Loops (see the module docstring)."""
+    if not any(_is(node, "Scan") for node in graph.node):
+        return
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        scan_inputs = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
+        if not _is(node, "Scan") or not scan_inputs:
+            nodes.append(node)  # nothing to scan: left as it is (no rule)
+            continue
+        nodes.extend(_scan8_loops(node, taken))
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _scan8_loops(node: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
+    """The Loops of one Scan-8 node. Opset 8 has no int64 Constant: sizes come from Shape, Slice
+    and Squeeze, the number 1 from Size; the Loops run on their trip counts alone."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    body: onnx.GraphProto = attrs["body"]
+    m = int(attrs["num_scan_inputs"])
+    dirs = list(attrs.get("directions") or [0] * m)
+    operands = list(node.input[1:])
+    n_state = len(operands) - m
+    i64, boolean = onnx.TensorProto.INT64, onnx.TensorProto.BOOL
+    scalar = helper.make_tensor_value_info
+    lens = node.input[0] if node.input and node.input[0] else None
+    floats = (onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
+    if lens is not None and any(v.type.tensor_type.elem_type not in floats for v in body.output):
+        return [node]  # masking the steps past a length needs floating-point states and outputs
+
+    def fresh(hint: str) -> str:
+        return unique_name(hint, taken)
+
+    def leading(x: str, nodes: list[onnx.NodeProto]) -> tuple[str, str]:
+        """(size of x along axis 0, the number 1), both int64 scalars."""
+        shape, vec, size, one = fresh(f"{x}_shape"), fresh(f"{x}_dim0"), fresh(f"{x}_len"), fresh("one")
+        nodes += [
+            helper.make_node("Shape", [x], [shape]),
+            helper.make_node("Slice", [shape], [vec], starts=[0], ends=[1], axes=[0]),
+            helper.make_node("Squeeze", [vec], [size], axes=[0]),
+            helper.make_node("Size", [vec], [one]),
+        ]
+        return size, one
+
+    # Outer Loop body (batch element b): the states and scan inputs of b, their step counts.
+    b, bcond = fresh("scan_b"), fresh("scan_batch_cond")
+    outer: list[onnx.NodeProto] = []
+    states_b = [fresh(f"{x}_b") for x in operands[:n_state]]
+    elements = [fresh(f"{x}_b") for x in operands[n_state:]]  # x[b]: (T, ...)
+    for x, xb in zip(operands, [*states_b, *elements]):
+        outer.append(helper.make_node("Gather", [x, b], [xb], axis=0))
+    steps, one = leading(elements[0], outer)
+
+    length = steps
+    if lens is not None:  # this element's length
+        length = fresh("scan_length")
+        outer.append(helper.make_node("Gather", [lens, b], [length], axis=0))
+
+    # Inner Loop body: step t of element b, the original body's nodes on x[b, t].
+    t, cond = fresh("scan_t"), fresh("scan_cond")
+    inner: list[onnx.NodeProto] = []
+    valid = None
+    if lens is not None:  # step t < length (Less takes floats at opset 8)
+        tf, lf, valid, valid_i = fresh("t_float"), fresh("length_float"), fresh("valid"), fresh("valid_int")
+        inner += [
+            helper.make_node("Cast", [t], [tf], to=onnx.TensorProto.FLOAT),
+            helper.make_node("Cast", [length], [lf], to=onnx.TensorProto.FLOAT),
+            helper.make_node("Less", [tf, lf], [valid]),
+            helper.make_node("Cast", [valid], [valid_i], to=i64),
+        ]
+    for k, (inp, elem) in enumerate(zip(body.input[n_state:], elements)):
+        index = t
+        if dirs[k]:  # reversed: step t reads x[b, length - 1 - t] (0 past the length)
+            last, index = fresh("last_step"), fresh("reversed_t")
+            inner.append(helper.make_node("Sub", [length, one], [last]))
+            inner.append(helper.make_node("Sub", [last, t], [index]))
+            if valid is not None:
+                clamped = fresh("reversed_t_valid")
+                inner.append(helper.make_node("Mul", [index, valid_i], [clamped]))
+                index = clamped
+        inner.append(helper.make_node("Gather", [elem, index], [inp.name], axis=0))
+    inner += list(body.node)
+    cond_out = fresh("scan_cond_out")
+    inner.append(helper.make_node("Identity", [cond], [cond_out]))
+    inner_inputs = [scalar(t, i64, []), scalar(cond, boolean, []), *body.input[:n_state]]
+    results_inner = list(body.output)
+    if valid is not None:  # past the length: states unchanged, outputs zero
+        masks: dict[int, tuple[str, str]] = {}
+        results_inner = []
+        for k, o in enumerate(body.output):
+            dtype = o.type.tensor_type.elem_type
+            if dtype not in masks:
+                on, off, invalid = fresh("mask"), fresh("mask_off"), fresh("invalid")
+                inner += [
+                    helper.make_node("Cast", [valid], [on], to=dtype),
+                    helper.make_node("Not", [valid], [invalid]),
+                    helper.make_node("Cast", [invalid], [off], to=dtype),
+                ]
+                masks[dtype] = (on, off)
+            on, off = masks[dtype]
+            masked = fresh(f"{o.name}_masked")
+            if k < n_state:
+                kept, old = fresh(f"{o.name}_new"), fresh(f"{o.name}_old")
+                inner += [
+                    helper.make_node("Mul", [on, o.name], [kept]),
+                    helper.make_node("Mul", [off, body.input[k].name], [old]),
+                    helper.make_node("Add", [kept, old], [masked]),
+                ]
+            else:
+                inner.append(helper.make_node("Mul", [on, o.name], [masked]))
+            vi = onnx.ValueInfoProto(name=masked)
+            vi.type.CopyFrom(o.type)
+            results_inner.append(vi)
+    inner_outputs = [scalar(cond_out, boolean, []), *results_inner]
+    inner_dummy = n_state == 0  # Loop-1 wants a loop-carried value: a dummy where there is none
+    if inner_dummy:
+        dummy_in, dummy_out = fresh("scan_dummy"), fresh("scan_dummy_out")
+        inner.append(helper.make_node("Identity", [dummy_in], [dummy_out]))
+        inner_inputs.append(scalar(dummy_in, i64, []))
+        inner_outputs.insert(1, scalar(dummy_out, i64, []))
+    inner_graph = helper.make_graph(
+        inner,
+        fresh(f"{body.name or 'scan'}_steps"),
+        inner_inputs,
+        inner_outputs,
+        initializer=body.initializer,
+    )
+    inner_graph.value_info.extend(body.value_info)
+
+    results = [fresh(f"{o}_b") for o in node.output]
+    carried_in = [one] if inner_dummy else states_b
+    carried_out = [fresh("scan_dummy_final")] if inner_dummy else []
+    outer.append(helper.make_node("Loop", [steps, "", *carried_in], carried_out + results, body=inner_graph))
+    outer_cond, outer_dummy_in, outer_dummy_out = (
+        fresh("scan_batch_cond_out"),
+        fresh("scan_batch_dummy"),
+        fresh("scan_batch_dummy_out"),
+    )
+    outer.append(helper.make_node("Identity", [bcond], [outer_cond]))
+    outer.append(helper.make_node("Identity", [outer_dummy_in], [outer_dummy_out]))
+    per_batch = []  # per element b: the final states, and the scan outputs stacked over the steps
+    for k, (name, o) in enumerate(zip(results, body.output)):
+        vi = onnx.ValueInfoProto(name=name)
+        vi.type.CopyFrom(o.type)
+        if k >= n_state and vi.type.tensor_type.HasField("shape"):
+            vi.type.tensor_type.shape.dim.insert(0, onnx.TensorShapeProto.Dimension(dim_param=fresh("steps")))
+        per_batch.append(vi)
+    outer_graph = helper.make_graph(
+        outer,
+        fresh(f"{body.name or 'scan'}_batch"),
+        [scalar(b, i64, []), scalar(bcond, boolean, []), scalar(outer_dummy_in, i64, [])],
+        [scalar(outer_cond, boolean, []), scalar(outer_dummy_out, i64, []), *per_batch],
+    )
+    main: list[onnx.NodeProto] = []
+    batch, one_main = leading(operands[0], main)
+    main.append(
+        helper.make_node(
+            "Loop",
+            [batch, "", one_main],
+            [fresh("scan_batch_dummy_final"), *node.output],
+            body=outer_graph,
+            name=node.name,
+        )
+    )
+    return main
+
+
+_RECURRENT = ("RNN", "GRU", "LSTM")
+
+
+def _time_major_recurrences(graph: onnx.GraphProto, taken: set[str]) -> None:
+    """Batch-major RNN/GRU/LSTM nodes as time-major ones between Transposes (same values)."""
+    if not any(_is(node, op) for node in graph.node for op in _RECURRENT):
+        return
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        layout = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "layout"), 0)
+        if not any(_is(node, op) for op in _RECURRENT) or not layout:
+            nodes.append(node)
+            continue
+        new = onnx.NodeProto()
+        new.CopyFrom(node)
+        for a in new.attribute:
+            if a.name == "layout":
+                a.i = 0
+        # X (B, T, I) -> (T, B, I); initial_h, initial_c (B, D, H) -> (D, B, H)
+        for slot in (0, 5, 6):
+            if slot < len(node.input) and node.input[slot]:
+                moved = unique_name(f"{node.input[slot]}_time_major", taken)
+                nodes.append(helper.make_node("Transpose", [node.input[slot]], [moved], perm=[1, 0, 2]))
+                new.input[slot] = moved
+        after = []
+        for slot, out in enumerate(node.output):
+            if not out:
+                continue
+            moved = unique_name(f"{out}_time_major", taken)
+            new.output[slot] = moved
+            perm = [2, 0, 1, 3] if slot == 0 else [1, 0, 2]  # Y (T, D, B, H) -> (B, T, D, H)
+            after.append(helper.make_node("Transpose", [moved], [out], perm=perm))
+        nodes += [new, *after]
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def _relu_after_max_pool(graph: onnx.GraphProto, taken: set[str]) -> None:

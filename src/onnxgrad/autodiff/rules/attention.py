@@ -1,4 +1,5 @@
-"""Transformer blocks: Attention (opset 23+), RotaryEmbedding (opset 23), SwiGLU (opset 28).
+"""Transformer blocks: Attention (opset 23+), RotaryEmbedding (opset 23), SwiGLU (opset 28),
+LinearAttention (opset 27: backpropagation through time as two Scans).
 
 Attention's backward needs the softmax probabilities P. Rather than recomputing them -- which would
 repeat every masking rule of the op (boolean and additive masks, bottom-right causal alignment with
@@ -12,11 +13,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import onnx
 from onnx import helper
 
 from ...errors import GradientNotImplementedError
 from ..builder import GradBuilder, Var, sigmoid
-from ..graph import Dim
+from ..graph import Dim, ValueInfo
 from ..registry import NodeContext, rule
 from .norm import node_label
 
@@ -82,17 +84,30 @@ class _Heads:
 
 
 def _probabilities(g: GradBuilder, n: NodeContext, shape: tuple[Dim, ...] | None) -> Var:
-    """The forward's softmax probabilities: its ``qk_matmul_output`` in mode 3, added if unused."""
+    """The forward's softmax probabilities: its ``qk_matmul_output`` in mode 3, added if unused.
+
+    Where the model reads that output in another mode (0: scale Q K^T, 1: after softcap, 2: after
+    the mask too), a copy of the node in mode 3 gives the probabilities (the attention is computed
+    twice in the forward).
+    """
     node = n.node
     mode = int(n.attr("qk_matmul_output_mode", 0))
     used = len(node.output) > 3 and bool(node.output[3])
-    if used and mode != _AFTER_SOFTMAX:
-        raise GradientNotImplementedError(
-            f"{node_label(n)}: the model reads qk_matmul_output in mode {mode}; the gradient needs the "
-            "softmax probabilities, which that output only gives in mode 3"
-        )
     q = n.inputs[0]
     assert q is not None
+    if used and mode != _AFTER_SOFTMAX:
+        y = g.new_fwd_value(f"{node.output[0]}_copy", n.y.info)
+        probs_name = g.new_fwd_value(f"{node.output[0]}_probs", ValueInfo("", q.dtype, shape))
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = g.fresh(f"{node.name or 'Attention'}_probs")
+        del copy.output[:]
+        copy.output.extend([y, "", "", probs_name])
+        for a in copy.attribute:
+            if a.name == "qk_matmul_output_mode":
+                a.i = _AFTER_SOFTMAX
+        g.fwd_nodes.append(copy)
+        return g.fwd(probs_name)
     probs = g.extra_output(node, 3, q.dtype, shape)
     if mode != _AFTER_SOFTMAX:
         for a in node.attribute:
@@ -124,7 +139,8 @@ def attention(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     """Y = P V with P = softmax(softcap(scale Q K^T) + bias), K, V after the past cache.
 
     dV = P^T dY; dP = dY V^T (+ the gradient of qk_matmul_output when the model uses it in mode
-    3); dS = P (dP - rowsum(dP P)) is the gradient of the logits, hence of an additive attn_mask
+    3; in modes 2, 1, 0 it adds to the logits before, between or after the mask and softcap
+    steps below); dS = P (dP - rowsum(dP P)) is the gradient of the logits, hence of an additive attn_mask
     (summed where the mask broadcasts, cut to the mask's length when it is shorter); softcap c
     multiplies it by 1 - tanh^2(scale Q K^T / c); then dQ = scale dS K and dK = scale dS^T Q.
     The cache: present_key = concat(past_key, K) along the sequence, so the gradient of the
@@ -164,18 +180,28 @@ def attention(g: GradBuilder, n: NodeContext) -> list[Var | None]:
         _split_cache(g, n, heads, dv_all, v, past_v, 2, 5, grads)
     if not (n.needs[0] or need_k or need_mask):
         return grads
+    # The gradient of qk_matmul_output joins at the stage its mode exposes: 3 the probabilities,
+    # 2 the masked logits, 1 the softcapped scores, 0 scale Q K^T.
+    mode = int(n.attr("qk_matmul_output_mode", 0))
+    d_qk = heads.group(n.dout[3]) if len(n.dout) > 3 and n.dout[3] is not None else None
     dp = g.MatMul(dy_g, _swap_last(g, v_all))  # (B, Hkv, R Sq, Skv)
-    if len(n.dout) > 3 and n.dout[3] is not None:
-        dp = dp + heads.group(n.dout[3])
+    if d_qk is not None and mode == _AFTER_SOFTMAX:
+        dp = dp + d_qk
     ds = probs * (dp - g.ReduceSum(dp * probs, [-1], keepdims=1))
+    if d_qk is not None and mode == 2:
+        ds = ds + d_qk
     if need_mask:
         grads[3] = _mask_grad(g, heads.ungroup(ds), mask, probs_shape)  # type: ignore[arg-type]
+    if d_qk is not None and mode == 1:
+        ds = ds + d_qk
     scale = _scale(g, n, q, heads)
     q_g = heads.group(heads.split(q, heads.q_heads))
     softcap = float(n.attr("softcap", 0.0) or 0.0)
     if softcap > 0:  # d(c tanh(s / c)) / ds = 1 - tanh^2(s / c), s = scale Q K^T recomputed
         t = g.Tanh(g.MatMul(q_g, _swap_last(g, k_all)) * scale / softcap)
         ds = ds * (1.0 - t * t)
+    if d_qk is not None and mode == 0:
+        ds = ds + d_qk
     ds = ds * scale
     if n.needs[0]:
         grads[0] = heads.merge(heads.ungroup(g.MatMul(ds, k_all)), q)
@@ -293,3 +319,220 @@ def swiglu(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     da = n.dy * b * s * (a * alpha * (1.0 - s) + 1.0) if n.needs[0] else None
     db = n.dy * a * s if n.needs[1] else None
     return [da, db]
+
+
+# ---- LinearAttention ------------------------------------------------------------------------
+class _Body:
+    """Nodes of a Scan body written by hand: fresh names from the builder, constants as nodes."""
+
+    def __init__(self, g: GradBuilder, dtype: int) -> None:
+        self.g, self.dtype, self.nodes = g, dtype, []  # type: ignore[var-annotated]
+
+    def __call__(self, op: str, *inputs: str, **attrs: object) -> str:
+        out = self.g.fresh(op.lower())
+        self.nodes.append(helper.make_node(op, list(inputs), [out], **attrs))
+        return out
+
+    def ints(self, *values: int) -> str:
+        out = self.g.fresh("axes")
+        self.nodes.append(helper.make_node("Constant", [], [out], value_ints=list(values)))
+        return out
+
+    def t(self, x: str) -> str:  # swap the last two of 4 axes
+        return self("Transpose", x, perm=[0, 1, 3, 2])
+
+    def graph(
+        self, name: str, inputs: list[tuple[str, int]], outputs: list[tuple[str, int]]
+    ) -> onnx.GraphProto:
+        """The body; values are (name, rank)."""
+
+        def info(v: tuple[str, int]) -> onnx.ValueInfoProto:
+            return helper.make_tensor_value_info(v[0], self.dtype, [None] * v[1])
+
+        return helper.make_graph(self.nodes, name, [info(i) for i in inputs], [info(o) for o in outputs])
+
+
+def _write_step(
+    b: _Body, sp: str, k: str, v: str, a: str | None, beta: str | None
+) -> tuple[str, str, str, str | None]:
+    """One recurrence step on (B, H, dk, dv) states: (S~, kc, w, u) with S~ = a S_prev,
+    kc = k as a column, u = v - S~^T k (delta rules) and w = beta u the row written, S = S~ + kc w."""
+    st = b("Mul", sp, b("Unsqueeze", a, b.ints(-1))) if a is not None else sp
+    kc = b("Unsqueeze", k, b.ints(-1))  # (B, H, dk, 1)
+    row = b("Unsqueeze", v, b.ints(-2))  # (B, H, 1, dv)
+    if beta is None:
+        return st, kc, row, None
+    u = b("Sub", row, b("MatMul", b.t(kc), st))
+    return st, kc, b("Mul", b("Unsqueeze", beta, b.ints(-1)), u), u
+
+
+@rule("LinearAttention", since=27)
+def linear_attention(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+    """The recurrence S_t = a_t S_{t-1} + k_t w_t^T, w_t = beta_t (v_t - (a_t S_{t-1})^T k_t) for the
+    delta rules (v_t otherwise), a_t = exp(decay_t) for the gated rules (1 otherwise), read by
+    o_t = scale S_t^T q_t for each query head of the group (GQA).
+
+    Backpropagation through time as two Scans in the backward: one recomputes the states S_{t-1}
+    from past_state, the other runs backwards carrying dS (seeded with the gradient of
+    present_state): dS_t += scale q_t do_t^T; dq_t = scale S_t do_t; dk_t = dS_t w_t (- S~ du_t);
+    dw_t = dS_t^T k_t; du_t = beta_t dw_t, dv_t = du_t (dw_t without delta), dbeta_t = <dw_t, u_t>;
+    dS~ = dS_t (- k_t du_t^T); dS_{t-1} = a_t dS~; d decay_t = a_t sum(dS~ S_{t-1}) over dv (and
+    dk for a per-head decay). The final dS is the gradient of past_state.
+    """
+    q, k, v = n.inputs[0], n.inputs[1], n.inputs[2]
+    assert q is not None and k is not None and v is not None
+    past = n.inputs[3] if len(n.inputs) > 3 else None
+    decay = n.inputs[4] if len(n.inputs) > 4 else None
+    beta = n.inputs[5] if len(n.inputs) > 5 else None
+    grads: list[Var | None] = [None] * len(n.inputs)
+    hq, hkv = int(n.attr("q_num_heads")), int(n.attr("kv_num_heads"))
+    rule_name = str(n.attr("update_rule", "gated_delta"))
+    gated, delta = rule_name in ("gated", "gated_delta"), rule_name in ("delta", "gated_delta")
+    if (decay is not None) != gated or (beta is not None) != delta:
+        raise GradientNotImplementedError(f"{node_label(n)}: decay/beta inputs do not match {rule_name!r}")
+    groups = hq // hkv
+    dt = q.dtype
+    if (past is not None and past.dtype != dt) or any(x.dtype != dt for x in (k, v)):
+        raise GradientNotImplementedError(f"{node_label(n)}: mixed element types")
+    # scale: the attribute, else 1 / sqrt(dk); the output gradient is scaled once, outside the loop
+    scale: float | Var
+    if float(n.attr("scale", 0.0) or 0.0) != 0.0:
+        scale = float(n.attr("scale"))
+    elif q.shape is not None and isinstance(q.shape[-1], int):
+        scale = 1.0 / math.sqrt(q.shape[-1] // hq)
+    else:
+        d_k = g.Cast(g.Gather(g.shape_of(q), g.const(np.array(-1, dtype=np.int64))), to=dt) / float(hq)
+        scale = g.Reciprocal(g.Sqrt(d_k))
+
+    def time_major(x: Var, heads: list[int]) -> Var:  # (B, T, heads... * d) -> (T, B, heads..., d)
+        r = len(heads) + 3
+        return g.Transpose(g.Reshape(x, [0, 0, *heads, -1]), perm=[1, 0, *range(2, r)])
+
+    def batch_major(x: Var, like: Var) -> Var:  # back from (T, B, ...) to the layout of ``like``
+        r = x.rank if x.rank is not None else 4
+        return g.reshape(g.Transpose(x, perm=[1, 0, *range(2, r)]), like)
+
+    qs = time_major(q, [hkv, groups])  # (T, B, Hkv, R, dk)
+    ks, vs = time_major(k, [hkv]), time_major(v, [hkv])  # (T, B, Hkv, d)
+    ks = Var(g, ks.name, dt, (None,) * 4)
+    vs = Var(g, vs.name, dt, (None,) * 4)
+    qs = Var(g, qs.name, dt, (None,) * 5)
+    per_head_decay = False
+    a_s = b_s = None
+    if decay is not None:
+        last = decay.shape[-1] if decay.shape is not None else None
+        per_head_decay = isinstance(last, int) and last == hkv
+        a_s = g.Exp(time_major(decay, [hkv]))  # (T, B, Hkv, dk | 1)
+    if beta is not None:
+        b_s = g.Transpose(g.Unsqueeze(beta, [-1]), perm=[1, 0, 2, 3])  # (T, B, Hkv | 1, 1)
+    if past is not None:
+        s0 = past
+    else:
+        dims = g.Concat(g.Slice(g.Shape(ks), [1], [4]), g.Slice(g.Shape(vs), [3], [4]), axis=0)
+        s0 = g.op("ConstantOfShape", dims, value=helper.make_tensor("", dt, [1], [0.0]), dtype=dt)
+    extra = [x for x in (a_s, b_s) if x is not None]
+
+    # Scan 1: the state before each step.
+    b = _Body(g, dt)
+    sp, k_t, v_t = g.fresh("s_prev"), g.fresh("k_t"), g.fresh("v_t")
+    a_t = g.fresh("a_t") if a_s is not None else None
+    beta_t = g.fresh("beta_t") if b_s is not None else None
+    st, kc, w, _ = _write_step(b, sp, k_t, v_t, a_t, beta_t)
+    s_new = b("Add", st, b("MatMul", kc, w))
+    s_copy = b("Identity", sp)
+    body = b.graph(
+        "linear_attention_states",
+        [(sp, 4), (k_t, 3), (v_t, 3), *((x, 3) for x in (a_t, beta_t) if x)],
+        [(s_new, 4), (s_copy, 4)],
+    )
+    _, states = g.Scan(s0, ks, vs, *extra, outputs=2, body=body, num_scan_inputs=2 + len(extra))
+
+    # Scan 2: backwards through time.
+    dy = n.dout_or_zeros(0)
+    dos = time_major(dy * scale, [hkv, groups])  # (T, B, Hkv, R, dv)
+    d_present = n.dout[1] if len(n.dout) > 1 and n.dout[1] is not None else None
+    ds0 = d_present if d_present is not None else g.zeros_like(past) if past is not None else s0
+    b = _Body(g, dt)
+    ds, q_t, do_t = g.fresh("ds"), g.fresh("q_t"), g.fresh("do_t")
+    k_t, v_t, sp = g.fresh("k_t"), g.fresh("v_t"), g.fresh("s_prev")
+    a_t = g.fresh("a_t") if a_s is not None else None
+    beta_t = g.fresh("beta_t") if b_s is not None else None
+    st, kc, w, u = _write_step(b, sp, k_t, v_t, a_t, beta_t)
+    s_t = b("Add", st, b("MatMul", kc, w))
+    ds_t = b("Add", ds, b("MatMul", b("Transpose", q_t, perm=[0, 1, 3, 2]), do_t))
+    dq_t = b("MatMul", do_t, b.t(s_t))  # (B, H, R, dk)
+    dkc = b("MatMul", ds_t, b.t(w))  # (B, H, dk, 1)
+    dw = b("MatMul", b.t(kc), ds_t)  # (B, H, 1, dv)
+    d_st = ds_t
+    outs = []
+    if beta_t is not None:
+        assert u is not None
+        du = b("Mul", b("Unsqueeze", beta_t, b.ints(-1)), dw)
+        dbeta = b("ReduceSum", b("Mul", dw, u), b.ints(3), keepdims=0)  # (B, H, 1)
+        d_st = b("Sub", d_st, b("MatMul", kc, du))
+        dkc = b("Sub", dkc, b("MatMul", st, b.t(du)))
+        dv_t = b("Squeeze", du, b.ints(2))
+    else:
+        dbeta = None
+        dv_t = b("Squeeze", dw, b.ints(2))
+    dk_t = b("Squeeze", dkc, b.ints(3))
+    if a_t is not None:
+        d_sp = b("Mul", d_st, b("Unsqueeze", a_t, b.ints(-1)))
+        da = b("ReduceSum", b("Mul", d_st, sp), b.ints(3), keepdims=0)  # (B, H, dk)
+        outs.append(b("Mul", da, a_t))  # per key dim; summed below for a per-head decay
+    else:
+        d_sp = d_st
+    if dbeta is not None:
+        outs.append(dbeta)
+    scan_ins = [
+        (ds, 4),
+        (q_t, 4),
+        (do_t, 4),
+        (k_t, 3),
+        (v_t, 3),
+        *((x, 3) for x in (a_t, beta_t) if x),
+        (sp, 4),
+    ]
+    body = b.graph(
+        "linear_attention_grad",
+        scan_ins,
+        [(d_sp, 4), (dq_t, 4), (dk_t, 3), (dv_t, 3), *((o, 3) for o in outs)],
+    )
+    m = len(scan_ins) - 1
+    results = g.Scan(
+        ds0,
+        qs,
+        dos,
+        ks,
+        vs,
+        *extra,
+        states,
+        outputs=4 + len(outs),
+        body=body,
+        num_scan_inputs=m,
+        scan_input_directions=[1] * m,
+        scan_output_directions=[1] * (3 + len(outs)),
+    )
+    d_past, dq, dk, dv = results[:4]
+    rest = list(results[4:])
+    if n.needs[0]:
+        grads[0] = batch_major(Var(g, dq.name, dt, (None,) * 5), q)
+    if n.needs[1]:
+        grads[1] = batch_major(Var(g, dk.name, dt, (None,) * 4), k)
+    if n.needs[2]:
+        grads[2] = batch_major(Var(g, dv.name, dt, (None,) * 4), v)
+    if past is not None and n.needs[3]:
+        grads[3] = g.Identity(d_past, shape=past.shape)
+    if decay is not None:
+        d_decay = Var(g, rest.pop(0).name, dt, (None,) * 4)  # (T, B, Hkv, dk)
+        if n.needs[4]:
+            assert a_s is not None
+            d_decay = (
+                g.ReduceSum(d_decay, [3], keepdims=1) if per_head_decay else g.unbroadcast(d_decay, a_s, None)
+            )
+            grads[4] = batch_major(Var(g, d_decay.name, dt, (None,) * 4), decay)
+    if beta is not None and n.needs[5]:
+        assert b_s is not None  # (T, B, Hkv, 1) to (T, B, Hkv | 1, 1): one beta may serve every head
+        d_beta = g.unbroadcast(Var(g, rest.pop(0).name, dt, (None,) * 4), b_s, None)
+        grads[5] = g.reshape(g.Transpose(d_beta, perm=[1, 0, 2, 3]), beta)
+    return grads

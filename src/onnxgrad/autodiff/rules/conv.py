@@ -1,5 +1,5 @@
-"""Convolution-like and region pooling layers: ConvTranspose, DeformConv, LpPool, GlobalLpPool,
-MaxRoiPool, RoiAlign.
+"""Convolution-like and region pooling layers: ConvTranspose, DeformConv, CausalConvWithState,
+LpPool, GlobalLpPool, MaxRoiPool, RoiAlign.
 
 ConvTranspose is the adjoint of Conv, so its gradients are the Conv rule read backwards: dX is a
 ``Conv`` of dY with the same kernel, dW the Conv rule's weight gradient with X and dY trading
@@ -18,7 +18,7 @@ import numpy as np
 from onnx import TensorProto
 
 from ...errors import GradientNotImplementedError
-from ..builder import GradBuilder, Var, where
+from ..builder import GradBuilder, Var, sigmoid, where
 from ..graph import Dim
 from ..registry import NodeContext, rule
 from .nn import (
@@ -596,3 +596,65 @@ def _batch_index(g: GradBuilder, index: Var, og: int) -> Var:
     images = g.Expand(g.Reshape(images, [-1, 1, 1, 1]), shape)
     groups = g.Expand(g.const(np.arange(og).reshape(1, og, 1, 1)), shape)
     return g.Concat(images, groups, index, axis=3)
+
+
+# ---- CausalConvWithState --------------------------------------------------------------------
+_END = np.iinfo(np.int64).max
+
+
+@rule("CausalConvWithState", since=27)
+def causal_conv_with_state(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+    """y = act(z), z[b, c, t] = sum_j w[c, 0, j] p[b, c, t + j] + bias[c], p = concat(past_state
+    (zeros when absent), x) along time; present_state = the last k - 1 positions of p.
+
+    With the k taps p_j = p[.., j : j + L]: dz = dy act'(z) (SiLU: s (1 + z (1 - s)), s the sigmoid
+    of z, recomputed), dw[c, 0, j] = sum dz p_j, dbias = sum dz, dp = sum_j dz w_j placed at j (plus
+    the gradient of present_state on the last k - 1 positions); dx and d past_state are the two
+    parts of dp. The kernel size k must be static.
+    """
+    x, w = n.inputs[0], n.inputs[1]
+    assert x is not None and w is not None
+    bias = n.inputs[2] if len(n.inputs) > 2 else None
+    past = n.inputs[3] if len(n.inputs) > 3 else None
+    grads: list[Var | None] = [None] * len(n.inputs)
+    k = w.shape[-1] if w.shape is not None and len(w.shape) == 3 else None
+    if not isinstance(k, int):
+        raise GradientNotImplementedError(f"{node_label(n)}: the kernel size (weight dim 2) must be static")
+    act = str(n.attr("activation", "none")).lower()
+    if act not in ("none", "silu", "swish"):
+        raise GradientNotImplementedError(f"{node_label(n)}: unknown activation {act!r}")
+    dy = n.dout[0]
+    d_present = n.dout[1] if len(n.dout) > 1 else None
+    if past is not None:
+        padded = g.Concat(past, x, axis=2)
+    else:
+        lead = g.Slice(g.shape_of(x), [0], [2])
+        zeros = _zeros(g, g.Concat(lead, g.const(np.array([k - 1], dtype=np.int64)), axis=0), x.dtype)
+        padded = g.Concat(zeros, x, axis=2)
+    taps = [g.Slice(padded, [j], [j - (k - 1) if j < k - 1 else _END], [2]) for j in range(k)]
+    w_taps = [g.Squeeze(g.Slice(w, [j], [j + 1], [2]), [2]) for j in range(k)]  # (C, 1) each
+    dp = None
+    if dy is not None:
+        dz = dy
+        if act != "none":
+            z = _sum([wj * pj for wj, pj in zip(w_taps, taps)])
+            if bias is not None:
+                z = z + g.Unsqueeze(bias, [1])
+            sg = sigmoid(z)
+            dz = dy * sg * (z * (1.0 - sg) + 1.0)
+        if bias is not None and n.needs[2]:
+            grads[2] = g.reduce_sum(dz, [0, 2], keepdims=False)
+        if n.needs[1]:
+            per_tap = [g.Unsqueeze(g.reduce_sum(dz * pj, [0, 2], keepdims=False), [1]) for pj in taps]
+            grads[1] = g.Unsqueeze(g.Concat(*per_tap, axis=1) if k > 1 else per_tap[0], [1], shape=w.shape)
+        if n.needs[0] or (past is not None and n.needs[3]):
+            dp = _sum([g.Pad(dz * wj, [0, 0, j, 0, 0, k - 1 - j]) for j, wj in enumerate(w_taps)])
+    if d_present is not None and (n.needs[0] or (past is not None and n.needs[3])):
+        tail = g.Concat(g.zeros_like(x), d_present, axis=2)
+        dp = tail if dp is None else dp + tail
+    if dp is not None:
+        if n.needs[0]:
+            grads[0] = g.Slice(dp, [k - 1], [_END], [2], shape=x.shape)
+        if past is not None and n.needs[3]:
+            grads[3] = g.Slice(dp, [0], [k - 1], [2], shape=past.shape)
+    return grads

@@ -466,12 +466,23 @@ def batch_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     dvar = -1/2 scale inv^3 sum(dy (x - mean)).
     Training mode, xh standardized with the batch's own (biased) statistics, recomputed from x:
     dx = normalize_backward(dy scale) (as torch's batch_norm backward); dscale = sum(dy xh);
-    dB = sum(dy). The running statistics (inputs and outputs) carry no gradient.
+    dB = sum(dy).
+
+    The running statistics outputs, where a loss reads them, take the gradient the ONNX definition
+    implies: running_mean = input_mean m + mean_b(x) (1 - m) and running_var = input_var m +
+    var_b(x) (1 - m), m the momentum and mean_b, var_b the batch's mean and population variance
+    per channel (what Y is normalized with). So d input_mean = m d running_mean, d input_var =
+    m d running_var, and dx gains (1 - m) (d running_mean + 2 (x - mean_b) d running_var) / M,
+    M the elements per channel. This is the same convention as for any other output (torch, whose
+    running statistics are buffers updated outside autograd, gives them none). Before opset 14, the
+    saved mean and variance outputs (training only) still carry no gradient.
     """
     x, scale, bias, mean, var = n.inputs[:5]
     assert x is not None and scale is not None and mean is not None and var is not None
     dy = n.dout[0]
-    if dy is None:  # only the statistics outputs have a gradient: they carry none
+    training = _batch_norm_training(n)
+    d_stats = [n.dout[k] if training and k < len(n.dout) else None for k in (1, 2)]
+    if dy is None and not any(d is not None for d in d_stats):
         return [None] * len(n.inputs)
     if x.rank is None:
         raise GradientNotImplementedError(f"{node_label(n)}: the rank of its input must be known")
@@ -486,18 +497,23 @@ def batch_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     eps = float(n.attr("epsilon", 1e-5))
     s = cast(scale, x)
     grads: list[Var | None] = [None] * len(n.inputs)
+    if training:
+        if dy is not None:
+            if n.needs[2]:
+                grads[2] = cast(g.reduce_sum(dy, axes, keepdims=False), bias)  # type: ignore[arg-type]
+            if n.needs[0] or n.needs[1]:
+                batch_mean = mean_over(g, axes)
+                xh, inv = standardize(g, x, batch_mean, eps)
+                if n.needs[0]:
+                    grads[0] = normalize_backward(dy * aligned(s), xh, inv, batch_mean)
+                if n.needs[1]:
+                    grads[1] = cast(g.reduce_sum(dy * xh, axes, keepdims=False), scale)
+        _running_stats_grads(g, n, x, axes, aligned, d_stats, grads)
+        return grads  # y does not depend on the running statistics
+    assert dy is not None
     sum_dy = g.reduce_sum(dy, axes, keepdims=False) if n.needs[2] or n.needs[3] else None
     if n.needs[2]:
         grads[2] = cast(sum_dy, bias)  # type: ignore[arg-type]
-    if _batch_norm_training(n):
-        if n.needs[0] or n.needs[1]:
-            batch_mean = mean_over(g, axes)
-            xh, inv = standardize(g, x, batch_mean, eps)
-            if n.needs[0]:
-                grads[0] = normalize_backward(dy * aligned(s), xh, inv, batch_mean)
-            if n.needs[1]:
-                grads[1] = cast(g.reduce_sum(dy * xh, axes, keepdims=False), scale)
-        return grads  # y does not depend on the running statistics
     m = cast(mean, x)
     inv = g.Reciprocal(g.Sqrt(cast(var, x) + eps))
     if n.needs[0]:
@@ -511,6 +527,40 @@ def batch_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     if n.needs[3]:
         grads[3] = cast(-(sum_dy * s * inv), mean)  # type: ignore[operator]
     return grads
+
+
+def _running_stats_grads(
+    g: GradBuilder,
+    n: NodeContext,
+    x: Var,
+    axes: list[int],
+    aligned: Any,
+    d_stats: list[Var | None],
+    grads: list[Var | None],
+) -> None:
+    """Add the gradients of the running mean and variance outputs (see :func:`batch_norm`)."""
+    d_rm, d_rv = d_stats
+    if d_rm is None and d_rv is None:
+        return
+    momentum = float(n.attr("momentum", 0.9))
+    for slot, d in ((3, d_rm), (4, d_rv)):
+        if d is not None and n.needs[slot]:
+            grads[slot] = cast(d * momentum, n.inputs[slot])  # type: ignore[arg-type]
+    if not n.needs[0]:
+        return
+    stat = n.inputs[3]
+    assert stat is not None
+    count = normalized_count(g, x, axes, stat)
+    dx = None
+    if d_rm is not None:
+        dx = g.Expand(aligned(cast(d_rm, x)), g.shape_of(x)) if d_rv is None else aligned(cast(d_rm, x))
+    if d_rv is not None:
+        centered = x - mean_over(g, axes)(x)
+        term = centered * aligned(cast(d_rv, x)) * 2.0
+        dx = term if dx is None else dx + term
+    assert dx is not None
+    dx = dx * ((1.0 - momentum) / count)
+    grads[0] = dx if grads[0] is None else grads[0] + dx
 
 
 # ---- Dropout --------------------------------------------------------------------------------

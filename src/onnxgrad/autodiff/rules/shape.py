@@ -145,9 +145,14 @@ def depth_to_space(g: GradBuilder, n: NodeContext) -> Grads:
 
 @rule("SpaceToDepth")
 def space_to_depth(g: GradBuilder, n: NodeContext) -> Grads:
-    """The inverse permutation of DepthToSpace in DCR mode: dx = DepthToSpace(dy, DCR)."""
+    """The inverse permutation of DepthToSpace in the same mode: dx = DepthToSpace(dy, mode).
+
+    ``mode`` came to SpaceToDepth at opset 28 (DCR before); its CRD order moves x viewed as
+    (N, C, H', b, W', b) to (N, C, b, b, H', W'), which DepthToSpace's CRD mode undoes.
+    """
     b = int(n.attr("blocksize"))
-    return [g.DepthToSpace(n.dy, blocksize=b, mode="DCR", shape=n.x.shape)]
+    mode = str(n.attr("mode", "DCR"))
+    return [g.DepthToSpace(n.dy, blocksize=b, mode=mode, shape=n.x.shape)]
 
 
 # ---- joining and splitting ---------------------------------------------------------------------
@@ -295,17 +300,30 @@ def expand(g: GradBuilder, n: NodeContext) -> Grads:
 
 @rule("Tile")
 def tile(g: GradBuilder, n: NodeContext) -> Grads:
-    """y = tile(x, r): view dy as (r0, d0, r1, d1, ...) and sum over the r axes."""
+    """y = tile(x, r): view dy as (r0, d0, r1, d1, ...) and sum over the r axes.
+
+    Repeats known at build time skip the axes repeated once; repeats computed at run time
+    interleave with x's shape into the view's shape, and every r axis is summed.
+    """
     if not n.needs[0]:
         return _first_only(n, None)
     if n.opset < 6:
         raise GradientNotImplementedError(f"Tile {n.node.name!r}: no rule for Tile-1 (opset < 6)")
     repeats = n.const_input(1)
-    if repeats is None:
-        raise GradientNotImplementedError(
-            f"Tile {n.node.name!r}: the gradient needs constant repeats (initializer or Constant)"
-        )
     x = n.x
+    if repeats is None:
+        if x.rank is None:
+            raise GradientNotImplementedError(
+                f"Tile {n.node.name!r}: run-time repeats need the rank of the input to be known"
+            )
+        if x.rank == 0:
+            return _first_only(n, n.dy)
+        column = g.const(np.array([1], dtype=np.int64))
+        reps = g.Unsqueeze(_as_int64(g, n.inputs[1]), column)  # type: ignore[arg-type]
+        dims = g.Unsqueeze(g.shape_of(x), column)
+        view = g.Reshape(g.Concat(reps, dims, axis=1), g.const(np.array([-1], dtype=np.int64)))
+        grouped = g.Reshape(n.dy, view)
+        return _first_only(n, g.reduce_sum(grouped, list(range(0, 2 * x.rank, 2)), keepdims=False))
     if np.all(repeats == 1):
         return _first_only(n, n.dy)
     parts: list[int | Var] = []
