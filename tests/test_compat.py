@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import logging
 import os
 import pickle
@@ -114,8 +115,10 @@ def sklearn_backprop(mlp: MLPRegressor, X: np.ndarray, y: np.ndarray):
     deltas = [None] * layers
     coef_grads = [np.empty_like(c) for c in model.coefs_]
     intercept_grads = [np.empty_like(b) for b in model.intercepts_]
+    # scikit-learn 1.7 added sample_weight after y; older releases (1.3-1.6) have no such argument
+    weight = ("sample_weight" in inspect.signature(model._backprop).parameters) * (None,)
     _, coef_grads, intercept_grads = model._backprop(
-        X, y.reshape((-1, 1)), None, activations, deltas, coef_grads, intercept_grads
+        X, y.reshape((-1, 1)), *weight, activations, deltas, coef_grads, intercept_grads
     )
     return coef_grads, intercept_grads
 
