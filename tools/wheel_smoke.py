@@ -124,7 +124,8 @@ def python_op_round_trip() -> None:
 
 
 def _cli(*args: str) -> str:
-    out = subprocess.run(["onnxgrad", *args], capture_output=True, text=True)
+    script = Path(sys.executable).with_name("onnxgrad")  # the console script the wheel installed
+    out = subprocess.run([str(script), *args], capture_output=True, text=True)
     assert out.returncode == 0, f"onnxgrad {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
     return out.stdout
 
