@@ -517,46 +517,15 @@ def loss_errors(got: list[float], want: list[float], exact: list[float]) -> list
 # "train" covers both training checks, "*" all three. Each cause was confirmed: the TorchScript
 # ones by the error itself, the dynamo ones by training with only the matched initializers and the
 # copies of a parameter tied by hand (then every loss follows torch's); see README.md.
-_SQUEEZE = (
-    "TorchScript's MultiheadAttention feeds Squeeze its axes from a Constant node: onnx shape "
-    "inference leaves the Squeeze output's rank unknown and the Gather after it is refused "
-    "(GradientNotImplementedError: the rank of input '.../Squeeze_output_0' must be known)"
-)
-_CONST = "trainable=None trains the dynamo exporter's constant initializers"
-_SCALE = "(attention scale 8**-0.25 on q and k)"
+_EXPANDED = "constant folding expanded a parameter into a larger initializer whose copies train apart"
 KNOWN: dict[tuple[str, str, str], str] = {
-    ("mha", "torchscript", "*"): _SQUEEZE,
-    ("transformer_encoder_layer", "torchscript", "*"): _SQUEEZE,
-    ("transformer_decoder_layer", "torchscript", "*"): _SQUEEZE,
     ("bert", "dynamo", "train"): (
-        f"{_CONST} 'masked_fill' (all-zero additive attention mask) and 'val_90' {_SCALE}; and "
-        "the 16 copies of token_type_embeddings row 0 that constant folding expanded into "
-        "'embedding_1' (2x8x32) train apart"
-    ),
-    ("gpt2", "dynamo", "train"): (
-        f"{_CONST}: 'val_203', the Pow exponent 3 of tanh-GELU, gets a NaN gradient (NaN loss); "
-        "also 'val_202', 'val_204', 'val_205', 'val_4' (GELU), 'val_165' (scale), 'val_171' (causal "
-        "mask); and the tied head is split: 'val_319', a transposed copy of the token embedding "
-        "'model.lm_head.weight', trains apart from it"
-    ),
-    ("llama", "dynamo", "train"): (
-        f"{_CONST}: 'val_116', the RMSNorm Pow exponent 2, gets a NaN gradient (NaN loss); also "
-        "'val_119' (RMSNorm epsilon), 'unsqueeze_4'/'unsqueeze_5' (constant-folded RoPE cos/sin), "
-        "'val_226' (scale), 'val_232' (causal mask)"
+        f"{_EXPANDED}: the 16 copies of token_type_embeddings row 0 in 'embedding_1' (2x8x32)"
     ),
     ("bart", "dynamo", "train"): (
-        f"{_CONST} 'val_58' {_SCALE} and 'slice_2' (causal mask); and the 2 batch copies of the "
-        "encoder position embeddings that constant folding expanded into 'embedding_1' train apart"
+        f"{_EXPANDED}: the 2 batch copies of the encoder position embeddings in 'embedding_1'"
     ),
-    ("vit", "dynamo", "train"): (
-        f"{_CONST} 'val_52' {_SCALE}; and the 2 batch copies of cls_token that constant folding "
-        "expanded into 'expand' (2x1x32) train apart"
-    ),
-    ("mha", "dynamo", "train"): f"{_CONST} 'val_68' {_SCALE}",
-    ("transformer_encoder_layer", "dynamo", "train"): f"{_CONST} 'val_68' {_SCALE}",
-    ("transformer_decoder_layer", "dynamo", "train"): f"{_CONST} 'val_68' {_SCALE}",
-    ("lstm", "dynamo", "train"): f"{_CONST} 'val_16' (the zero initial hidden state of both LSTMs)",
-    ("gru", "dynamo", "train"): f"{_CONST} 'val_10' (the zero initial hidden state of both GRUs)",
+    ("vit", "dynamo", "train"): f"{_EXPANDED}: the 2 batch copies of cls_token in 'expand' (2x1x32)",
 }
 
 
