@@ -19,7 +19,9 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from .autodiff.engine import GradientGraphs, build_gradient
-from .autodiff.graph import FLOAT_TYPES, ir_version_for, load_model, onnx_dtype
+from .model.graph import FLOAT_TYPES, ir_version_for, onnx_dtype
+from .model.load import load_model
+from .runtime.runner import make_session
 
 Backend = Literal["onnxruntime", "reference"]
 
@@ -40,7 +42,7 @@ def run_model(model: onnx.ModelProto, backend: Backend = "onnxruntime") -> Any:
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     opts.log_severity_level = 3
     opts.intra_op_num_threads = 1  # test models are tiny: threads only add contention
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = make_session(model, ["CPUExecutionProvider"], opts)
     return lambda feeds: dict(zip(names, sess.run(None, dict(feeds))))
 
 

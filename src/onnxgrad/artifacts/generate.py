@@ -30,19 +30,19 @@ from onnx import TensorProto, helper
 
 from ..autodiff.compose import compose
 from ..autodiff.engine import build_gradient
-from ..autodiff.graph import (
+from ..autodiff.modes import follows_training_flag, set_training_mode
+from ..errors import InputError
+from ..model.graph import (
     FLOAT_TYPES,
     check_model,
     ir_version_for,
-    load_model,
     np_dtype,
     opset_of,
     subgraphs,
     to_array,
     unique_name,
 )
-from ..autodiff.modes import follows_training_flag, set_training_mode
-from ..errors import InputError
+from ..model.load import load_model
 from ..train.losses import _Emitter, add_loss, keep_outputs
 from . import tensors
 from .optim import STATE_KEYS, Param, emit_updates, hyperparameters

@@ -21,8 +21,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ..autodiff.graph import load_model, np_dtype, value_info_from_proto
 from ..errors import InputError
+from ..model.graph import np_dtype, value_info_from_proto
+from ..model.load import load_model
 from .session import ForwardBackward, Runner, default_options
 
 

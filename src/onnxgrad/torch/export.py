@@ -22,11 +22,11 @@ from typing import Any
 import onnx
 import torch
 
-from ..autodiff.graph import MAX_IR_VERSION, ir_version_for
 from ..errors import PythonOpError
+from ..model.graph import MAX_IR_VERSION, ir_version_for
+from ..model.pythonop_spec import MS_DOMAIN, PYTHON_OP, encode_constants
 from ..pythonop.executor import TORCH_TO_ONNX
 from ..pythonop.registry import qualified_name, register_function
-from ..pythonop.spec import MS_DOMAIN, PYTHON_OP, encode_constants
 
 _SYMBOLIC = "prim::PythonOp"
 _EXPORT_LOCK = threading.Lock()  # the prim::PythonOp symbolic is global to torch

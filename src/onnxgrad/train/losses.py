@@ -31,19 +31,19 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..autodiff.graph import (
+from ..errors import InputError
+from ..model.graph import (
     FLOAT_TYPES,
     MAX_IR_VERSION,
     ValueInfo,
     check_model,
-    infer_value_infos,
     ir_version_for,
-    load_model,
     np_dtype,
     opset_of,
     unique_name,
 )
-from ..errors import InputError
+from ..model.infer import infer_value_infos
+from ..model.load import load_model
 
 __all__ = ["CLASS_LOSSES", "LOSSES", "add_loss", "keep_outputs", "remove_loss", "with_parameters"]
 

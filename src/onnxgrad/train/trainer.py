@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..autodiff.graph import ValueInfo, load_model, value_info_from_proto
 from ..errors import InputError, OnnxGradRuntimeError
+from ..model.graph import ValueInfo, value_info_from_proto
+from ..model.load import load_model
 from ..runtime import ForwardBackward
 from .data import BatchLoader, Data, as_feeds
 from .losses import add_loss, remove_loss
