@@ -127,8 +127,20 @@ def _front_ends():
         }
         return onnxgrad.gradients(model, feeds)
 
+    def trainer(model):
+        from onnxgrad.train import Trainer
+
+        return Trainer(model, loss="mse", progress=False)
+
+    def artifacts(model):
+        from onnxgrad.artifacts import generate
+
+        return generate(model, loss="mse")
+
     return {
         "ForwardBackward": onnxgrad.ForwardBackward,
+        "Trainer": trainer,
+        "artifacts.generate": artifacts,
         "OnnxModule": torch_module,
         "build_gradient": onnxgrad.build_gradient,
         "gradients": grads,

@@ -20,7 +20,7 @@ from onnx import helper, numpy_helper
 
 from .autodiff.engine import GradientGraphs, build_gradient
 from .model.graph import FLOAT_TYPES, ir_version_for, onnx_dtype
-from .model.load import load_model
+from .model.load import load_checked
 from .runtime.runner import make_session
 
 Backend = Literal["onnxruntime", "reference"]
@@ -178,7 +178,8 @@ def check_gradients(
     At most ``max_elements`` elements per value are probed (chosen at random, seeded).
     Tolerances default to float64 ones; float32 models get looser defaults.
     """
-    proto = load_model(model)
+    checked = load_checked(model)
+    proto = checked.proto
     inits = {i.name: i for i in proto.graph.initializer}
     inputs = {i.name: i for i in proto.graph.input if i.name not in inits}
     if wrt is None:
@@ -189,7 +190,7 @@ def check_gradients(
         trainable = [w for w in wrt if w in inits]
         req = [w for w in wrt if w not in inits]
     if graphs is None:
-        graphs = build_gradient(proto, trainable=trainable, inputs_requiring_grad=req, tie_weights=False)
+        graphs = build_gradient(checked, trainable=trainable, inputs_requiring_grad=req, tie_weights=False)
     fwd, bwd = run_model(graphs.forward, backend), run_model(graphs.backward, backend)
     params = {n: numpy_helper.to_array(inits[n]) for n in graphs.trainable}
     values = {**{k: np.asarray(v) for k, v in feeds.items()}, **params}
