@@ -118,7 +118,7 @@ def check_model(model: onnx.ModelProto) -> None:
     """Run the ONNX checker, turning its failures into :class:`ModelError`.
 
     The weights are left out (:func:`without_weights`): serializing them is most of the checker's
-    time, and :mod:`onnxgrad.validate` has checked their sizes when the model was loaded. PythonOp
+    time, and :mod:`onnxgrad.model.validate` has checked their sizes when the model was loaded. PythonOp
     nodes naming their class by ``func_name`` only are checked as if they had ``name`` too.
     """
     skeleton = without_weights(model)

@@ -12,7 +12,7 @@ type, rank and gradient-flag tables of its tensors (``input_tensor_types``, ``in
 Files with ``func_name`` but no ``name`` (written by earlier onnxgrad versions and newer ORT
 exporters) fail ``onnx.checker`` with these schemas; onnxgrad's own entry points
 (:func:`onnxgrad.build_gradient` and what builds on it) add ``name`` to their copy first
-(:func:`~onnxgrad.pythonop.spec.complete_class_names`), and the runtime reads either spelling.
+(:func:`~onnxgrad.model.pythonop_spec.complete_class_names`), and the runtime reads either spelling.
 
 Shape inference gives output 0 of PythonOp an int64 scalar (the ctx handle) and every other output
 the dtype and rank its ``output_tensor_types`` / ``output_tensor_ranks`` record, with unknown dimensions.

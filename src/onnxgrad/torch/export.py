@@ -5,7 +5,7 @@ loses its backward. Here the TorchScript exporter runs with a symbolic for ``pri
 node tracing records for each ``Function.apply``): the chosen Functions become ``com.microsoft``
 PythonOp nodes carrying every attribute of the original schema, the others are inlined as usual,
 and the rest of the module is standard ONNX. Non-tensor arguments are stored by value (see
-:mod:`onnxgrad.pythonop.spec`); anything that cannot be is refused with :class:`PythonOpError`.
+:mod:`onnxgrad.model.pythonop_spec`); anything that cannot be is refused with :class:`PythonOpError`.
 """
 
 from __future__ import annotations
