@@ -488,9 +488,9 @@ class PythonOpRunner(BaseRunner):
         functions: Functions = None,
         allow_import: bool | Iterable[str] = False,
     ) -> None:
-        super().__init__(graphs)
+        forward = self._setup(graphs)
         kw = {"functions": functions, "allow_import": allow_import}
-        self.fwd = PythonGraph(self.forward_model, providers, session_options, **kw)
+        self.fwd = PythonGraph(forward, providers, session_options, **kw)
         self.bwd = PythonGraph(graphs.backward, providers, session_options, **kw)
 
     def _run_forward(

@@ -102,15 +102,24 @@ class BaseRunner:
     Values go in and come out as ``OrtValue``s (see :mod:`.values`); this is the layer both the
     numpy runtime and the PyTorch bridge sit on. Trainable initializers are stripped from the
     forward graph (their values are bound at each call), so weights are held once, by the caller.
-    A subclass runs the graphs: :meth:`_run_forward` (``self.forward_model``) and
-    :meth:`_run_backward` (``graphs.backward``), each returning the wanted values by name.
+    A subclass calls :meth:`_setup` first, which returns the forward graph to run (not kept: its
+    non-trainable initializers would be held twice), then runs the graphs in :meth:`_run_forward`
+    and :meth:`_run_backward` (``graphs.backward``), each returning the wanted values by name.
     """
 
-    def __init__(self, graphs: GradientGraphs) -> None:
+    graphs: GradientGraphs
+    initial_values: dict[str, np.ndarray]  # trainable name -> its value in the model
+    inputs: dict[str, ValueInfo]  # what the caller feeds, besides the trainable values
+    fwd_outputs: list[str]
+    wrt: list[str]  # the names of the backward's results, in order
+
+    def _setup(self, graphs: GradientGraphs) -> onnx.ModelProto:
+        """Set the attributes above; returns the forward graph without the trainable initializers."""
         self.graphs = graphs
-        self.forward_model, self.initial_values, self.inputs = split_forward(graphs)
-        self.fwd_outputs = [o.name for o in self.forward_model.graph.output]
+        forward, self.initial_values, self.inputs = split_forward(graphs)
+        self.fwd_outputs = [o.name for o in forward.graph.output]
         self.wrt = list(graphs.grad_outputs)
+        return forward
 
     def forward(
         self, values: Mapping[str, OrtValueLike], training: bool
@@ -154,8 +163,7 @@ class Runner(BaseRunner):
         providers: list[Any],
         session_options: ort.SessionOptions | None = None,
     ) -> None:
-        super().__init__(graphs)
-        self.fwd = make_session(self.forward_model, providers, session_options)
+        self.fwd = make_session(self._setup(graphs), providers, session_options)
         self._bwd: ort.InferenceSession | None = None  # made on the first backward
         self._providers, self._options = providers, session_options
         self._lock = threading.Lock()
