@@ -90,9 +90,11 @@ test-web: $(STAMP)
 	$(PY) js/test/make_fixture.py examples/web/fixture
 	cd examples/web && node test-web.mjs
 
+# The layer contract (docs/architecture.md): every import looks down, no import cycle.
 lint: $(STAMP)
 	$(PY) -m ruff check src tests bench tools
 	$(PY) -m ruff format --check src tests bench tools
+	$(PY) tools/check_layers.py
 
 bench: $(STAMP)
 	$(PY) bench/compare_torch.py --json out/bench.json

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +28,12 @@ from onnx import helper, numpy_helper
 from ._version import __version__
 from .artifacts.cli import add_parser as add_artifacts_parser
 from .autodiff import build_gradient, rules_table, supported_ops
-from .autodiff.graph import (
-    FLOAT_TYPES,
-    ValueInfo,
-    infer_value_infos,
-    load_model,
-    np_dtype,
-    opset_of,
-    topological_order,
-    value_info_from_proto,
-)
 from .autodiff.params import padding_rows, select_parameters
 from .autodiff.registry import lookup
 from .errors import GradientNotImplementedError, InputError, OnnxGradError
-
-Command = Callable[[argparse.Namespace], int]
+from .model.graph import FLOAT_TYPES, ValueInfo, np_dtype, opset_of, topological_order, value_info_from_proto
+from .model.infer import infer_value_infos
+from .model.load import load_model
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,17 +39,10 @@ import onnxruntime as ort
 from onnx import TensorProto
 
 from .autodiff.engine import GradientGraphs, build_gradient, check_graphs
-from .autodiff.graph import (
-    FLOAT_TYPES,
-    ValueInfo,
-    load_model,
-    np_dtype,
-    onnx_dtype,
-    to_array,
-    value_info_from_proto,
-)
 from .deps import C
 from .errors import InputError, OnnxGradRuntimeError
+from .model.graph import FLOAT_TYPES, ValueInfo, np_dtype, onnx_dtype, to_array, value_info_from_proto
+from .model.load import CheckedModel, load_checked, load_model
 from .pythonop import make_runner
 from .runtime.session import Runner, resolve_providers
 from .runtime.values import contiguous
@@ -314,10 +307,11 @@ class OrtGradientForwardBackward:
         enable_logging: bool = False,
         debug: bool = False,
     ) -> None:
-        model = load_model(onnx_model)
+        checked = load_checked(onnx_model)  # the one validation of this model
+        model = checked.proto
         self._tie_weights = False  # the original trains every listed initializer on its own
         if weights_to_train is None:
-            weights_to_train = self._select_initializer_names(model)
+            weights_to_train = self._select_initializer_names(checked)
         if isinstance(weights_to_train, str):
             weights_to_train = [weights_to_train]
         weights = list(weights_to_train)
@@ -335,6 +329,7 @@ class OrtGradientForwardBackward:
         inits = {i.name for i in model.graph.initializer}
         graph_inputs = [i.name for i in model.graph.input if i.name not in inits]
         self.onnx_model = model
+        self._checked_ = checked  # dropped when pickled: an unpickled model is checked again
         self.weights_to_train = weights
         self.input_names = _ordered("input_names", input_names, graph_inputs, exact=True)
         self.output_names = _ordered(
@@ -352,7 +347,7 @@ class OrtGradientForwardBackward:
         self._init_next()
 
     @staticmethod
-    def _select_initializer_names(onnx_model: onnx.ModelProto) -> list[str]:
+    def _select_initializer_names(onnx_model: CheckedModel | onnx.ModelProto) -> list[str]:
         """The original's default: every FLOAT16/FLOAT/DOUBLE/BFLOAT16 initializer, in graph order
         (onnxgrad's own front ends choose by use instead, see
         :func:`onnxgrad.autodiff.params.select_parameters`). Integer initializers (shapes, axes)
@@ -443,8 +438,9 @@ class OrtGradientForwardBackward:
             log.info("[OrtGradientForwardBackward] output_names=%r", self.output_names)
             log.info("[OrtGradientForwardBackward] weights_to_train=%r", self.weights_to_train)
             log.info("[OrtGradientForwardBackward] providers=%r", self.ort_providers_)
+        checked = getattr(self, "_checked_", None)
         graphs: GradientGraphs = build_gradient(
-            model,
+            checked if checked is not None and checked.proto is model else model,
             trainable=self.weights_to_train,
             inputs_requiring_grad=[n for n in self.input_names if is_float(n)],
             outputs=[n for n in self.output_names if is_float(n)],

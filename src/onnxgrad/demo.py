@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from .autodiff.graph import ir_version_for
+from .model.graph import ir_version_for
+from .runtime.runner import make_session
 from .train import Trainer
 
 DEFAULT_PATH = os.path.join("out", "digits_mlp.onnx")
@@ -117,7 +117,7 @@ def main(
     path = os.fspath(path)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     onnx.save(trainer.to_onnx(), path)  # the logits model with the trained weights
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    session = make_session(path, ["CPUExecutionProvider"])
     reloaded_acc = accuracy(session.run([LOGITS], {INPUT: x_te})[0], y_te)
     seconds = time.perf_counter() - start
 

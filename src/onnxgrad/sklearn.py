@@ -18,13 +18,15 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
 from sklearn.utils.validation import check_array, check_is_fitted
 
-from .autodiff.graph import infer_value_infos, load_model, np_dtype, unique_name
 from .autodiff.params import select_parameters
 from .errors import InputError
+from .model.graph import np_dtype, unique_name
+from .model.infer import infer_value_infos
+from .model.load import load_model
+from .runtime.runner import make_session
 from .train.losses import add_loss, keep_outputs, with_parameters
 from .train.trainer import History, Trainer
 
@@ -232,9 +234,7 @@ class _OnnxEstimator(BaseEstimator):
         X = self._check_X(X, reset=False)
         if getattr(self, "_session_", None) is None:
             model = keep_outputs(self.onnx_model_, [self._output_])
-            self._session_ = ort.InferenceSession(
-                model.SerializeToString(), providers=["CPUExecutionProvider"]
-            )
+            self._session_ = make_session(model, ["CPUExecutionProvider"])
         dtype = np_dtype(self._input_dtype_)
         return self._session_.run(None, {self.input_name_: X.astype(dtype, copy=False)})[0]
 

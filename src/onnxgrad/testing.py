@@ -19,7 +19,9 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from .autodiff.engine import GradientGraphs, build_gradient
-from .autodiff.graph import FLOAT_TYPES, ir_version_for, load_model, onnx_dtype
+from .model.graph import FLOAT_TYPES, ir_version_for, onnx_dtype
+from .model.load import load_checked
+from .runtime.runner import make_session
 
 Backend = Literal["onnxruntime", "reference"]
 
@@ -40,7 +42,7 @@ def run_model(model: onnx.ModelProto, backend: Backend = "onnxruntime") -> Any:
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     opts.log_severity_level = 3
     opts.intra_op_num_threads = 1  # test models are tiny: threads only add contention
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = make_session(model, ["CPUExecutionProvider"], opts)
     return lambda feeds: dict(zip(names, sess.run(None, dict(feeds))))
 
 
@@ -176,7 +178,8 @@ def check_gradients(
     At most ``max_elements`` elements per value are probed (chosen at random, seeded).
     Tolerances default to float64 ones; float32 models get looser defaults.
     """
-    proto = load_model(model)
+    checked = load_checked(model)
+    proto = checked.proto
     inits = {i.name: i for i in proto.graph.initializer}
     inputs = {i.name: i for i in proto.graph.input if i.name not in inits}
     if wrt is None:
@@ -187,7 +190,7 @@ def check_gradients(
         trainable = [w for w in wrt if w in inits]
         req = [w for w in wrt if w not in inits]
     if graphs is None:
-        graphs = build_gradient(proto, trainable=trainable, inputs_requiring_grad=req, tie_weights=False)
+        graphs = build_gradient(checked, trainable=trainable, inputs_requiring_grad=req, tie_weights=False)
     fwd, bwd = run_model(graphs.forward, backend), run_model(graphs.backward, backend)
     params = {n: numpy_helper.to_array(inits[n]) for n in graphs.trainable}
     values = {**{k: np.asarray(v) for k, v in feeds.items()}, **params}

@@ -30,19 +30,19 @@ from onnx import TensorProto, helper
 
 from ..autodiff.compose import compose
 from ..autodiff.engine import build_gradient
-from ..autodiff.graph import (
+from ..autodiff.modes import follows_training_flag, set_training_mode
+from ..errors import InputError
+from ..model.graph import (
     FLOAT_TYPES,
     check_model,
     ir_version_for,
-    load_model,
     np_dtype,
     opset_of,
     subgraphs,
     to_array,
     unique_name,
 )
-from ..autodiff.modes import follows_training_flag, set_training_mode
-from ..errors import InputError
+from ..model.load import CheckedModel, load_checked
 from ..train.losses import _Emitter, add_loss, keep_outputs
 from . import tensors
 from .optim import STATE_KEYS, Param, emit_updates, hyperparameters
@@ -109,18 +109,20 @@ def generate(
     (``momentum=``, ``nesterov=``, ``betas=``, ``eps=``, ``weight_decay=``...) and the same
     defaults. ``lr`` is only the default the runners use; the step graph takes it as an input.
     """
-    proto = load_model(model)
+    checked = load_checked(model)  # the one validation: what follows rewrites the checked model
+    proto = checked.proto
     opt = optimizer.lower()
     hyper = hyperparameters(opt, dict(optimizer_options))
     train_model, eval_model, stats = proto, proto, {}
     if follows_training_flag(proto):
-        switched = set_training_mode(proto, True)
+        switched = set_training_mode(checked, True)
         train_model, stats = switched.model, dict(switched.running_stats)
-        eval_model = set_training_mode(proto, False).model
+        eval_model = set_training_mode(checked, False).model
     loss_options = dict(loss_options or {})
     if loss is not None:
         opts = dict(loss_name=loss_name, target_name=target_name, **loss_options)
-        train_lossy, eval_lossy = add_loss(train_model, loss, **opts), add_loss(eval_model, loss, **opts)
+        train_lossy = add_loss(CheckedModel(train_model), loss, **opts)
+        eval_lossy = add_loss(CheckedModel(eval_model), loss, **opts)
     else:
         train_lossy, eval_lossy = train_model, eval_model
         if loss_name not in [o.name for o in proto.graph.output]:
@@ -129,10 +131,10 @@ def generate(
     trainable = _trainable(train_lossy, requires_grad, frozen, stats)
     inits = {i.name: i for i in train_lossy.graph.initializer}
 
-    graphs = build_gradient(train_lossy, trainable=trainable, outputs=[loss_name])
+    graphs = build_gradient(CheckedModel(train_lossy), trainable=trainable, outputs=[loss_name])
     train_step, names = _train_step(graphs, inits, stats, opt, hyper, loss_name)
     eval_step = _with_fed_initializers(eval_lossy, [*trainable, *stats], remove=True)
-    eval_step = keep_outputs(eval_step, [loss_name, *model_outputs])
+    eval_step = keep_outputs(CheckedModel(eval_step), [loss_name, *model_outputs])
     _reorder_outputs(eval_step, [loss_name, *model_outputs])
     inference = _with_fed_initializers(eval_model, [*trainable, *stats], remove=True)
     for m in (eval_step, inference):
@@ -248,7 +250,7 @@ def _train_step(
     del g.output[:]
     g.output.extend(outputs)
     inputs = list(g.input)
-    model = keep_outputs(model, [o.name for o in outputs])
+    model = keep_outputs(CheckedModel(model), [o.name for o in outputs])  # built by onnxgrad
     del model.graph.input[:]
     model.graph.input.extend(inputs)  # every input stays, even one this optimizer does not read
     _forward_identities(model)

@@ -19,7 +19,8 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ..errors import InputError
-from ..runtime.session import default_options, resolve_providers
+from ..runtime.runner import default_options, make_session
+from ..runtime.session import resolve_providers
 from ..train.schedules import LearningRate, as_schedule
 from . import tensors
 from .generate import FILES, FORMAT
@@ -96,7 +97,7 @@ class Runner:
 
     def _session(self, key: str) -> ort.InferenceSession:
         path = os.path.join(self.folder, self.manifest["files"][key])
-        return ort.InferenceSession(path, sess_options=self._options, providers=self._providers)
+        return make_session(path, self._providers, self._options)
 
     # ---- batches -------------------------------------------------------------------------------
     def _batch(self, batch: Mapping[str, Any], names: list[str]) -> dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph import Dim, ValueInfo, np_dtype
+from ..model.graph import Dim, ValueInfo, np_dtype
 
 INT64 = TensorProto.INT64
 BOOL = TensorProto.BOOL
@@ -637,7 +637,6 @@ sigmoid = _unary("Sigmoid")
 tanh = _unary("Tanh")
 erf = _unary("Erf")
 abs_ = _unary("Abs")
-reciprocal = _unary("Reciprocal")
 cos = _unary("Cos")
 sin = _unary("Sin")
 
@@ -645,7 +644,3 @@ sin = _unary("Sin")
 def cast(x: Var, like: Var) -> Var:
     """``x`` cast to the dtype of ``like`` (no node when it already has it)."""
     return x if x.dtype == like.dtype else x.g.op("Cast", x, to=like.dtype)
-
-
-def pow_(x: Var, y: Any) -> Var:
-    return x.g.op("Pow", x, y)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import onnx
 from onnx import helper, version_converter
 
+from ..model.graph import all_names, ir_version_for, sort_nodes
 from .engine import GradientGraphs
-from .graph import all_names, ir_version_for, sort_nodes
 
 
 def _opset(model: onnx.ModelProto) -> dict[str, int]:

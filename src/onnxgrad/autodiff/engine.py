@@ -25,26 +25,26 @@ import onnx
 from onnx import helper
 
 from ..errors import GradientNotImplementedError, InputError, ModelError
-from ..pythonop.spec import complete_class_names
-from .builder import GradBuilder, Var
-from .fold import known_tensors
-from .graph import (
+from ..model.fold import known_tensors
+from ..model.graph import (
     MIN_BACKWARD_OPSET,
     ValueInfo,
     all_names,
     check_model,
     constant_values,
-    infer_value_infos,
     ir_version_for,
-    load_model,
     node_operands,
     opset_of,
     sort_nodes,
     to_array,
     topological_order,
 )
+from ..model.infer import infer_value_infos
+from ..model.load import CheckedModel, load_model
+from ..model.pythonop_spec import complete_class_names
+from .builder import GradBuilder, Var
 from .params import Tie, padding_rows, select_parameters
-from .registry import NodeContext, _load_rules, lookup
+from .registry import NodeContext, lookup
 from .rewrite import centered_batch_norms, rewrite_for_training
 
 
@@ -86,7 +86,7 @@ class GradientGraphs:
 
 
 def build_gradient(
-    model: onnx.ModelProto | str | os.PathLike | bytes,
+    model: CheckedModel | onnx.ModelProto | str | os.PathLike | bytes,
     *,
     trainable: Iterable[str] | None = None,
     inputs_requiring_grad: Iterable[str] = (),
@@ -104,7 +104,6 @@ def build_gradient(
     ``outputs``: outputs that take a gradient (``None``: every floating-point output); the others
     are treated as having a zero gradient.
     """
-    _load_rules()
     selection = select_parameters(_prepare(load_model(model)), trainable, tie_weights=tie_weights)
     model = selection.model
     graph = model.graph
@@ -153,7 +152,7 @@ def build_gradient(
     _recompute_views(g, nodes, set(graph_inputs) | set(trainable_names))
 
     # 3. assemble both models
-    forward = _forward_model(model, nodes, g, trainable_names, grad_inputs, infos)
+    forward = _forward_model(model, nodes, g, trainable_names, infos)
     backward = _backward_model(model, g, grad_inputs, grad_outputs, infos)
     saved = list(g.saved)
     return GradientGraphs(
@@ -423,7 +422,6 @@ def _forward_model(
     nodes: list[onnx.NodeProto],
     g: GradBuilder,
     trainable: list[str],
-    grad_inputs: dict[str, str],
     infos: dict[str, ValueInfo],
 ) -> onnx.ModelProto:
     graph = model.graph

@@ -18,7 +18,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import ModelError
-from .graph import check_model, infer_value_infos, load_model, opset_of, subgraphs, unique_name
+from ..model.graph import check_model, opset_of, subgraphs, unique_name
+from ..model.infer import infer_value_infos
+from ..model.load import CheckedModel, load_model
 
 _SWITCHED = ("Dropout", "BatchNormalization")
 
@@ -44,7 +46,9 @@ class ModeSwitch:
         return list(self.running_stats)
 
 
-def set_training_mode(model: onnx.ModelProto | str | os.PathLike | bytes, training: bool) -> ModeSwitch:
+def set_training_mode(
+    model: CheckedModel | onnx.ModelProto | str | os.PathLike | bytes, training: bool
+) -> ModeSwitch:
     """A copy of ``model`` with every Dropout and BatchNormalization in training or inference mode.
 
     Dropout (opset 12+) gets a constant ``training_mode`` input; BatchNormalization (opset 14+) the

@@ -63,7 +63,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import InputError
-from .graph import FLOAT_TYPES, infer_value_infos, np_dtype, subgraphs, to_array, unique_name
+from ..model.graph import FLOAT_TYPES, np_dtype, subgraphs, to_array, unique_name
+from ..model.infer import infer_value_infos
 
 TIE_MIN_SIZE = 256
 """The fewest values an initializer needs to be tied to another (smaller ones agree by accident)."""

@@ -5,6 +5,9 @@ A rule is ``fn(g, n) -> [grad of input 0, grad of input 1, ...]`` where ``g`` is
 differentiated; ``None`` in the result means "no gradient" (the engine only asks for what it needs,
 see ``n.needs``). Rules register next to their definition with :func:`rule`; elementwise ops come
 from a formula table (:func:`formulas`); ops whose gradient is zero or that stop it use :func:`zero`.
+
+The registry imports no rule: rule modules register into it when imported (``autodiff/__init__.py``
+imports :mod:`.rules`; :mod:`onnxgrad.pythonop` registers the PythonOp rule the same way, from above).
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ..model.graph import to_array
 from .builder import GradBuilder, Var
-from .graph import to_array
 
 RuleFn = Callable[[GradBuilder, "NodeContext"], Sequence["Var | None"]]
 
@@ -162,7 +165,6 @@ def _schema_default(n: NodeContext, name: str, default: Any) -> Any:
 
 def lookup(domain: str, op_type: str, opset: int) -> Rule | None:
     """The rule for ``op_type`` at ``opset``: the newest registered version not after it."""
-    _load_rules()
     domain = "" if domain == "ai.onnx" else domain
     found = None
     for r in _RULES.get((domain, op_type), ()):
@@ -177,7 +179,6 @@ def supported_ops() -> dict[str, str]:
     The value says how: ``"rule"`` (a dedicated function), ``"formula"`` (from the formula table),
     ``"zero"`` (no gradient flows through it).
     """
-    _load_rules()
     out = {}
     for (domain, op), versions in sorted(_RULES.items()):
         out[op if not domain else f"{domain}.{op}"] = versions[-1].kind
@@ -186,9 +187,4 @@ def supported_ops() -> dict[str, str]:
 
 def rules_table() -> list[Rule]:
     """Every registered rule version, sorted by domain, op and version."""
-    _load_rules()
     return [r for key in sorted(_RULES) for r in _RULES[key]]
-
-
-def _load_rules() -> None:
-    from . import rules  # noqa: F401  (importing registers every rule)

@@ -41,7 +41,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph import ValueInfo, all_names, node_operands, np_dtype, unique_name
+from ..model.graph import ValueInfo, all_names, node_operands, np_dtype, unique_name
 
 
 def rewrite_for_training(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -1,12 +1,17 @@
 """Custom ``torch.autograd.Function``s inside ONNX graphs: ``com.microsoft`` PythonOp / PythonOpGrad.
 
-* :mod:`.schemas` registers both ops with ``onnx.defs`` (checker and shape inference accept them);
-* :mod:`.gradient` differentiates PythonOp into PythonOpGrad (the Function's own backward);
-* :mod:`.registry` holds the Functions allowed to run and the ctx of calls awaiting a backward;
-* :mod:`.executor` runs such graphs on stock onnxruntime, partitioned around the Python nodes.
+A plug-in above the runtime: the lower layers know nothing of it.
 
-Importing this package does not import torch; :func:`make_runner` does, only for graphs that hold
-Python nodes.
+* :mod:`onnxgrad.model.pythonop_spec` / :mod:`~onnxgrad.model.pythonop_schemas` (the model layer)
+  read the nodes' attributes and register both ops with ``onnx.defs``;
+* :mod:`.gradient` differentiates PythonOp into PythonOpGrad (the Function's own backward), and
+  registers that rule with the autodiff registry when this package is imported;
+* :mod:`.registry` holds the Functions allowed to run and the ctx of calls awaiting a backward;
+* :mod:`.executor` runs such graphs on stock onnxruntime, partitioned around the Python nodes;
+  :func:`python_runner` registers it with :func:`onnxgrad.runtime.runner.make_runner`.
+
+``import onnxgrad`` imports this package. It does not import torch; :func:`make_runner` does, only
+for graphs that hold Python nodes.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from . import schemas  # noqa: F401  (registers the schemas)
+from ..runtime.runner import BaseRunner, make_runner, register_runner
+from . import gradient  # noqa: F401  (registers the PythonOp rule with the autodiff registry)
 from .registry import (
     FIRST_HANDLE,
     contexts,
@@ -43,27 +49,22 @@ __all__ = [
 ]
 
 
-def make_runner(
+@register_runner
+def python_runner(
     graphs: Any,
     providers: list[Any],
     session_options: Any = None,
     *,
     functions: Any = None,
     allow_import: bool | Iterable[str] = False,
-) -> Any:
-    """The runner for a :class:`~onnxgrad.autodiff.engine.GradientGraphs`.
+) -> BaseRunner | None:
+    """The runner of graphs holding PythonOp or PythonOpGrad nodes (None for the others), which
+    :func:`onnxgrad.runtime.runner.make_runner` asks first: a
+    :class:`~onnxgrad.pythonop.executor.PythonOpRunner`, which resolves every Function the graphs
+    name (``functions``: extra classes allowed for these graphs; ``allow_import``: module prefixes
+    from which classes may be imported)."""
+    if not has_python_nodes(graphs.forward, graphs.backward):
+        return None
+    from .executor import PythonOpRunner  # imports torch
 
-    A plain :class:`~onnxgrad.runtime.session.Runner` when neither graph holds a PythonOp or
-    PythonOpGrad node; otherwise a :class:`~onnxgrad.pythonop.executor.PythonOpRunner` (same
-    interface), which resolves every Function the graphs name (``functions``: extra classes allowed
-    for these graphs; ``allow_import``: module prefixes from which classes may be imported).
-    """
-    if has_python_nodes(graphs.forward, graphs.backward):
-        from .executor import PythonOpRunner
-
-        return PythonOpRunner(
-            graphs, providers, session_options, functions=functions, allow_import=allow_import
-        )
-    from ..runtime.session import Runner
-
-    return Runner(graphs, providers, session_options)
+    return PythonOpRunner(graphs, providers, session_options, functions=functions, allow_import=allow_import)

@@ -20,6 +20,7 @@ import torch
 from onnx import TensorProto, helper
 
 from ..autodiff.engine import build_gradient
+from ..runtime.runner import Runner, make_session
 from ..runtime.values import from_numpy, run
 from . import gradient  # noqa: F401  (the PythonOp rule)
 from .executor import PythonGraph, PythonOpRunner
@@ -95,13 +96,11 @@ def measure(n: int, number: int = 200, repeat: int = 7, threads: int = 1) -> dic
     providers = ["CPUExecutionProvider"]
     x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
     feeds = {"x": from_numpy(x)}
-    plain = ort.InferenceSession(_model(n, False).SerializeToString(), opts, providers=providers)
+    plain = make_session(_model(n, False), providers, opts)
     partitioned = PythonGraph(_model(n, True), providers, opts)
     graphs = build_gradient(_model(n, True), inputs_requiring_grad=["x"])
     runner = PythonOpRunner(graphs, providers, opts)
     base_graphs = build_gradient(_model(n, False), inputs_requiring_grad=["x"])
-    from ..runtime.session import Runner
-
     base_runner = Runner(base_graphs, providers, opts)
     ones = np.ones(n, np.float32)  # from_numpy borrows: the arrays must outlive the OrtValues
     dy = {"y": from_numpy(ones)}
@@ -145,7 +144,7 @@ def measure_ortx(n: int, number: int = 200, repeat: int = 7, threads: int = 1) -
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.register_custom_ops_library(get_library_path())
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = make_session(model, ["CPUExecutionProvider"], opts)
     x = np.random.default_rng(0).standard_normal(n).astype(np.float32)  # kept alive: from_numpy borrows
     feeds = {"x": from_numpy(x)}
     wall, cpu = _time(lambda: run(sess, feeds, ["y"]), number, repeat)

@@ -34,13 +34,20 @@ import torch
 from onnx import TensorProto, helper
 
 from ..autodiff.engine import GradientGraphs
-from ..autodiff.graph import all_subgraphs, node_operands, topological_order
 from ..deps import ortvalue_from_capsule
 from ..errors import OnnxGradRuntimeError, PythonOpError
-from ..runtime.session import split_forward
+from ..model.graph import all_subgraphs, node_operands, topological_order
+from ..model.pythonop_spec import (
+    PYTHON_OP,
+    check_tensor,
+    describe,
+    is_python_node,
+    parse_backward,
+    parse_forward,
+)
+from ..runtime.runner import BaseRunner, make_session
 from ..runtime.values import C, OrtValueLike, contiguous, from_numpy, from_torch, run, to_torch, unwrap
 from .registry import Functions, contexts, resolve_function
-from .spec import PYTHON_OP, check_tensor, describe, is_python_node, parse_backward, parse_forward
 
 
 # ---- tensors across the boundary --------------------------------------------------------------
@@ -463,21 +470,14 @@ class PythonGraph:
             graph, opset_imports=list(self.model.opset_import), functions=list(self.model.functions)
         )
         model.ir_version = self.model.ir_version
-        try:
-            return ort.InferenceSession(model.SerializeToString(), self.options, providers=self.providers)
-        except Exception as exc:
-            raise OnnxGradRuntimeError(
-                f"onnxruntime cannot load a part of the graph {self.model.graph.name!r}: {exc}"
-            ) from exc
+        label = f"a part of the graph {self.model.graph.name!r}"
+        return make_session(model, self.providers, self.options, label=label)
 
 
 # ---- the Runner interface ---------------------------------------------------------------------
-class PythonOpRunner:
-    """:class:`onnxgrad.runtime.session.Runner`'s interface for graphs with Python nodes.
-
-    ``forward(values, training)`` -> (user outputs, saved values or None) and
-    ``backward(saved, grads)`` -> gradients in ``.wrt`` order, all as ``OrtValue``s.
-    """
+class PythonOpRunner(BaseRunner):
+    """The :class:`~onnxgrad.runtime.runner.BaseRunner` of graphs with Python nodes: each graph runs
+    as a :class:`PythonGraph` (onnxruntime stages and Python calls)."""
 
     def __init__(
         self,
@@ -488,35 +488,18 @@ class PythonOpRunner:
         functions: Functions = None,
         allow_import: bool | Iterable[str] = False,
     ) -> None:
-        self.graphs = graphs
-        fwd, self.initial_values, self.inputs = split_forward(graphs)
+        forward = self._setup(graphs)
         kw = {"functions": functions, "allow_import": allow_import}
-        self.fwd = PythonGraph(fwd, providers, session_options, **kw)
+        self.fwd = PythonGraph(forward, providers, session_options, **kw)
         self.bwd = PythonGraph(graphs.backward, providers, session_options, **kw)
-        self.fwd_outputs = [o.name for o in fwd.graph.output]
-        self.wrt = list(graphs.grad_outputs)
 
-    def forward(
-        self, values: Mapping[str, OrtValueLike], training: bool
-    ) -> tuple[list[C.OrtValue], dict[str, C.OrtValue] | None]:
-        """Run the forward: (user outputs, values saved for the backward or None)."""
-        wanted = self.fwd_outputs if training else self.graphs.outputs
-        env = self.fwd.run(values, wanted, training)
-        outputs = [env[o] for o in self.graphs.outputs]
-        if not training:
-            return outputs, None
-        return outputs, {s: env[s] if s in env else values[s] for s in self.graphs.saved}
+    def _run_forward(
+        self, values: Mapping[str, OrtValueLike], wanted: list[str], training: bool
+    ) -> Mapping[str, C.OrtValue]:
+        return self.fwd.run(values, wanted, training)
 
-    def backward(
-        self, saved: Mapping[str, OrtValueLike], grads: Mapping[str, OrtValueLike]
-    ) -> list[C.OrtValue]:
-        """Run the backward: one gradient per name of ``self.wrt``."""
-        feeds = {name: saved[name] for name in self.graphs.saved}
-        for out, name in self.graphs.grad_inputs.items():
-            feeds[name] = grads[out]
-        wanted = [self.graphs.grad_outputs[w] for w in self.wrt]
-        env = self.bwd.run(feeds, wanted, True)
-        return [env[name] for name in wanted]
+    def _run_backward(self, feeds: Mapping[str, OrtValueLike], wanted: list[str]) -> Mapping[str, C.OrtValue]:
+        return self.bwd.run(feeds, wanted, True)
 
 
 def run_model(

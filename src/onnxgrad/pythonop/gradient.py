@@ -1,6 +1,6 @@
 """The gradient of a PythonOp is a PythonOpGrad: the Function's own ``backward``, not its derivative.
 
-Importing this module registers the rule (and the two schemas). It does not import torch.
+Importing this module registers the rule (the schemas belong to the model layer). No torch.
 """
 
 from __future__ import annotations
@@ -12,8 +12,14 @@ from onnx import helper
 from ..autodiff.builder import GradBuilder, Var
 from ..autodiff.registry import NodeContext, rule
 from ..errors import GradientNotImplementedError
-from . import schemas  # noqa: F401  (the schemas must be known before shape inference runs)
-from .spec import MS_DOMAIN, PYTHON_OP, PYTHON_OP_GRAD, describe, node_attributes, parse_forward
+from ..model.pythonop_spec import (
+    MS_DOMAIN,
+    PYTHON_OP,
+    PYTHON_OP_GRAD,
+    describe,
+    node_attributes,
+    parse_forward,
+)
 
 # Older spellings replaced when the rule records which inputs need a gradient.
 _OLD_SPELLINGS = ("input_tensor_requires_grads",)

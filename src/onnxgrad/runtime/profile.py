@@ -21,8 +21,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ..autodiff.graph import load_model, np_dtype, value_info_from_proto
 from ..errors import InputError
+from ..model.graph import np_dtype, value_info_from_proto
+from ..model.load import load_checked
 from .session import ForwardBackward, Runner, default_options
 
 
@@ -172,10 +173,11 @@ def profile_step(
         raise InputError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     if threads is not None and threads < 1:
         raise InputError(f"threads must be >= 1 (or None for onnxruntime's default), got {threads}")
-    proto = load_model(model)
+    checked = load_checked(model)
+    proto = checked.proto
     feeds = dict(feeds) if feeds is not None else random_feeds(proto, batch, shapes=shapes)
     t0 = time.perf_counter()
-    fb = ForwardBackward(proto, session_options=_options(threads))
+    fb = ForwardBackward(checked, session_options=_options(threads))
     build_s = time.perf_counter() - t0
     fwd_ms, bwd_ms = [], []
     for i in range(warmup + steps):

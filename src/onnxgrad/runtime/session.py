@@ -19,13 +19,13 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from ..autodiff.engine import GradientGraphs, build_gradient
-from ..autodiff.graph import FLOAT_TYPES, ValueInfo, load_model, np_dtype, to_array, value_info_from_proto
 from ..autodiff.modes import ModeSwitch, follows_training_flag, set_training_mode
 from ..autodiff.params import untie
-from ..deps import require_onnxruntime
 from ..errors import InputError, OnnxGradRuntimeError
-from ..pythonop import make_runner
-from .values import C, OrtValueLike, contiguous, from_numpy, run
+from ..model.graph import FLOAT_TYPES, ValueInfo, np_dtype, to_array
+from ..model.load import CheckedModel, load_checked
+from .runner import BaseRunner, Runner, default_options, make_runner, make_session, split_forward
+from .values import contiguous, from_numpy
 
 Feeds = Mapping[str, Any]
 
@@ -55,123 +55,6 @@ def resolve_providers(providers: str | Sequence[Any] | None) -> list[Any]:
     if "CPUExecutionProvider" not in [q[0] if isinstance(q, tuple) else q for q in out]:
         out.append("CPUExecutionProvider")
     return out
-
-
-def make_session(
-    model: onnx.ModelProto, providers: list[Any], options: ort.SessionOptions | None = None
-) -> ort.InferenceSession:
-    """An onnxruntime session for ``model``; failures become :class:`OnnxGradRuntimeError`.
-
-    Without ``options``, the pool threads do not spin after a run: a training step alternates a
-    forward and a backward session, and the idle pool's spinning threads would take the cores of
-    the one running (measured: the mlp step 8.9 ms with spinning, 4.2 ms without).
-    """
-    require_onnxruntime()
-    if options is None:
-        options = default_options()
-    try:
-        return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=providers)
-    except Exception as exc:
-        raise OnnxGradRuntimeError(f"onnxruntime cannot load the {model.graph.name!r} graph: {exc}") from exc
-
-
-def default_options() -> ort.SessionOptions:
-    """Session options onnxgrad uses unless given others: no spinning of idle pool threads."""
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return options
-
-
-def split_forward(
-    graphs: GradientGraphs,
-) -> tuple[onnx.ModelProto, dict[str, np.ndarray], dict[str, ValueInfo]]:
-    """The forward graph without its trainable initializers (the caller holds and feeds them),
-    their initial values, and the types of the inputs the caller feeds."""
-    trainable = set(graphs.trainable)
-    fwd = onnx.ModelProto()
-    fwd.CopyFrom(graphs.forward)
-    initial = {
-        i.name: np.array(to_array(i), copy=True, order="C")
-        for i in fwd.graph.initializer
-        if i.name in trainable
-    }
-    kept = [i for i in fwd.graph.initializer if i.name not in trainable]
-    del fwd.graph.initializer[:]
-    fwd.graph.initializer.extend(kept)
-    inits = {i.name for i in kept}
-    inputs = {}
-    for vi in fwd.graph.input:
-        info = value_info_from_proto(vi)
-        if vi.name not in trainable and vi.name not in inits and info is not None:
-            inputs[vi.name] = info
-    return fwd, initial, inputs
-
-
-class Runner:
-    """The two onnxruntime sessions of a :class:`GradientGraphs`.
-
-    Values go in and come out as ``OrtValue``s (see :mod:`.values`); this is the layer both the
-    numpy runtime and the PyTorch bridge sit on. Trainable initializers are stripped from the
-    forward session (their values are bound at each call), so weights are held once, by the caller.
-    """
-
-    def __init__(
-        self,
-        graphs: GradientGraphs,
-        providers: list[Any],
-        session_options: ort.SessionOptions | None = None,
-    ) -> None:
-        self.graphs = graphs
-        fwd, self.initial_values, self.inputs = split_forward(graphs)
-        self.fwd = make_session(fwd, providers, session_options)
-        self._bwd: ort.InferenceSession | None = None  # made on the first backward
-        self._providers, self._options = providers, session_options
-        self._lock = threading.Lock()
-        self.fwd_outputs = [o.name for o in fwd.graph.output]
-        self.wrt = list(graphs.grad_outputs)
-
-    def forward(
-        self, values: Mapping[str, OrtValueLike], training: bool
-    ) -> tuple[list[C.OrtValue], dict[str, OrtValueLike] | None]:
-        """Run the forward on inputs and parameters: (user outputs, saved values or None)."""
-        graphs = self.graphs
-        wanted = self.fwd_outputs if training else graphs.outputs
-        try:
-            results = run(self.fwd, values, wanted)
-        except Exception as exc:
-            raise OnnxGradRuntimeError(f"the forward graph failed in onnxruntime: {exc}") from exc
-        if not training:  # wanted is graphs.outputs
-            return results, None
-        # the forward graph returns the user outputs first, then the intermediates to save
-        env = dict(zip(wanted, results))
-        saved = {}
-        for s in graphs.saved:
-            saved[s] = env[s] if s in env else values[s]
-        return results[: len(graphs.outputs)], saved
-
-    def backward_session(self) -> ort.InferenceSession:
-        """The backward session, made on first use (inference-only users never pay for it)."""
-        with self._lock:
-            if self._bwd is None:
-                self._bwd = make_session(self.graphs.backward, self._providers, self._options)
-        return self._bwd
-
-    def backward(
-        self, saved: Mapping[str, OrtValueLike], grads: Mapping[str, OrtValueLike]
-    ) -> list[C.OrtValue]:
-        """Run the backward: one gradient per name of ``self.wrt``. ``grads`` by user output name."""
-        graphs = self.graphs
-        feeds = {}
-        for name in graphs.saved:
-            feeds[name] = saved[name]
-        for out, name in graphs.grad_inputs.items():
-            feeds[name] = grads[out]
-        names = [graphs.grad_outputs[w] for w in self.wrt]
-        session = self._bwd if self._bwd is not None else self.backward_session()  # lock: first use only
-        try:
-            return run(session, feeds, names)
-        except Exception as exc:
-            raise OnnxGradRuntimeError(f"the backward graph failed in onnxruntime: {exc}") from exc
 
 
 class ForwardResult:
@@ -219,7 +102,7 @@ class ForwardBackward:
 
     def __init__(
         self,
-        model_or_graphs: GradientGraphs | onnx.ModelProto | str | os.PathLike | bytes,
+        model_or_graphs: GradientGraphs | CheckedModel | onnx.ModelProto | str | os.PathLike | bytes,
         *,
         trainable: Iterable[str] | None = None,
         inputs_requiring_grad: Iterable[str] = (),
@@ -233,16 +116,18 @@ class ForwardBackward:
             graphs = model_or_graphs
             user_outputs = list(graphs.outputs)
         else:
-            proto = load_model(model_or_graphs)
+            checked = load_checked(model_or_graphs)  # the one validation of this model
+            proto = checked.proto
             user_outputs = [o.name for o in proto.graph.output]
             if follows_training_flag(proto):
-                self._modes = set_training_mode(proto, True)
+                self._modes = set_training_mode(checked, True)
                 # running statistics are buffers, left out of the default set by how they are used
                 proto = _overridable(self._modes.model, self._modes.buffers)
+                checked = CheckedModel(proto)  # onnxgrad's own rewrite of a checked model
                 if outputs is None:
                     outputs = [o for o in user_outputs if o in float_outputs(proto)]
             graphs = build_gradient(
-                proto,
+                checked,
                 trainable=trainable,
                 inputs_requiring_grad=inputs_requiring_grad,
                 outputs=outputs,
@@ -258,7 +143,7 @@ class ForwardBackward:
         self.providers = resolve_providers(providers)
         self._options = session_options
         self._runner = make_runner(graphs, self.providers, session_options)
-        self._eval_runner: Runner | None = None  # inference-mode graphs, made on first use
+        self._eval_runner: BaseRunner | None = None  # inference-mode graphs, made on first use
         self._inputs = {k: v for k, v in self._runner.inputs.items() if k not in self._stat_names()}
         self._params: dict[str, np.ndarray] = self._runner.initial_values
         self._param_values = {k: from_numpy(v) for k, v in self._params.items()}
@@ -269,11 +154,12 @@ class ForwardBackward:
     def _stat_names(self) -> list[str]:
         return self._modes.buffers if self._modes is not None else []
 
-    def _runner_for(self, training: bool) -> Runner:
+    def _runner_for(self, training: bool) -> BaseRunner:
         if training or self._modes is None:
             return self._runner
         if self._eval_runner is None:
-            model = _overridable(set_training_mode(self._modes.model, False).model, self._modes.buffers)
+            switched = set_training_mode(CheckedModel(self._modes.model), False).model
+            model = CheckedModel(_overridable(switched, self._modes.buffers))  # rewrites of a checked model
             outputs = list(self.graphs.grad_inputs)
             graphs = build_gradient(
                 model, trainable=self.graphs.trainable, outputs=outputs, tie_weights=bool(self.graphs.ties)
@@ -485,7 +371,7 @@ def inference_model(graphs: GradientGraphs, params: Mapping[str, np.ndarray]) ->
 
 
 def gradients(
-    model: onnx.ModelProto | str | os.PathLike | bytes,
+    model: CheckedModel | onnx.ModelProto | str | os.PathLike | bytes,
     feeds: Feeds,
     grad_outputs: Mapping[str, Any] | None = None,
     *,
@@ -498,7 +384,8 @@ def gradients(
     ``wrt``: initializer and/or input names (``None``: the default trainable set, tied weights
     as one; named initializers each get their own gradient).
     """
-    proto = load_model(model)
+    checked = load_checked(model)  # the one validation of this model
+    proto = checked.proto
     inits = {i.name for i in proto.graph.initializer}
     inputs = [i.name for i in proto.graph.input if i.name not in inits]
     if wrt is None:
@@ -512,7 +399,7 @@ def gradients(
         req = [w for w in wrt if w in inputs]
     outputs = None if grad_outputs is None else list(grad_outputs)
     graphs = build_gradient(
-        proto, trainable=trainable, inputs_requiring_grad=req, outputs=outputs, tie_weights=wrt is None
+        checked, trainable=trainable, inputs_requiring_grad=req, outputs=outputs, tie_weights=wrt is None
     )
     fb = ForwardBackward(graphs, providers=providers)
     result = fb.forward(feeds, training=True)
@@ -520,4 +407,15 @@ def gradients(
     return {w: grads[w] for w in (wrt if wrt is not None else graphs.wrt)}
 
 
-__all__ = ["ForwardBackward", "ForwardResult", "gradients", "inference_model"]
+__all__ = [
+    "BaseRunner",
+    "ForwardBackward",
+    "ForwardResult",
+    "Runner",
+    "default_options",
+    "gradients",
+    "inference_model",
+    "make_runner",
+    "make_session",
+    "split_forward",
+]

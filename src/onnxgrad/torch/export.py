@@ -5,7 +5,7 @@ loses its backward. Here the TorchScript exporter runs with a symbolic for ``pri
 node tracing records for each ``Function.apply``): the chosen Functions become ``com.microsoft``
 PythonOp nodes carrying every attribute of the original schema, the others are inlined as usual,
 and the rest of the module is standard ONNX. Non-tensor arguments are stored by value (see
-:mod:`onnxgrad.pythonop.spec`); anything that cannot be is refused with :class:`PythonOpError`.
+:mod:`onnxgrad.model.pythonop_spec`); anything that cannot be is refused with :class:`PythonOpError`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 import onnx
 import torch
 
-from ..autodiff.graph import MAX_IR_VERSION, ir_version_for
 from ..errors import PythonOpError
+from ..model.graph import MAX_IR_VERSION, ir_version_for
+from ..model.pythonop_spec import MS_DOMAIN, PYTHON_OP, encode_constants
 from ..pythonop.executor import TORCH_TO_ONNX
 from ..pythonop.registry import qualified_name, register_function
-from ..pythonop.spec import MS_DOMAIN, PYTHON_OP, encode_constants
 
 _SYMBOLIC = "prim::PythonOp"
 _EXPORT_LOCK = threading.Lock()  # the prim::PythonOp symbolic is global to torch

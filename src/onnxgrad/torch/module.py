@@ -22,14 +22,15 @@ from onnx import numpy_helper
 from torch import nn
 
 from ..autodiff.engine import build_gradient
-from ..autodiff.graph import FLOAT_TYPES, load_model, to_array, unique_name, value_info_from_proto
 from ..autodiff.modes import follows_training_flag, set_training_mode
 from ..autodiff.params import select_parameters, untie
 from ..errors import InputError
+from ..model.graph import FLOAT_TYPES, to_array, unique_name, value_info_from_proto
+from ..model.load import CheckedModel, load_checked
+from ..model.validate import check_input
 from ..pythonop import make_runner
 from ..runtime.session import float_outputs, resolve_providers
 from ..runtime.values import from_torch, to_torch
-from ..validate import check_input
 
 # call signatures (input shapes, dtypes, requires-grad flags) remembered per module; beyond, the
 # memory starts over
@@ -77,8 +78,13 @@ class _Variant:
         proto.graph.initializer.extend(kept)
         declared = {i.name for i in proto.graph.input}
         proto.graph.input.extend([a for a in added if a.name not in declared])
-        self.graphs = graphs = build_gradient(  # the module chose and tied its parameters already
-            proto, trainable=trainable, inputs_requiring_grad=inputs, outputs=outputs, tie_weights=False
+        # the module chose and tied its parameters already; proto rewrites the model it checked
+        self.graphs = graphs = build_gradient(
+            CheckedModel(proto),
+            trainable=trainable,
+            inputs_requiring_grad=inputs,
+            outputs=outputs,
+            tie_weights=False,
         )
         self.runner = make_runner(self.graphs, providers, options)
         # model inputs then initializers, the order of the tensors a call hands to _OnnxFunction
@@ -165,7 +171,7 @@ class OnnxModule(nn.Module):
 
     def __init__(
         self,
-        model: onnx.ModelProto | str | os.PathLike | bytes,
+        model: CheckedModel | onnx.ModelProto | str | os.PathLike | bytes,
         *,
         trainable: Iterable[str] | None = None,
         providers: str | Sequence[Any] | None = None,
@@ -173,7 +179,8 @@ class OnnxModule(nn.Module):
         tie_weights: bool = True,
     ) -> None:
         super().__init__()
-        selection = select_parameters(load_model(model), trainable, tie_weights=tie_weights)
+        checked = load_checked(model)  # the one validation: what follows are onnxgrad's own rewrites
+        selection = select_parameters(checked.proto, trainable, tie_weights=tie_weights)
         proto = selection.model
         self.tied = selection.ties  # initializers computed from a parameter
         self.output_names = [o.name for o in proto.graph.output]
@@ -185,12 +192,12 @@ class OnnxModule(nn.Module):
         # extra outputs, written back into their buffers after each forward.
         self._running_stats: dict[str, str] = {}
         if follows_training_flag(proto):
-            train = set_training_mode(proto, True)
+            train = set_training_mode(CheckedModel(proto), True)
             proto = train.model
             self._running_stats = train.running_stats
             self._mode_bytes = {
                 True: proto.SerializeToString(),
-                False: set_training_mode(proto, False).model.SerializeToString(),
+                False: set_training_mode(CheckedModel(proto), False).model.SerializeToString(),
             }
         else:
             self._mode_bytes = {True: proto.SerializeToString()}

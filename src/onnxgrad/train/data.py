@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ..autodiff.graph import ValueInfo, np_dtype
 from ..errors import InputError
+from ..model.graph import ValueInfo, np_dtype
 
 __all__ = ["BatchLoader", "as_feeds", "load_dataset", "read_csv", "split"]
 

@@ -31,19 +31,19 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..autodiff.graph import (
+from ..errors import InputError
+from ..model.graph import (
     FLOAT_TYPES,
     MAX_IR_VERSION,
     ValueInfo,
     check_model,
-    infer_value_infos,
     ir_version_for,
-    load_model,
     np_dtype,
     opset_of,
     unique_name,
 )
-from ..errors import InputError
+from ..model.infer import infer_value_infos
+from ..model.load import CheckedModel, load_model
 
 __all__ = ["CLASS_LOSSES", "LOSSES", "add_loss", "keep_outputs", "remove_loss", "with_parameters"]
 
@@ -91,7 +91,7 @@ class _Emitter:
 
 
 def add_loss(
-    model: onnx.ModelProto | str | os.PathLike | bytes,
+    model: CheckedModel | onnx.ModelProto | str | os.PathLike | bytes,
     kind: str,
     *,
     output: str | None = None,
@@ -335,7 +335,9 @@ def _add_penalties(
 
 
 # ---- back to inference -------------------------------------------------------------------------
-def keep_outputs(model: onnx.ModelProto | str | os.PathLike | bytes, names: Sequence[str]) -> onnx.ModelProto:
+def keep_outputs(
+    model: CheckedModel | onnx.ModelProto | str | os.PathLike | bytes, names: Sequence[str]
+) -> onnx.ModelProto:
     """A copy of ``model`` with only the outputs ``names``, and only what they need.
 
     Nodes that no kept output reads are dropped, then inputs and initializers that nothing reads.

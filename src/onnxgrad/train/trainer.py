@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..autodiff.graph import ValueInfo, load_model, value_info_from_proto
 from ..errors import InputError, OnnxGradRuntimeError
+from ..model.graph import ValueInfo, value_info_from_proto
+from ..model.load import CheckedModel, load_checked
 from ..runtime import ForwardBackward
 from .data import BatchLoader, Data, as_feeds
 from .losses import add_loss, remove_loss
@@ -241,14 +242,16 @@ class Trainer:
                 raise InputError("loss= needs an ONNX model; a ForwardBackward already has its outputs")
             fb = model
         else:
-            proto = load_model(model)
+            checked = load_checked(model)  # the one validation: add_loss rewrites the checked model
+            proto = checked.proto
             if loss is not None:
-                proto = add_loss(proto, loss, loss_name=loss_name, **dict(loss_options or {}))
+                proto = add_loss(checked, loss, loss_name=loss_name, **dict(loss_options or {}))
+                checked = CheckedModel(proto)
             elif loss_name not in (outputs := [o.name for o in proto.graph.output]):
                 raise InputError(
                     f"the model has no output {loss_name!r} (outputs: {outputs}); pass loss= to append one"
                 )
-            fb = ForwardBackward(proto, trainable=trainable, outputs=[loss_name], providers=providers)
+            fb = ForwardBackward(checked, trainable=trainable, outputs=[loss_name], providers=providers)
         if loss_name not in fb.output_names or loss_name not in fb.graphs.grad_inputs:
             raise InputError(
                 f"the model has no output {loss_name!r} taking a gradient (outputs: {fb.output_names}); "

@@ -1,6 +1,5 @@
 """Gradient rules by op family; importing this package registers all of them."""
 
-from ...pythonop import gradient  # noqa: F401  (PythonOp -> PythonOpGrad)
 from . import (  # noqa: F401
     attention,
     control_flow,

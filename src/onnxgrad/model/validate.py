@@ -1,0 +1,775 @@
+"""Validation of untrusted models: sizes, external data and PythonOp constants, before anything runs.
+
+An ONNX file is data, but a few of its fields make the libraries under onnxgrad allocate memory or
+read files: a declared dimension of 2**40, an initializer whose declared shape does not match its
+bytes, a ``ConstantOfShape`` fed a huge constant, an external-data location such as
+``../../home/user/.ssh/id_rsa``, a PythonOp constant that was a raw memory address in the process that
+exported the model. :func:`check_model_safety` refuses all of these with a
+:class:`~onnxgrad.errors.ModelError` (:class:`~onnxgrad.errors.PythonOpError` for a Function that is
+not allowed) saying what is wrong and what to do. It never allocates what the model declares: its
+cost is proportional to the size of the file. :func:`load_untrusted` reads a file that way, checking
+before it reads any external data.
+
+Size limits (:class:`Limits`) default to 16 GiB per tensor (at most the machine's memory) and the
+machine's memory for all stored tensors together; the environment variables
+``ONNXGRAD_MAX_TENSOR_BYTES`` and ``ONNXGRAD_MAX_TOTAL_BYTES`` override them (see ``SECURITY.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import onnx
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from onnx import AttributeProto, TensorProto, helper, numpy_helper
+
+from ..errors import InputError, ModelError, PythonOpError
+from .graph import ValueInfo, np_dtype, topological_order, without_weights
+
+__all__ = [
+    "Limits",
+    "check_input",
+    "check_model_safety",
+    "check_python_ops",
+    "check_structure",
+    "default_limits",
+    "load_untrusted",
+    "python_op_classes",
+    "safe_to_propagate_data",
+    "validate_model",
+]
+
+GiB = 1 << 30
+DEFAULT_MAX_TENSOR_BYTES = 16 * GiB
+PYTHON_OP_DOMAIN = "com.microsoft"
+PYTHON_OPS = frozenset({"PythonOp", "PythonOpGrad"})
+# Integer vectors at most this long are followed as shape values (shapes, axes, repeats).
+_MAX_SHAPE_VECTOR = 64
+# Element sizes in bits of the sub-byte types, which files may store packed or one per byte.
+_SUB_BYTE_BITS = {
+    TensorProto.UINT4: 4,
+    TensorProto.INT4: 4,
+    TensorProto.FLOAT4E2M1: 4,
+    getattr(TensorProto, "UINT2", -1): 2,
+    getattr(TensorProto, "INT2", -1): 2,
+    getattr(TensorProto, "FLOAT6E2M3", -1): 6,
+    getattr(TensorProto, "FLOAT6E3M2", -1): 6,
+}
+_INT_TYPES = frozenset(
+    {
+        TensorProto.INT64,
+        TensorProto.INT32,
+        TensorProto.INT16,
+        TensorProto.INT8,
+        TensorProto.UINT64,
+        TensorProto.UINT32,
+        TensorProto.UINT16,
+        TensorProto.UINT8,
+    }
+)
+
+
+# ---- limits ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Limits:
+    """The largest sizes a model may declare.
+
+    ``max_tensor_bytes``: any one tensor, stored (initializer, constant) or not (a declared or
+    inferred value, the output of ``ConstantOfShape``, ``Expand``, ``Tile``, ``Range``...).
+    ``max_total_bytes``: all the tensors the file stores, together (external data included).
+    """
+
+    max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES
+    max_total_bytes: int = DEFAULT_MAX_TENSOR_BYTES
+
+
+def physical_memory() -> int | None:
+    """The machine's memory in bytes, or ``None`` where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return None
+
+
+def default_limits() -> Limits:
+    """16 GiB per tensor and the machine's memory in all (each at most the machine's memory),
+    unless ``ONNXGRAD_MAX_TENSOR_BYTES`` / ``ONNXGRAD_MAX_TOTAL_BYTES`` say otherwise."""
+    memory = physical_memory()
+    tensor = min(DEFAULT_MAX_TENSOR_BYTES, memory) if memory else DEFAULT_MAX_TENSOR_BYTES
+    total = memory or DEFAULT_MAX_TENSOR_BYTES
+    return Limits(
+        max_tensor_bytes=_env_bytes("ONNXGRAD_MAX_TENSOR_BYTES", tensor),
+        max_total_bytes=_env_bytes("ONNXGRAD_MAX_TOTAL_BYTES", total),
+    )
+
+
+def _env_bytes(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = int(float(text))
+    except (ValueError, OverflowError):
+        raise InputError(f"environment variable {name}={text!r} is not a number of bytes") from None
+    if value <= 0:
+        raise InputError(f"environment variable {name}={text!r} must be a positive number of bytes")
+    return value
+
+
+# ---- entry points ------------------------------------------------------------------------------
+def load_untrusted(
+    source: onnx.ModelProto | str | os.PathLike | bytes,
+    *,
+    limits: Limits | None = None,
+    allowed_functions: Container[str] | Callable[[str], bool] | None = None,
+) -> onnx.ModelProto:
+    """Read a model that may come from anyone: checked (:func:`validate_model`) before its
+    external data is read, which then comes only from files inside the model's folder.
+
+    ``source``: a path, the bytes of a file, or a ``ModelProto`` (which then may not reference
+    external data: nothing says where its folder is).
+    """
+    base_dir = None
+    if isinstance(source, onnx.ModelProto):
+        proto = source
+    elif isinstance(source, bytes | bytearray):
+        proto = _parse(lambda: onnx.load_from_string(bytes(source)))
+    elif isinstance(source, str | os.PathLike):
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+            raise ModelError(f"model file {path!r} {what}")
+        base_dir = os.path.dirname(os.path.abspath(path))
+        proto = _parse(lambda: onnx.load(path, load_external_data=False))  # any format onnx reads
+    else:
+        raise ModelError(f"expected an onnx.ModelProto, a path or bytes, got {type(source).__name__}")
+    validate_model(proto, base_dir=base_dir, limits=limits, allowed_functions=allowed_functions)
+    if base_dir is not None and _uses_external_data(proto):
+        from onnx.external_data_helper import load_external_data_for_model
+
+        try:
+            load_external_data_for_model(proto, base_dir)
+        except Exception as exc:  # checked above; a file changed meanwhile, or unreadable
+            raise ModelError(f"cannot read the model's external data: {exc}") from exc
+    return proto
+
+
+def validate_model(
+    model: onnx.ModelProto,
+    *,
+    base_dir: str | os.PathLike | None = None,
+    limits: Limits | None = None,
+    allowed_functions: Container[str] | Callable[[str], bool] | None = None,
+) -> None:
+    """Everything a model must pass before onnxgrad builds or runs anything from it:
+    :func:`check_model_safety`, then :func:`check_structure`."""
+    check_model_safety(model, base_dir=base_dir, limits=limits, allowed_functions=allowed_functions)
+    check_structure(model)
+
+
+def check_structure(model: onnx.ModelProto) -> None:
+    """A graph that can run: not empty, no cycle, every value read is defined (:class:`ModelError`)."""
+    if not model.graph.node and not model.graph.output:
+        raise ModelError("the model has an empty graph: it is not a valid ONNX file")
+    topological_order(model.graph)
+
+
+def check_model_safety(
+    model: onnx.ModelProto,
+    *,
+    base_dir: str | os.PathLike | None = None,
+    limits: Limits | None = None,
+    allowed_functions: Container[str] | Callable[[str], bool] | None = None,
+    infer: bool = True,
+) -> None:
+    """Refuse a model whose sizes, external data or PythonOp nodes are unsafe; see the module doc.
+
+    Checks, in every graph, subgraph and function of the model:
+
+    * every text field (names, types, domains, documentation) is valid UTF-8;
+    * every stored tensor (initializers, sparse initializers, tensor attributes): no negative
+      dimension, declared size within ``limits``, data exactly as large as the declared shape,
+      external data only in regular files inside ``base_dir`` (``None``: no external data allowed)
+      and large enough; all stored tensors together within ``limits.max_total_bytes``;
+    * every declared value type (inputs, outputs, value_info) within ``limits.max_tensor_bytes``;
+    * outputs whose size comes from constants (``ConstantOfShape``, ``Expand``, ``Reshape``,
+      ``Tile``, ``Range``, ``OneHot``, ``Resize``, random generators), following small integer
+      vectors through the shape ops (``Shape``, ``Concat``, ``Gather``, ``Slice``, arithmetic);
+    * with ``infer``, every value ONNX shape inference (without data propagation, which itself
+      costs memory in proportion to declared sizes) gives a static shape;
+    * PythonOp / PythonOpGrad nodes: no raw pointer constants (``input_pointer_scalars``), a class
+      name, and, when ``allowed_functions`` is given, a class it allows (else :class:`PythonOpError`).
+    """
+    limits = limits or default_limits()
+    base = None if base_dir is None else os.fspath(base_dir)
+    _check_text(model)
+    total = _sparse_dense_bytes(model, limits)
+    for what, tensor in _stored_tensors(model):
+        total += _check_tensor(tensor, what, base, limits)
+    if total > limits.max_total_bytes:
+        raise ModelError(
+            f"the model stores {_fmt_bytes(total)} of tensors, over the limit of "
+            f"{_fmt_bytes(limits.max_total_bytes)} in all; {_RAISE_LIMIT}"
+        )
+    for where, graph in _graphs(model):
+        for vi in [*graph.input, *graph.output, *graph.value_info]:
+            _check_type(vi.type, f"value {vi.name!r}{where}", "is declared with", limits)
+    for where, node in _nodes(model):
+        if node.domain == PYTHON_OP_DOMAIN and node.op_type in PYTHON_OPS:
+            _check_python_op(node, where, allowed_functions)
+        elif node.op_type in ("RandomNormal", "RandomUniform") and node.domain in ("", "ai.onnx"):
+            shape = list(_attr(node, "shape", []))
+            dtype = _attr(node, "dtype", TensorProto.FLOAT)
+            _check_size(shape, dtype, f"{_node_label(node)}{where}", "would create a tensor of", limits)
+    shapes = _inferred_shapes(model, limits) if infer else {}
+    _ShapeValues(model, shapes, limits).run()
+
+
+# ---- text ----------------------------------------------------------------------------------------
+_TEXT_FIELDS: dict[str, tuple[list[str], list[str]]] = {}  # message type -> (string, message fields)
+
+
+def _check_text(message: Message, path: str = "model") -> None:
+    """Every string field of ``message`` and its sub-messages must be valid UTF-8.
+
+    protobuf (upb) parses proto2 strings without checking them and hands back ``bytes`` for an
+    invalid one; code that uses it later fails with UnicodeDecodeError (the checker, a graph
+    rename). Bytes fields (tensor data) are not read, so no tensor is copied.
+    """
+    strings, messages = _text_fields(message)
+    for name in strings:
+        value = getattr(message, name)
+        if isinstance(value, bytes) or (
+            not isinstance(value, str) and any(isinstance(v, bytes) for v in value)
+        ):
+            raise ModelError(f"{path}.{name} is not valid UTF-8 text: the file is corrupt")
+    for name in messages:
+        value = getattr(message, name)
+        if isinstance(value, Message):
+            if message.HasField(name):
+                _check_text(value, f"{path}.{name}")
+        else:
+            for i, item in enumerate(value):
+                _check_text(item, f"{path}.{name}[{i}]")
+
+
+def _text_fields(message: Message) -> tuple[list[str], list[str]]:
+    key = message.DESCRIPTOR.full_name
+    if key not in _TEXT_FIELDS:
+        fields = message.DESCRIPTOR.fields
+        strings = [f.name for f in fields if f.type == FieldDescriptor.TYPE_STRING]
+        messages = [f.name for f in fields if f.type == FieldDescriptor.TYPE_MESSAGE]
+        _TEXT_FIELDS[key] = (strings, messages)
+    return _TEXT_FIELDS[key]
+
+
+# ---- stored tensors ----------------------------------------------------------------------------
+def _stored_tensors(model: onnx.ModelProto) -> Iterator[tuple[str, TensorProto]]:
+    """(description, tensor) for every tensor the file stores (sparse ones as values and indices)."""
+    for where, graph in _graphs(model):
+        for t in graph.initializer:
+            yield f"initializer {t.name!r}{where}", t
+    for where, node in _nodes(model):
+        for attr in node.attribute:
+            what = f"attribute {attr.name!r} of {_node_label(node)}{where}"
+            if attr.HasField("t"):
+                yield what, attr.t
+            for i, t in enumerate(attr.tensors):
+                yield f"{what}[{i}]", t
+    for what, sparse in _sparse_tensors(model):
+        yield f"{what} (values)", sparse.values
+        yield f"{what} (indices)", sparse.indices
+
+
+def _sparse_tensors(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.SparseTensorProto]]:
+    for where, graph in _graphs(model):
+        for s in graph.sparse_initializer:
+            yield f"sparse initializer {s.values.name!r}{where}", s
+    for where, node in _nodes(model):
+        for attr in node.attribute:
+            sparse = [attr.sparse_tensor] if attr.HasField("sparse_tensor") else list(attr.sparse_tensors)
+            for s in sparse:
+                yield f"attribute {attr.name!r} of {_node_label(node)}{where}", s
+
+
+def _sparse_dense_bytes(model: onnx.ModelProto, limits: Limits) -> int:
+    """Size of every sparse tensor once densified (onnxruntime densifies sparse initializers)."""
+    return sum(
+        _check_size(list(s.dims), s.values.data_type, what, "declares", limits)
+        for what, s in _sparse_tensors(model)
+    )
+
+
+def _check_tensor(t: TensorProto, what: str, base_dir: str | None, limits: Limits) -> int:
+    """Raise on a bad tensor; return its declared size in bytes."""
+    if t.data_type not in TensorProto.DataType.values() or t.data_type == TensorProto.UNDEFINED:
+        raise ModelError(f"{what} has an unknown element type ({t.data_type}): the file is corrupt")
+    dims = list(t.dims)
+    nbytes = _check_size(dims, t.data_type, what, "declares", limits)
+    if t.data_location == TensorProto.EXTERNAL:
+        _check_external(t, what, nbytes, base_dir)
+    elif not t.HasField("segment"):  # a tensor split across messages: its parts are not sized here
+        _check_data_size(t, what, dims)
+    return nbytes
+
+
+def _check_size(dims: Sequence[int], dtype: int, what: str, verb: str, limits: Limits) -> int:
+    """Bytes of a tensor of shape ``dims``; :class:`ModelError` when negative or over the limit."""
+    if any(d < 0 for d in dims):
+        raise ModelError(f"{what} {verb} a negative dimension in shape {list(dims)}: the file is corrupt")
+    nbytes = _nbytes(dtype, math.prod(dims))
+    if nbytes > limits.max_tensor_bytes:
+        raise ModelError(
+            f"{what} {verb} shape {list(dims)} of {_dtype_name(dtype)}: {_fmt_bytes(nbytes)}, over "
+            f"the limit of {_fmt_bytes(limits.max_tensor_bytes)} per tensor. The model is corrupt "
+            f"or hostile, or {_RAISE_LIMIT}"
+        )
+    return nbytes
+
+
+_RAISE_LIMIT = (
+    "if it is genuine, raise the limit (onnxgrad.validate.Limits, or the environment variables "
+    "ONNXGRAD_MAX_TENSOR_BYTES / ONNXGRAD_MAX_TOTAL_BYTES)"
+)
+
+
+def _check_data_size(t: TensorProto, what: str, dims: list[int]) -> None:
+    """The data stored in the file must be exactly what the declared shape needs."""
+    n = math.prod(dims)
+    bits = _SUB_BYTE_BITS.get(t.data_type)
+    if t.HasField("raw_data"):
+        got, unit = len(t.raw_data), "bytes"
+        if t.data_type == TensorProto.STRING:
+            raise ModelError(f"{what} stores strings as raw bytes, which ONNX forbids: the file is corrupt")
+        need = _nbytes(t.data_type, n)
+        ok = need <= got <= n if bits else got == need  # sub-byte types: packed or one per byte
+    else:
+        field = helper.tensor_dtype_to_field(t.data_type)
+        got, unit = len(getattr(t, field)), f"{field} values"
+        per = 2 if t.data_type in (TensorProto.COMPLEX64, TensorProto.COMPLEX128) else 1
+        need = n * per
+        ok = -(-n * bits // 32) <= got <= n if bits else got == need
+    if not ok:
+        raise ModelError(
+            f"{what} declares shape {dims} of {_dtype_name(t.data_type)} ({need} {unit}) but the "
+            f"file holds {got} {unit}: the file is truncated or corrupt"
+        )
+
+
+def _check_external(t: TensorProto, what: str, nbytes: int, base_dir: str | None) -> None:
+    """External data must be a regular file inside ``base_dir``, holding the whole tensor."""
+    info = {e.key: e.value for e in t.external_data}
+    location = info.get("location", "")
+    if not location or "\x00" in location:
+        raise ModelError(f"{what} is stored as external data without a valid location: the file is corrupt")
+    if base_dir is None:
+        raise ModelError(
+            f"{what} is stored in the external file {location!r}, but the model was not given as a "
+            "path: external data is only read from the model's folder, so load the model from its file"
+        )
+    if os.path.isabs(location) or os.path.splitdrive(location)[0]:
+        raise ModelError(
+            f"{what} is stored in {location!r}, an absolute path: external data must be a relative "
+            "path inside the model's folder"
+        )
+    path = os.path.join(base_dir, location)
+    if os.path.islink(path):  # even to a file inside the folder: it could be changed to point out
+        raise ModelError(f"{what} is stored in {location!r}, a symbolic link: refused, copy the file instead")
+    real, folder = os.path.realpath(path), os.path.realpath(base_dir)
+    if os.path.commonpath([real, folder]) != folder:
+        raise ModelError(
+            f"{what} is stored in {location!r}, which points outside the model's folder {base_dir!r}: "
+            "refused (external data must live next to the model)"
+        )
+    if not os.path.isfile(path):
+        raise ModelError(f"{what} is stored in {location!r}, which does not exist in {base_dir!r}")
+    try:
+        offset = int(info.get("offset", 0))
+        length = int(info["length"]) if "length" in info else None
+    except ValueError:
+        raise ModelError(
+            f"{what} has a non-numeric external data offset or length: the file is corrupt"
+        ) from None
+    if offset < 0 or (length is not None and length != nbytes):
+        raise ModelError(
+            f"{what} declares {nbytes} bytes but its external data says offset {offset}, length "
+            f"{length}: the file is corrupt"
+        )
+    size = os.path.getsize(path)
+    if offset + nbytes > size:
+        raise ModelError(
+            f"{what} needs {nbytes} bytes at offset {offset} of {location!r}, which has {size} bytes: "
+            "the external data file is truncated or does not belong to this model"
+        )
+
+
+def _uses_external_data(model: onnx.ModelProto) -> bool:
+    return any(t.data_location == TensorProto.EXTERNAL for _, t in _stored_tensors(model))
+
+
+# ---- declared and inferred shapes ---------------------------------------------------------------
+def _check_type(tp: onnx.TypeProto, what: str, verb: str, limits: Limits) -> None:
+    """Check the tensor shapes inside a type (tensor, sparse tensor, sequence, optional, map)."""
+    kind = tp.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        tt = getattr(tp, kind)
+        if tt.HasField("shape"):
+            # Some exporters write -1 for an unknown dimension: only static sizes count.
+            dims = [d.dim_value for d in tt.shape.dim if d.HasField("dim_value") and d.dim_value >= 0]
+            _check_size(dims, tt.elem_type, what, verb, limits)
+    elif kind in ("sequence_type", "optional_type"):
+        _check_type(getattr(tp, kind).elem_type, what, verb, limits)
+    elif kind == "map_type":
+        _check_type(tp.map_type.value_type, what, verb, limits)
+
+
+def _inferred_shapes(model: onnx.ModelProto, limits: Limits) -> dict[str, ValueInfo]:
+    """Static types ONNX shape inference gives (without data propagation), each size-checked."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(without_weights(model), strict_mode=False)
+    except Exception:  # a graph inference rejects may still be refused by the checks that follow
+        return {}
+    shapes: dict[str, ValueInfo] = {}
+    for where, graph in _graphs(inferred):
+        for vi in [*graph.input, *graph.output, *graph.value_info]:
+            _check_type(vi.type, f"value {vi.name!r}{where}", "would have", limits)
+            if vi.type.HasField("tensor_type"):
+                tt = vi.type.tensor_type
+                dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+                shapes[vi.name] = ValueInfo(vi.name, tt.elem_type, dims if tt.HasField("shape") else None)
+        for t in graph.initializer:
+            shapes[t.name] = ValueInfo(t.name, t.data_type, tuple(t.dims))
+    return shapes
+
+
+def safe_to_propagate_data(model: onnx.ModelProto, max_elements: int = 1 << 20) -> bool:
+    """Whether ONNX shape inference with ``data_prop=True`` stays cheap on ``model``.
+
+    onnx (1.23) represents the value of every 1-D value of static length n that reaches an op with a
+    data propagator (Add, Sub, Mul, Concat, Gather, Slice, Squeeze...) as n placeholder dimensions:
+    about 80-230 bytes per element, whatever the dtype. A float input declared ``[2**30]`` feeding an
+    ``Add`` needs hundreds of GB. Float initializers are exempt (onnx reads values only from integer
+    ones). This is False when the static lengths of the 1-D values the model declares (pass a
+    shape-inferred model to count intermediate values too) and of its 1-D integer initializers add
+    up to more than ``max_elements`` (default: at most ~230 MB of placeholders).
+    """
+    total = 0
+    for _, graph in _graphs(model):
+        floats = {t.name for t in graph.initializer if t.data_type not in _INT_TYPES}
+        for vi in [*graph.input, *graph.output, *graph.value_info]:
+            tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+            if vi.name in floats or tt is None or len(tt.shape.dim) != 1:
+                continue
+            if tt.shape.dim[0].HasField("dim_value"):
+                total += max(tt.shape.dim[0].dim_value, 0)
+        total += sum(t.dims[0] for t in graph.initializer if t.data_type in _INT_TYPES and len(t.dims) == 1)
+        if total > max_elements:
+            return False
+    return True
+
+
+# ---- sizes computed from constants --------------------------------------------------------------
+class _ShapeValues:
+    """Follows small integer vectors (shapes, repeats, ranges) through the shape ops, the way ONNX
+    data propagation does, and checks the size of every output they determine."""
+
+    def __init__(self, model: onnx.ModelProto, shapes: Mapping[str, ValueInfo], limits: Limits) -> None:
+        self.shapes = dict(shapes)
+        self.limits = limits
+        self.model = model
+
+    def run(self) -> None:
+        self._graph(self.model.graph, {}, "")
+
+    def _graph(self, graph: onnx.GraphProto, outer: dict[str, list[int]], where: str) -> None:
+        values = dict(outer)
+        for t in graph.initializer:
+            v = _small_ints(t)
+            if v is not None:
+                values[t.name] = v
+        for node in graph.node:
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            self._check(node, values, where)
+            v = self._propagate(node, values)
+            if v is not None and node.output and len(v) <= _MAX_SHAPE_VECTOR:
+                values[node.output[0]] = v
+            for attr in node.attribute:
+                for sub in _attr_graphs(attr):
+                    self._graph(sub, values, f"{where} in the {attr.name!r} graph of node {node.name!r}")
+
+    def _static(self, name: str) -> tuple[int, ...] | None:
+        info = self.shapes.get(name)
+        return None if info is None else info.static_shape
+
+    def _dtype(self, name: str, default: int = TensorProto.UINT8) -> int:
+        info = self.shapes.get(name)
+        return info.dtype if info is not None and info.dtype else default
+
+    def _propagate(self, node: onnx.NodeProto, values: dict[str, list[int]]) -> list[int] | None:
+        op, ins = node.op_type, [values.get(i) if i else None for i in node.input]
+        if op == "Constant":
+            return _constant_ints(node)
+        if op == "Shape" and node.input:
+            shape = self._static(node.input[0])
+            if shape is None:
+                return None
+            start, end = _attr(node, "start", 0), _attr(node, "end", None)
+            return list(shape[slice(start, end)])
+        if op == "Size" and node.input:
+            shape = self._static(node.input[0])
+            return None if shape is None else [math.prod(shape)]
+        if not ins or ins[0] is None:
+            return None
+        x = ins[0]
+        if op in ("Identity", "Cast", "Squeeze", "Unsqueeze", "Flatten", "Reshape"):
+            return list(x)
+        if op == "Concat":
+            return None if any(v is None for v in ins) else [e for v in ins for e in v]  # type: ignore[union-attr]
+        if op == "Gather" and len(ins) > 1 and ins[1] is not None and _attr(node, "axis", 0) == 0:
+            return [x[i] for i in ins[1] if -len(x) <= i < len(x)]
+        if op == "Slice" and len(ins) >= 3 and ins[1] and ins[2]:
+            step = ins[4][0] if len(ins) > 4 and ins[4] else 1
+            return x[slice(ins[1][0], ins[2][0], step or 1)]
+        if op == "Neg":
+            return [-a for a in x]
+        if op in _BINARY and len(ins) > 1 and ins[1] is not None:
+            y = ins[1]
+            if len(x) != len(y) and 1 not in (len(x), len(y)):
+                return None
+            n = max(len(x), len(y))
+            pairs = [(x[i % len(x)], y[i % len(y)]) for i in range(n)]
+            try:
+                return [_BINARY[op](a, b) for a, b in pairs]
+            except ZeroDivisionError:
+                return None
+        return None
+
+    def _check(self, node: onnx.NodeProto, values: dict[str, list[int]], where: str) -> None:
+        """Size of the output of a node whose output shape is given by constant inputs."""
+        op, ins = node.op_type, node.input
+
+        def val(i: int) -> list[int] | None:
+            return values.get(ins[i]) if len(ins) > i and ins[i] else None
+
+        def numel(i: int) -> int:
+            shape = self._static(ins[i]) if len(ins) > i and ins[i] else None
+            return math.prod(shape) if shape is not None else 1
+
+        dims: list[int] | None = None
+        dtype = self._dtype(node.output[0]) if node.output else TensorProto.UINT8
+        if op == "ConstantOfShape" and val(0) is not None:
+            dims = val(0)
+            value = _attr(node, "value", None)
+            dtype = value.data_type if value is not None else TensorProto.FLOAT
+        elif op in ("Expand", "Reshape") and val(1) is not None:
+            dims = [d for d in val(1) if d > 0]  # type: ignore[union-attr]  # 0 and -1 copy or infer
+            dtype = self._dtype(ins[0])
+        elif op == "Tile" and val(1) is not None:
+            dims = [numel(0), *val(1)]  # type: ignore[misc]
+            dtype = self._dtype(ins[0])
+        elif op == "Range" and all(val(i) is not None and len(val(i)) == 1 for i in range(3)):
+            start, limit, delta = (val(i)[0] for i in range(3))  # type: ignore[index]
+            dims = [max(-(-(limit - start) // delta), 0)] if delta else None
+        elif op == "OneHot" and val(1) is not None and len(val(1)) == 1:  # type: ignore[arg-type]
+            dims = [numel(0), val(1)[0]]  # type: ignore[index]
+        elif op == "Resize" and val(3) is not None:
+            dims = val(3)
+            dtype = self._dtype(ins[0])
+        if dims is not None and all(d >= 0 for d in dims):
+            _check_size(dims, dtype, f"{_node_label(node)}{where}", "would create a tensor of", self.limits)
+
+
+_BINARY: dict[str, Callable[[int, int], int]] = {
+    "Add": lambda a, b: a + b,
+    "Sub": lambda a, b: a - b,
+    "Mul": lambda a, b: a * b,
+    "Div": lambda a, b: int(a / b) if abs(a) < 1 << 52 else a // b,  # ONNX truncates integer division
+    "Max": max,
+    "Min": min,
+}
+
+
+def _small_ints(t: TensorProto) -> list[int] | None:
+    """The values of a small integer tensor of rank 0 or 1 (a shape, axes, a scalar), else None."""
+    if t.data_type not in _INT_TYPES or len(t.dims) > 1 or math.prod(t.dims) > _MAX_SHAPE_VECTOR:
+        return None
+    if t.data_location == TensorProto.EXTERNAL:
+        return None
+    try:
+        return [int(v) for v in numpy_helper.to_array(t).reshape(-1)]
+    except Exception:  # sizes were checked already; anything else is for the checker to report
+        return None
+
+
+def _constant_ints(node: onnx.NodeProto) -> list[int] | None:
+    for attr in node.attribute:
+        if attr.name == "value":
+            return _small_ints(attr.t)
+        if attr.name == "value_int":
+            return [attr.i]
+        if attr.name == "value_ints" and len(attr.ints) <= _MAX_SHAPE_VECTOR:
+            return list(attr.ints)
+    return None
+
+
+# ---- PythonOp -----------------------------------------------------------------------------------
+def python_op_classes(model: onnx.ModelProto) -> list[str]:
+    """The Function classes the PythonOp / PythonOpGrad nodes of ``model`` name, each once."""
+    names = []
+    for _, node in _nodes(model):
+        if node.domain == PYTHON_OP_DOMAIN and node.op_type in PYTHON_OPS:
+            name = _class_name(node)
+            if name:
+                names.append(name)
+    return list(dict.fromkeys(names))
+
+
+def check_python_ops(model: onnx.ModelProto, allowed: Container[str] | Callable[[str], bool]) -> None:
+    """Raise :class:`PythonOpError` naming the first class of a PythonOp node that ``allowed``
+    (a set of names, or a predicate) does not allow, and :class:`ModelError` for pointer constants."""
+    for where, node in _nodes(model):
+        if node.domain == PYTHON_OP_DOMAIN and node.op_type in PYTHON_OPS:
+            _check_python_op(node, where, allowed)
+
+
+def _class_name(node: onnx.NodeProto) -> str:
+    # Two spellings occur in real files: `func_name` (newer, qualified) and `name` (older).
+    for key in ("func_name", "name"):
+        value = _attr(node, key, None)
+        if value:
+            return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    return ""
+
+
+def _check_python_op(
+    node: onnx.NodeProto, where: str, allowed: Container[str] | Callable[[str], bool] | None
+) -> None:
+    cls = _class_name(node)
+    label = f"{node.op_type} node {node.name!r}{where}"
+    if not cls:
+        raise ModelError(f"{label} names no Function class (attribute 'func_name' or 'name')")
+    pointers = list(_attr(node, "input_pointer_scalars", []))
+    if pointers:
+        raise ModelError(
+            f"{label} (class {cls!r}) has input_pointer_scalars: they were memory addresses of "
+            "Python objects in the process that exported the model, and onnxgrad never turns an "
+            "address read from a file into an object. Re-export the model with onnxgrad.export, "
+            "which stores None and strings by value and refuses other objects."
+        )
+    if allowed is None:
+        return
+    ok = allowed(cls) if callable(allowed) else cls in allowed
+    if not ok:
+        raise PythonOpError(
+            f"{label} names the Function class {cls!r}, which is not registered: onnxgrad runs only "
+            "Functions registered with onnxgrad.register_function(cls) and imports nothing because "
+            "a model names it. Import the module that defines it yourself and register the class."
+        )
+
+
+# ---- runtime inputs -----------------------------------------------------------------------------
+def check_input(name: str, dtype: str, shape: Sequence[int], info: ValueInfo) -> None:
+    """:class:`InputError` unless a value of ``dtype`` (a numpy or torch dtype name: ``"float32"``)
+    and ``shape`` can be fed as input ``name`` declared as ``info``."""
+    expected = _dtype_name(info.dtype)
+    if dtype != expected:
+        raise InputError(f"input {name!r} has dtype {dtype}, the model expects {expected}")
+    if info.shape is None:
+        return
+    shape = tuple(shape)
+    want = "(" + ", ".join("?" if d is None else str(d) for d in info.shape) + ")"
+    if len(shape) != len(info.shape):
+        raise InputError(
+            f"input {name!r} has rank {len(shape)} (shape {shape}), the model expects rank "
+            f"{len(info.shape)} (shape {want})"
+        )
+    for i, (d, w) in enumerate(zip(shape, info.shape)):
+        if isinstance(w, int) and d != w:
+            raise InputError(
+                f"input {name!r} has shape {shape}, the model expects {want} (dimension {i} must be {w})"
+            )
+
+
+# ---- walking the model ---------------------------------------------------------------------------
+def _parse(read: Callable[[], onnx.ModelProto]) -> onnx.ModelProto:
+    try:
+        proto = read()
+    except Exception as exc:  # protobuf's DecodeError and friends
+        raise ModelError(f"cannot read the model: it is not a valid ONNX file ({exc})") from exc
+    if not proto.graph.node and not proto.graph.output:
+        raise ModelError("the model has an empty graph: it is not a valid ONNX file")
+    return proto
+
+
+def _attr_graphs(attr: AttributeProto) -> list[onnx.GraphProto]:
+    return [attr.g] if attr.HasField("g") else list(attr.graphs)
+
+
+def _graphs(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.GraphProto]]:
+    """(where, graph) for the main graph and every graph nested in it or in a function."""
+
+    yield "", model.graph
+    for node in model.graph.node:
+        yield from _node_graphs(node, "")
+    for f in model.functions:
+        for node in f.node:
+            yield from _node_graphs(node, f" in function {f.name!r}")
+
+
+def _node_graphs(node: onnx.NodeProto, where: str) -> Iterator[tuple[str, onnx.GraphProto]]:
+    for attr in node.attribute:
+        for sub in _attr_graphs(attr):
+            inner = f"{where} in the {attr.name!r} graph of node {node.name!r} ({node.op_type})"
+            yield inner, sub
+            for n in sub.node:
+                yield from _node_graphs(n, inner)
+
+
+def _nodes(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.NodeProto]]:
+    """(where, node) for every node of every graph and function."""
+    for where, graph in _graphs(model):
+        for node in graph.node:
+            yield where, node
+    for f in model.functions:
+        for node in f.node:
+            yield f" in function {f.name!r}", node
+
+
+def _node_label(node: onnx.NodeProto) -> str:
+    return f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
+
+
+def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
+    for attr in node.attribute:
+        if attr.name == name:
+            return helper.get_attribute_value(attr)
+    return default
+
+
+def _nbytes(dtype: int, n: int) -> int:
+    bits = _SUB_BYTE_BITS.get(dtype)
+    if bits:
+        return -(-n * bits // 8)
+    try:
+        return n * np_dtype(dtype).itemsize  # strings count as one pointer each
+    except Exception:
+        return n
+
+
+def _dtype_name(dtype: int) -> str:
+    try:
+        return np_dtype(dtype).name
+    except Exception:
+        return helper.tensor_dtype_to_string(dtype).removeprefix("TensorProto.").lower()
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
