@@ -13,7 +13,7 @@ from onnx import helper
 
 from onnxgrad.demo import build_cnn, build_mlp
 from onnxgrad.errors import OnnxGradRuntimeError
-from onnxgrad.train import Adam, Cosine, Trainer
+from onnxgrad.train import Adam, Callback, Cosine, Trainer
 
 RNG = np.random.default_rng(0)
 X = RNG.random((96, 12), dtype=np.float32)
@@ -42,14 +42,10 @@ def _losses(trainer: Trainer) -> list[float]:
     return losses
 
 
-class _Record:
+class _Record(Callback):
     def __init__(self, out: list[float]) -> None:
         self.out = out
 
-    def on_train_begin(self, trainer): ...
-    def on_epoch_begin(self, trainer, epoch): ...
-    def on_epoch_end(self, trainer, epoch, logs): ...
-    def on_train_end(self, trainer): ...
     def on_batch_end(self, trainer, step, logs):
         self.out.append(logs["loss"])
 
