@@ -126,7 +126,34 @@ class OneGraphStep:
         )
         self._lr = np.zeros((), np.float64)
         self._step = np.zeros((), np.int64)
+        self._loss = np.zeros((), np.dtype(onnx.helper.tensor_dtype_to_np_dtype(_elem(model, loss_name))))
         self._zeros: dict[str, np.ndarray] = {}
+        # onnxruntime writes the new parameters into scratch buffers (copied into the live ones),
+        # the new optimizer state into the one of two buffers the optimizer does not hold now
+        self._scratch = {p: np.empty_like(a) for p, a in params.items()}
+        self._spare: dict[tuple[str, str], list[np.ndarray]] = {
+            k: [np.empty_like(params[k[0]]), np.empty_like(params[k[0]])] for k in self.state_names
+        }
+        self._param_outputs = [by_input[p] for p in self.params]
+        self._state_outputs = [by_input[s] for s in self.state_names.values()]
+        # three bindings: steady phase k reads the state from spare buffers k and writes it into
+        # spares 1 - k (everything but the batch stays bound); "general" binds what it is given
+        self._bindings = [self._new_binding() for _ in range(3)]
+        for k in (0, 1):
+            b = self._bindings[k]
+            for (key, name), out in zip(self.state_names.items(), self._state_outputs):
+                b.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(self._spare[key][k]))
+                b.bind_ortvalue_output(out, ort.OrtValue.ortvalue_from_numpy(self._spare[key][1 - k]))
+        self._bound_params: list[dict[str, np.ndarray]] = [{}, {}, {}]
+
+    def _new_binding(self) -> Any:
+        b = self.session.io_binding()
+        b.bind_ortvalue_input("lr", ort.OrtValue.ortvalue_from_numpy(self._lr))
+        b.bind_ortvalue_input("step", ort.OrtValue.ortvalue_from_numpy(self._step))
+        b.bind_ortvalue_output(self.loss_name, ort.OrtValue.ortvalue_from_numpy(self._loss))
+        for out, p in zip(self._param_outputs, self.params):
+            b.bind_ortvalue_output(out, ort.OrtValue.ortvalue_from_numpy(self._scratch[p]))
+        return b
 
     def _state(self, param: str, key: str, like: np.ndarray) -> np.ndarray:
         value = self.optimizer.state[param].get(key)
@@ -136,6 +163,14 @@ class OneGraphStep:
                 value = self._zeros[param] = np.zeros_like(like)
         return value
 
+    def _phase(self) -> int | None:
+        """k when the optimizer holds spare buffers k as its whole state, else None."""
+        state = self.optimizer.state
+        for k in (0, 1):
+            if all(state[p].get(key) is self._spare[(p, key)][k] for p, key in self.state_names):
+                return k
+        return None
+
     def run(self, batch: Mapping[str, np.ndarray]) -> tuple[float, bool]:
         """One update on ``batch``; returns the loss (computed before the update) and whether the
         update was applied: a non-finite loss leaves parameters and optimizer state untouched."""
@@ -144,26 +179,43 @@ class OneGraphStep:
         self._lr[...] = lr
         self._step[...] = opt.iterations
         params = self.fb.parameters
-        feeds: dict[str, Any] = {n: batch[n] for n in self.batch_names}
-        feeds["lr"], feeds["step"] = self._lr, self._step
-        for p in self.params:
-            feeds[p] = params[p]
-        for (p, key), input_name in self.state_names.items():
-            feeds[input_name] = self._state(p, key, params[p])
-        results = self.session.run(self.output_names, feeds)
-        loss = float(results[0])
+        phase = self._phase() if self.state_names else 0
+        k = 2 if phase is None else phase
+        b = self._bindings[k]
+        bound = self._bound_params[k]
+        for p in self.params:  # parameters stay bound while the live arrays stay the same
+            if bound.get(p) is not params[p]:
+                b.bind_ortvalue_input(p, ort.OrtValue.ortvalue_from_numpy(params[p]))
+                bound[p] = params[p]
+        targets = []
+        for (p, key), name, out in zip(self.state_names, self.state_names.values(), self._state_outputs):
+            spare = self._spare[(p, key)]
+            if phase is None:
+                current = self._state(p, key, params[p])
+                b.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(current))
+                target = spare[1] if spare[0] is current else spare[0]
+                b.bind_ortvalue_output(out, ort.OrtValue.ortvalue_from_numpy(target))
+            else:
+                target = spare[1 - phase]
+            targets.append(target)
+        keep = [np.ascontiguousarray(batch[name]) for name in self.batch_names]
+        for name, arr in zip(self.batch_names, keep):
+            b.bind_cpu_input(name, arr)
+        self.session.run_with_iobinding(b)
+        loss = float(self._loss)
         if not math.isfinite(loss):
             return loss, False
-        k = 1
         for p in self.params:
-            np.copyto(params[p], results[k])
-            k += 1
-        for p, key in self.state_names:
-            opt.state[p][key] = results[k]  # the graph's fresh output becomes the state
-            k += 1
+            np.copyto(params[p], self._scratch[p])
+        for (p, key), target in zip(self.state_names, targets):
+            opt.state[p][key] = target  # the buffer onnxruntime just wrote becomes the state
         if self.optimizer_name != "sgd":
             for p in self.params:
                 opt.state[p]["step"] = opt.state[p].get("step", 0) + 1
         opt.lr = lr
         opt.iterations += 1
         return loss, True
+
+
+def _elem(model: onnx.ModelProto, name: str) -> int:
+    return next(o.type.tensor_type.elem_type for o in model.graph.output if o.name == name)
