@@ -151,3 +151,26 @@ def test_sklearn_front_end_takes_the_one_graph_path():
     clf = OnnxClassifier(model, epochs=2, batch_size=16, lr=1e-2).fit(X, Y)
     assert clf.trainer_.step_path == "one graph"
     assert clf.score(X, Y) > 0.2
+
+
+def test_the_command_line_takes_the_one_graph_path(tmp_path, caplog, capsys):
+    from onnxgrad.cli import main
+
+    caplog.set_level(logging.DEBUG, logger="onnxgrad.train.onegraph")
+    path = tmp_path / "clf.onnx"
+    onnx.save(build_mlp((12, 16, 5), np.random.default_rng(1)), path)
+    np.savez(tmp_path / "d.npz", pixels=X, label=Y)
+    argv = [
+        "train",
+        str(path),
+        "--data",
+        str(tmp_path / "d.npz"),
+        "--target",
+        "label",
+        "--loss",
+        "cross_entropy",
+    ]
+    argv += ["--epochs", "2", "--optimizer", "adamw", "-o", str(tmp_path / "out.onnx"), "--no-progress"]
+    assert main(argv) == 0
+    assert "one-graph training step used: AdamW" in caplog.text
+    assert "trained" in capsys.readouterr().out

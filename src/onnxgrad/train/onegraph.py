@@ -57,7 +57,12 @@ def one_graph_step(fb: Any, optimizer: Optimizer, loss_name: str) -> OneGraphSte
     why = _unsupported(fb, optimizer, loss_name)
     if why is None:
         try:
-            return OneGraphStep(fb, optimizer, loss_name)
+            step = OneGraphStep(fb, optimizer, loss_name)
+            log.debug(
+                "one-graph training step used: %s on %d parameters, %d nodes",
+                type(optimizer).__name__, len(step.params), len(step.model.graph.node),
+            )  # fmt: skip
+            return step
         except Exception as exc:  # whatever the step builder or onnxruntime refuses: fall back
             why = f"the step graph could not be built: {exc}"
     log.debug("one-graph training step not used, forward + backward + numpy optimizer instead: %s", why)
