@@ -52,3 +52,33 @@ def test_runner_and_trainer_give_the_same_200_losses(kind, tmp_path):
         np.testing.assert_allclose(record.losses, expected, rtol=RTOL, atol=1e-6, err_msg=trainer.step_path)
         for name, p in runner.parameters.items():
             np.testing.assert_allclose(trainer.parameters[name], p, rtol=1e-3, atol=1e-5, err_msg=name)
+
+
+def test_compose_keeps_one_node_per_value_when_the_backward_recomputes_a_view():
+    """The backward makes Flatten's output again under its forward name rather than saving it;
+    compose (and so the step graph) keeps the forward's node alone, and gives the gradients of
+    the two-session path."""
+    import onnxruntime as ort
+
+    from onnxgrad import ForwardBackward
+    from onnxgrad.autodiff.compose import compose
+    from onnxgrad.autodiff.engine import build_gradient
+    from onnxgrad.train import add_loss
+
+    model = add_loss(make_fixture.model_of("cnn"), "cross_entropy")
+    graphs = build_gradient(model, outputs=["loss"])
+    recomputed = {o for n in graphs.backward.graph.node for o in n.output} & {
+        o for n in graphs.forward.graph.node for o in n.output
+    }
+    assert recomputed  # the case this test is about (the Flatten of the CNN)
+    both = compose(graphs)
+    outputs = [o for n in both.graph.node for o in n.output]
+    assert len(outputs) == len(set(outputs))
+    data = make_fixture.batch_at(make_fixture.digits("cnn"), 0)
+    seed = {graphs.grad_inputs["loss"]: np.ones((), np.float32)}
+    got = ort.InferenceSession(both.SerializeToString()).run(None, {**data, **seed})
+    by_name = dict(zip([o.name for o in both.graph.output], got))
+    fb = ForwardBackward(model, outputs=["loss"])
+    grads = fb.forward(data).backward({"loss": np.ones((), np.float32)})
+    for name, grad in grads.items():
+        np.testing.assert_allclose(by_name[graphs.grad_outputs[name]], grad, rtol=1e-5, atol=1e-6)
