@@ -80,7 +80,7 @@ test-js: $(STAMP)
 	$(PY) js/test/make_fixture.py js/test/fixture
 	cd js && node --test test/
 
-# The browser: examples/web/ trains the digits MLP with onnxruntime-web (wasm) in headless chromium
+# The browser: examples/web/ trains the digits MLP and CNN with onnxruntime-web (wasm) in headless chromium
 # (installed with apt-get when missing, or CHROMIUM=/path), served from localhost; also onnxruntime-web in
 # Node. Writes examples/web/out/screenshot.png (or $$SCREENSHOT).
 test-web: $(STAMP)

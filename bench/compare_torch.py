@@ -6,6 +6,12 @@ reported:
 onnxgrad's numpy path (``ForwardBackward``), ``OnnxModule`` under torch autograd, and PyTorch eager.
 Peak memory is measured per contender in a fresh subprocess (resident set growth during steps).
 
+The full training step (forward, MSE loss, backward and the AdamW update) is measured the same
+way (``--full-step``, on by default): onnxgrad's one-graph step (``onnxgrad.artifacts.Runner``,
+what ``Trainer`` runs), the two-session step with numpy AdamW (``ForwardBackward`` +
+``onnxgrad.train.AdamW``, ``Trainer``'s fallback) and PyTorch eager with
+``torch.optim.AdamW(foreach=True)``.
+
 The time to build the gradient graphs of a 24-layer stack of the transformer layer is measured too.
 
     python bench/compare_torch.py [--models mlp cnn transformer tiny] [--steps 30] [--json out.json]
@@ -19,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -77,14 +84,75 @@ def setup(name: str, only: str | None = None) -> dict[str, Callable[[], None]]:
     return fns
 
 
-def time_steps(name: str, steps: int, warmup: int = 3, block: int = 5) -> dict[str, float]:
+FULL_LR, FULL_WD = 1e-3, 1e-2
+
+
+def setup_full(name: str, keep: list | None = None) -> dict[str, Callable[[], None]]:
+    """The full-step function (forward, MSE loss, backward, AdamW update) of each contender for
+    model ``name``. ``keep`` receives objects that must outlive the functions (temporary folders)."""
+    import numpy as np
+
+    from onnxgrad.artifacts import Runner, generate
+    from onnxgrad.train import AdamW, add_loss
+
+    if name == "tiny":
+        module, x = _tiny()
+    else:
+        module, x = anchors.build(name), anchors.example_input(name)
+    model = anchors.export(module, x[:1])
+    with torch.no_grad():
+        target = torch.randn(module(x).shape, generator=torch.Generator().manual_seed(2))
+    opts = default_options()
+    opts.intra_op_num_threads = THREADS
+    opts.inter_op_num_threads = 1
+    batch = {"input": x.numpy(), "target": target.numpy()}
+    fns: dict[str, Callable[[], None]] = {}
+
+    folder = tempfile.TemporaryDirectory()
+    if keep is not None:
+        keep.append(folder)
+    generate(model, loss="mse", loss_options={"output": "output"}, optimizer="adamw", lr=FULL_LR,
+             weight_decay=FULL_WD, out_dir=folder.name)  # fmt: skip
+    runner = Runner(folder.name, session_options=opts)
+    fns["onnxgrad one graph"] = lambda: runner.step(batch) and None
+
+    fb = onnxgrad.ForwardBackward(
+        add_loss(model, "mse", output="output"), outputs=["loss"], session_options=opts
+    )
+    opt = AdamW(fb.parameters, lr=FULL_LR, weight_decay=FULL_WD)
+    seed = {"loss": np.ones((), np.float32)}
+    fns["onnxgrad 2 sessions+np"] = lambda: opt.step(fb.forward(batch).backward(seed))
+
+    torch_opt = torch.optim.AdamW(module.parameters(), lr=FULL_LR, weight_decay=FULL_WD, foreach=True)
+
+    def torch_step() -> None:
+        torch_opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(module(x), target).backward()
+        torch_opt.step()
+
+    fns["torch eager AdamW"] = torch_step
+    return fns
+
+
+def time_steps(
+    name: str, steps: int, warmup: int = 3, block: int = 5, full: bool = False
+) -> dict[str, float]:
     """Median milliseconds per step of each contender, interleaved by blocks of ``block`` steps.
 
     The first step of each block is not counted: after the previous contender's run, the other
     runtime's threads are still spinning (torch's OpenMP threads busy-wait after a parallel
-    region), which would charge one contender for the other's idle threads.
+    region), which would charge one contender for the other's idle threads. ``full``: the full
+    step (:func:`setup_full`) instead of forward + backward.
     """
-    fns = setup(name)
+    return {k: statistics.median(v) for k, v in step_times(name, steps, warmup, block, full).items()}
+
+
+def step_times(
+    name: str, steps: int, warmup: int = 3, block: int = 5, full: bool = False
+) -> dict[str, list[float]]:
+    """The milliseconds of every counted step of each contender (see :func:`time_steps`)."""
+    keep: list = []
+    fns = setup_full(name, keep) if full else setup(name)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -96,7 +164,7 @@ def time_steps(name: str, steps: int, warmup: int = 3, block: int = 5) -> dict[s
                 fn()
                 if i:
                     times[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def peak_memory(name: str, contender: str, steps: int = 5) -> float:
@@ -133,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["tiny", "mlp", "cnn", "transformer"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    parser.add_argument(
+        "--full-steps", type=int, default=20, help="steps of the full-step comparison (0: skip it)"
+    )
     parser.add_argument("--json", help="write every figure to this file")
     parser.add_argument(
         "--build-layers", type=int, default=24, help="transformer layers of the build-time run (0: skip)"
@@ -151,6 +222,22 @@ def main(argv: list[str] | None = None) -> int:
             mem = float("nan") if args.no_memory else peak_memory(name, k)
             results[name][k] = {"ms": ms, "ratio": ms / ref, "peak_mib": mem}
             print(f"{name:12s} {k:22s} {ms:9.3f} {ms / ref:9.2f} {mem:9.1f}")
+    full: dict[str, dict] = {}
+    if args.full_steps:
+        cols = ("median ms", "vs torch", "min ms", "vs torch")
+        header = f"{'model':12s} {'full step (AdamW)':22s} " + " ".join(f"{c:>9s}" for c in cols)
+        print(f"\n{header}")
+        print("-" * len(header))
+        for name in args.models:
+            times = step_times(name, args.full_steps, full=True)
+            stats = {k: (statistics.median(v), min(v)) for k, v in times.items()}
+            ref_med, ref_min = stats["torch eager AdamW"]
+            full[name] = {
+                k: {"ms": med, "ratio": med / ref_med, "min_ms": low, "min_ratio": low / ref_min}
+                for k, (med, low) in stats.items()
+            }
+            for k, (med, low) in stats.items():
+                print(f"{name:12s} {k:22s} {med:9.3f} {med / ref_med:9.2f} {low:9.3f} {low / ref_min:9.2f}")
     build = None
     if args.build_layers:
         build = build_seconds(args.build_layers)
@@ -160,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             figures = {"threads": THREADS, "steps": args.steps, "results": results}
             figures["build_seconds"] = {"layers": args.build_layers, "seconds": build}
+            figures["full_step"] = {"steps": args.full_steps, "optimizer": "AdamW", "results": full}
             json.dump(figures, f, indent=2)
     return 0
 

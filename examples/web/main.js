@@ -1,4 +1,4 @@
-// Trains the digits MLP from an onnxgrad artifacts folder with onnxruntime-web (wasm backend), with
+// Trains the digits MLP (or, with ?fixture=fixture/cnn/, the LeNet-style CNN) from an onnxgrad artifacts folder with onnxruntime-web (wasm backend), with
 // the same TrainingSession class Node uses (../../js/src/index.js, ort injected). The folder, the
 // data and the Python runner's losses come from js/test/make_fixture.py (in ./fixture/).
 import * as ort from './node_modules/onnxruntime-web/dist/ort.wasm.min.mjs';
@@ -60,12 +60,13 @@ function drawDigits(pixels, labels, predicted, count) {
 async function main() {
   const expected = JSON.parse(new TextDecoder().decode(await fetchBytes('expected.json')));
   const { tensors } = readSafetensors(await fetchBytes('digits.safetensors'));
-  const [rows, width] = tensors.pixels.dims;
+  const [rows, ...sample] = tensors.pixels.dims; // [64] for the MLP, [1, 8, 8] for the CNN
+  const width = sample.reduce((a, b) => a * b, 1);
   const size = expected.batch_size;
   const batchAt = (step) => {
     const start = (step % Math.floor(rows / size)) * size;
     return {
-      pixels: new ort.Tensor('float32', tensors.pixels.data.slice(start * width, (start + size) * width), [size, width]),
+      pixels: new ort.Tensor('float32', tensors.pixels.data.slice(start * width, (start + size) * width), [size, ...sample]),
       target: tensors.target.data.slice(start, start + size),
     };
   };
@@ -88,7 +89,7 @@ async function main() {
   // the last 297 rows were never trained on: predict them with inference.onnx and the trained weights
   const held = rows - 297;
   const pixels = tensors.pixels.data.slice(held * width);
-  const { logits } = await session.predict({ pixels: new ort.Tensor('float32', pixels, [297, width]) });
+  const { logits } = await session.predict({ pixels: new ort.Tensor('float32', pixels, [297, ...sample]) });
   const predicted = [];
   for (let r = 0; r < 297; r++) {
     const row = logits.data.slice(r * 10, r * 10 + 10);
@@ -101,7 +102,8 @@ async function main() {
   status.textContent =
     `done: ${expected.steps} steps, loss ${losses[0].toFixed(4)} → ${losses.at(-1).toFixed(4)}, ` +
     `${ms.toFixed(2)} ms/step, largest relative difference from Python ${worst.toExponential(2)}`;
-  window.__result = { done: true, losses, expected: expected.losses, worst, accuracy, msPerStep: ms };
+  document.title = `onnxgrad: ${expected.model ?? 'mlp'} trained in the browser`;
+  window.__result = { done: true, model: expected.model ?? 'mlp', losses, expected: expected.losses, worst, accuracy, msPerStep: ms };
 }
 
 main().catch((err) => {

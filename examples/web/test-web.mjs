@@ -1,6 +1,6 @@
 // make test-web: serve the repository on localhost, open examples/web/index.html in headless
 // chromium (puppeteer-core drives the system's chromium; nothing is downloaded), wait for the 200
-// training steps, check the losses against the Python runner's (relative 1e-4) and write a
+// training steps of the digits MLP, then of the LeNet-style CNN, check the losses against the Python runner's (relative 1e-4) and write a
 // screenshot ($SCREENSHOT or examples/web/out/screenshot.png).
 //
 // Also runs the same TrainingSession on onnxruntime-web in Node (wasm backend, no browser).
@@ -12,7 +12,7 @@ import { fileURLToPath } from 'node:url';
 
 const here = dirname(fileURLToPath(import.meta.url));
 const root = resolve(here, '..', '..');
-const fixture = join(here, 'fixture');
+const FIXTURES = { mlp: 'fixture/', cnn: 'fixture/cnn/' }; // relative to here; make_fixture.py writes both
 const screenshot = process.env.SCREENSHOT ?? join(here, 'out', 'screenshot.png');
 const RTOL = 1e-4;
 const TYPES = {
@@ -30,25 +30,26 @@ function check(losses, expected, where) {
   console.log(`${where}: ${losses.length} losses within ${RTOL} of Python's (${losses[0].toFixed(4)} -> ${losses.at(-1).toFixed(4)})`);
 }
 
-async function inNode(expected) {
+async function inNode(expected, fixture) {
   const ort = await import('onnxruntime-web');
   ort.env.wasm.numThreads = 1;
   const { TrainingSession, readSafetensors } = await import('../../js/src/index.js');
   const { tensors } = readSafetensors(await readFile(join(fixture, 'digits.safetensors')));
   const session = await TrainingSession.create(ort, (name) => readFile(join(fixture, 'artifacts', name)));
-  const [rows, width] = tensors.pixels.dims;
+  const [rows, ...sample] = tensors.pixels.dims;
+  const width = sample.reduce((a, b) => a * b, 1);
   const size = expected.batch_size;
   const losses = [];
   for (let k = 0; k < expected.steps; k++) {
     const start = (k % Math.floor(rows / size)) * size;
     losses.push(
       await session.step({
-        pixels: new ort.Tensor('float32', tensors.pixels.data.slice(start * width, (start + size) * width), [size, width]),
+        pixels: new ort.Tensor('float32', tensors.pixels.data.slice(start * width, (start + size) * width), [size, ...sample]),
         target: tensors.target.data.slice(start, start + size),
       }),
     );
   }
-  check(losses, expected.losses, 'onnxruntime-web (wasm) in Node');
+  check(losses, expected.losses, `${expected.model ?? 'mlp'}: onnxruntime-web (wasm) in Node`);
 }
 
 function serve() {
@@ -74,12 +75,12 @@ function findChromium() {
   return candidates.find((p) => p && existsSync(p));
 }
 
-async function inBrowser(expected) {
+async function inBrowser(expected, fixture, shot) {
   const executablePath = findChromium();
   if (!executablePath) throw new Error('no chromium: apt-get install -y chromium, or set CHROMIUM');
   const puppeteer = (await import('puppeteer-core')).default;
   const server = await serve();
-  const url = `http://127.0.0.1:${server.address().port}/examples/web/index.html`;
+  const url = `http://127.0.0.1:${server.address().port}/examples/web/index.html?fixture=${fixture}`;
   const browser = await puppeteer.launch({ executablePath, headless: true, args: ['--no-sandbox', '--disable-gpu'] });
   try {
     const page = await browser.newPage();
@@ -88,11 +89,11 @@ async function inBrowser(expected) {
     await page.goto(url);
     await page.waitForFunction(() => window.__result?.done, { timeout: 240_000, polling: 500 });
     const result = await page.evaluate(() => window.__result);
-    await mkdir(dirname(screenshot), { recursive: true });
-    await page.screenshot({ path: screenshot });
-    console.log(`screenshot: ${screenshot}`);
+    await mkdir(dirname(shot), { recursive: true });
+    await page.screenshot({ path: shot });
+    console.log(`screenshot: ${shot}`);
     if (result.error) throw new Error(`the page failed: ${result.error}`);
-    check(result.losses, expected.losses, 'chromium, onnxruntime-web (wasm)');
+    check(result.losses, expected.losses, `${result.model}: chromium, onnxruntime-web (wasm)`);
     console.log(`  ${result.msPerStep.toFixed(2)} ms/step, held-out accuracy ${(result.accuracy * 100).toFixed(1)}%`);
   } finally {
     await browser.close();
@@ -100,6 +101,10 @@ async function inBrowser(expected) {
   }
 }
 
-const expected = JSON.parse(await readFile(join(fixture, 'expected.json'), 'utf8'));
-await inNode(expected);
-await inBrowser(expected);
+for (const [model, sub] of Object.entries(FIXTURES)) {
+  const fixture = join(here, sub);
+  const expected = JSON.parse(await readFile(join(fixture, 'expected.json'), 'utf8'));
+  await inNode(expected, fixture);
+  const shot = model === 'mlp' ? screenshot : screenshot.replace(/(\.png)?$/, `-${model}.png`);
+  await inBrowser(expected, sub, shot);
+}

@@ -1,6 +1,7 @@
-// The digits MLP trained from an artifacts folder on onnxruntime-node: the losses of the Python
-// runner (onnxgrad.artifacts.Runner) over 200 steps. The fixture comes from make_fixture.py, in
-// $ONNXGRAD_JS_FIXTURE or test/fixture (make test-js writes it).
+// The digits MLP and a LeNet-style CNN trained from artifacts folders on onnxruntime-node: the
+// losses of the Python runner (onnxgrad.artifacts.Runner) over 200 steps. The fixtures come from
+// make_fixture.py, in $ONNXGRAD_JS_FIXTURE (the MLP's; the CNN's in its cnn/ subfolder) or
+// test/fixture (make test-js writes them).
 import assert from 'node:assert/strict';
 import { existsSync } from 'node:fs';
 import { readFile } from 'node:fs/promises';
@@ -9,14 +10,15 @@ import { test } from 'node:test';
 import { fileURLToPath } from 'node:url';
 import { loadTrainingFolder, ort, readSafetensors, writeSafetensors } from '../src/node.js';
 
-const FIXTURE = process.env.ONNXGRAD_JS_FIXTURE ?? fileURLToPath(new URL('./fixture/', import.meta.url));
+const ROOT = process.env.ONNXGRAD_JS_FIXTURE ?? fileURLToPath(new URL('./fixture/', import.meta.url));
 const RTOL = 1e-4;
 
 function close(actual, expected, rtol = RTOL, atol = 1e-6) {
   return Math.abs(actual - expected) <= atol + rtol * Math.abs(expected);
 }
 
-async function fixture() {
+async function fixture(model = 'mlp') {
+  const FIXTURE = model === 'mlp' ? ROOT : join(ROOT, model);
   if (!existsSync(join(FIXTURE, 'expected.json'))) {
     throw new Error(`no fixture in ${FIXTURE}: run python js/test/make_fixture.py ${FIXTURE}`);
   }
@@ -25,21 +27,23 @@ async function fixture() {
   const batchAt = (step) => {
     const n = Math.floor(tensors.target.dims[0] / expected.batch_size);
     const start = (step % n) * expected.batch_size;
-    const width = tensors.pixels.dims[1];
+    const sample = tensors.pixels.dims.slice(1);
+    const width = sample.reduce((a, b) => a * b, 1);
     return {
       pixels: new ort.Tensor('float32', tensors.pixels.data.slice(start * width, (start + expected.batch_size) * width), [
         expected.batch_size,
-        width,
+        ...sample,
       ]),
       target: tensors.target.data.slice(start, start + expected.batch_size), // a TypedArray: dims inferred
     };
   };
-  return { expected, batchAt };
+  return { expected, batchAt, folder: join(FIXTURE, 'artifacts'), dir: FIXTURE };
 }
 
-test('200 steps give the losses of the Python runner', async () => {
-  const { expected, batchAt } = await fixture();
-  const session = await loadTrainingFolder(join(FIXTURE, 'artifacts'), { sessionOptions: { intraOpNumThreads: 1 } });
+for (const model of ['mlp', 'cnn']) {
+test(`${model}: 200 steps give the losses of the Python runner`, async () => {
+  const { expected, batchAt, folder, dir } = await fixture(model);
+  const session = await loadTrainingFolder(folder, { sessionOptions: { intraOpNumThreads: 1 } });
   assert.equal(session.lr, expected.lr);
   for (let k = 0; k < expected.steps; k++) {
     const loss = await session.step(batchAt(k));
@@ -50,7 +54,7 @@ test('200 steps give the losses of the Python runner', async () => {
   assert.ok(close(loss, expected.eval_loss), `eval loss ${loss}, python ${expected.eval_loss}`);
 
   // the exported parameters are the Python runner's after the same steps
-  const trained = readSafetensors(await readFile(join(FIXTURE, 'trained.safetensors')));
+  const trained = readSafetensors(await readFile(join(dir, 'trained.safetensors')));
   assert.equal(trained.metadata.step, String(expected.steps));
   const exported = readSafetensors(session.exportParameters()).tensors;
   const names = session.manifest.parameters.map((p) => p.name);
@@ -71,10 +75,10 @@ test('200 steps give the losses of the Python runner', async () => {
   assert.deepEqual(Array.from(predicted.logits.data), Array.from(outputs.logits.data));
   await session.release();
 });
+}
 
 test('a state exported from one session resumes in another', async () => {
-  const { expected, batchAt } = await fixture();
-  const folder = join(FIXTURE, 'artifacts');
+  const { expected, batchAt, folder } = await fixture();
   const options = { sessionOptions: { intraOpNumThreads: 1 } };
   const first = await loadTrainingFolder(folder, options);
   for (let k = 0; k < 5; k++) await first.step(batchAt(k));

@@ -60,6 +60,58 @@ def build_mlp(sizes: tuple[int, ...], rng: np.random.Generator) -> onnx.ModelPro
     return model
 
 
+def build_cnn(rng: np.random.Generator, side: int = 8, classes: int = 10) -> onnx.ModelProto:
+    """A float32 LeNet-style CNN on ``1 x side x side`` images (``side`` divisible by 4).
+
+    Conv 3x3 (1 -> 4 channels, padding 1), Relu, MaxPool 2; Conv 3x3 (4 -> 8, padding 1), Relu,
+    MaxPool 2; Flatten; Gemm (-> 32), Relu; Gemm (-> ``classes``). Input ``pixels`` of shape
+    ``(N, 1, side, side)``, output ``logits``. He-initialised weights, zero biases.
+    """
+    if side % 4:
+        raise ValueError(f"side must be divisible by 4, got {side}")
+
+    def he(shape: tuple[int, ...], fan_in: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
+
+    flat = 8 * (side // 4) ** 2
+    inits = [
+        numpy_helper.from_array(he((4, 1, 3, 3), 9), "conv1.weight"),
+        numpy_helper.from_array(np.zeros(4, np.float32), "conv1.bias"),
+        numpy_helper.from_array(he((8, 4, 3, 3), 36), "conv2.weight"),
+        numpy_helper.from_array(np.zeros(8, np.float32), "conv2.bias"),
+        numpy_helper.from_array(he((flat, 32), flat), "fc1.weight"),
+        numpy_helper.from_array(np.zeros(32, np.float32), "fc1.bias"),
+        numpy_helper.from_array(he((32, classes), 32), "fc2.weight"),
+        numpy_helper.from_array(np.zeros(classes, np.float32), "fc2.bias"),
+    ]
+    conv = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}
+    pool = {"kernel_shape": [2, 2], "strides": [2, 2]}
+    nodes = [
+        helper.make_node("Conv", [INPUT, "conv1.weight", "conv1.bias"], ["c1"], **conv),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["p1"], **pool),
+        helper.make_node("Conv", ["p1", "conv2.weight", "conv2.bias"], ["c2"], **conv),
+        helper.make_node("Relu", ["c2"], ["r2"]),
+        helper.make_node("MaxPool", ["r2"], ["p2"], **pool),
+        helper.make_node("Flatten", ["p2"], ["flat"], axis=1),
+        helper.make_node("Gemm", ["flat", "fc1.weight", "fc1.bias"], ["fc1"]),
+        helper.make_node("Relu", ["fc1"], ["r3"]),
+        helper.make_node("Gemm", ["r3", "fc2.weight", "fc2.bias"], [LOGITS]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "digits_cnn",
+        [helper.make_tensor_value_info(INPUT, TensorProto.FLOAT, ["N", 1, side, side])],
+        [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["N", classes])],
+        initializer=inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="onnxgrad.demo"
+    )
+    model.ir_version = ir_version_for(model.opset_import)
+    return model
+
+
 def load_digits_split(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Digits features scaled to [0, 1] (float32) and int64 labels: a stratified 75/25 split."""
     from sklearn.datasets import load_digits

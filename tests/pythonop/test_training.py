@@ -109,3 +109,25 @@ def test_onnx_module_output_dropped_without_backward_releases_the_ctx():
     del out
     gc.collect()
     assert len(contexts) == before
+
+
+def test_trainer_falls_back_to_two_sessions_on_python_ops(no_leaks, caplog):
+    """Stock onnxruntime cannot run PythonOp in one step graph: Trainer says so in a debug log and
+    trains with forward + backward + the numpy optimizer, to torch's weights."""
+    import logging
+
+    from onnxgrad.train import Trainer
+
+    caplog.set_level(logging.DEBUG, logger="onnxgrad.train.onegraph")
+    batches = _batches()
+    net = _net()
+    model = onnxgrad.export(net, (batches[0][0],))
+    want = _torch_training(net, batches)
+    trainer = Trainer(model, loss="mse", optimizer="sgd", lr=LR, batch_size=16, shuffle=False, progress=False)
+    assert trainer.step_path == "two sessions"
+    assert "PythonOp" in caplog.text
+    x = np.concatenate([b[0].numpy() for b in batches])
+    t = np.concatenate([b[1].numpy() for b in batches])
+    trainer.fit({"x": x, "target": t}, epochs=1)
+    for name, value in trainer.parameters.items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-10, atol=1e-12, err_msg=name)

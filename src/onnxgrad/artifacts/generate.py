@@ -46,6 +46,7 @@ from ..model.load import CheckedModel, load_checked
 from ..train.losses import _Emitter, add_loss, keep_outputs
 from . import tensors
 from .optim import STATE_KEYS, Param, emit_updates, hyperparameters
+from .targets import DEFAULT_TARGETS, check_targets
 
 __all__ = ["FORMAT", "Artifacts", "generate"]
 
@@ -97,6 +98,7 @@ def generate(
     loss_options: Mapping[str, Any] | None = None,
     loss_name: str = "loss",
     target_name: str = "target",
+    targets: Iterable[str] = DEFAULT_TARGETS,
     **optimizer_options: Any,
 ) -> Artifacts:
     """Build (and with ``out_dir``, write) the training artifacts of ``model``.
@@ -108,6 +110,9 @@ def generate(
     or ``"adamw"``, with the hyperparameters of :mod:`onnxgrad.train.optim` as keywords
     (``momentum=``, ``nesterov=``, ``betas=``, ``eps=``, ``weight_decay=``...) and the same
     defaults. ``lr`` is only the default the runners use; the step graph takes it as an input.
+    ``targets``: the runtimes the folder must run on (``"onnxruntime"``, ``"onnxruntime-web"``);
+    an op one of them has no kernel for (:mod:`onnxgrad.artifacts.targets`) raises
+    :class:`InputError` naming the op and the runtime, before anything is written.
     """
     checked = load_checked(model)  # the one validation: what follows rewrites the checked model
     proto = checked.proto
@@ -140,6 +145,10 @@ def generate(
     for m in (eval_step, inference):
         m.ir_version = _ir_version(m)
         check_model(m)
+    check_targets(
+        {FILES["train_step"]: train_step, FILES["eval_step"]: eval_step, FILES["inference"]: inference},
+        targets,
+    )
 
     state: dict[str, np.ndarray] = {}
     for name in trainable:

@@ -54,8 +54,12 @@ def compose(graphs: GradientGraphs, name: str = "forward_backward") -> onnx.Mode
     clash = [o.name for o in bwd.graph.output if o.name in taken]
     if clash:  # build_gradient reserves fresh names; a clash means the graphs were edited
         raise ValueError(f"backward outputs {clash} are also forward values")
+    # the backward recomputes some cheap forward values (Flatten, Reshape...) under their forward
+    # names instead of saving them: in one graph the forward's node already defines them
+    recomputed = [n for n in bwd.graph.node if n.output and all(o in defined for o in n.output)]
+    bwd_nodes = [n for n in bwd.graph.node if not any(n is r for r in recomputed)]
     graph = helper.make_graph(
-        sort_nodes(list(fwd.graph.node) + list(bwd.graph.node)),
+        sort_nodes(list(fwd.graph.node) + bwd_nodes),
         name,
         inputs,
         outputs,

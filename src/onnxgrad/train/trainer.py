@@ -27,6 +27,7 @@ from ..model.load import CheckedModel, load_checked
 from ..runtime import ForwardBackward
 from .data import BatchLoader, Data, as_feeds
 from .losses import add_loss, remove_loss
+from .onegraph import one_graph_step
 from .optim import SGD, Adam, AdamW, Optimizer
 from .plot import plot_curves
 from .schedules import LearningRate
@@ -214,6 +215,12 @@ class Trainer:
     a schedule — and ``optimizer_options``) or a factory ``params -> Optimizer``.
     ``seed`` seeds the shuffling; ``metrics``: name -> ``fn(outputs, batch) -> float`` computed on
     the validation data (outputs by name; averaged over batches weighted by their size).
+    ``one_graph``: run each step as one onnxruntime run (forward, loss, backward and the update of
+    SGD, Adam or AdamW in one graph, :mod:`onnxgrad.train.onegraph`) where the model allows; the
+    numpy optimizer keeps the state, so the numbers, checkpoints and callbacks are the same. Models
+    with PythonOp, Dropout, BatchNormalization or tied weights, and other optimizers, run forward,
+    backward and the numpy update (a debug log of ``onnxgrad.train.onegraph`` says why);
+    :attr:`step_path` tells which runs.
     """
 
     def __init__(
@@ -236,6 +243,7 @@ class Trainer:
         providers: str | Sequence[Any] | None = None,
         loss_name: str = "loss",
         eval_batch_size: int | None = None,
+        one_graph: bool = True,
     ) -> None:
         if isinstance(model, ForwardBackward):
             if loss is not None:
@@ -271,6 +279,12 @@ class Trainer:
         self.stop_training = False
         self.has_validation = False
         self.inputs = input_infos(fb)
+        self._one_graph = one_graph_step(fb, self.optimizer, loss_name) if one_graph else None
+
+    @property
+    def step_path(self) -> str:
+        """``"one graph"`` when each step is one onnxruntime run, ``"two sessions"`` otherwise."""
+        return "one graph" if self._one_graph is not None else "two sessions"
 
     # ---- parameters ----------------------------------------------------------------------------
     @property
@@ -344,16 +358,20 @@ class Trainer:
             bar.set_description(_epoch_label(epoch, epochs), refresh=False)
         total, seen = 0.0, 0
         for step, batch in enumerate(loader):
-            result = self.fb.forward(batch)
-            loss = float(result.outputs[self.loss_index])
+            if self._one_graph is not None:
+                loss, _applied = self._one_graph.run(batch)  # not applied when the loss is not finite
+            else:
+                result = self.fb.forward(batch)
+                loss = float(result.outputs[self.loss_index])
             if not math.isfinite(loss):
                 raise OnnxGradRuntimeError(
                     f"the loss is {loss} at epoch {epoch}, batch {step + 1}: "
                     "lower the learning rate, or check the data for NaN and infinite values"
                 )
-            # the loss alone takes a gradient, even when the model's other outputs could take one
-            seed = {self.loss_name: np.ones_like(result.outputs[self.loss_index])}
-            self.optimizer.step(result.backward(seed))
+            if self._one_graph is None:
+                # the loss alone takes a gradient, even when the model's other outputs could take one
+                seed = {self.loss_name: np.ones_like(result.outputs[self.loss_index])}
+                self.optimizer.step(result.backward(seed))
             n = len(next(iter(batch.values())))
             total, seen = total + loss * n, seen + n
             if bar is not None:
