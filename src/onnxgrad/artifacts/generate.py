@@ -42,6 +42,7 @@ from ..autodiff.graph import (
     unique_name,
 )
 from ..autodiff.modes import follows_training_flag, set_training_mode
+from ..autodiff.params import declared_trainable
 from ..errors import InputError
 from ..train.losses import _Emitter, add_loss, keep_outputs
 from . import tensors
@@ -165,7 +166,10 @@ def _trainable(
     unknown = frozen - set(floats)
     if unknown:
         raise InputError(f"frozen names {sorted(unknown)} are not floating-point initializers of the model")
-    if requires_grad is None:
+    declared = declared_trainable(model)  # a model naming its parameters (LoRA: the adapters)
+    if requires_grad is None and declared is not None:
+        chosen = [n for n in declared if n in floats]
+    elif requires_grad is None:
         chosen = floats
     else:
         chosen = list(dict.fromkeys(requires_grad))
