@@ -145,7 +145,9 @@ def add_adapters(
         b_val = np.zeros(b_shape, dtype=dt)
         a_name = _unique(taken, f"{name}.lora_A")
         b_name = _unique(taken, f"{name}.lora_B")
-        graph.initializer.extend([numpy_helper.from_array(a_val, a_name), numpy_helper.from_array(b_val, b_name)])
+        graph.initializer.extend(
+            [numpy_helper.from_array(a_val, a_name), numpy_helper.from_array(b_val, b_name)]
+        )
         ad = _Adapter(name, a_name, b_name, scale, layout, [], [])
         for node, k in uses[name]:
             extra = _adapt_node(node, k, ad, dropout, taken, t.data_type)
@@ -217,7 +219,10 @@ def _adapt_node(
         ratio = _unique(taken, f"{stem}/lora/ratio")
         nodes.append(
             helper.make_node(
-                "Constant", [], [ratio], name=_unique(taken, f"{stem}/lora/Constant"),
+                "Constant",
+                [],
+                [ratio],
+                name=_unique(taken, f"{stem}/lora/Constant"),
                 value=numpy_helper.from_array(np.array(dropout, dtype=np_dtype(dtype))),
             )
         )
@@ -233,7 +238,10 @@ def _adapt_node(
     s = _unique(taken, f"{stem}/lora/scale")
     nodes.append(
         helper.make_node(
-            "Constant", [], [s], name=_unique(taken, f"{stem}/lora/Constant"),
+            "Constant",
+            [],
+            [s],
+            name=_unique(taken, f"{stem}/lora/Constant"),
             value=numpy_helper.from_array(np.array(scale, dtype=np_dtype(dtype))),
         )
     )
@@ -343,8 +351,11 @@ def save_adapters(
     for n, arr in arrays.items():
         if arr.dtype.name not in _ST_DTYPES:
             raise InputError(f"adapter {n!r} has dtype {arr.dtype}, which safetensors does not store here")
-        header[n] = {"dtype": _ST_DTYPES[arr.dtype.name], "shape": list(arr.shape),
-                     "data_offsets": [offset, offset + arr.nbytes]}
+        header[n] = {
+            "dtype": _ST_DTYPES[arr.dtype.name],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
         offset += arr.nbytes
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
@@ -392,14 +403,18 @@ def _np_from_st(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-def load_adapters(base: onnx.ModelProto | str | os.PathLike | bytes, path: str | os.PathLike) -> onnx.ModelProto:
+def load_adapters(
+    base: onnx.ModelProto | str | os.PathLike | bytes, path: str | os.PathLike
+) -> onnx.ModelProto:
     """``base`` (the model without adapters) with the adapters saved in ``path`` put back: the same
     adapted model that :func:`save_adapters` saw, its adapters holding the saved values."""
     meta, arrays = read_adapters(path)
     if not meta.get("adapters"):
         raise InputError(f"{os.fspath(path)!r} holds no LoRA settings")
     weights = [a["weight"] for a in meta["adapters"]]
-    adapted = add_adapters(base, weights, rank=int(meta["rank"]), alpha=meta["alpha"], dropout=meta["dropout"])
+    adapted = add_adapters(
+        base, weights, rank=int(meta["rank"]), alpha=meta["alpha"], dropout=meta["dropout"]
+    )
     _, adapters = _adapters(adapted)
     saved = {a["weight"]: a for a in meta["adapters"]}
     values = {}

@@ -63,8 +63,11 @@ def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 def _randomize_b(adapted: onnx.ModelProto, seed: int = 1) -> onnx.ModelProto:
     rng = np.random.default_rng(seed)
     inits = {t.name: t for t in adapted.graph.initializer}
-    values = {n: rng.normal(size=tuple(inits[n].dims)).astype(np.float32) for n in lora.adapter_names(adapted)
-              if n.endswith("lora_B")}
+    values = {
+        n: rng.normal(size=tuple(inits[n].dims)).astype(np.float32)
+        for n in lora.adapter_names(adapted)
+        if n.endswith("lora_B")
+    }
     return lora.with_values(adapted, values)
 
 
@@ -97,8 +100,10 @@ def test_gradients_match_torch_lora(layout: str) -> None:
     grads = res.backward([dy])
 
     inits = {t.name: numpy_helper.to_array(t) for t in adapted.graph.initializer}
-    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=k.endswith(("lora_A", "lora_B")))
-         for k, v in inits.items()}
+    t = {
+        k: torch.tensor(v, dtype=torch.float64, requires_grad=k.endswith(("lora_A", "lora_B")))
+        for k, v in inits.items()
+    }
     s = alpha / rank
     xt = torch.tensor(x, dtype=torch.float64)
     if layout == "matmul":
@@ -136,7 +141,9 @@ def _same_shape_model() -> onnx.ModelProto:
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
     inits = [numpy_helper.from_array(rng.normal(size=(4, 4)).astype(np.float32), n) for n in ("wa", "wb")]
     nodes = [helper.make_node("MatMul", ["x", "wa"], ["h"]), helper.make_node("MatMul", ["h", "wb"], ["y"])]
-    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits), opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [x], [y], inits), opset_imports=[helper.make_opsetid("", 17)]
+    )
     return lora.add_adapters(model, rank=2)
 
 
