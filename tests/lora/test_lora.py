@@ -151,7 +151,7 @@ def test_trainer_and_artifacts_train_only_adapters(tmp_path) -> None:
     from onnxgrad import artifacts
 
     adapted = lora.add_adapters(_mlp(), ["w1", "w2"], rank=2)
-    art = artifacts.generate(adapted, loss="mse", out_dir=tmp_path / "art")
+    artifacts.generate(adapted, loss="mse", out_dir=tmp_path / "art")
     names = sorted(lora.adapter_names(adapted))
     runner = artifacts.Runner(tmp_path / "art")
     assert sorted(runner.parameters) == names
