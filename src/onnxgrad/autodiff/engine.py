@@ -44,6 +44,7 @@ from .graph import (
     topological_order,
 )
 from .params import Tie, padding_rows, select_parameters
+from .recompute import Recompute, apply_recompute
 from .registry import NodeContext, _load_rules, lookup
 from .rewrite import centered_batch_norms, rewrite_for_training
 
@@ -92,6 +93,7 @@ def build_gradient(
     inputs_requiring_grad: Iterable[str] = (),
     outputs: Iterable[str] | None = None,
     tie_weights: bool = True,
+    recompute: Recompute = None,
 ) -> GradientGraphs:
     """Build the forward and backward graphs of ``model``.
 
@@ -151,6 +153,9 @@ def build_gradient(
         final.append((w, total))
     _name_outputs(g, final, grad_outputs)
     _recompute_views(g, nodes, set(graph_inputs) | set(trainable_names))
+    if recompute is not None:
+        fed = set(graph_inputs) | set(trainable_names) | {i.name for i in graph.input}
+        apply_recompute(g, nodes, fed, recompute, versions.get("", opset))
 
     # 3. assemble both models
     forward = _forward_model(model, nodes, g, trainable_names, grad_inputs, infos)
