@@ -72,8 +72,13 @@ def segmenter(spec: Recompute) -> Callable[[onnx.NodeProto], Any] | None:
         return layer_of
     prefixes = [spec] if isinstance(spec, str) else list(spec)
     if not prefixes or not all(isinstance(p, str) and p for p in prefixes):
-        raise InputError(f"recompute= takes 'all', 'layers', node-name prefixes, a byte budget or a callable, got {spec!r}")
-    pats = [re.compile("^" + ".*?".join(re.escape(part) for part in p.split("*")).replace(".*?", "[^/]*")) for p in prefixes]
+        raise InputError(
+            f"recompute= takes 'all', 'layers', node-name prefixes, a byte budget or a callable, got {spec!r}"
+        )
+    pats = [
+        re.compile("^" + ".*?".join(re.escape(part) for part in p.split("*")).replace(".*?", "[^/]*"))
+        for p in prefixes
+    ]
 
     def seg(node: onnx.NodeProto) -> str | None:
         for pat in pats:
