@@ -79,7 +79,11 @@ class _Variant:
         declared = {i.name for i in proto.graph.input}
         proto.graph.input.extend([a for a in added if a.name not in declared])
         self.graphs = graphs = build_gradient(  # the module chose and tied its parameters already
-            proto, trainable=trainable, inputs_requiring_grad=inputs, outputs=outputs, tie_weights=False,
+            proto,
+            trainable=trainable,
+            inputs_requiring_grad=inputs,
+            outputs=outputs,
+            tie_weights=False,
             recompute=recompute,
         )
         self.runner = make_runner(self.graphs, providers, options)
