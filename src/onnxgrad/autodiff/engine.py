@@ -44,6 +44,7 @@ from .graph import (
     topological_order,
 )
 from .params import Tie, padding_rows, select_parameters
+from .recompute import MARK as RECOMPUTE_MARK
 from .recompute import Recompute, apply_recompute
 from .registry import NodeContext, _load_rules, lookup
 from .rewrite import centered_batch_norms, rewrite_for_training
@@ -153,13 +154,16 @@ def build_gradient(
         final.append((w, total))
     _name_outputs(g, final, grad_outputs)
     _recompute_views(g, nodes, set(graph_inputs) | set(trainable_names))
+    copied = []
     if recompute is not None:
         fed = set(graph_inputs) | set(trainable_names) | {i.name for i in graph.input}
-        apply_recompute(g, nodes, fed, recompute, versions.get("", opset))
+        copied = apply_recompute(g, nodes, fed, recompute, versions.get("", opset))
 
     # 3. assemble both models
     forward = _forward_model(model, nodes, g, trainable_names, grad_inputs, infos)
     backward = _backward_model(model, g, grad_inputs, grad_outputs, infos)
+    if copied:  # the runtime runs it in graph order (see recompute.ordered_for_recompute)
+        backward.metadata_props.add(key=RECOMPUTE_MARK, value=str(len(copied)))
     saved = list(g.saved)
     return GradientGraphs(
         forward=forward,

@@ -22,6 +22,7 @@ from ..autodiff.engine import GradientGraphs, build_gradient
 from ..autodiff.graph import FLOAT_TYPES, ValueInfo, load_model, np_dtype, to_array, value_info_from_proto
 from ..autodiff.modes import ModeSwitch, follows_training_flag, set_training_mode
 from ..autodiff.params import untie
+from ..autodiff.recompute import ordered_for_recompute
 from ..deps import require_onnxruntime
 from ..errors import InputError, OnnxGradRuntimeError
 from ..pythonop import make_runner
@@ -69,6 +70,7 @@ def make_session(
     require_onnxruntime()
     if options is None:
         options = default_options()
+    ordered_for_recompute(model, options)  # a backward with recomputed activations: graph order
     try:
         return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=providers)
     except Exception as exc:
