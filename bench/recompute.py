@@ -131,17 +131,25 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "transformer.onnx")
         export(args.layers, path)
-        header = f"{'recompute':10s} {'ms/step':>9s} {'peak MiB':>9s} {'saved MiB':>10s} {'saved values':>13s}"
+        header = (
+            f"{'recompute':10s} {'ms/step':>9s} {'peak MiB':>9s} {'saved MiB':>10s} {'saved values':>13s}"
+        )
         print(f"{args.layers}-layer transformer, batch {args.batch} x 128 x 256, {THREADS} threads")
         print(header)
         print("-" * len(header))
         for s in args.settings:
             r = results[s] = measure(path, s, args.batch, args.steps)
-            print(f"{s:10s} {r['ms']:9.1f} {r['peak_mib']:9.1f} {r['saved_mib']:10.1f} {r['saved_values']:13d}")
+            print(
+                f"{s:10s} {r['ms']:9.1f} {r['peak_mib']:9.1f} {r['saved_mib']:10.1f} {r['saved_values']:13d}"
+            )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"layers": args.layers, "batch": args.batch, "threads": THREADS, "results": results}, f, indent=2)
+            json.dump(
+                {"layers": args.layers, "batch": args.batch, "threads": THREADS, "results": results},
+                f,
+                indent=2,
+            )
     return 0
 
 
