@@ -4,9 +4,9 @@ The model is the anchor transformer layer (d_model 256, 4 heads, FFN 1024) stack
 times, exported once. Each setting (``recompute=None``, ``"layers"``: one segment per layer, the
 layer inputs kept; ``"all"``: everything rebuilt from the input) runs in a fresh subprocess: it
 builds ``ForwardBackward`` (onnxruntime's CPU arena off, so that the resident set follows the
-tensors alive), runs one warm-up step, resets the process's peak resident set (``/proc/self/clear_refs``), runs
-``--steps`` training steps (forward + backward, output gradient of ones) and reports the peak
-(``VmHWM``) above the resident set before the steps, the median step time, and the bytes of the
+tensors alive; glibc's mmap threshold fixed), runs one warm-up step, resets the process's peak
+resident set (``/proc/self/clear_refs``), runs ``--steps`` training steps (forward + backward,
+output gradient of ones) and reports the peak (``VmHWM``) above the resident set before the steps, the median step time, and the bytes of the
 activations the forward hands to the backward (``GradientGraphs.saved`` at the batch size run).
 
     python bench/recompute.py [--layers 24] [--batch 4] [--steps 3] [--json out/recompute.json]
