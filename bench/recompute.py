@@ -6,8 +6,9 @@ layer inputs kept; ``"all"``: everything rebuilt from the input) runs in a fresh
 builds ``ForwardBackward`` (onnxruntime's CPU arena off, so that the resident set follows the
 tensors alive; glibc's mmap threshold fixed), runs one warm-up step, resets the process's peak
 resident set (``/proc/self/clear_refs``), runs ``--steps`` training steps (forward + backward,
-output gradient of ones) and reports the peak (``VmHWM``) above the resident set before the steps, the median step time, and the bytes of the
-activations the forward hands to the backward (``GradientGraphs.saved`` at the batch size run).
+output gradient of ones) and reports the peak (``VmHWM``) above the resident set before the steps,
+the median step time, and the bytes of the activations the forward hands to the backward
+(``GradientGraphs.saved``, at the batch size run).
 
     python bench/recompute.py [--layers 24] [--batch 4] [--steps 3] [--json out/recompute.json]
 """
