@@ -463,6 +463,7 @@ def _forward_model(
         functions=list(model.functions),
     )
     fwd.ir_version = max(ir_version_for(model.opset_import), min(model.ir_version, 13))
+    fwd.metadata_props.extend(model.metadata_props)  # the model's (LoRA adapters: onnxgrad.lora)
     return fwd
 
 
