@@ -187,3 +187,18 @@ def test_targets_errors_and_predicate() -> None:
     assert lora.adapter_names(adapted) == ["w2.lora_A", "w2.lora_B"]
     with pytest.raises(InputError, match="already has LoRA"):
         lora.add_adapters(adapted)
+
+
+def test_dropout_on_the_adapter_input() -> None:
+    """dropout > 0: a Dropout on the adapter's input, active in training mode only."""
+    base = _mlp()
+    adapted = _randomize_b(lora.add_adapters(base, ["w1", "w2"], rank=2, dropout=0.5))
+    assert sum(n.op_type == "Dropout" for n in adapted.graph.node) == 2
+    fb = onnxgrad.ForwardBackward(adapted)
+    assert sorted(fb.parameters) == sorted(lora.adapter_names(adapted))
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
+    infer = fb.forward({"x": x}, training=False).outputs[0]
+    train = fb.forward({"x": x}).outputs[0]
+    assert not np.allclose(train, infer)  # dropped in training
+    np.testing.assert_allclose(infer, _run(lora.merge(adapted), x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_run(fb.to_onnx(), x), infer, rtol=1e-6, atol=1e-6)
