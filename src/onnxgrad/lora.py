@@ -88,7 +88,9 @@ def add_adapters(
 ) -> onnx.ModelProto:
     """A copy of ``model`` with LoRA adapters beside the chosen weights, the base frozen.
 
-    ``targets``: initializer names or glob patterns (``"*attn*"``), or a predicate on the name; only
+    ``targets``: initializer names or glob patterns (``"*attn*"``), or a predicate on the name (a
+    weight that ``torch.onnx.export(dynamo=True)`` renamed is also matched by its torch name,
+    ``"layers.0.q.weight"``, and its adapters take that name); only
     2-D floating-point initializers read as the weight of a MatMul or Gemm (and by nothing else) are
     adapted. A name given exactly that cannot be adapted raises :class:`InputError`; patterns skip
     what does not fit. ``alpha`` (default ``rank``) scales the update by ``alpha / rank``;
@@ -111,6 +113,7 @@ def add_adapters(
                 uses.setdefault(i, []).append((node, k))
     exact = set() if callable(targets) else ({targets} if isinstance(targets, str) else set(targets))
     match = _matcher(targets)
+    alias = _module_names(uses)
     rng = np.random.default_rng(seed)
     taken = {t.name for t in graph.initializer} | {i.name for i in graph.input}
     taken |= {o for n in graph.node for o in n.output} | {n.name for n in graph.node if n.name}
@@ -118,11 +121,12 @@ def add_adapters(
     new_nodes: dict[int, list[onnx.NodeProto]] = {}  # index of the adapted node -> nodes after it
     index = {id(n): k for k, n in enumerate(graph.node)}
     for name, t in inits.items():
-        if not match(name):
+        known = alias.get(name)  # the torch name of a weight the exporter renamed (val_12)
+        if not match(name) and not (known and match(known)):
             continue
         why = _unfit(t, uses.get(name, []))
         if why is not None:
-            if name in exact:
+            if name in exact or known in exact:
                 raise InputError(f"cannot put an adapter beside {name!r}: {why}")
             continue
         w = to_array(t)
@@ -143,8 +147,8 @@ def add_adapters(
         dt = np_dtype(t.data_type)
         a_val = rng.uniform(-bound, bound, size=a_shape).astype(dt)
         b_val = np.zeros(b_shape, dtype=dt)
-        a_name = _unique(taken, f"{name}.lora_A")
-        b_name = _unique(taken, f"{name}.lora_B")
+        a_name = _unique(taken, f"{known or name}.lora_A")
+        b_name = _unique(taken, f"{known or name}.lora_B")
         graph.initializer.extend(
             [numpy_helper.from_array(a_val, a_name), numpy_helper.from_array(b_val, b_name)]
         )
@@ -165,6 +169,36 @@ def add_adapters(
     info["adapters"] = [ad.__dict__ for ad in adapters]
     _set_meta(out, TRAINABLE_KEY, json.dumps(names))
     _set_meta(out, LORA_KEY, json.dumps(info))
+    return out
+
+
+_SCOPES = "pkg.torch.onnx.name_scopes"
+
+
+def _module_names(uses: dict[str, list[tuple[onnx.NodeProto, int]]]) -> dict[str, str]:
+    """``<module path>.weight`` for initializers that ``torch.onnx.export(dynamo=True)`` renamed
+    (it folds ``Linear``'s transposed weight into a new ``val_N``), from the reading node's
+    ``pkg.torch.onnx.name_scopes``: targets may name the torch weight (``"layers.0.q.weight"``)."""
+    out: dict[str, str] = {}
+    for name, readers in uses.items():
+        paths = set()
+        for node, _ in readers:
+            if node.op_type not in ("MatMul", "Gemm"):
+                break
+            scopes = next((p.value for p in node.metadata_props if p.key == _SCOPES), None)
+            if scopes is None:
+                break
+            try:
+                parts = json.loads(scopes.replace("'", '"'))
+            except ValueError:
+                break
+            parts = [p for p in parts[:-1] if p]  # the last one names the op (linear, addmm)
+            if not parts:
+                break
+            paths.add(".".join(parts) + ".weight")
+        else:
+            if len(paths) == 1:
+                out[name] = paths.pop()
     return out
 
 

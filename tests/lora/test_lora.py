@@ -202,3 +202,36 @@ def test_dropout_on_the_adapter_input() -> None:
     assert not np.allclose(train, infer)  # dropped in training
     np.testing.assert_allclose(infer, _run(lora.merge(adapted), x), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(_run(fb.to_onnx(), x), infer, rtol=1e-6, atol=1e-6)
+
+
+def test_dynamo_renamed_linear_weights() -> None:
+    """torch.onnx.export(dynamo=True) folds Linear's transposed weight into val_N: targets still
+    name the torch weight."""
+    pytest.importorskip("onnxscript")
+
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.o = torch.nn.Linear(8, 4), torch.nn.Linear(4, 8, bias=False)
+
+        def forward(self, x):
+            return self.o(torch.relu(self.q(x)))
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8)
+    model = torch.onnx.export(Two().eval(), (x,), dynamo=True, verbose=False).model_proto
+    adapted = lora.add_adapters(model, ["q.weight", "o.*"], rank=2)
+    assert sorted(lora.adapter_names(adapted)) == [
+        "o.weight.lora_A",
+        "o.weight.lora_B",
+        "q.weight.lora_A",
+        "q.weight.lora_B",
+    ]
+    changed = _randomize_b(adapted)
+    import onnxruntime as ort
+
+    def run(m):
+        s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return s.run(None, {s.get_inputs()[0].name: x.numpy()})[0]
+
+    np.testing.assert_allclose(run(lora.merge(changed)), run(changed), rtol=1e-5, atol=1e-5)
