@@ -182,8 +182,8 @@ def _module_names(uses: dict[str, list[tuple[onnx.NodeProto, int]]]) -> dict[str
     out: dict[str, str] = {}
     for name, readers in uses.items():
         paths = set()
-        for node, _ in readers:
-            if node.op_type not in ("MatMul", "Gemm"):
+        for node, k in readers:
+            if node.op_type not in ("MatMul", "Gemm") or (node.op_type == "Gemm" and k != 1):
                 break
             scopes = next((p.value for p in node.metadata_props if p.key == _SCOPES), None)
             if scopes is None:
@@ -192,10 +192,10 @@ def _module_names(uses: dict[str, list[tuple[onnx.NodeProto, int]]]) -> dict[str
                 parts = json.loads(scopes.replace("'", '"'))
             except ValueError:
                 break
-            parts = [p for p in parts[:-1] if p]  # the last one names the op (linear, addmm)
-            if not parts:
+            # module paths from the root, each in full ('', 'model', 'model.q'), then the op (linear)
+            if len(parts) < 2 or not parts[-2]:
                 break
-            paths.add(".".join(parts) + ".weight")
+            paths.add(parts[-2] + ".weight")
         else:
             if len(paths) == 1:
                 out[name] = paths.pop()
@@ -285,6 +285,9 @@ def _adapt_node(
     nodes.append(helper.make_node("Add", [base, scaled], [y], name=name))
     ad.nodes.append(name)
     ad.outputs.append([y, base])
+    scopes = [p for p in node.metadata_props if p.key == _SCOPES]  # in the adapted node's layer
+    for n in nodes:
+        n.metadata_props.extend(scopes)
     return nodes
 
 

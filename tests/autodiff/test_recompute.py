@@ -176,3 +176,12 @@ def test_front_ends_pass_recompute() -> None:
         torch.testing.assert_close(p1.grad, p0.grad, rtol=1e-6, atol=1e-6, msg=n)
     variant = next(iter(m1._variants.values()))
     assert any(n.name.startswith("recompute") for n in variant.graphs.backward.graph.node)
+
+
+def test_layer_of_dynamo_module_path() -> None:
+    node = helper.make_node("MatMul", [], [], name="node_MatMul_7")
+    node.metadata_props.add(
+        key="pkg.torch.onnx.name_scopes",
+        value="['', 'model', 'model.layers', 'model.layers.3', 'model.layers.3.attn', 'linear']",
+    )
+    assert layer_of(node) == "model.layers.3"

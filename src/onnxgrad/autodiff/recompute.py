@@ -11,7 +11,8 @@ segment only, reading the values that enter the segment, which stay saved (the s
 * ``"all"``: one segment, every node: the backward rebuilds everything from the inputs and the
   parameters (the least memory, about one more forward of work);
 * ``"layers"``: one segment per layer, the layer found from node names (``/layers.3/...``,
-  ``/h.0/...``, ``/0/...``: the first path component that is or ends with a number);
+  ``/h.0/...``, ``/0/...``: the first path component that is or ends with a number) or, for the
+  dynamo exporter's nodes, from their module path (:func:`layer_of`);
 * a string or list of strings: node-name prefixes, one segment each; a ``*`` matches within one
   path component, and each different text it matches is its own segment (``"/layers.*/"``: one
   segment per layer);
@@ -55,9 +56,21 @@ _LAYER = re.compile(r"^(.*?/(?:[^/]*[._])?\d+/)")
 
 
 def layer_of(node: onnx.NodeProto) -> str | None:
-    """The layer prefix of a node name (``/layers.3/``, ``/h.0/``, ``/0/``), or ``None``."""
+    """The layer of a node: the prefix of its name up to a numbered component (``/layers.3/``,
+    ``/h.0/``, ``/0/``), else, for ``torch.onnx.export(dynamo=True)`` (nodes named ``node_MatMul_3``),
+    its module path up to the first number (``model.layers.3``, from ``pkg.torch.onnx.name_scopes``);
+    ``None`` outside any layer."""
     m = _LAYER.match(node.name)
-    return m.group(1) if m else None
+    if m:
+        return m.group(1)
+    for p in node.metadata_props:
+        if p.key == "pkg.torch.onnx.name_scopes":
+            # module paths from the root, each in full: '', 'model', 'model.layers', 'model.layers.3'
+            parts = [x.strip(" '\"") for x in p.value.strip("[]").split(",")]
+            for part in parts[:-1]:  # the last one names the op
+                if part and part.rsplit(".", 1)[-1].isdigit():
+                    return part
+    return None
 
 
 def segmenter(spec: Recompute) -> Callable[[onnx.NodeProto], Any] | None:
