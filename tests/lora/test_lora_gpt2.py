@@ -70,7 +70,7 @@ def test_lora_gpt2_overfits_and_merges(tmp_path) -> None:
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
     print(f"LoRA GPT-2: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     for n, b in module.named_buffers():  # the base did not move
