@@ -2,13 +2,13 @@
 
 The model is the anchor transformer layer (d_model 256, 4 heads, FFN 1024) stacked ``--layers``
 times, exported once. Each setting (``recompute=None``, ``"layers"``: one segment per layer, the
-layer inputs kept; ``"all"``: everything rebuilt from the input) runs in a fresh subprocess: it
-builds ``ForwardBackward`` (onnxruntime's CPU arena off, so that the resident set follows the
-tensors alive; glibc's mmap threshold fixed), runs one warm-up step, resets the process's peak
-resident set (``/proc/self/clear_refs``), runs ``--steps`` training steps (forward + backward,
-output gradient of ones) and reports the peak (``VmHWM``) above the resident set before the steps,
-the median step time, and the bytes of the activations the forward hands to the backward
-(``GradientGraphs.saved``, at the batch size run).
+layer inputs kept; ``"all"``: everything rebuilt from the input) runs in two fresh subprocesses.
+The first times ``--steps`` training steps (forward + backward, output gradient of ones) after a
+warm-up, with onnxgrad's default session options. The second measures memory: onnxruntime's CPU
+arena off and glibc's mmap threshold fixed, so that the resident set follows the tensors alive; after
+a warm-up step it resets the process's peak resident set (``/proc/self/clear_refs``), runs the steps
+and reports the peak (``VmHWM``) above the resident set before them, and the bytes of the
+activations the forward hands to the backward (``GradientGraphs.saved``, at the batch size run).
 
     python bench/recompute.py [--layers 24] [--batch 4] [--steps 3] [--json out/recompute.json]
 """
@@ -40,8 +40,9 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def child(path: str, setting: str, batch: int, steps: int) -> dict:
-    """One setting in this process (run by :func:`measure` in a fresh one)."""
+def child(path: str, setting: str, batch: int, steps: int, memory: bool) -> dict:
+    """One setting in this process (run by :func:`measure` in a fresh one): with ``memory``, the
+    peak resident set (arena off), else the step time (onnxgrad's default session options)."""
     import numpy as np
 
     import onnxgrad
@@ -51,7 +52,7 @@ def child(path: str, setting: str, batch: int, steps: int) -> dict:
     opts.intra_op_num_threads = THREADS
     opts.inter_op_num_threads = 1
     # no arena: freed tensors go back to the system, so the resident set follows what is alive
-    opts.enable_cpu_mem_arena = False
+    opts.enable_cpu_mem_arena = not memory
     order = os.environ.get("ONNXGRAD_BENCH_ORDER")
     if order:
         import onnxruntime as ort
@@ -76,9 +77,10 @@ def child(path: str, setting: str, batch: int, steps: int) -> dict:
         del res
     peak = _status("VmHWM")
     saved_bytes = _saved_bytes(fb, x, activations)
+    if not memory:
+        return {"ms": statistics.median(times) * 1e3}
     return {
         "peak_mib": (peak - base) / 1024,
-        "ms": statistics.median(times) * 1e3,
         "saved_values": len(activations),
         "saved_mib": saved_bytes / 2**20,
     }
@@ -96,17 +98,23 @@ def _saved_bytes(fb, x, names) -> int:
 
 
 def measure(path: str, setting: str, batch: int, steps: int) -> dict:
-    code = (
-        f"import sys, json; sys.path.insert(0, {ROOT!r}); from bench.recompute import child;"
-        f"print(json.dumps(child({path!r}, {setting!r}, {batch}, {steps})))"
-    )
-    # a fixed mmap threshold: glibc returns every large freed block at once (its default threshold
-    # rises after the first frees, and freed tensors would then stay resident)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    if out.returncode:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """Step time and peak memory of one setting, each in a fresh process."""
+    result = {}
+    for memory in (False, True):
+        code = (
+            f"import sys, json; sys.path.insert(0, {ROOT!r}); from bench.recompute import child;"
+            f"print(json.dumps(child({path!r}, {setting!r}, {batch}, {steps}, {memory})))"
+        )
+        env = dict(os.environ)
+        if memory:
+            # a fixed mmap threshold: glibc returns every large freed block at once (its default
+            # threshold rises after the first frees, and freed tensors would then stay resident)
+            env.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        if out.returncode:
+            raise RuntimeError(out.stderr[-3000:])
+        result.update(json.loads(out.stdout.strip().splitlines()[-1]))
+    return result
 
 
 def export(layers: int, path: str) -> None:
