@@ -235,3 +235,21 @@ def test_dynamo_renamed_linear_weights() -> None:
         return s.run(None, {s.get_inputs()[0].name: x.numpy()})[0]
 
     np.testing.assert_allclose(run(lora.merge(changed)), run(changed), rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_trains_only_the_adapters() -> None:
+    from onnxgrad.train import Trainer
+
+    base = _mlp()
+    adapted = lora.add_adapters(base, ["w1", "w2"], rank=2, alpha=4)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype(np.float32)
+    y = (x[:, :3] * 2).astype(np.float32)
+    trainer = Trainer(adapted, loss="mse", lr=1e-2, progress=False, recompute="all", batch_size=4)
+    assert sorted(trainer.parameters) == sorted(lora.adapter_names(adapted))
+    trainer.fit({"x": x, "target": y}, epochs=5)
+    merged = lora.merge(trainer.to_onnx())
+    inits = {t.name: numpy_helper.to_array(t) for t in merged.graph.initializer}
+    base_inits = {t.name: numpy_helper.to_array(t) for t in base.graph.initializer}
+    assert not np.array_equal(inits["w1"], base_inits["w1"])  # the trained adapters, folded in
+    np.testing.assert_array_equal(inits["b1"], base_inits["b1"])  # the base's bias untouched

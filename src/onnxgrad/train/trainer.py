@@ -213,6 +213,7 @@ class Trainer:
     a schedule — and ``optimizer_options``) or a factory ``params -> Optimizer``.
     ``seed`` seeds the shuffling; ``metrics``: name -> ``fn(outputs, batch) -> float`` computed on
     the validation data (outputs by name; averaged over batches weighted by their size).
+    ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     """
 
     def __init__(
@@ -235,6 +236,7 @@ class Trainer:
         providers: str | Sequence[Any] | None = None,
         loss_name: str = "loss",
         eval_batch_size: int | None = None,
+        recompute: Any = None,
     ) -> None:
         if isinstance(model, ForwardBackward):
             if loss is not None:
@@ -248,7 +250,9 @@ class Trainer:
                 raise InputError(
                     f"the model has no output {loss_name!r} (outputs: {outputs}); pass loss= to append one"
                 )
-            fb = ForwardBackward(proto, trainable=trainable, outputs=[loss_name], providers=providers)
+            fb = ForwardBackward(
+                proto, trainable=trainable, outputs=[loss_name], providers=providers, recompute=recompute
+            )
         if loss_name not in fb.output_names or loss_name not in fb.graphs.grad_inputs:
             raise InputError(
                 f"the model has no output {loss_name!r} taking a gradient (outputs: {fb.output_names}); "
