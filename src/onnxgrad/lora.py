@@ -417,18 +417,26 @@ def read_adapters(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np
     (n,) = struct.unpack("<Q", data[:8])
     if n > len(data) - 8:
         raise InputError(f"{path!r} is not a safetensors file (header past the end)")
-    header = json.loads(data[8 : 8 + n])
-    meta = json.loads(header.pop("__metadata__", {}).get(LORA_KEY, "{}"))
+    try:
+        header = json.loads(data[8 : 8 + n])
+        meta = json.loads(header.pop("__metadata__", {}).get(LORA_KEY, "{}"))
+    except (ValueError, AttributeError) as exc:
+        raise InputError(f"{path!r} is not a safetensors file of adapters: {exc}") from exc
     body = data[8 + n :]
     rev = {v: k for k, v in _ST_DTYPES.items()}
     arrays = {}
     for name, h in header.items():
-        start, end = h["data_offsets"]
-        if h["dtype"] not in rev or not 0 <= start <= end <= len(body):
-            raise InputError(f"{path!r}: tensor {name!r} is corrupt")
-        dt = _np_from_st(rev[h["dtype"]])
-        arr = np.frombuffer(body[start:end], dtype=dt.newbyteorder("<")).astype(dt)
-        arrays[name] = arr.reshape(h["shape"])
+        try:
+            start, end = (int(v) for v in h["data_offsets"])
+            shape = [int(d) for d in h["shape"]]
+            dt = _np_from_st(rev[h["dtype"]])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{path!r}: tensor {name!r} has a corrupt header entry") from exc
+        if not 0 <= start <= end <= len(body) or any(d < 0 for d in shape):
+            raise InputError(f"{path!r}: tensor {name!r} lies outside the file")
+        if math.prod(shape) * dt.itemsize != end - start:
+            raise InputError(f"{path!r}: tensor {name!r} has {end - start} bytes for shape {shape}")
+        arrays[name] = np.frombuffer(body[start:end], dtype=dt.newbyteorder("<")).astype(dt).reshape(shape)
     return meta, arrays
 
 

@@ -253,3 +253,24 @@ def test_trainer_trains_only_the_adapters() -> None:
     base_inits = {t.name: numpy_helper.to_array(t) for t in base.graph.initializer}
     assert not np.array_equal(inits["w1"], base_inits["w1"])  # the trained adapters, folded in
     np.testing.assert_array_equal(inits["b1"], base_inits["b1"])  # the base's bias untouched
+
+
+def test_corrupt_adapter_files_are_refused(tmp_path) -> None:
+    import json
+    import struct
+
+    adapted = lora.add_adapters(_mlp(), ["w1"], rank=2)
+    path = tmp_path / "a.safetensors"
+    lora.save_adapters(adapted, path)
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header["w1.lora_A"]["shape"] = [1000, 1000]
+    raw = json.dumps(header).encode()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+    with pytest.raises(InputError, match="bytes for shape"):
+        lora.read_adapters(bad)
+    (tmp_path / "short.safetensors").write_bytes(struct.pack("<Q", 10**9) + b"{}")
+    with pytest.raises(InputError, match="not a safetensors"):
+        lora.read_adapters(tmp_path / "short.safetensors")
