@@ -98,6 +98,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/compare_torch.py --json out/bench.json
+	$(PY) bench/recompute.py --json out/recompute.json
 
 fuzz: $(STAMP)
 	ONNXGRAD_FUZZ=1 $(PY) -m pytest -q tests/reliability/test_fuzz.py

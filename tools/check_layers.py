@@ -26,16 +26,28 @@ LAYERS: list[tuple[str, list[str]]] = [
             "onnxgrad.torch",
             "onnxgrad.compat",
             "onnxgrad.sklearn",
-            "onnxgrad.artifacts",
             "onnxgrad.demo",
             "onnxgrad.testing",
+            "onnxgrad.lora",
         ],
     ),
-    ("training", ["onnxgrad.train"]),
+    # the trainer runs one-graph steps that the artifacts build; the package façade re-exports it
+    ("trainer", ["onnxgrad.train", "onnxgrad.train.trainer", "onnxgrad.train.onegraph"]),
+    ("artifacts", ["onnxgrad.artifacts"]),
+    (
+        "training parts",
+        [
+            "onnxgrad.train.losses",
+            "onnxgrad.train.optim",
+            "onnxgrad.train.schedules",
+            "onnxgrad.train.data",
+            "onnxgrad.train.plot",
+        ],
+    ),
     ("pythonop plug-in", ["onnxgrad.pythonop"]),
     ("runtime", ["onnxgrad.runtime"]),
     ("autodiff", ["onnxgrad.autodiff"]),
-    ("model", ["onnxgrad.model", "onnxgrad.validate"]),
+    ("model", ["onnxgrad.model", "onnxgrad.validate", "onnxgrad.storage"]),
     ("base", ["onnxgrad.errors", "onnxgrad.deps", "onnxgrad._version"]),
 ]
 ROOT = "onnxgrad"  # the package façade: above everything, imported by nothing inside

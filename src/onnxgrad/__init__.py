@@ -13,6 +13,7 @@ from . import errors, pythonop  # noqa: F401  (pythonop registers the com.micros
 from ._version import __version__
 from .autodiff import GradientGraphs, build_gradient, supported_ops
 from .runtime import ForwardBackward, gradients
+from .storage import save_model
 
 __all__ = [
     "ForwardBackward",
@@ -21,6 +22,7 @@ __all__ = [
     "build_gradient",
     "errors",
     "gradients",
+    "save_model",
     "supported_ops",
 ]
 

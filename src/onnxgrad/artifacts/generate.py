@@ -31,6 +31,7 @@ from onnx import TensorProto, helper
 from ..autodiff.compose import compose
 from ..autodiff.engine import build_gradient
 from ..autodiff.modes import follows_training_flag, set_training_mode
+from ..autodiff.params import declared_trainable
 from ..errors import InputError
 from ..model.graph import (
     FLOAT_TYPES,
@@ -176,7 +177,10 @@ def _trainable(
     unknown = frozen - set(floats)
     if unknown:
         raise InputError(f"frozen names {sorted(unknown)} are not floating-point initializers of the model")
-    if requires_grad is None:
+    declared = declared_trainable(model)  # a model naming its parameters (LoRA: the adapters)
+    if requires_grad is None and declared is not None:
+        chosen = [n for n in declared if n in floats]
+    elif requires_grad is None:
         chosen = floats
     else:
         chosen = list(dict.fromkeys(requires_grad))

@@ -44,6 +44,8 @@ from ..model.load import CheckedModel, load_model
 from ..model.pythonop_spec import complete_class_names
 from .builder import GradBuilder, Var
 from .params import Tie, padding_rows, select_parameters
+from .recompute import MARK as RECOMPUTE_MARK
+from .recompute import Recompute, apply_recompute
 from .registry import NodeContext, lookup
 from .rewrite import centered_batch_norms, rewrite_for_training
 
@@ -92,6 +94,7 @@ def build_gradient(
     inputs_requiring_grad: Iterable[str] = (),
     outputs: Iterable[str] | None = None,
     tie_weights: bool = True,
+    recompute: Recompute = None,
 ) -> GradientGraphs:
     """Build the forward and backward graphs of ``model``.
 
@@ -150,10 +153,16 @@ def build_gradient(
         final.append((w, total))
     _name_outputs(g, final, grad_outputs)
     _recompute_views(g, nodes, set(graph_inputs) | set(trainable_names))
+    copied = []
+    if recompute is not None:
+        fed = set(graph_inputs) | set(trainable_names) | {i.name for i in graph.input}
+        copied = apply_recompute(g, nodes, fed, recompute, versions.get("", opset))
 
     # 3. assemble both models
     forward = _forward_model(model, nodes, g, trainable_names, infos)
     backward = _backward_model(model, g, grad_inputs, grad_outputs, infos)
+    if copied:  # the runtime runs it in graph order (see recompute.ordered_for_recompute)
+        backward.metadata_props.add(key=RECOMPUTE_MARK, value=str(len(copied)))
     saved = list(g.saved)
     return GradientGraphs(
         forward=forward,
@@ -452,6 +461,7 @@ def _forward_model(
         functions=list(model.functions),
     )
     fwd.ir_version = max(ir_version_for(model.opset_import), min(model.ir_version, 13))
+    fwd.metadata_props.extend(model.metadata_props)  # the model's (LoRA adapters: onnxgrad.lora)
     return fwd
 
 

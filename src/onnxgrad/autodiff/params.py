@@ -242,7 +242,11 @@ def parameter_reasons(model: onnx.ModelProto) -> dict[str, str | None]:
     producer = {o: n for n in graph.node for o in n.output}
     infos: dict | None = None
     reasons: dict[str, str | None] = {}
+    declared = declared_trainable(model)
     for name, t in inits.items():
+        if declared is not None and name not in declared:  # the model names its parameters
+            reasons[name] = "frozen (not in the model's onnxgrad.trainable)"
+            continue
         if t.data_type not in FLOAT_TYPES:  # never trainable; the usage, when it says more
             slot = next((r for r in (_slot_reason(n, k) for n, k in uses[name]) if r), None)
             reasons[name] = _kind(t) if slot is None else f"{slot} ({_dtype_name(t.data_type)})"
@@ -271,6 +275,28 @@ def parameter_reasons(model: onnx.ModelProto) -> dict[str, str | None]:
                         reason = "scalar constant"
         reasons[name] = reason
     return reasons
+
+
+# A model may name its default trainable set itself, as a JSON list of initializer names in this
+# metadata_props key (onnxgrad.lora.add_adapters writes it: the adapters, the base frozen). Those
+# names are never tied to one another (LoRA's B matrices all start at zero, equal but separate).
+TRAINABLE_KEY = "onnxgrad.trainable"
+
+
+def declared_trainable(model: onnx.ModelProto) -> list[str] | None:
+    """The initializer names ``model`` declares as its default trainable set, or ``None``."""
+    import json
+
+    for p in model.metadata_props:
+        if p.key == TRAINABLE_KEY:
+            try:
+                names = json.loads(p.value)
+            except ValueError as exc:
+                raise InputError(f"metadata {TRAINABLE_KEY!r} is not a JSON list of names: {exc}") from exc
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise InputError(f"metadata {TRAINABLE_KEY!r} is not a JSON list of names")
+            return names
+    return None
 
 
 def _slot_reason(node: onnx.NodeProto, k: int) -> str | None:
@@ -538,7 +564,8 @@ def select_parameters(
     ties: list[Tie] = []
     if tie_weights:
         chosen = set(names)
-        candidates = [n for n in inits if reasons.get(n) is None or n in chosen]
+        separate = set(declared_trainable(model) or ())
+        candidates = [n for n in inits if (reasons.get(n) is None or n in chosen) and n not in separate]
         found = find_ties(model, candidates, prefer=explicit)
         by_source: dict[str, list[Tie]] = {}
         for t in found:

@@ -21,6 +21,7 @@ import onnx
 import onnxruntime as ort
 
 from ..autodiff.engine import GradientGraphs
+from ..autodiff.recompute import ordered_for_recompute
 from ..deps import require_onnxruntime
 from ..errors import OnnxGradRuntimeError
 from ..model.graph import ValueInfo, to_array, value_info_from_proto
@@ -55,6 +56,8 @@ def make_session(
     require_onnxruntime()
     if options is None:
         options = default_options()
+    if not isinstance(model, str):  # a backward with recomputed activations runs in graph order
+        ordered_for_recompute(model, options)
     source = model if isinstance(model, str) else model.SerializeToString()
     try:
         return ort.InferenceSession(source, sess_options=options, providers=providers)

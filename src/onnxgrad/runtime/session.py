@@ -98,6 +98,7 @@ class ForwardBackward:
 
     ``model_or_graphs``: a model (proto, path or bytes) or the :class:`GradientGraphs` of one.
     Several forwards may be alive at once, and forwards/backwards may run from several threads.
+    ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     """
 
     def __init__(
@@ -110,6 +111,7 @@ class ForwardBackward:
         providers: str | Sequence[Any] | None = None,
         session_options: ort.SessionOptions | None = None,
         tie_weights: bool = True,
+        recompute: Any = None,
     ) -> None:
         self._modes: ModeSwitch | None = None  # Dropout / BatchNormalization follow `training`
         if isinstance(model_or_graphs, GradientGraphs):
@@ -132,6 +134,7 @@ class ForwardBackward:
                 inputs_requiring_grad=inputs_requiring_grad,
                 outputs=outputs,
                 tie_weights=tie_weights,
+                recompute=recompute,
             )
         if not graphs.wrt:
             raise InputError(

@@ -62,6 +62,7 @@ class _Variant:
         feed_names: Sequence[str],
         providers: list[Any],
         options: ort.SessionOptions | None,
+        recompute: Any = None,
     ) -> None:
         # Floating-point initializers that are not differentiated here are fed at each call (their
         # live values are buffers, or parameters with requires_grad=False): make them inputs.
@@ -85,6 +86,7 @@ class _Variant:
             inputs_requiring_grad=inputs,
             outputs=outputs,
             tie_weights=False,
+            recompute=recompute,
         )
         self.runner = make_runner(self.graphs, providers, options)
         # model inputs then initializers, the order of the tensors a call hands to _OnnxFunction
@@ -165,6 +167,7 @@ class OnnxModule(nn.Module):
     buffers. ``tie_weights``: initializers holding one parameter (equal, or equal up to a transpose
     or a cast, such as GPT-2's embedding and its folded transposed copy) become one ``nn.Parameter``,
     the others computed from it in the graph (``tied``); ``False`` keeps them apart.
+    ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     ``forward(*tensors)`` takes the model inputs in order and returns a tensor (one output) or a
     tuple.
     """
@@ -177,8 +180,10 @@ class OnnxModule(nn.Module):
         providers: str | Sequence[Any] | None = None,
         session_options: ort.SessionOptions | None = None,
         tie_weights: bool = True,
+        recompute: Any = None,
     ) -> None:
         super().__init__()
+        self._recompute = recompute  # build_gradient(recompute=): activations rebuilt in the backward
         checked = load_checked(model)  # the one validation: what follows are onnxgrad's own rewrites
         selection = select_parameters(checked.proto, trainable, tie_weights=tie_weights)
         proto = selection.model
@@ -267,6 +272,7 @@ class OnnxModule(nn.Module):
                     self._feed_names,
                     resolve_providers(self._providers),
                     self._session_options,
+                    getattr(self, "_recompute", None),
                 )
                 self._variants[key] = variant
         return variant

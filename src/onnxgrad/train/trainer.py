@@ -221,6 +221,7 @@ class Trainer:
     with PythonOp, Dropout, BatchNormalization or tied weights, and other optimizers, run forward,
     backward and the numpy update (a debug log of ``onnxgrad.train.onegraph`` says why);
     :attr:`step_path` tells which runs.
+    ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     """
 
     def __init__(
@@ -244,6 +245,7 @@ class Trainer:
         loss_name: str = "loss",
         eval_batch_size: int | None = None,
         one_graph: bool = True,
+        recompute: Any = None,
     ) -> None:
         if isinstance(model, ForwardBackward):
             if loss is not None:
@@ -259,7 +261,9 @@ class Trainer:
                 raise InputError(
                     f"the model has no output {loss_name!r} (outputs: {outputs}); pass loss= to append one"
                 )
-            fb = ForwardBackward(checked, trainable=trainable, outputs=[loss_name], providers=providers)
+            fb = ForwardBackward(
+                checked, trainable=trainable, outputs=[loss_name], providers=providers, recompute=recompute
+            )
         if loss_name not in fb.output_names or loss_name not in fb.graphs.grad_inputs:
             raise InputError(
                 f"the model has no output {loss_name!r} taking a gradient (outputs: {fb.output_names}); "
@@ -279,7 +283,10 @@ class Trainer:
         self.stop_training = False
         self.has_validation = False
         self.inputs = input_infos(fb)
-        self._one_graph = one_graph_step(fb, self.optimizer, loss_name) if one_graph else None
+        # recomputation saves memory between the forward and the backward session: two sessions then
+        self._one_graph = (
+            one_graph_step(fb, self.optimizer, loss_name) if one_graph and recompute is None else None
+        )
 
     @property
     def step_path(self) -> str:
