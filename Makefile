@@ -10,13 +10,15 @@ STAMP := $(VENV)/.installed
 PIP_QUIET := --quiet --disable-pip-version-check
 # torch first: a spec pip could satisfy with a newer release pulls a CUDA build of several GB.
 TORCH := torch==2.13.0
+# the locked venv also holds the zoo extra (transformers, onnxscript): make test runs tests/zoo
+EXTRAS := dev,zoo
 
 .PHONY: demo test test-latest test-oldest test-wheel test-js test-web lint bench fuzz lock clean docs-coverage
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_QUIET) -c $(LOCK) $(TORCH)
-	$(PY) -m pip install $(PIP_QUIET) -c $(LOCK) -e ".[dev]"
+	$(PY) -m pip install $(PIP_QUIET) -c $(LOCK) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -64,11 +66,11 @@ docs-coverage: $(STAMP)
 	$(PY) -m onnxgrad coverage --markdown >> docs/coverage.md.new
 	mv docs/coverage.md.new docs/coverage.md
 
-# Refresh the lock: resolve the dev extra afresh in a throwaway venv and freeze it.
+# Refresh the lock: resolve the dev and zoo extras afresh in a throwaway venv and freeze it.
 lock:
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
 	.venv-lock/bin/python -m pip install $(PIP_QUIET) $(TORCH)
-	.venv-lock/bin/python -m pip install $(PIP_QUIET) ".[dev]"
+	.venv-lock/bin/python -m pip install $(PIP_QUIET) ".[$(EXTRAS)]"
 	(echo "# pip constraints for make test / make demo; refresh with: make lock"; \
 	 .venv-lock/bin/python -m pip freeze --disable-pip-version-check --exclude onnxgrad) > $(LOCK)
 	rm -rf .venv-lock

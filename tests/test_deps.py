@@ -194,3 +194,33 @@ def test_the_process_exits_after_importing_onnxgrad():
     code = "import onnxgrad; print('imported')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr
+
+
+@pytest.mark.parametrize("form", ["classmethod", "classmethod_descriptor"])
+def test_function_apply_observed_in_both_forms(monkeypatch, form):
+    """torch 2.13 defines Function.apply as a Python classmethod, torch 2.14 as a C descriptor."""
+    if form == "classmethod_descriptor":
+        descriptor = torch._C._FunctionBase.__dict__["apply"]
+        assert type(descriptor).__name__ == "classmethod_descriptor"
+        monkeypatch.setattr(torch.autograd.Function, "apply", descriptor)
+    before = torch.autograd.Function.__dict__["apply"]
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    seen = []
+    x = torch.ones(3, requires_grad=True)
+    with deps.function_apply_observed(lambda cls, out: seen.append((cls, out.detach().clone()))):
+        y = Double.apply(x)
+    y.sum().backward()
+    assert seen and seen[0][0] is Double and seen[0][1].tolist() == [2.0, 2.0, 2.0]
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
+    assert torch.autograd.Function.__dict__["apply"] is before  # put back
+    Double.apply(x)
+    assert len(seen) == 1  # no longer observed

@@ -305,3 +305,29 @@ def _probe_torch(interop: TorchInterop) -> None:
         if not ok:
             what = f"a DLPack exchange of {sample.dtype} with torch {interop.version}"
             raise _missing("onnxruntime", ORT_VERSION, what)
+
+
+@contextlib.contextmanager
+def function_apply_observed(observe: Callable[[type, Any], None]) -> Any:
+    """Within the block, ``observe(cls, outputs)`` runs after every ``torch.autograd.Function.apply``.
+
+    torch <= 2.13 defines ``Function.apply`` as a Python classmethod, torch 2.14 as a C
+    ``classmethod_descriptor``; both are bound with ``__get__(None, cls)``, so one wrapper serves
+    either. The original is put back on exit. ``observe`` may raise to stop the call.
+    """
+    torch = require_torch()
+    function = torch.autograd.Function
+    original = function.__dict__.get("apply")
+    if original is None or not hasattr(original, "__get__"):
+        raise _missing("torch", torch.__version__, "torch.autograd.Function.apply as a class method")
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        out = original.__get__(None, cls)(*args, **kwargs)
+        observe(cls, out)
+        return out
+
+    function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        function.apply = original

@@ -11,7 +11,6 @@ and the rest of the module is standard ONNX. Non-tensor arguments are stored by 
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import io
 import threading
@@ -22,6 +21,7 @@ from typing import Any
 import onnx
 import torch
 
+from ..deps import function_apply_observed
 from ..errors import PythonOpError
 from ..model.graph import MAX_IR_VERSION, ir_version_for
 from ..model.pythonop_spec import MS_DOMAIN, PYTHON_OP, encode_constants
@@ -110,36 +110,26 @@ def _tensor_outputs_checked(state: _ExportState) -> Any:
     ``Function.apply`` is wrapped for the duration of the export (under the export lock); calls
     outside a trace, and in other threads, go straight through.
     """
-    original = torch.autograd.Function.__dict__.get("apply")
-    if not isinstance(original, classmethod):  # torch moved it: no check, torch's own error stands
-        yield
-        return
-    func = original.__func__
 
-    @functools.wraps(func)
-    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        out = func(cls, *args, **kwargs)
-        if torch._C._get_tracing_state() is not None:
-            outs = out if isinstance(out, tuple | list) else (out,)
-            bad = [(i, v) for i, v in enumerate(outs) if not isinstance(v, torch.Tensor)]
-            if bad:
-                i, value = bad[0]
-                shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
-                error = PythonOpError(
-                    f"{qualified_name(cls)}.forward returned output {i} of {len(outs)} as "
-                    f"{type(value).__name__} {shown}: a Function exported as a PythonOp node (or inlined) "
-                    "may return only tensors. Return it as a tensor (torch.tensor(...)), or keep the "
-                    "value out of the Function's outputs"
-                )
-                state.error = state.error or error
-                raise error
-        return out
+    def observe(cls: type, out: Any) -> None:
+        if torch._C._get_tracing_state() is None:
+            return
+        outs = out if isinstance(out, tuple | list) else (out,)
+        bad = [(i, v) for i, v in enumerate(outs) if not isinstance(v, torch.Tensor)]
+        if bad:
+            i, value = bad[0]
+            shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
+            error = PythonOpError(
+                f"{qualified_name(cls)}.forward returned output {i} of {len(outs)} as "
+                f"{type(value).__name__} {shown}: a Function exported as a PythonOp node (or inlined) "
+                "may return only tensors. Return it as a tensor (torch.tensor(...)), or keep the "
+                "value out of the Function's outputs"
+            )
+            state.error = state.error or error
+            raise error
 
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
-    try:
+    with function_apply_observed(observe):
         yield
-    finally:
-        torch.autograd.Function.apply = original  # type: ignore[method-assign]
 
 
 class _ExportState:
