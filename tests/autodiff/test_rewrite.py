@@ -15,7 +15,11 @@ from tests.models import make_model
 
 RNG = np.random.default_rng(5)
 
-CENTERED_OFF = "the centered BatchNormalization forward (rewrite.centered_batch_norms) is switched off: with it, MobileNetV2's gradients (tests/zoo) left float64 torch by up to 1% of scale in 138 of 158 parameters; cause not found yet"
+CENTERED_OFF = (
+    "the centered BatchNormalization forward (rewrite.centered_batch_norms) is switched off: with it, "
+    "MobileNetV2's gradients (tests/zoo) left float64 torch by up to 1% of scale in 138 of 158 "
+    "parameters; cause not found yet"
+)
 
 
 def conv_relu_pool(dtype: type = np.float64, pool: dict | None = None, extra: str | None = None):
