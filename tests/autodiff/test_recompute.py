@@ -44,7 +44,7 @@ def _stack(layers: int = 3) -> onnx.ModelProto:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
         inits,
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 def _grads(graphs: onnxgrad.GradientGraphs, x: np.ndarray) -> dict[str, np.ndarray]:

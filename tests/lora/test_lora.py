@@ -50,7 +50,7 @@ def _mlp(layout: str = "matmul") -> onnx.ModelProto:
             helper.make_node("Add", ["m2t", "b2"], ["y"]),
         ]
     graph = helper.make_graph(nodes, "mlp", [x], [y], [numpy_helper.from_array(v, n) for n, v in inits])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
@@ -142,7 +142,9 @@ def _same_shape_model() -> onnx.ModelProto:
     inits = [numpy_helper.from_array(rng.normal(size=(4, 4)).astype(np.float32), n) for n in ("wa", "wb")]
     nodes = [helper.make_node("MatMul", ["x", "wa"], ["h"]), helper.make_node("MatMul", ["h", "wb"], ["y"])]
     model = helper.make_model(
-        helper.make_graph(nodes, "g", [x], [y], inits), opset_imports=[helper.make_opsetid("", 17)]
+        helper.make_graph(nodes, "g", [x], [y], inits),
+        opset_imports=[helper.make_opsetid("", 17)],
+        ir_version=8,
     )
     return lora.add_adapters(model, rank=2)
 

@@ -33,7 +33,7 @@ def _mlp() -> onnx.ModelProto:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1])],
         inits,
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 def _save_external(model: onnx.ModelProto, folder, name: str = "model.onnx") -> str:
