@@ -15,12 +15,6 @@ from tests.models import make_model
 
 RNG = np.random.default_rng(5)
 
-CENTERED_OFF = (
-    "the centered BatchNormalization forward (rewrite.centered_batch_norms) is switched off: with it, "
-    "MobileNetV2's gradients (tests/zoo) left float64 torch by up to 1% of scale in 138 of 158 "
-    "parameters; cause not found yet"
-)
-
 
 def conv_relu_pool(dtype: type = np.float64, pool: dict | None = None, extra: str | None = None):
     """x -> Conv -> Relu -> MaxPool -> y; ``extra``: "output" makes the ReLU a graph output too,
@@ -112,7 +106,6 @@ def batch_norm_model(shape: tuple, opset: int, training: int = 1, stats_out: boo
     return make_model([node], [("x", dtype, list(shape))], outputs, inits, opset=opset)
 
 
-@pytest.mark.xfail(strict=True, reason=CENTERED_OFF)
 @pytest.mark.parametrize("opset", [15, 18])
 @pytest.mark.parametrize("shape", [(6, 3), (4, 3, 5), (4, 3, 5, 2)], ids=["2d", "3d", "4d"])
 @pytest.mark.parametrize("stats_out", [True, False], ids=["stats", "y_only"])
@@ -135,7 +128,6 @@ def test_inference_batch_norm_is_left_to_onnxruntime():
     assert forward_ops(batch_norm_model((4, 3, 5), 15, training=0, stats_out=False)) == ["BatchNormalization"]
 
 
-@pytest.mark.xfail(strict=True, reason=CENTERED_OFF)
 def test_float32_batch_norm_of_a_channel_far_from_zero_has_no_rounding_noise():
     """mean 1000, std 1: onnxruntime's x * a + b leaves ~3e-5 of noise in y, the centered form
     1e-6 at most (what remains is a per-channel shift from rounding the mean)."""

@@ -61,19 +61,7 @@ def _worst(got: dict, want: dict) -> float:
 
 @pytest.mark.parametrize(
     ("seed", "offset", "bn_first"),
-    [
-        (7, 1.0, False),
-        pytest.param(
-            3,
-            1000.0,
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the centered BatchNormalization forward is switched off (MobileNetV2 gradients in "
-                "tests/zoo left torch's with it; cause not found yet)",
-            ),
-        ),
-    ],
+    [(7, 1.0, False), (3, 1000.0, True)],
     ids=["normalized_input", "raw_input_mean_1000"],
 )
 def test_conv_bn_relu_stack_float32_as_accurate_as_torch(seed, offset, bn_first):

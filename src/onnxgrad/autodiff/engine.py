@@ -47,7 +47,7 @@ from .params import Tie, padding_rows, select_parameters
 from .recompute import MARK as RECOMPUTE_MARK
 from .recompute import Recompute, apply_recompute
 from .registry import NodeContext, lookup
-from .rewrite import rewrite_for_training
+from .rewrite import centered_batch_norms, rewrite_for_training
 
 
 @dataclass
@@ -446,7 +446,7 @@ def _forward_model(
             out_names.add(name)
     fwd_graph = helper.make_graph(
         # control-flow rules may add inputs to a forward node
-        sort_nodes(list(nodes) + g.fwd_nodes),
+        sort_nodes(centered_batch_norms(list(nodes), infos, opset_of(model), g.fresh) + g.fwd_nodes),
         graph.name or "forward",
         inputs,
         outputs,
