@@ -416,3 +416,129 @@ def test_transposes_of_any_rank_either_way():
     x = rnd(4, 8, 16)
     grads = onnxgrad.ForwardBackward(model).forward({"x": x}).backward()
     np.testing.assert_allclose(grads["a"], 2 * x * a, rtol=1e-5)  # y = x * a * a
+
+
+# ---- broadcast copies (constant folding expands a parameter into a larger initializer) ------------
+def broadcast_model(a: np.ndarray, b: np.ndarray, gather: bool) -> onnx.ModelProto:
+    """y = x * B + A[ids] (``gather``) or x * B + A: the parameter A, and B folded from it."""
+    use = (
+        helper.make_node("Gather", ["A", "ids"], ["g"])
+        if gather
+        else helper.make_node("Identity", ["A"], ["g"])
+    )
+    nodes = [use, helper.make_node("Mul", ["x", "B"], ["m"]), helper.make_node("Add", ["m", "g"], ["y"])]
+    inputs = [("x", F32, list(b.shape))] + ([("ids", np.int64, list(b.shape[:-1]))] if gather else [])
+    return make_model(nodes, inputs, [("y", F32, list(b.shape))], {"A": a, "B": b})
+
+
+BROADCASTS = {
+    # BERT: token_type_embeddings row 0, repeated for every token of every sequence
+    "row": (
+        rnd(2, 32),
+        lambda t: t[0].expand(2, 8, 32),
+        "rows 0:1 then reshape [1, 1, 32] then expand to [2, 8, 32]",
+    ),
+    # BART: the position rows of the sequence, repeated over the batch
+    "rows": (
+        rnd(12, 32),
+        lambda t: t[2:10].expand(2, 8, 32),
+        "rows 2:10 then reshape [1, 8, 32] then expand to [2, 8, 32]",
+    ),
+    # ViT: cls_token (1x1x32), repeated over the batch
+    "whole": (rnd(1, 1, 32), lambda t: t.expand(2, 1, 32), "expand to [2, 1, 32]"),
+}
+
+
+@pytest.mark.parametrize("form", list(BROADCASTS))
+def test_broadcast_copy_is_one_parameter(form):
+    torch = pytest.importorskip("torch")
+    a, fold, how = BROADCASTS[form]
+    b = fold(torch.tensor(a)).numpy().copy()
+    gather = a.ndim == 2
+    model = broadcast_model(a, b, gather)
+    selection = select_parameters(model)
+    assert [(t.name, t.source, t.how) for t in selection.ties] == [("B", "A", how)]
+    assert selection.trainable == ["A"]
+    x, dy = rnd(*b.shape), rnd(*b.shape)
+    feeds = {"x": x}
+    ids = RNG.integers(0, a.shape[0], b.shape[:-1])
+    if gather:
+        feeds["ids"] = ids
+    fb = onnxgrad.ForwardBackward(model)
+    grads = fb.forward(feeds).backward({"y": dy})
+    assert list(grads) == ["A"]
+    # torch: the folded copy is computed from the parameter; its gradient sums over the copies
+    A = torch.tensor(a, requires_grad=True)
+    y = torch.tensor(x) * fold(A) + (A[torch.tensor(ids)] if gather else A)
+    y.backward(torch.tensor(dy))
+    np.testing.assert_allclose(grads["A"], A.grad.numpy(), rtol=1e-5, atol=1e-5)
+    # to_onnx writes the copy back, computed from the current parameter, and no tie node is left
+    fb.set_parameters({"A": 2 * a})
+    out = fb.to_onnx()
+    got = {i.name: numpy_helper.to_array(i) for i in out.graph.initializer}
+    np.testing.assert_array_equal(got["B"], 2 * b)
+    assert not any(n.name.startswith("onnxgrad_tie_") for n in out.graph.node)
+    assert list(onnxgrad.ForwardBackward(model, tie_weights=False).parameters) == ["A", "B"]
+
+
+def test_no_broadcast_tie_by_accident():
+    table = rnd(12, 32)
+    block = np.broadcast_to(table[2:10], (2, 8, 32))
+    few = np.tile(np.arange(8, dtype=F32), 4)  # a row of 8 distinct values
+    with_few = np.concatenate([few[None], rnd(11, 32)])
+    one_differs = block.copy()
+    one_differs[1, 3, 5] += 1
+    cases = {
+        "few distinct values": (with_few, np.broadcast_to(with_few[0], (2, 8, 32))),
+        "one copy differs": (table, one_differs),
+        "not larger (a plain slice)": (table, table[2:10][None]),
+        "another type": (table, block.astype(np.float64)),
+        "all equal": (np.ones((12, 32), F32), np.ones((2, 8, 32), F32)),
+    }
+    for case, (a, b) in cases.items():
+        model = broadcast_model(a, np.ascontiguousarray(b), gather=False)
+        ties = select_parameters(model, trainable=["A", "B"]).ties
+        if case == "another type":  # a broadcast still, of a core of its own type (see below)
+            assert [(t.source, t.made) for t in ties] == [("B_core", True)], case
+        else:
+            assert ties == [], case
+    # the same block, exact: tied (the cases above fail one condition each)
+    assert len(select_parameters(broadcast_model(table, block.copy(), gather=False)).ties) == 1
+
+
+def test_broadcast_of_a_parameter_the_exporter_folded_away():
+    # ViT's dynamo export stores cls_token (1x1x32) only expanded over the batch, as 'B' (2x1x32):
+    # its core becomes the parameter, B_core
+    core = rnd(1, 1, 32)
+    b = np.broadcast_to(core, (2, 1, 32)).copy()
+    model = make_model(
+        [helper.make_node("Mul", ["x", "B"], ["y"])],
+        [("x", F32, [2, 1, 32])],
+        [("y", F32, [2, 1, 32])],
+        {"B": b},
+    )
+    fb = onnxgrad.ForwardBackward(model)
+    assert list(fb.parameters) == ["B_core"]
+    np.testing.assert_array_equal(fb.parameters["B_core"], core)
+    x, dy = rnd(2, 1, 32), rnd(2, 1, 32)
+    grads = fb.forward({"x": x}).backward({"y": dy})
+    np.testing.assert_allclose(grads["B_core"], (x * dy).sum(0, keepdims=True), rtol=1e-5, atol=1e-6)
+    fb.set_parameters({"B_core": 3 * core})
+    out = fb.to_onnx()
+    got = {i.name: numpy_helper.to_array(i) for i in out.graph.initializer}
+    assert list(got) == ["B"]
+    np.testing.assert_array_equal(got["B"], 3 * b)
+
+
+def test_made_core_with_dropout_in_the_model():
+    # a model that follows the training flag builds its inference graphs again from the untied model
+    core = rnd(1, 1, 32)
+    b = np.broadcast_to(core, (2, 4, 32)).copy()
+    nodes = [helper.make_node("Mul", ["x", "B"], ["m"]), helper.make_node("Dropout", ["m"], ["y"])]
+    model = make_model(nodes, [("x", F32, [2, 4, 32])], [("y", F32, [2, 4, 32])], {"B": b})
+    fb = onnxgrad.ForwardBackward(model)
+    assert list(fb.parameters) == ["B_core"]
+    fb.set_parameters({"B_core": 2 * core})
+    got = {i.name: numpy_helper.to_array(i) for i in fb.to_onnx().graph.initializer}
+    np.testing.assert_array_equal(got["B"], 2 * b)
+    assert "B_core" not in got

@@ -49,6 +49,21 @@ the others can be computed from, preferring one named in ``trainable=``) stays t
 the others are computed from it by ``Identity``/``Transpose``/``Cast`` nodes, so the gradients of
 every use add up, as in torch. :func:`untie` turns those nodes back into initializers (what
 ``to_onnx()`` returns). A group is tied when one of its members is trainable.
+
+**Broadcast copies.** Constant folding also stores a parameter expanded over a batch or a sequence
+(BERT's token-type row repeated for every token, ViT's ``cls_token`` for every image, BART's position
+rows for every sequence). An initializer ``B`` is *one parameter* with ``A`` when ``B`` equals,
+bit for bit, ``np.broadcast_to`` of ``A`` or of a contiguous block of its rows (``A[k:k+n]``, one row
+or more), reshaped as needed: every axis of ``B`` along which it repeats holds exact copies, ``B`` is
+strictly larger than that core, the core holds at least :data:`BROADCAST_MIN_DISTINCT` distinct
+values, both have the same type, ``A`` is itself no broadcast (repeats along no axis) nor the copy
+of another initializer, and ``B`` is in no group of equal, transposed or cast copies. ``B`` is then
+computed from ``A`` by ``Slice``/``Reshape``/``Expand`` nodes (its gradient sums over the copies
+back into ``A``, as torch's does) and :func:`untie` writes it back.
+When no initializer holds the core (the exporter folded the parameter away: ViT's ``cls_token`` is
+stored only as ``expand``, 2x1x32), the core becomes a new initializer, ``B_core`` (``B`` cut to
+length 1 along its repeated axes), which is the parameter; :func:`untie` writes ``B`` back and drops
+``B_core``. Types must match exactly (no cast).
 """
 
 from __future__ import annotations
@@ -68,6 +83,9 @@ from ..model.infer import infer_value_infos
 
 TIE_MIN_SIZE = 256
 """The fewest values an initializer needs to be tied to another (smaller ones agree by accident)."""
+
+BROADCAST_MIN_DISTINCT = 16
+"""The fewest distinct values the core of a broadcast copy needs (see the module's documentation)."""
 
 MASK_NEGATIVE = -1e4
 """Additive masks hold 0 and values at most this (or -inf)."""
@@ -129,16 +147,33 @@ _TORCH_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
 
 @dataclass(frozen=True)
 class Tie:
-    """``name`` is ``source``, transposed by ``perm`` (when given), cast to ``to`` (when given)."""
+    """``name`` is ``source``, transposed by ``perm`` (when given), cast to ``to`` (when given); or
+    for a broadcast copy: rows ``rows[0]:rows[1]`` of ``source`` (when given), reshaped to ``shape``
+    (when given), expanded to ``expand``."""
 
     name: str
     source: str
     perm: tuple[int, ...] | None = None
     to: int | None = None
+    rows: tuple[int, int] | None = None
+    shape: tuple[int, ...] | None = None
+    expand: tuple[int, ...] | None = None
+    made: bool = False  # source is a new initializer: the core of ``name``, made by tie_parameters
+
+    def core(self, value: np.ndarray) -> np.ndarray:
+        """For a ``made`` tie: the source's value, from the value of ``name``."""
+        assert self.shape is not None
+        return np.ascontiguousarray(value[tuple(slice(0, d) for d in self.shape)])
 
     @property
     def how(self) -> str:
         parts = []
+        if self.rows is not None:
+            parts.append(f"rows {self.rows[0]}:{self.rows[1]}")
+        if self.shape is not None and not self.made:
+            parts.append(f"reshape {list(self.shape)}")
+        if self.expand is not None:
+            parts.append(f"expand to {list(self.expand)}")
         if self.perm is not None:
             parts.append(f"transpose {list(self.perm)}")
         if self.to is not None:
@@ -147,6 +182,12 @@ class Tie:
 
     def compute(self, value: np.ndarray) -> np.ndarray:
         """This tied value, from the value of ``source``."""
+        if self.rows is not None:
+            value = value[self.rows[0] : self.rows[1]]
+        if self.shape is not None:
+            value = value.reshape(self.shape)
+        if self.expand is not None:
+            value = np.broadcast_to(value, self.expand)
         if self.perm is not None:
             value = np.transpose(value, self.perm)
         if self.to is not None:
@@ -409,7 +450,92 @@ def find_ties(model: onnx.ModelProto, candidates: Iterable[str], prefer: Iterabl
             if tie is not None:
                 derive[(a, b)] = tie
         ties.extend(_groups(names, derive, order, prefer))
+    ties.extend(_broadcast_ties(model, wanted, ties, order, prefer, values))
     return ties
+
+
+def _bits(v: np.ndarray) -> np.ndarray:
+    return v.view(np.dtype(f"u{v.dtype.itemsize}"))
+
+
+def _core(v: np.ndarray) -> tuple[np.ndarray, bool]:
+    """``v`` (as bits) with every axis along which it repeats exactly cut to length 1, and whether
+    there was one."""
+    core = _bits(v)
+    repeated = False
+    for axis in range(core.ndim):
+        if core.shape[axis] < 2:
+            continue
+        first = core[(slice(None),) * axis + (slice(0, 1),)]
+        second = core[(slice(None),) * axis + (slice(1, 2),)]
+        if first.flat[0] != second.flat[0] or not np.array_equal(first, second):  # cheap rejects
+            continue
+        if np.array_equal(core, np.broadcast_to(first, core.shape)):
+            core, repeated = first, True
+    return core, repeated
+
+
+def _broadcast_ties(
+    model: onnx.ModelProto,
+    wanted: list[str],
+    ties: list[Tie],
+    order: dict[str, int],
+    prefer: list[str],
+    cache: dict[str, np.ndarray],
+) -> list[Tie]:
+    """Ties of initializers that are a broadcast of another's rows (see the module's documentation)."""
+    inits = {i.name: i for i in model.graph.initializer}
+    taken = set(inits) | {i.name for i in model.graph.input} | {o for n in model.graph.node for o in n.output}
+    grouped = {t.name for t in ties} | {t.source for t in ties}
+    copies = {t.name for t in ties}
+    values: dict[str, np.ndarray] = {}
+    cores: dict[str, np.ndarray] = {}
+    for n in wanted:
+        t = inits[n]
+        if t.data_type not in FLOAT_TYPES or int(np.prod(t.dims, dtype=np.int64)) < BROADCAST_MIN_DISTINCT:
+            continue
+        v = cache.get(n)  # checked already (finite, not all equal)
+        if v is None:
+            v = to_array(t)
+            if v.ndim == 0 or not np.isfinite(v).all():
+                continue
+        core, repeated = _core(v)
+        values[n] = v
+        if repeated:
+            cores[n] = core
+    rank = {n: (prefer.index(n) if n in prefer else len(prefer), order[n]) for n in values}
+    sources = sorted((n for n in values if n not in cores and n not in copies), key=lambda n: rank[n])
+    out: list[Tie] = []
+    for b, core in cores.items():
+        if b in grouped or np.unique(core).size < BROADCAST_MIN_DISTINCT:
+            continue
+        flat = core.ravel()
+        matched = False
+        for a in sources:
+            va = values[a]
+            if va.dtype != values[b].dtype or va.size < flat.size:
+                continue
+            row = va.size // va.shape[0]
+            if flat.size % row:
+                continue
+            n_rows = flat.size // row
+            table = _bits(va).reshape(va.shape[0], row)
+            found = None
+            for k in np.flatnonzero(table[: va.shape[0] - n_rows + 1, 0] == flat[0]):
+                if np.array_equal(table[k : k + n_rows].ravel(), flat):
+                    found = int(k)
+                    break
+            if found is None:
+                continue
+            matched = True
+            rows = None if n_rows == va.shape[0] else (found, found + n_rows)
+            shape = None if tuple(core.shape) == (n_rows, *va.shape[1:]) else tuple(core.shape)
+            out.append(Tie(b, a, rows=rows, shape=shape, expand=tuple(values[b].shape)))
+            break
+        if not matched:  # no initializer holds the core: it becomes a new one, the parameter
+            source = unique_name(f"{b}_core", taken)
+            out.append(Tie(b, source, shape=tuple(core.shape), expand=tuple(values[b].shape), made=True))
+    return out
 
 
 _SAMPLE = 64  # elements compared before whole tensors
@@ -474,6 +600,11 @@ def tie_parameters(model: onnx.ModelProto, ties: list[Tie]) -> onnx.ModelProto:
         return out
     graph = out.graph
     tied = {t.name for t in ties}
+    made = [t for t in ties if t.made]
+    if made:
+        inits = {i.name: i for i in graph.initializer}
+        cores = [numpy_helper.from_array(t.core(to_array(inits[t.name])), t.source) for t in made]
+        graph.initializer.extend(cores)
     for k in reversed(range(len(graph.initializer))):  # in place: no copy of the other weights
         if graph.initializer[k].name in tied:
             del graph.initializer[k]
@@ -482,6 +613,9 @@ def tie_parameters(model: onnx.ModelProto, ties: list[Tie]) -> onnx.ModelProto:
     nodes = []
     for t in ties:
         src = t.source
+        if t.expand is not None:
+            nodes.extend(_broadcast_nodes(t, taken))
+            continue
         if t.perm is not None:
             dst = t.name if t.to is None else unique_name(f"{t.name}_transposed", taken)
             name = _node_name(t, taken)
@@ -501,9 +635,39 @@ def _node_name(t: Tie, taken: set[str]) -> str:
     return unique_name(f"onnxgrad_tie_{t.name}", taken)
 
 
+def _broadcast_nodes(t: Tie, taken: set[str]) -> list[onnx.NodeProto]:
+    """Slice, Reshape and Expand computing the broadcast copy ``t`` from its source; their int64
+    arguments are Constant nodes (named as tie nodes, so that :func:`untie` drops them too)."""
+    nodes: list[onnx.NodeProto] = []
+
+    def const(label: str, value: list[int]) -> str:
+        out = unique_name(f"{t.name}_{label}", taken)
+        taken.add(out)
+        tensor = numpy_helper.from_array(np.array(value, np.int64), out)
+        nodes.append(helper.make_node("Constant", [], [out], name=_node_name(t, taken), value=tensor))
+        return out
+
+    def step(op: str, inputs: list[str], label: str, last: bool) -> str:
+        out = t.name if last else unique_name(f"{t.name}_{label}", taken)
+        taken.add(out)
+        nodes.append(helper.make_node(op, inputs, [out], name=_node_name(t, taken)))
+        return out
+
+    assert t.expand is not None
+    src = t.source
+    if t.rows is not None:
+        args = [const("starts", [t.rows[0]]), const("ends", [t.rows[1]]), const("axes", [0])]
+        src = step("Slice", [src, *args], "rows", False)
+    if t.shape is not None and not t.made:
+        src = step("Reshape", [src, const("shape", list(t.shape))], "reshaped", False)
+    step("Expand", [src, const("expand", list(t.expand))], "expanded", True)
+    return nodes
+
+
 def untie(model: onnx.ModelProto, ties: Iterable[Tie]) -> onnx.ModelProto:
     """``model`` (changed in place and returned) with each tied value that nodes compute from an
     initializer made an initializer again, holding the value computed from the parameter's."""
+    ties = list(ties)
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     new = []
@@ -518,15 +682,21 @@ def untie(model: onnx.ModelProto, ties: Iterable[Tie]) -> onnx.ModelProto:
         for o in node.output:
             producers[o] = node
     drop = set()
-    for n in names:
-        node = producers.get(n)
-        while node is not None and node.name.startswith("onnxgrad_tie_"):
-            drop.add(id(node))
-            node = producers.get(node.input[0]) if node.input else None
+    stack = [producers.get(n) for n in names]
+    while stack:  # the tie nodes computing them, arguments (Constant nodes) included
+        node = stack.pop()
+        if node is None or id(node) in drop or not node.name.startswith("onnxgrad_tie_"):
+            continue
+        drop.add(id(node))
+        stack.extend(producers.get(i) for i in node.input if i)
     keep = [n for n in graph.node if id(n) not in drop]
     del graph.node[:]
     graph.node.extend(keep)
     graph.initializer.extend(new)
+    made = {t.source for t in ties if t.made}
+    for k in reversed(range(len(graph.initializer))):  # cores made by tie_parameters: gone again
+        if graph.initializer[k].name in made:
+            del graph.initializer[k]
     return model
 
 

@@ -164,8 +164,11 @@ class ForwardBackward:
             switched = set_training_mode(CheckedModel(self._modes.model), False).model
             model = CheckedModel(_overridable(switched, self._modes.buffers))  # rewrites of a checked model
             outputs = list(self.graphs.grad_inputs)
+            # a core that tying made is no initializer of this model: name the copy, tied again
+            made = {t.source: t.name for t in self.graphs.ties if t.made}
+            trainable = [made.get(n, n) for n in self.graphs.trainable]
             graphs = build_gradient(
-                model, trainable=self.graphs.trainable, outputs=outputs, tie_weights=bool(self.graphs.ties)
+                model, trainable=trainable, outputs=outputs, tie_weights=bool(self.graphs.ties)
             )
             self._eval_runner = make_runner(graphs, self.providers, self._options)
         return self._eval_runner
