@@ -247,21 +247,18 @@ def _adapt_node(
         ad.nodes.append(name)
         return o
 
+    def constant(label: str, value: float) -> str:
+        out = _unique(taken, f"{stem}/lora/{label}")
+        name = _unique(taken, f"{stem}/lora/Constant")
+        array = np.array(value, dtype=np_dtype(dtype))
+        nodes.append(helper.make_node("Constant", [], [out], name=name, value=numpy_helper.from_array(array)))
+        ad.nodes.append(name)
+        return out
+
     if node.op_type == "Gemm" and _attr(node, "transA", 0):
         x = add("Transpose", [x], perm=[1, 0])
     if dropout > 0:
-        ratio = _unique(taken, f"{stem}/lora/ratio")
-        nodes.append(
-            helper.make_node(
-                "Constant",
-                [],
-                [ratio],
-                name=_unique(taken, f"{stem}/lora/Constant"),
-                value=numpy_helper.from_array(np.array(dropout, dtype=np_dtype(dtype))),
-            )
-        )
-        ad.nodes.append(nodes[-1].name)
-        x = add("Dropout", [x, ratio])
+        x = add("Dropout", [x, constant("ratio", dropout)])
     scale = ad.scale * (float(_attr(node, "alpha", 1.0)) if node.op_type == "Gemm" else 1.0)
     if ad.layout == "left":  # y = W x + s * B (A x)
         low = add("MatMul", [ad.a, x])
@@ -269,18 +266,7 @@ def _adapt_node(
     else:
         low = add("MatMul", [x, ad.a])
         up = add("MatMul", [low, ad.b])
-    s = _unique(taken, f"{stem}/lora/scale")
-    nodes.append(
-        helper.make_node(
-            "Constant",
-            [],
-            [s],
-            name=_unique(taken, f"{stem}/lora/Constant"),
-            value=numpy_helper.from_array(np.array(scale, dtype=np_dtype(dtype))),
-        )
-    )
-    ad.nodes.append(nodes[-1].name)
-    scaled = add("Mul", [up, s])
+    scaled = add("Mul", [up, constant("scale", scale)])
     name = _unique(taken, f"{stem}/lora/Add")
     nodes.append(helper.make_node("Add", [base, scaled], [y], name=name))
     ad.nodes.append(name)
