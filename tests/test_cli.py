@@ -250,6 +250,21 @@ def test_check_finds_a_wrong_rule(mlp_path, capsys, monkeypatch):
     assert "4 checks: 2 ok, 2 failed, 0 skipped" in text
 
 
+def test_check_nodes_is_the_library_form_of_check(mlp_path):
+    """``onnxgrad.testing.check_nodes``: one NodeCheck per node, at the values the model computes."""
+    from onnxgrad.testing import check_nodes
+
+    model = onnx.load(mlp_path)
+    x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
+    checks = check_nodes(model, {"pixels": x})
+    assert [(c.name, c.op_type, c.status, c.checked_in) for c in checks] == [
+        ("#0", "Gemm", "ok", "float64 onnxruntime"),
+        ("#1", "Relu", "ok", "float64 onnxruntime"),
+        ("#2", "Gemm", "ok", "float64 onnxruntime"),
+    ]
+    assert all(c.result is not None and c.result.ok and float(c.max_error) < 1e-6 for c in checks)
+
+
 def test_check_reports_an_op_without_rule(mlp_path, capsys, monkeypatch):
     from onnxgrad import supported_ops
     from onnxgrad.autodiff import registry

@@ -175,3 +175,24 @@ def test_a_checked_model_is_not_checked_again_but_a_plain_one_is(validations):
     assert len(validations) == 1
     load_model(checked.proto)  # a ModelProto carries no proof: checked again
     assert len(validations) == 2
+
+
+@pytest.mark.parametrize("command", ["grad", "info", "check", "bench", "train"])
+def test_each_command_validates_its_model_once(validations, tmp_path, capsys, command):
+    from onnxgrad.cli import main
+    from onnxgrad.demo import build_mlp
+
+    path = tmp_path / "m.onnx"
+    onnx.save(build_mlp((8, 4, 1), np.random.default_rng(0)), path)
+    argv = {
+        "grad": ["-o", str(tmp_path / "graphs")],
+        "info": [],
+        "check": ["--no-nodes"],  # the node checks validate one-node models of their own
+        "bench": ["--steps", "1"],
+        "train": ["--data", str(tmp_path / "d.npz"), "--target", "y", "--loss", "mse", "--epochs", "1"],
+    }[command]
+    rng = np.random.default_rng(1)
+    np.savez(tmp_path / "d.npz", pixels=rng.standard_normal((16, 8)), y=rng.standard_normal((16, 1)))
+    argv += ["-o", str(tmp_path / "out.onnx"), "--no-progress"] if command == "train" else []
+    assert main([command, str(path), *argv]) == 0
+    assert len(validations) == 1

@@ -23,17 +23,16 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from ._version import __version__
 from .artifacts.cli import add_parser as add_artifacts_parser
 from .autodiff import build_gradient, rules_table, supported_ops
 from .autodiff.params import padding_rows, select_parameters
 from .autodiff.registry import lookup
-from .errors import GradientNotImplementedError, InputError, OnnxGradError
-from .model.graph import FLOAT_TYPES, ValueInfo, np_dtype, opset_of, topological_order, value_info_from_proto
-from .model.infer import infer_value_infos
-from .model.load import load_model
+from .errors import InputError, OnnxGradError
+from .model.graph import opset_of, value_info_from_proto
+from .model.load import CheckedModel, load_checked, load_model
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -360,18 +359,19 @@ def _train(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if args.epochs < 1:
         raise InputError(f"--epochs must be >= 1, got {args.epochs}")
-    base = load_model(args.model)
+    checked = load_checked(args.model)  # the one validation: add_loss rewrites the checked model
+    base = checked.proto
     taken = {v.name for v in (*base.graph.input, *base.graph.output)} | {
         o for n in base.graph.node for o in n.output
     }
     target_input = next(n for n in ("target", "onnxgrad_target", "onnxgrad_target_2") if n not in taken)
-    model = add_loss(base, args.loss, output=args.output, target_name=target_input)
+    model = add_loss(checked, args.loss, output=args.output, target_name=target_input)
     options: dict[str, Any] = {"weight_decay": args.weight_decay}
     if args.optimizer == "sgd":
         options["momentum"] = args.momentum
     elif args.momentum:
         raise InputError("--momentum applies to --optimizer sgd only")
-    fb = ForwardBackward(model, outputs=["loss"])
+    fb = ForwardBackward(CheckedModel(model), outputs=["loss"])
     features = [c.strip() for c in args.features.split(",")] if args.features else None
     data = load_dataset(
         args.data, input_infos(fb), target=args.target, target_input=target_input, features=features
@@ -393,7 +393,7 @@ def _train(args: argparse.Namespace) -> int:
     history = trainer.fit(data, val, epochs=args.epochs, checkpoint=args.checkpoint, resume=args.resume)
     out = os.fspath(args.out)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    onnx.save(remove_loss(fb.to_onnx()), out)
+    onnx.save(remove_loss(CheckedModel(fb.to_onnx())), out)  # our own rewrite: not checked again
 
     n_params = sum(p.size for p in trainer.parameters.values())
     val_text = f" / {len(next(iter(val.values())))} validation" if val else ""
@@ -429,10 +429,11 @@ def _bench(args: argparse.Namespace) -> int:
         raise InputError(f"--steps must be >= 1, got {args.steps}")
     if args.threads is not None and args.threads < 1:
         raise InputError(f"--threads must be >= 1, got {args.threads}")
-    model = load_model(args.model)
+    checked = load_checked(args.model)  # the one validation of this model
+    model = checked.proto
     shapes = _checked_shapes(model, args.shape)
     feeds = random_feeds(model, batch=args.batch, shapes=shapes)
-    prof = profile_step(model, feeds, steps=args.steps, threads=args.threads)
+    prof = profile_step(checked, feeds, steps=args.steps, threads=args.threads)
     params = sum(prof.trainable.values())
     threads = "onnxruntime's default threads"
     if args.threads:
@@ -507,113 +508,12 @@ def _set_dims(
 
 
 # ---- check -------------------------------------------------------------------------------------
-def _all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every value of the main graph at ``feeds``: inputs, initializers and each node output."""
-    from .testing import run_model
-
-    infos = infer_value_infos(model)
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    have = {o.name for o in probe.graph.output}
-    for node in probe.graph.node:
-        for o in node.output:
-            if o and o not in have and o in infos:
-                probe.graph.output.append(infos[o].to_proto())
-                have.add(o)
-    values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-    values.update(feeds)
-    values.update(run_model(probe)(feeds))
-    return values
-
-
-def _check_node(
-    node: onnx.NodeProto,
-    model: onnx.ModelProto,
-    values: dict[str, np.ndarray],
-    infos: dict[str, ValueInfo],
-    args: argparse.Namespace,
-) -> tuple[str, str, str, Any]:
-    """(status, precision, max error, result or message) of one node checked on its own."""
-    from .testing import check_gradients, node_model
-
-    domain = "" if node.domain == "ai.onnx" else node.domain
-    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-        return "skipped", "-", "-", "control flow: checked with the whole model"
-    inputs = [values.get(i) if i else None for i in node.input]
-    if any(i and values.get(i) is None for i in node.input):
-        return "skipped", "-", "-", "an input value is unknown"
-    out_infos = [infos.get(o) for o in node.output]
-    if not any(np.asarray(a).dtype.kind == "f" for a in inputs if a is not None):
-        return "skipped", "-", "-", "no floating-point input"
-    if not any(i is not None and i.is_float for i in out_infos):
-        return "skipped", "-", "-", "no floating-point output"
-    opset = opset_of(model, domain) or 1
-    if lookup(domain, node.op_type, opset) is None:
-        return "FAIL", "-", "-", "no gradient rule"
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    out_dtypes = [np_dtype(i.dtype) if i is not None else np.dtype(np.float32) for i in out_infos]
-    tolerances = {k: v for k, v in (("rtol", args.rtol), ("atol", args.atol)) if v is not None}
-    attempts = []
-    floats = {np.asarray(a).dtype for a in inputs if a is not None and np.asarray(a).dtype.kind == "f"}
-    # float32 nodes are checked in float64 where the op allows it: finite differences are then exact
-    # to ~1e-9 and a real error cannot hide in float32 noise. Ops whose attributes fix a dtype are not.
-    if floats == {np.dtype(np.float32)} and not {"to", "dtype"} & set(attrs):
-        up = [a.astype(np.float64) if a is not None and a.dtype == np.float32 else a for a in inputs]
-        up_out = [np.dtype(np.float64) if d == np.float32 else d for d in out_dtypes]
-        attempts += [(up, up_out, "float64", "onnxruntime"), (up, up_out, "float64", "reference")]
-    attempts.append((inputs, out_dtypes, "/".join(sorted(str(f) for f in floats)), "onnxruntime"))
-    error: Exception | None = None
-    for arrays, dtypes, precision, backend in attempts:
-        try:
-            single = node_model(
-                node.op_type,
-                arrays,
-                attrs=attrs,
-                n_outputs=len(node.output),
-                opset=opset_of(model) or 18,
-                domain=domain,
-                output_dtypes=dtypes,
-            )
-            _declare_output_shapes(single, [values.get(o) for o in node.output])
-            feeds = {i.name: arrays[int(i.name[2:])] for i in single.graph.input}
-            wrt = [i.name for i in single.graph.input] + [
-                t.name for t in single.graph.initializer if t.data_type in FLOAT_TYPES
-            ]
-            result = check_gradients(
-                single,
-                feeds,
-                wrt=wrt,
-                backend=backend,
-                max_elements=args.max_elements,
-                seed=args.seed,
-                **tolerances,
-            )
-        except GradientNotImplementedError as exc:
-            return "FAIL", precision, "-", " ".join(str(exc).split())
-        except Exception as exc:  # this precision or backend cannot run the node: try the next
-            error = exc
-            continue
-        worst = max(result.max_error.values(), default=0.0)
-        return ("ok" if result.ok else "FAIL"), f"{precision} {backend}", f"{worst:.2e}", result
-    return "FAIL", "-", "-", f"cannot check the node: {' '.join(str(error).split())[:200]}"
-
-
-def _declare_output_shapes(model: onnx.ModelProto, values: Sequence[np.ndarray | None]) -> None:
-    """Give the outputs that shape inference left without a shape (ai.onnx.ml ops) the shapes the
-    whole model computed: the ONNX checker rejects graph outputs without one."""
-    for out, value in zip(model.graph.output, values):
-        tensor = out.type.tensor_type
-        if value is not None and not tensor.HasField("shape"):
-            tensor.shape.SetInParent()
-            for d in np.shape(value):
-                tensor.shape.dim.add().dim_value = d
-
-
 def _check(args: argparse.Namespace) -> int:
     from .runtime.profile import random_feeds
-    from .testing import check_gradients
+    from .testing import check_gradients, check_nodes
 
-    model = load_model(args.model)
+    checked = load_checked(args.model)  # the one validation of this model
+    model = checked.proto
     shapes = _checked_shapes(model, args.shape)
     feeds = random_feeds(model, batch=2, seed=args.seed, shapes=shapes)
     notes = _set_dims(model, feeds, shapes)
@@ -623,21 +523,15 @@ def _check(args: argparse.Namespace) -> int:
     if notes:
         print(f"symbolic dimensions set to 2 ({'; '.join(notes)}); change them with --shape NAME=DIMS")
     rows, details = [], []
-    if not args.no_nodes:
-        values = _all_values(model, feeds)
-        infos = infer_value_infos(model)
-        for k, node in enumerate(topological_order(model.graph)):
-            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-                continue
-            name = node.name or f"#{k}"
-            status, precision, err, info = _check_node(node, model, values, infos, args)
-            note = info if isinstance(info, str) else ""
-            rows.append((name, node.op_type, precision, err, status + (f" ({note})" if note else "")))
-            if status == "FAIL" and not isinstance(info, str):
-                details.append((f"node {name} ({node.op_type})", info.report()))
     tolerances = {k: v for k, v in (("rtol", args.rtol), ("atol", args.atol)) if v is not None}
+    if not args.no_nodes:
+        for c in check_nodes(model, feeds, max_elements=args.max_elements, seed=args.seed, **tolerances):
+            status = c.status + (f" ({c.note})" if c.note else "")
+            rows.append((c.name, c.op_type, c.checked_in, c.max_error, status))
+            if c.status == "FAIL" and c.result is not None:
+                details.append((f"node {c.name} ({c.op_type})", c.result.report()))
     try:
-        whole = check_gradients(model, feeds, max_elements=args.max_elements, seed=args.seed, **tolerances)
+        whole = check_gradients(checked, feeds, max_elements=args.max_elements, seed=args.seed, **tolerances)
         worst = max(whole.max_error.values(), default=0.0)
         dtypes = sorted({str(v.dtype) for k, v in feeds.items() if v.dtype.kind == "f"}) or ["-"]
         status = "ok" if whole.ok else "FAIL"

@@ -3,7 +3,9 @@
 :func:`check_gradients` compares the backward graph of any model with finite differences of its
 forward graph, in float64, through onnxruntime or ``onnx.reference`` (for ops onnxruntime has no
 float64 kernel for). :func:`node_model` and :func:`check_op` make one-node models so each rule is
-checked in isolation, at any shape. The command ``onnxgrad check`` uses the same code.
+checked in isolation, at any shape; :func:`check_nodes` checks every node of a model that way, at the
+values the model computes. The command ``onnxgrad check`` is :func:`check_nodes` and
+:func:`check_gradients` on random inputs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from .autodiff.engine import GradientGraphs, build_gradient
-from .model.graph import FLOAT_TYPES, ir_version_for, onnx_dtype
+from .autodiff.registry import lookup
+from .errors import GradientNotImplementedError
+from .model.graph import FLOAT_TYPES, ir_version_for, np_dtype, onnx_dtype, opset_of, topological_order
+from .model.infer import infer_value_infos
 from .model.load import load_checked
 from .runtime.runner import make_session
 
@@ -310,3 +315,154 @@ def check_op(
     if not result.ok:
         raise AssertionError(f"gradient check of {op_type} failed:\n{result.report()}")
     return result
+
+
+# ---- every node of a model ---------------------------------------------------------------------
+@dataclass
+class NodeCheck:
+    """The gradient check of one node of a model, on its own (:func:`check_nodes`).
+
+    ``status``: ``"ok"``, ``"FAIL"`` or ``"skipped"``; ``checked_in``: precision and backend (``"-"``
+    when not checked); ``max_error``: the largest difference found, formatted; ``note``: why a node
+    was skipped or could not be checked; ``result``: the comparison, when one ran.
+    """
+
+    name: str
+    op_type: str
+    status: str
+    checked_in: str = "-"
+    max_error: str = "-"
+    note: str = ""
+    result: GradCheckResult | None = None
+
+
+def check_nodes(
+    model: onnx.ModelProto,
+    feeds: Mapping[str, np.ndarray],
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    max_elements: int = 48,
+    seed: int = 0,
+) -> list[NodeCheck]:
+    """Check the gradient rule of every node of ``model``'s main graph on its own, at the values the
+    whole model computes from ``feeds`` (``Constant`` nodes left out).
+
+    Each node becomes a one-node model (:func:`node_model`) checked with :func:`check_gradients`;
+    a float32 node is checked in float64 where its attributes do not fix a dtype, so that a real
+    error cannot hide in float32 noise. Control-flow nodes are skipped (the whole model checks them).
+    """
+    values = model_values(model, feeds)
+    infos = infer_value_infos(model)
+    tolerances = {k: v for k, v in (("rtol", rtol), ("atol", atol)) if v is not None}
+    checks = []
+    for k, node in enumerate(topological_order(model.graph)):
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            continue
+        check = NodeCheck(node.name or f"#{k}", node.op_type, "skipped")
+        _check_node(check, node, model, values, infos, max_elements, seed, tolerances)
+        checks.append(check)
+    return checks
+
+
+def model_values(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every value of the main graph at ``feeds``: inputs, initializers and each node output."""
+    infos = infer_value_infos(model)
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    have = {o.name for o in probe.graph.output}
+    for node in probe.graph.node:
+        for o in node.output:
+            if o and o not in have and o in infos:
+                probe.graph.output.append(infos[o].to_proto())
+                have.add(o)
+    values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    values.update(feeds)
+    values.update(run_model(probe)(dict(feeds)))
+    return values
+
+
+def _check_node(
+    check: NodeCheck,
+    node: onnx.NodeProto,
+    model: onnx.ModelProto,
+    values: Mapping[str, np.ndarray],
+    infos: Mapping[str, Any],
+    max_elements: int,
+    seed: int,
+    tolerances: Mapping[str, float],
+) -> None:
+    """Fill ``check`` with the result of checking ``node`` on its own."""
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        check.note = "control flow: checked with the whole model"
+        return
+    inputs = [values.get(i) if i else None for i in node.input]
+    if any(i and values.get(i) is None for i in node.input):
+        check.note = "an input value is unknown"
+        return
+    out_infos = [infos.get(o) for o in node.output]
+    if not any(np.asarray(a).dtype.kind == "f" for a in inputs if a is not None):
+        check.note = "no floating-point input"
+        return
+    if not any(i is not None and i.is_float for i in out_infos):
+        check.note = "no floating-point output"
+        return
+    check.status = "FAIL"
+    opset = opset_of(model, domain) or 1
+    if lookup(domain, node.op_type, opset) is None:
+        check.note = "no gradient rule"
+        return
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    out_dtypes = [np_dtype(i.dtype) if i is not None else np.dtype(np.float32) for i in out_infos]
+    attempts = []
+    floats = {np.asarray(a).dtype for a in inputs if a is not None and np.asarray(a).dtype.kind == "f"}
+    # float32 nodes are checked in float64 where the op allows it: finite differences are then exact
+    # to ~1e-9 and a real error cannot hide in float32 noise. Ops whose attributes fix a dtype are not.
+    if floats == {np.dtype(np.float32)} and not {"to", "dtype"} & set(attrs):
+        up = [a.astype(np.float64) if a is not None and a.dtype == np.float32 else a for a in inputs]
+        up_out = [np.dtype(np.float64) if d == np.float32 else d for d in out_dtypes]
+        attempts += [(up, up_out, "float64", "onnxruntime"), (up, up_out, "float64", "reference")]
+    attempts.append((inputs, out_dtypes, "/".join(sorted(str(f) for f in floats)), "onnxruntime"))
+    error: Exception | None = None
+    for arrays, dtypes, precision, backend in attempts:
+        try:
+            single = node_model(
+                node.op_type,
+                arrays,
+                attrs=attrs,
+                n_outputs=len(node.output),
+                opset=opset_of(model) or 18,
+                domain=domain,
+                output_dtypes=dtypes,
+            )
+            _declare_output_shapes(single, [values.get(o) for o in node.output])
+            feeds = {i.name: arrays[int(i.name[2:])] for i in single.graph.input}
+            wrt = [i.name for i in single.graph.input] + [
+                t.name for t in single.graph.initializer if t.data_type in FLOAT_TYPES
+            ]
+            result = check_gradients(
+                single, feeds, wrt=wrt, backend=backend, max_elements=max_elements, seed=seed, **tolerances
+            )
+        except GradientNotImplementedError as exc:
+            check.checked_in, check.note = precision, " ".join(str(exc).split())
+            return
+        except Exception as exc:  # this precision or backend cannot run the node: try the next
+            error = exc
+            continue
+        worst = max(result.max_error.values(), default=0.0)
+        check.status = "ok" if result.ok else "FAIL"
+        check.checked_in, check.max_error, check.result = f"{precision} {backend}", f"{worst:.2e}", result
+        return
+    check.note = f"cannot check the node: {' '.join(str(error).split())[:200]}"
+
+
+def _declare_output_shapes(model: onnx.ModelProto, values: Sequence[np.ndarray | None]) -> None:
+    """Give the outputs that shape inference left without a shape (ai.onnx.ml ops) the shapes the
+    whole model computed: the ONNX checker rejects graph outputs without one."""
+    for out, value in zip(model.graph.output, values):
+        tensor = out.type.tensor_type
+        if value is not None and not tensor.HasField("shape"):
+            tensor.shape.SetInParent()
+            for d in np.shape(value):
+                tensor.shape.dim.add().dim_value = d

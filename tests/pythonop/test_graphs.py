@@ -13,10 +13,15 @@ from onnx import TensorProto, helper
 
 import onnxgrad
 from onnxgrad.errors import PythonOpError
+from onnxgrad.model.pythonop_spec import (
+    complete_class_names,
+    decode_constants,
+    encode_constants,
+    parse_forward,
+)
 from onnxgrad.pythonop import FIRST_HANDLE, contexts, make_runner, register_function, resolve_function
 from onnxgrad.pythonop.executor import PythonOpRunner, run_model
 from onnxgrad.pythonop.registry import ContextRegistry, unregister_function
-from onnxgrad.pythonop.spec import complete_class_names, decode_constants, encode_constants, parse_forward
 from onnxgrad.runtime.session import Runner
 from tests.models import mlp
 from tests.pythonop import functions as F

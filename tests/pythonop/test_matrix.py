@@ -12,9 +12,9 @@ import torch
 
 import onnxgrad
 from onnxgrad.errors import GradientNotImplementedError, PythonOpError
+from onnxgrad.model.pythonop_spec import node_attributes
 from onnxgrad.pythonop import contexts
 from onnxgrad.pythonop.executor import run_model
-from onnxgrad.pythonop.spec import node_attributes
 from tests.pythonop import functions as F
 
 torch.manual_seed(0)

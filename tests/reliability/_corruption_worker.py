@@ -48,9 +48,9 @@ def _receive(stream: BinaryIO) -> Any:
 
 def train_once(data: bytes, feeds: dict[str, Any], validate: bool) -> None:
     """What a user does with a model file: build the graphs, one forward and one backward; with
-    ``validate``, after reading the file with :func:`onnxgrad.validate.load_untrusted`."""
+    ``validate``, after reading the file with :func:`onnxgrad.model.load_untrusted`."""
     import onnxgrad
-    from onnxgrad.validate import load_untrusted
+    from onnxgrad.model.validate import load_untrusted
 
     fb = onnxgrad.ForwardBackward(load_untrusted(data) if validate else data)
     result = fb.forward(feeds)

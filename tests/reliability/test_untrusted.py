@@ -22,9 +22,8 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxgrad
 from onnxgrad.compat import OrtGradientForwardBackward
 from onnxgrad.errors import InputError, ModelError, OnnxGradError, PythonOpError
-from onnxgrad.validate import (
+from onnxgrad.model.validate import (
     Limits,
-    check_input,
     check_model_safety,
     check_python_ops,
     default_limits,
@@ -32,6 +31,7 @@ from onnxgrad.validate import (
     python_op_classes,
     safe_to_propagate_data,
 )
+from onnxgrad.runtime.values import check_input
 from tests.models import make_model, mlp
 from tests.reliability._util import conv_model, run_isolated, shapes_model
 
@@ -283,6 +283,17 @@ def test_onnx_data_propagation_cost_is_detected():
         {"i": np.zeros(1 << 21, np.int64)},
     )
     assert not safe_to_propagate_data(indices)  # 2**21 integer values: onnx propagates them
+
+
+def test_deprecated_validate_module_warns_and_gives_the_same_checks():
+    import importlib
+    import sys
+
+    sys.modules.pop("onnxgrad.validate", None)
+    with pytest.warns(DeprecationWarning, match=r"^onnxgrad\.validate is deprecated: import Limits"):
+        old = importlib.import_module("onnxgrad.validate")
+    assert old.load_untrusted is onnxgrad.model.load_untrusted
+    assert old.Limits is onnxgrad.model.Limits
 
 
 def test_check_input_messages():

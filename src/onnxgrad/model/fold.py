@@ -97,10 +97,13 @@ def known_values(
     shapes: Mapping[str, ValueInfo],
     opset: int,
     outer: Mapping[str, np.ndarray] | None = None,
+    *,
+    overridable: bool = False,
 ) -> _Values:
     """Values of ``graph`` known before running, by name: small ``Constant`` outputs and
-    initializers (those also declared as inputs excepted: the caller may override them), and what
-    the nodes compute from them and from the static shapes in ``shapes`` (for ``Shape``, ``Size``).
+    initializers (those also declared as inputs excepted, unless ``overridable``: the caller may
+    feed them), and what the nodes compute from them and from the static shapes in ``shapes`` (for
+    ``Shape``, ``Size``).
 
     ``outer``: the known values of the enclosing scopes (for a subgraph).
     """
@@ -109,7 +112,7 @@ def known_values(
     for name in declared:
         values.pop(name, None)  # a subgraph input shadows nothing (names are unique), but be safe
     for t in graph.initializer:
-        if t.name in declared or math.prod(t.dims) > MAX_ELEMENTS:
+        if (t.name in declared and not overridable) or math.prod(t.dims) > MAX_ELEMENTS:
             continue
         if t.data_location == TensorProto.EXTERNAL or t.data_type == TensorProto.STRING:
             continue

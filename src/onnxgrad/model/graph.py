@@ -76,6 +76,14 @@ def np_dtype(onnx_type: int) -> np.dtype:
     return np.dtype(helper.tensor_dtype_to_np_dtype(onnx_type))
 
 
+def dtype_name(onnx_type: int) -> str:
+    """The numpy name of an ONNX element type (``"float32"``), else ONNX's own in lower case."""
+    try:
+        return np_dtype(onnx_type).name
+    except Exception:
+        return helper.tensor_dtype_to_string(onnx_type).removeprefix("TensorProto.").lower()
+
+
 def onnx_dtype(dtype: np.dtype | type) -> int:
     """The ONNX element type of a numpy dtype."""
     return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))

@@ -80,12 +80,22 @@ def _first(attrs: dict[str, Any], *names: str, default: Any = None) -> Any:
     return default
 
 
+def class_name(node: onnx.NodeProto) -> str:
+    """The Function class a PythonOp/PythonOpGrad node names (``func_name``, or ``name`` in older
+    files; ``func_name`` wins when both are set), or ``""`` when it names none."""
+    for key in ("func_name", "name"):
+        for attr in node.attribute:
+            if attr.name == key and attr.s:
+                return attr.s.decode("utf-8", "replace")
+    return ""
+
+
 def function_name(node: onnx.NodeProto) -> str:
-    """The class a PythonOp/PythonOpGrad node names (``func_name``, or ``name`` in older files)."""
-    name = _first(node_attributes(node), "func_name", "name")
+    """:func:`class_name`, or :class:`PythonOpError` when the node names no class."""
+    name = class_name(node)
     if not name:
         raise PythonOpError(f"{describe(node)} names no function: it has neither 'func_name' nor 'name'")
-    return str(name)
+    return name
 
 
 def complete_class_names(graph: onnx.GraphProto) -> int:

@@ -10,9 +10,8 @@ not allowed) saying what is wrong and what to do. It never allocates what the mo
 cost is proportional to the size of the file. :func:`load_untrusted` reads a file that way, checking
 before it reads any external data.
 
-Size limits (:class:`Limits`) default to 16 GiB per tensor (at most the machine's memory) and the
-machine's memory for all stored tensors together; the environment variables
-``ONNXGRAD_MAX_TENSOR_BYTES`` and ``ONNXGRAD_MAX_TOTAL_BYTES`` override them (see ``SECURITY.md``).
+The size limits are :class:`~.limits.Limits` (see :mod:`.limits` and ``SECURITY.md``); the sizes that
+constants fix are followed with :mod:`.fold`; what a PythonOp node is, is :mod:`.pythonop_spec`'s.
 """
 
 from __future__ import annotations
@@ -20,19 +19,21 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 
+import numpy as np
 import onnx
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
-from onnx import AttributeProto, TensorProto, helper, numpy_helper
+from onnx import AttributeProto, TensorProto, helper
 
-from ..errors import InputError, ModelError, PythonOpError
-from .graph import ValueInfo, np_dtype, topological_order, without_weights
+from ..errors import ModelError, PythonOpError
+from .fold import known_values
+from .graph import ValueInfo, dtype_name, np_dtype, opset_of, topological_order, without_weights
+from .limits import Limits, default_limits
+from .pythonop_spec import class_name, is_python_node
 
 __all__ = [
     "Limits",
-    "check_input",
     "check_model_safety",
     "check_python_ops",
     "check_structure",
@@ -43,12 +44,6 @@ __all__ = [
     "validate_model",
 ]
 
-GiB = 1 << 30
-DEFAULT_MAX_TENSOR_BYTES = 16 * GiB
-PYTHON_OP_DOMAIN = "com.microsoft"
-PYTHON_OPS = frozenset({"PythonOp", "PythonOpGrad"})
-# Integer vectors at most this long are followed as shape values (shapes, axes, repeats).
-_MAX_SHAPE_VECTOR = 64
 # Element sizes in bits of the sub-byte types, which files may store packed or one per byte.
 _SUB_BYTE_BITS = {
     TensorProto.UINT4: 4,
@@ -71,53 +66,6 @@ _INT_TYPES = frozenset(
         TensorProto.UINT8,
     }
 )
-
-
-# ---- limits ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Limits:
-    """The largest sizes a model may declare.
-
-    ``max_tensor_bytes``: any one tensor, stored (initializer, constant) or not (a declared or
-    inferred value, the output of ``ConstantOfShape``, ``Expand``, ``Tile``, ``Range``...).
-    ``max_total_bytes``: all the tensors the file stores, together (external data included).
-    """
-
-    max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES
-    max_total_bytes: int = DEFAULT_MAX_TENSOR_BYTES
-
-
-def physical_memory() -> int | None:
-    """The machine's memory in bytes, or ``None`` where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
-        return None
-
-
-def default_limits() -> Limits:
-    """16 GiB per tensor and the machine's memory in all (each at most the machine's memory),
-    unless ``ONNXGRAD_MAX_TENSOR_BYTES`` / ``ONNXGRAD_MAX_TOTAL_BYTES`` say otherwise."""
-    memory = physical_memory()
-    tensor = min(DEFAULT_MAX_TENSOR_BYTES, memory) if memory else DEFAULT_MAX_TENSOR_BYTES
-    total = memory or DEFAULT_MAX_TENSOR_BYTES
-    return Limits(
-        max_tensor_bytes=_env_bytes("ONNXGRAD_MAX_TENSOR_BYTES", tensor),
-        max_total_bytes=_env_bytes("ONNXGRAD_MAX_TOTAL_BYTES", total),
-    )
-
-
-def _env_bytes(name: str, default: int) -> int:
-    text = os.environ.get(name)
-    if not text:
-        return default
-    try:
-        value = int(float(text))
-    except (ValueError, OverflowError):
-        raise InputError(f"environment variable {name}={text!r} is not a number of bytes") from None
-    if value <= 0:
-        raise InputError(f"environment variable {name}={text!r} must be a positive number of bytes")
-    return value
 
 
 # ---- entry points ------------------------------------------------------------------------------
@@ -219,14 +167,14 @@ def check_model_safety(
         for vi in [*graph.input, *graph.output, *graph.value_info]:
             _check_type(vi.type, f"value {vi.name!r}{where}", "is declared with", limits)
     for where, node in _nodes(model):
-        if node.domain == PYTHON_OP_DOMAIN and node.op_type in PYTHON_OPS:
+        if is_python_node(node):
             _check_python_op(node, where, allowed_functions)
         elif node.op_type in ("RandomNormal", "RandomUniform") and node.domain in ("", "ai.onnx"):
             shape = list(_attr(node, "shape", []))
             dtype = _attr(node, "dtype", TensorProto.FLOAT)
             _check_size(shape, dtype, f"{_node_label(node)}{where}", "would create a tensor of", limits)
     shapes = _inferred_shapes(model, limits) if infer else {}
-    _ShapeValues(model, shapes, limits).run()
+    _check_computed_sizes(model, model.graph, shapes, limits, {}, "")
 
 
 # ---- text ----------------------------------------------------------------------------------------
@@ -324,7 +272,7 @@ def _check_size(dims: Sequence[int], dtype: int, what: str, verb: str, limits: L
     nbytes = _nbytes(dtype, math.prod(dims))
     if nbytes > limits.max_tensor_bytes:
         raise ModelError(
-            f"{what} {verb} shape {list(dims)} of {_dtype_name(dtype)}: {_fmt_bytes(nbytes)}, over "
+            f"{what} {verb} shape {list(dims)} of {dtype_name(dtype)}: {_fmt_bytes(nbytes)}, over "
             f"the limit of {_fmt_bytes(limits.max_tensor_bytes)} per tensor. The model is corrupt "
             f"or hostile, or {_RAISE_LIMIT}"
         )
@@ -332,7 +280,7 @@ def _check_size(dims: Sequence[int], dtype: int, what: str, verb: str, limits: L
 
 
 _RAISE_LIMIT = (
-    "if it is genuine, raise the limit (onnxgrad.validate.Limits, or the environment variables "
+    "if it is genuine, raise the limit (onnxgrad.model.Limits, or the environment variables "
     "ONNXGRAD_MAX_TENSOR_BYTES / ONNXGRAD_MAX_TOTAL_BYTES)"
 )
 
@@ -355,7 +303,7 @@ def _check_data_size(t: TensorProto, what: str, dims: list[int]) -> None:
         ok = -(-n * bits // 32) <= got <= n if bits else got == need
     if not ok:
         raise ModelError(
-            f"{what} declares shape {dims} of {_dtype_name(t.data_type)} ({need} {unit}) but the "
+            f"{what} declares shape {dims} of {dtype_name(t.data_type)} ({need} {unit}) but the "
             f"file holds {got} {unit}: the file is truncated or corrupt"
         )
 
@@ -473,148 +421,76 @@ def safe_to_propagate_data(model: onnx.ModelProto, max_elements: int = 1 << 20) 
 
 
 # ---- sizes computed from constants --------------------------------------------------------------
-class _ShapeValues:
-    """Follows small integer vectors (shapes, repeats, ranges) through the shape ops, the way ONNX
-    data propagation does, and checks the size of every output they determine."""
+def _check_computed_sizes(
+    model: onnx.ModelProto,
+    graph: onnx.GraphProto,
+    shapes: Mapping[str, ValueInfo],
+    limits: Limits,
+    outer: Mapping[str, np.ndarray],
+    where: str,
+) -> None:
+    """Size of every output whose shape constant inputs give, in ``graph`` and its subgraphs.
 
-    def __init__(self, model: onnx.ModelProto, shapes: Mapping[str, ValueInfo], limits: Limits) -> None:
-        self.shapes = dict(shapes)
-        self.limits = limits
-        self.model = model
+    The small values known before running (shapes, repeats, ranges) are those :mod:`.fold` follows,
+    initializers that an input may override included: unless fed, they are what runs.
+    """
+    values = known_values(graph, shapes, opset_of(model), outer, overridable=True)
+    for node in graph.node:
+        if node.domain in ("", "ai.onnx"):
+            _check_node_size(node, values, shapes, limits, where)
+        for attr in node.attribute:
+            for sub in _attr_graphs(attr):
+                inner = f"{where} in the {attr.name!r} graph of node {node.name!r}"
+                _check_computed_sizes(model, sub, shapes, limits, values, inner)
 
-    def run(self) -> None:
-        self._graph(self.model.graph, {}, "")
 
-    def _graph(self, graph: onnx.GraphProto, outer: dict[str, list[int]], where: str) -> None:
-        values = dict(outer)
-        for t in graph.initializer:
-            v = _small_ints(t)
-            if v is not None:
-                values[t.name] = v
-        for node in graph.node:
-            if node.domain not in ("", "ai.onnx"):
-                continue
-            self._check(node, values, where)
-            v = self._propagate(node, values)
-            if v is not None and node.output and len(v) <= _MAX_SHAPE_VECTOR:
-                values[node.output[0]] = v
-            for attr in node.attribute:
-                for sub in _attr_graphs(attr):
-                    self._graph(sub, values, f"{where} in the {attr.name!r} graph of node {node.name!r}")
+def _check_node_size(
+    node: onnx.NodeProto,
+    values: Mapping[str, np.ndarray],
+    shapes: Mapping[str, ValueInfo],
+    limits: Limits,
+    where: str,
+) -> None:
+    """Size of the output of a node whose output shape is given by constant inputs."""
+    op, ins = node.op_type, node.input
 
-    def _static(self, name: str) -> tuple[int, ...] | None:
-        info = self.shapes.get(name)
-        return None if info is None else info.static_shape
+    def val(i: int) -> list[int] | None:
+        v = values.get(ins[i]) if len(ins) > i and ins[i] else None
+        if v is None or v.ndim > 1 or v.dtype.kind not in "iu":
+            return None
+        return [int(e) for e in v.reshape(-1)]
 
-    def _dtype(self, name: str, default: int = TensorProto.UINT8) -> int:
-        info = self.shapes.get(name)
+    def numel(i: int) -> int:
+        info = shapes.get(ins[i]) if len(ins) > i and ins[i] else None
+        shape = None if info is None else info.static_shape
+        return math.prod(shape) if shape is not None else 1
+
+    def dtype_of(name: str, default: int = TensorProto.UINT8) -> int:
+        info = shapes.get(name)
         return info.dtype if info is not None and info.dtype else default
 
-    def _propagate(self, node: onnx.NodeProto, values: dict[str, list[int]]) -> list[int] | None:
-        op, ins = node.op_type, [values.get(i) if i else None for i in node.input]
-        if op == "Constant":
-            return _constant_ints(node)
-        if op == "Shape" and node.input:
-            shape = self._static(node.input[0])
-            if shape is None:
-                return None
-            start, end = _attr(node, "start", 0), _attr(node, "end", None)
-            return list(shape[slice(start, end)])
-        if op == "Size" and node.input:
-            shape = self._static(node.input[0])
-            return None if shape is None else [math.prod(shape)]
-        if not ins or ins[0] is None:
-            return None
-        x = ins[0]
-        if op in ("Identity", "Cast", "Squeeze", "Unsqueeze", "Flatten", "Reshape"):
-            return list(x)
-        if op == "Concat":
-            return None if any(v is None for v in ins) else [e for v in ins for e in v]  # type: ignore[union-attr]
-        if op == "Gather" and len(ins) > 1 and ins[1] is not None and _attr(node, "axis", 0) == 0:
-            return [x[i] for i in ins[1] if -len(x) <= i < len(x)]
-        if op == "Slice" and len(ins) >= 3 and ins[1] and ins[2]:
-            step = ins[4][0] if len(ins) > 4 and ins[4] else 1
-            return x[slice(ins[1][0], ins[2][0], step or 1)]
-        if op == "Neg":
-            return [-a for a in x]
-        if op in _BINARY and len(ins) > 1 and ins[1] is not None:
-            y = ins[1]
-            if len(x) != len(y) and 1 not in (len(x), len(y)):
-                return None
-            n = max(len(x), len(y))
-            pairs = [(x[i % len(x)], y[i % len(y)]) for i in range(n)]
-            try:
-                return [_BINARY[op](a, b) for a, b in pairs]
-            except ZeroDivisionError:
-                return None
-        return None
-
-    def _check(self, node: onnx.NodeProto, values: dict[str, list[int]], where: str) -> None:
-        """Size of the output of a node whose output shape is given by constant inputs."""
-        op, ins = node.op_type, node.input
-
-        def val(i: int) -> list[int] | None:
-            return values.get(ins[i]) if len(ins) > i and ins[i] else None
-
-        def numel(i: int) -> int:
-            shape = self._static(ins[i]) if len(ins) > i and ins[i] else None
-            return math.prod(shape) if shape is not None else 1
-
-        dims: list[int] | None = None
-        dtype = self._dtype(node.output[0]) if node.output else TensorProto.UINT8
-        if op == "ConstantOfShape" and val(0) is not None:
-            dims = val(0)
-            value = _attr(node, "value", None)
-            dtype = value.data_type if value is not None else TensorProto.FLOAT
-        elif op in ("Expand", "Reshape") and val(1) is not None:
-            dims = [d for d in val(1) if d > 0]  # type: ignore[union-attr]  # 0 and -1 copy or infer
-            dtype = self._dtype(ins[0])
-        elif op == "Tile" and val(1) is not None:
-            dims = [numel(0), *val(1)]  # type: ignore[misc]
-            dtype = self._dtype(ins[0])
-        elif op == "Range" and all(val(i) is not None and len(val(i)) == 1 for i in range(3)):
-            start, limit, delta = (val(i)[0] for i in range(3))  # type: ignore[index]
-            dims = [max(-(-(limit - start) // delta), 0)] if delta else None
-        elif op == "OneHot" and val(1) is not None and len(val(1)) == 1:  # type: ignore[arg-type]
-            dims = [numel(0), val(1)[0]]  # type: ignore[index]
-        elif op == "Resize" and val(3) is not None:
-            dims = val(3)
-            dtype = self._dtype(ins[0])
-        if dims is not None and all(d >= 0 for d in dims):
-            _check_size(dims, dtype, f"{_node_label(node)}{where}", "would create a tensor of", self.limits)
-
-
-_BINARY: dict[str, Callable[[int, int], int]] = {
-    "Add": lambda a, b: a + b,
-    "Sub": lambda a, b: a - b,
-    "Mul": lambda a, b: a * b,
-    "Div": lambda a, b: int(a / b) if abs(a) < 1 << 52 else a // b,  # ONNX truncates integer division
-    "Max": max,
-    "Min": min,
-}
-
-
-def _small_ints(t: TensorProto) -> list[int] | None:
-    """The values of a small integer tensor of rank 0 or 1 (a shape, axes, a scalar), else None."""
-    if t.data_type not in _INT_TYPES or len(t.dims) > 1 or math.prod(t.dims) > _MAX_SHAPE_VECTOR:
-        return None
-    if t.data_location == TensorProto.EXTERNAL:
-        return None
-    try:
-        return [int(v) for v in numpy_helper.to_array(t).reshape(-1)]
-    except Exception:  # sizes were checked already; anything else is for the checker to report
-        return None
-
-
-def _constant_ints(node: onnx.NodeProto) -> list[int] | None:
-    for attr in node.attribute:
-        if attr.name == "value":
-            return _small_ints(attr.t)
-        if attr.name == "value_int":
-            return [attr.i]
-        if attr.name == "value_ints" and len(attr.ints) <= _MAX_SHAPE_VECTOR:
-            return list(attr.ints)
-    return None
+    dims: list[int] | None = None
+    dtype = dtype_of(node.output[0]) if node.output else TensorProto.UINT8
+    if op == "ConstantOfShape" and val(0) is not None:
+        dims = val(0)
+        value = _attr(node, "value", None)
+        dtype = value.data_type if value is not None else TensorProto.FLOAT
+    elif op in ("Expand", "Reshape") and val(1) is not None:
+        dims = [d for d in val(1) if d > 0]  # type: ignore[union-attr]  # 0 and -1 copy or infer
+        dtype = dtype_of(ins[0])
+    elif op == "Tile" and val(1) is not None:
+        dims = [numel(0), *val(1)]  # type: ignore[misc]
+        dtype = dtype_of(ins[0])
+    elif op == "Range" and all(val(i) is not None and len(val(i)) == 1 for i in range(3)):
+        start, limit, delta = (val(i)[0] for i in range(3))  # type: ignore[index]
+        dims = [max(-(-(limit - start) // delta), 0)] if delta else None
+    elif op == "OneHot" and val(1) is not None and len(val(1)) == 1:  # type: ignore[arg-type]
+        dims = [numel(0), val(1)[0]]  # type: ignore[index]
+    elif op == "Resize" and val(3) is not None:
+        dims = val(3)
+        dtype = dtype_of(ins[0])
+    if dims is not None and all(d >= 0 for d in dims):
+        _check_size(dims, dtype, f"{_node_label(node)}{where}", "would create a tensor of", limits)
 
 
 # ---- PythonOp -----------------------------------------------------------------------------------
@@ -622,8 +498,8 @@ def python_op_classes(model: onnx.ModelProto) -> list[str]:
     """The Function classes the PythonOp / PythonOpGrad nodes of ``model`` name, each once."""
     names = []
     for _, node in _nodes(model):
-        if node.domain == PYTHON_OP_DOMAIN and node.op_type in PYTHON_OPS:
-            name = _class_name(node)
+        if is_python_node(node):
+            name = class_name(node)
             if name:
                 names.append(name)
     return list(dict.fromkeys(names))
@@ -633,23 +509,14 @@ def check_python_ops(model: onnx.ModelProto, allowed: Container[str] | Callable[
     """Raise :class:`PythonOpError` naming the first class of a PythonOp node that ``allowed``
     (a set of names, or a predicate) does not allow, and :class:`ModelError` for pointer constants."""
     for where, node in _nodes(model):
-        if node.domain == PYTHON_OP_DOMAIN and node.op_type in PYTHON_OPS:
+        if is_python_node(node):
             _check_python_op(node, where, allowed)
-
-
-def _class_name(node: onnx.NodeProto) -> str:
-    # Two spellings occur in real files: `func_name` (newer, qualified) and `name` (older).
-    for key in ("func_name", "name"):
-        value = _attr(node, key, None)
-        if value:
-            return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-    return ""
 
 
 def _check_python_op(
     node: onnx.NodeProto, where: str, allowed: Container[str] | Callable[[str], bool] | None
 ) -> None:
-    cls = _class_name(node)
+    cls = class_name(node)
     label = f"{node.op_type} node {node.name!r}{where}"
     if not cls:
         raise ModelError(f"{label} names no Function class (attribute 'func_name' or 'name')")
@@ -670,29 +537,6 @@ def _check_python_op(
             "Functions registered with onnxgrad.register_function(cls) and imports nothing because "
             "a model names it. Import the module that defines it yourself and register the class."
         )
-
-
-# ---- runtime inputs -----------------------------------------------------------------------------
-def check_input(name: str, dtype: str, shape: Sequence[int], info: ValueInfo) -> None:
-    """:class:`InputError` unless a value of ``dtype`` (a numpy or torch dtype name: ``"float32"``)
-    and ``shape`` can be fed as input ``name`` declared as ``info``."""
-    expected = _dtype_name(info.dtype)
-    if dtype != expected:
-        raise InputError(f"input {name!r} has dtype {dtype}, the model expects {expected}")
-    if info.shape is None:
-        return
-    shape = tuple(shape)
-    want = "(" + ", ".join("?" if d is None else str(d) for d in info.shape) + ")"
-    if len(shape) != len(info.shape):
-        raise InputError(
-            f"input {name!r} has rank {len(shape)} (shape {shape}), the model expects rank "
-            f"{len(info.shape)} (shape {want})"
-        )
-    for i, (d, w) in enumerate(zip(shape, info.shape)):
-        if isinstance(w, int) and d != w:
-            raise InputError(
-                f"input {name!r} has shape {shape}, the model expects {want} (dimension {i} must be {w})"
-            )
 
 
 # ---- walking the model ---------------------------------------------------------------------------
@@ -759,13 +603,6 @@ def _nbytes(dtype: int, n: int) -> int:
         return n * np_dtype(dtype).itemsize  # strings count as one pointer each
     except Exception:
         return n
-
-
-def _dtype_name(dtype: int) -> str:
-    try:
-        return np_dtype(dtype).name
-    except Exception:
-        return helper.tensor_dtype_to_string(dtype).removeprefix("TensorProto.").lower()
 
 
 def _fmt_bytes(n: int) -> str:

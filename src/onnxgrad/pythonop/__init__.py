@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from ..model.pythonop_spec import MS_DOMAIN, PYTHON_OP, PYTHON_OP_GRAD, has_python_nodes, is_python_node
 from ..runtime.runner import BaseRunner, make_runner, register_runner
 from . import gradient  # noqa: F401  (registers the PythonOp rule with the autodiff registry)
 from .registry import (
@@ -30,7 +31,6 @@ from .registry import (
     resolve_function,
     unregister_function,
 )
-from .spec import MS_DOMAIN, PYTHON_OP, PYTHON_OP_GRAD, has_python_nodes, is_python_node
 
 __all__ = [
     "FIRST_HANDLE",

@@ -23,7 +23,7 @@ import onnxruntime as ort
 
 from ..errors import InputError
 from ..model.graph import np_dtype, value_info_from_proto
-from ..model.load import load_checked
+from ..model.load import CheckedModel, load_checked
 from .session import ForwardBackward, Runner, default_options
 
 
@@ -152,7 +152,7 @@ def random_feeds(
 
 
 def profile_step(
-    model: onnx.ModelProto | str | os.PathLike | bytes,
+    model: CheckedModel | onnx.ModelProto | str | os.PathLike | bytes,
     feeds: Mapping[str, np.ndarray] | None = None,
     *,
     batch: int = 1,

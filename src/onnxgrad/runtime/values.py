@@ -9,13 +9,16 @@ releases speak.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..deps import C, ortvalue_from_numpy, run_with_ort_values, torch_interop
+from ..errors import InputError
+from ..model.graph import ValueInfo, dtype_name
 
-__all__ = ["C", "OrtValueLike", "from_numpy", "from_torch", "run", "to_torch", "unwrap"]
+__all__ = ["C", "OrtValueLike", "check_input", "from_numpy", "from_torch", "run", "to_torch", "unwrap"]
 
 OrtValueLike = Any  # a C-level OrtValue or the onnxruntime.OrtValue wrapper around one
 _C_ORTVALUE = C.OrtValue
@@ -69,3 +72,25 @@ def to_torch(value: OrtValueLike) -> Any:
     if type(value) is not _C_ORTVALUE:  # cheaper than getattr with a default, which raises inside
         value = unwrap(value)
     return _to_tensor(value)
+
+
+def check_input(name: str, dtype: str, shape: Sequence[int], info: ValueInfo) -> None:
+    """:class:`InputError` unless a value of ``dtype`` (a numpy or torch dtype name: ``"float32"``)
+    and ``shape`` can be fed as input ``name`` declared as ``info``."""
+    expected = dtype_name(info.dtype)
+    if dtype != expected:
+        raise InputError(f"input {name!r} has dtype {dtype}, the model expects {expected}")
+    if info.shape is None:
+        return
+    shape = tuple(shape)
+    want = "(" + ", ".join("?" if d is None else str(d) for d in info.shape) + ")"
+    if len(shape) != len(info.shape):
+        raise InputError(
+            f"input {name!r} has rank {len(shape)} (shape {shape}), the model expects rank "
+            f"{len(info.shape)} (shape {want})"
+        )
+    for i, (d, w) in enumerate(zip(shape, info.shape)):
+        if isinstance(w, int) and d != w:
+            raise InputError(
+                f"input {name!r} has shape {shape}, the model expects {want} (dimension {i} must be {w})"
+            )

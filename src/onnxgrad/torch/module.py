@@ -27,10 +27,9 @@ from ..autodiff.params import select_parameters, untie
 from ..errors import InputError
 from ..model.graph import FLOAT_TYPES, to_array, unique_name, value_info_from_proto
 from ..model.load import CheckedModel, load_checked
-from ..model.validate import check_input
 from ..pythonop import make_runner
 from ..runtime.session import float_outputs, resolve_providers
-from ..runtime.values import from_torch, to_torch
+from ..runtime.values import check_input, from_torch, to_torch
 
 # call signatures (input shapes, dtypes, requires-grad flags) remembered per module; beyond, the
 # memory starts over

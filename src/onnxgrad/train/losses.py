@@ -43,7 +43,7 @@ from ..model.graph import (
     unique_name,
 )
 from ..model.infer import infer_value_infos
-from ..model.load import CheckedModel, load_model
+from ..model.load import CheckedModel, load_checked, load_model
 
 __all__ = ["CLASS_LOSSES", "LOSSES", "add_loss", "keep_outputs", "remove_loss", "with_parameters"]
 
@@ -375,7 +375,7 @@ def keep_outputs(
 
 
 def remove_loss(
-    model: onnx.ModelProto | str | os.PathLike | bytes, loss_name: str = "loss"
+    model: CheckedModel | onnx.ModelProto | str | os.PathLike | bytes, loss_name: str = "loss"
 ) -> onnx.ModelProto:
     """A copy of ``model`` without the output ``loss_name`` and what only it needed.
 
@@ -383,11 +383,11 @@ def remove_loss(
     target and weights :func:`add_loss` added). Use it on ``ForwardBackward.to_onnx()`` to save the
     trained inference model.
     """
-    proto = load_model(model)
-    names = [o.name for o in proto.graph.output]
+    checked = load_checked(model)
+    names = [o.name for o in checked.proto.graph.output]
     if loss_name not in names:
         raise InputError(f"the model has no output named {loss_name!r}")
-    return keep_outputs(proto, [n for n in names if n != loss_name])
+    return keep_outputs(checked, [n for n in names if n != loss_name])
 
 
 def with_parameters(
