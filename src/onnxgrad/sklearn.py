@@ -73,6 +73,16 @@ class _OnnxEstimator(BaseEstimator):
 
     _default_loss = "mse"
 
+
+    def _float_outputs(self, base: onnx.ModelProto, infos: dict, what: str) -> list[str]:
+        """The model's floating-point outputs; :class:`InputError` when there is none, or when
+        ``output=`` names another value. ``what`` completes the message (``"to train"``)."""
+        outputs = [o.name for o in base.graph.output if infos.get(o.name) and infos[o.name].is_float]
+        if self.output is not None and self.output not in outputs:
+            raise InputError(f"{self.output!r} is not a floating-point output of the model ({outputs})")
+        if not outputs:
+            raise InputError(f"the model has no floating-point output {what}")
+        return outputs
     def __init__(
         self,
         model: Any = None,
@@ -296,11 +306,7 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
     def _loss_for(self, base: onnx.ModelProto, infos: dict, y: np.ndarray) -> tuple[str, str, dict[str, Any]]:
         if self.loss not in ("mse", "l1", "huber"):
             raise InputError(f"OnnxRegressor's loss must be 'mse', 'l1' or 'huber', got {self.loss!r}")
-        outputs = [o.name for o in base.graph.output if infos.get(o.name) and infos[o.name].is_float]
-        if self.output is not None and self.output not in outputs:
-            raise InputError(f"{self.output!r} is not a floating-point output of the model ({outputs})")
-        if not outputs:
-            raise InputError("the model has no floating-point output to train")
+        outputs = self._float_outputs(base, infos, "to train")
         self._output_ = self.output or outputs[0]
         info = infos[self._output_]
         self._out_shape_ = info.shape
@@ -374,11 +380,7 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
             raise InputError(f"scores must be 'auto', 'logits' or 'probabilities', got {self.scores!r}")
         self.classes_ = np.unique(y) if classes is None else np.unique(np.asarray(classes))
         self._check_targets(y)
-        outputs = [o.name for o in base.graph.output if infos.get(o.name) and infos[o.name].is_float]
-        if self.output is not None and self.output not in outputs:
-            raise InputError(f"{self.output!r} is not a floating-point output of the model ({outputs})")
-        if not outputs:
-            raise InputError("the model has no floating-point output of class scores")
+        outputs = self._float_outputs(base, infos, "of class scores")
         out = self.output or ("probabilities" if "probabilities" in outputs else outputs[0])
         info = infos[out]
         if info.rank != 2:
