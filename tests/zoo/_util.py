@@ -181,13 +181,13 @@ def _mobilenet_v2():
         classifier_dropout_prob=0.0, output_stride=8,
     )  # fmt: skip
     model = _Out(MobileNetV2ForImageClassification(cfg), ("pixel_values",), "logits")
-    # seed 6: every ReLU6 input stays >= 2e-5 from a kink (0 or 6) in float64. A float32 forward
-    # is ~1e-5 off there (1e-4 at worst, in the last block), so an input closer than that takes
-    # either side of the kink by chance: with seed 2, one element of the last BatchNormalization's
-    # output, -8.8e-6 in float64, came out +1.7e-5 from the centered BatchNormalization forward
-    # (-5e-7 from onnxruntime's kernel, -1.7e-5 from torch float32); its ReLU6 then passed a
-    # gradient that float64 torch does not, moving 138 of 158 parameter gradients by up to 1% of
-    # their scale (float64 torch with that one mask flipped: all 158 agree).
+    # seed 6: every ReLU6 input stays 2e-5 from a kink (0 or 6) in float64 (test_vision checks
+    # it). A float32 forward is ~1e-5 off there (1e-4 at worst, in the last block), so an input
+    # closer than that takes either side of the kink by chance: with seed 2, one element of the
+    # last BatchNormalization's output, -8.8e-6 in float64, came out +1.7e-5 from the centered
+    # BatchNormalization forward (-5e-7 from onnxruntime's kernel, -1.7e-5 from torch float32);
+    # its ReLU6 then passed a gradient that float64 torch does not, moving 138 of 158 parameter
+    # gradients by up to 1% of their scale (float64 torch with that one mask flipped: all agree).
     return model, (_randn(BATCH, 3, IMAGE, IMAGE, seed=6),)
 
 
