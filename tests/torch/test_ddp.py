@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -52,9 +51,11 @@ def _train(module: torch.nn.Module, xs: torch.Tensor, ts: torch.Tensor) -> None:
         opt.step()
 
 
-def _worker(rank: int, port: int, model: bytes, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank: int, model: bytes, out_dir: str) -> None:
+    # a rendezvous file, not a port: a port found free here can be taken by another test before
+    # the ranks bind it (this test failed that way on a busy machine)
+    init = "file://" + os.path.join(out_dir, "rendezvous")
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
         ddp = torch.nn.parallel.DistributedDataParallel(OnnxModule(model))
@@ -67,15 +68,9 @@ def _worker(rank: int, port: int, model: bytes, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_two_ranks_equal_single_process(tmp_path):
     model = _model_bytes()
-    mp.spawn(_worker, args=(_free_port(), model, str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(model, str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(WORLD)]
     single = OnnxModule(model)
     initial = {k: v.clone() for k, v in single.state_dict().items()}
