@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import onnxgrad
 from bench import anchors
-from onnxgrad.runtime.session import default_options
+from onnxgrad.runtime.runner import default_options
 from onnxgrad.torch import OnnxModule
 
 THREADS = 2

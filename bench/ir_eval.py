@@ -13,10 +13,10 @@ import sys
 import time
 from collections.abc import Callable
 
+import onnx_ir as ir
 import onnx_ir.passes.common as common
 import torch
 
-import onnx_ir as ir
 import onnxgrad
 from onnxgrad.model.graph import all_names, constant_values, topological_order
 from onnxgrad.model.infer import infer_value_infos

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import anchors
 from onnxgrad.runtime.profile import profile_step
-from onnxgrad.runtime.session import default_options
+from onnxgrad.runtime.runner import default_options
 
 THREADS = 2
 DENSE = {"Gemm", "FusedGemm", "MatMul", "FusedMatMul", "Conv", "FusedConv", "ConvTranspose", "MaxPool"}

@@ -46,7 +46,7 @@ def child(path: str, setting: str, batch: int, steps: int, memory: bool) -> dict
     import numpy as np
 
     import onnxgrad
-    from onnxgrad.runtime.session import default_options
+    from onnxgrad.runtime.runner import default_options
 
     opts = default_options()
     opts.intra_op_num_threads = THREADS

@@ -3,7 +3,7 @@
 onnxcustom's :class:`OrtGradientForwardBackward` relied on onnxruntime-training's private graph
 builder, which no published onnxruntime ships any more. This module keeps its interface and runs it
 on onnxgrad's engine (:func:`~onnxgrad.autodiff.engine.build_gradient`) and runtime
-(:class:`~onnxgrad.runtime.session.Runner`)::
+(:class:`~onnxgrad.runtime.runner.Runner`)::
 
     from onnxgrad.compat import OrtGradientForwardBackward
 
@@ -44,7 +44,8 @@ from .errors import InputError, OnnxGradRuntimeError
 from .model.graph import FLOAT_TYPES, ValueInfo, np_dtype, onnx_dtype, to_array, value_info_from_proto
 from .model.load import CheckedModel, load_checked, load_model
 from .pythonop import make_runner
-from .runtime.session import Runner, resolve_providers
+from .runtime.runner import Runner
+from .runtime.session import resolve_providers
 from .runtime.values import contiguous
 
 __all__ = ["OrtGradientForwardBackward", "OrtGradientForwardBackwardFunction", "OrtValueVector"]

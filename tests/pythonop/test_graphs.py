@@ -22,7 +22,7 @@ from onnxgrad.model.pythonop_spec import (
 from onnxgrad.pythonop import FIRST_HANDLE, contexts, make_runner, register_function, resolve_function
 from onnxgrad.pythonop.executor import PythonOpRunner, run_model
 from onnxgrad.pythonop.registry import ContextRegistry, unregister_function
-from onnxgrad.runtime.session import Runner
+from onnxgrad.runtime.runner import Runner
 from tests.models import mlp
 from tests.pythonop import functions as F
 

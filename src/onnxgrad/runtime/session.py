@@ -24,7 +24,7 @@ from ..autodiff.params import untie
 from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import FLOAT_TYPES, ValueInfo, np_dtype, to_array
 from ..model.load import CheckedModel, load_checked
-from .runner import BaseRunner, Runner, default_options, make_runner, make_session, split_forward
+from .runner import BaseRunner, make_runner
 from .values import contiguous, from_numpy
 
 Feeds = Mapping[str, Any]
@@ -413,15 +413,4 @@ def gradients(
     return {w: grads[w] for w in (wrt if wrt is not None else graphs.wrt)}
 
 
-__all__ = [
-    "BaseRunner",
-    "ForwardBackward",
-    "ForwardResult",
-    "Runner",
-    "default_options",
-    "gradients",
-    "inference_model",
-    "make_runner",
-    "make_session",
-    "split_forward",
-]
+__all__ = ["ForwardBackward", "ForwardResult", "gradients", "inference_model", "resolve_providers"]

@@ -108,7 +108,7 @@ class OneGraphStep:
 
     def __init__(self, fb: Any, optimizer: Optimizer, loss_name: str) -> None:
         from ..artifacts.generate import _train_step
-        from ..runtime.session import default_options
+        from ..runtime.runner import default_options
 
         name, hyper = _hyper(optimizer)  # type: ignore[misc]
         params = fb.parameters
