@@ -73,7 +73,6 @@ class _OnnxEstimator(BaseEstimator):
 
     _default_loss = "mse"
 
-
     def _float_outputs(self, base: onnx.ModelProto, infos: dict, what: str) -> list[str]:
         """The model's floating-point outputs; :class:`InputError` when there is none, or when
         ``output=`` names another value. ``what`` completes the message (``"to train"``)."""
@@ -83,6 +82,7 @@ class _OnnxEstimator(BaseEstimator):
         if not outputs:
             raise InputError(f"the model has no floating-point output {what}")
         return outputs
+
     def __init__(
         self,
         model: Any = None,
