@@ -205,7 +205,7 @@ def profile_step(
     if by_op:
         # Graphs without Dropout/BatchNormalization are reused as built; the others are rebuilt
         # from the model so that they run in training mode again.
-        source = fb.graphs if fb._modes is None else proto
+        source = proto if fb.follows_training else fb.graphs
         prof.profiled_steps = max(3, steps // 2)
         prof.ops, prof.nodes = _profiled(source, feeds, threads, prof.profiled_steps)
     return prof
