@@ -29,3 +29,8 @@ from .function import OrtGradientForwardBackwardFunction
 from .values import OrtValueVector
 
 __all__ = ["OrtGradientForwardBackward", "OrtGradientForwardBackwardFunction", "OrtValueVector"]
+
+# the public classes name the package (reprs, pickles), not the module that defines them
+for _cls in (OrtGradientForwardBackward, OrtGradientForwardBackwardFunction, OrtValueVector):
+    _cls.__module__ = __name__
+del _cls
