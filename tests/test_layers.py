@@ -137,8 +137,18 @@ def _front_ends():
 
         return generate(model, loss="mse")
 
+    def sklearn(model):
+        pytest.importorskip("sklearn")
+        from onnxgrad.sklearn import OnnxRegressor
+
+        dtype = np.float32 if model.graph.input[0].type.tensor_type.elem_type == 1 else x.dtype
+        X = np.random.default_rng(0).standard_normal((8, 4)).astype(dtype)
+        y = np.random.default_rng(1).standard_normal((8, 3)).astype(dtype)
+        return OnnxRegressor(model, epochs=1, batch_size=4).fit(X, y)
+
     return {
         "ForwardBackward": onnxgrad.ForwardBackward,
+        "sklearn.fit": sklearn,
         "Trainer": trainer,
         "artifacts.generate": artifacts,
         "OnnxModule": torch_module,

@@ -25,7 +25,7 @@ from .autodiff.params import select_parameters
 from .errors import InputError
 from .model.graph import np_dtype, unique_name
 from .model.infer import infer_value_infos
-from .model.load import load_model
+from .model.load import CheckedModel, load_checked
 from .runtime.runner import make_session
 from .train.losses import add_loss, keep_outputs, with_parameters
 from .train.trainer import History, Trainer
@@ -43,10 +43,15 @@ def to_onnx_model(model: Any, X: np.ndarray, *, classifier: bool = False) -> onn
     their coefficients become initializers (trainable) rather than node attributes, and classifiers
     with ``zipmap=False`` so that probabilities are a tensor.
     """
+    return _checked_model(model, X, classifier=classifier).proto
+
+
+def _checked_model(model: Any, X: np.ndarray, *, classifier: bool) -> CheckedModel:
+    """:func:`to_onnx_model`, checked once: what ``fit`` rewrites and trains."""
     if model is None:
         raise InputError("no model: pass an ONNX model or a fitted scikit-learn estimator as model=")
     if isinstance(model, onnx.ModelProto | bytes | bytearray | str | os.PathLike):
-        return load_model(model)
+        return load_checked(model)
     if not hasattr(model, "get_params"):
         raise InputError(
             f"model must be an ONNX model or a scikit-learn estimator, got {type(model).__name__}"
@@ -57,9 +62,10 @@ def to_onnx_model(model: Any, X: np.ndarray, *, classifier: bool = False) -> onn
     options = {id(final): {"zipmap": False}} if classifier or hasattr(final, "predict_proba") else None
     sample = np.asarray(X[:1], dtype=np.float32)
     try:
-        return to_onnx(model, sample, options=options, black_op={"LinearRegressor", "LinearClassifier"})
+        converted = to_onnx(model, sample, options=options, black_op={"LinearRegressor", "LinearClassifier"})
     except RuntimeError:  # a converter without an alternative to the blocked ops
-        return to_onnx(model, sample, options=options)
+        converted = to_onnx(model, sample, options=options)
+    return load_checked(converted)
 
 
 def _fresh(model: onnx.ModelProto, base: str) -> str:
@@ -128,8 +134,9 @@ class _OnnxEstimator(BaseEstimator):
         warm = self.warm_start and hasattr(self, "onnx_model_")  # the attribute fit sets, not another
         X, y = self._check_X(X, reset=not warm), np.asarray(y)
         if not warm:
-            self._base_ = to_onnx_model(self.model, X, classifier=isinstance(self, ClassifierMixin))
-            self._prepare(self._base_, y)
+            base = _checked_model(self.model, X, classifier=isinstance(self, ClassifierMixin))
+            self._base_ = base.proto
+            self._prepare(base, y)
             start = self._base_
         else:
             start = self.onnx_model_  # the previous fit's weights
@@ -143,8 +150,9 @@ class _OnnxEstimator(BaseEstimator):
         first = not hasattr(self, "onnx_model_")
         X, y = self._check_X(X, reset=first), np.asarray(y)
         if first:
-            self._base_ = to_onnx_model(self.model, X, classifier=isinstance(self, ClassifierMixin))
-            self._prepare(self._base_, y, **kwargs)
+            base = _checked_model(self.model, X, classifier=isinstance(self, ClassifierMixin))
+            self._base_ = base.proto
+            self._prepare(base, y, **kwargs)
             self.trainer_ = self._make_trainer(self._base_)
         else:
             self._check_targets(y)
@@ -163,8 +171,10 @@ class _OnnxEstimator(BaseEstimator):
             )
         return X
 
-    def _prepare(self, base: onnx.ModelProto, y: np.ndarray, **kwargs: Any) -> None:
-        """Choose the input, the output and the loss; build the training model."""
+    def _prepare(self, checked: CheckedModel, y: np.ndarray, **kwargs: Any) -> None:
+        """Choose the input, the output and the loss; build the training model (the fit's
+        rewrites of the checked model, not checked again)."""
+        base = checked.proto
         inits = {i.name for i in base.graph.initializer}
         inputs = [i.name for i in base.graph.input if i.name not in inits]
         if len(inputs) != 1:
@@ -174,7 +184,7 @@ class _OnnxEstimator(BaseEstimator):
         kind, value, options = self._loss_for(base, infos, y, **kwargs)
         target, weight, loss = _fresh(base, _TARGET), _fresh(base, _WEIGHT), _fresh(base, "loss")
         model = add_loss(
-            base,
+            checked,
             kind,
             output=value,
             target_name=target,
@@ -184,7 +194,7 @@ class _OnnxEstimator(BaseEstimator):
             l2=self.l2,
             **options,
         )
-        self._train_model_ = keep_outputs(model, [loss])
+        self._train_model_ = keep_outputs(CheckedModel(model), [loss])
         self._names_ = (self.input_name_, target, weight)
 
     def _make_trainer(self, start: onnx.ModelProto, resume: bool = False) -> Trainer:
@@ -201,7 +211,7 @@ class _OnnxEstimator(BaseEstimator):
             i.name: onnx.numpy_helper.to_array(i) for i in start.graph.initializer if i.name in trainable
         }
         trainer = Trainer(
-            with_parameters(self._train_model_, weights),
+            CheckedModel(with_parameters(CheckedModel(self._train_model_), weights)),
             optimizer=self.optimizer,
             lr=self.lr,
             batch_size=self.batch_size,
@@ -229,7 +239,7 @@ class _OnnxEstimator(BaseEstimator):
         params = dict(trainer.parameters)
         for tie in trainer.fb.graphs.ties:  # tied copies, computed from their parameter
             params[tie.name] = tie.compute(params[tie.source])
-        self.onnx_model_ = with_parameters(self._base_, params)
+        self.onnx_model_ = with_parameters(CheckedModel(self._base_), params)
         self._session_ = None
 
     # ---- prediction ----------------------------------------------------------------------------
@@ -243,7 +253,7 @@ class _OnnxEstimator(BaseEstimator):
         check_is_fitted(self, "onnx_model_")
         X = self._check_X(X, reset=False)
         if getattr(self, "_session_", None) is None:
-            model = keep_outputs(self.onnx_model_, [self._output_])
+            model = keep_outputs(CheckedModel(self.onnx_model_), [self._output_])  # fit's own model
             self._session_ = make_session(model, ["CPUExecutionProvider"])
         dtype = np_dtype(self._input_dtype_)
         return self._session_.run(None, {self.input_name_: X.astype(dtype, copy=False)})[0]

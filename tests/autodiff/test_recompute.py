@@ -185,3 +185,20 @@ def test_layer_of_dynamo_module_path() -> None:
         value="['', 'model', 'model.layers', 'model.layers.3', 'model.layers.3.attn', 'linear']",
     )
     assert layer_of(node) == "model.layers.3"
+
+
+def test_the_callers_session_options_stay_as_they_are() -> None:
+    import onnxruntime as ort
+
+    from onnxgrad.runtime.runner import make_session
+
+    graphs = onnxgrad.build_gradient(_stack(), recompute="layers")
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.intra_op_num_threads = 1
+    before = options.execution_order
+    session = make_session(graphs.backward, ["CPUExecutionProvider"], options)
+    assert options.execution_order == before  # the priority order went to a copy
+    assert session.get_session_options().execution_order == ort.ExecutionOrder.PRIORITY_BASED
+    assert session.get_session_options().intra_op_num_threads == 1
+    assert session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"

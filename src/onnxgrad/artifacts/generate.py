@@ -30,8 +30,8 @@ from onnx import TensorProto, helper
 
 from ..autodiff.compose import compose
 from ..autodiff.engine import build_gradient
-from ..autodiff.modes import follows_training_flag, set_training_mode
 from ..autodiff.params import declared_trainable
+from ..autodiff.prepare import prepare
 from ..errors import InputError
 from ..model.graph import (
     FLOAT_TYPES,
@@ -43,7 +43,7 @@ from ..model.graph import (
     to_array,
     unique_name,
 )
-from ..model.load import CheckedModel, load_checked
+from ..model.load import CheckedModel
 from ..train.losses import _Emitter, add_loss, keep_outputs
 from . import tensors
 from .optim import STATE_KEYS, Param, emit_updates, hyperparameters
@@ -115,15 +115,12 @@ def generate(
     an op one of them has no kernel for (:mod:`onnxgrad.artifacts.targets`) raises
     :class:`InputError` naming the op and the runtime, before anything is written.
     """
-    checked = load_checked(model)  # the one validation: what follows rewrites the checked model
-    proto = checked.proto
+    prepared = prepare(model)  # the one validation: what follows rewrites the checked model
+    proto = prepared.checked.proto
     opt = optimizer.lower()
     hyper = hyperparameters(opt, dict(optimizer_options))
-    train_model, eval_model, stats = proto, proto, {}
-    if follows_training_flag(proto):
-        switched = set_training_mode(checked, True)
-        train_model, stats = switched.model, dict(switched.running_stats)
-        eval_model = set_training_mode(checked, False).model
+    train_model, eval_model = prepared.training.proto, prepared.given_inference.proto
+    stats = prepared.running_stats
     loss_options = dict(loss_options or {})
     if loss is not None:
         opts = dict(loss_name=loss_name, target_name=target_name, **loss_options)

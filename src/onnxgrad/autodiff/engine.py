@@ -161,7 +161,7 @@ def build_gradient(
     # 3. assemble both models
     forward = _forward_model(model, nodes, g, trainable_names, infos)
     backward = _backward_model(model, g, grad_inputs, grad_outputs, infos)
-    if copied:  # the runtime runs it in graph order (see recompute.ordered_for_recompute)
+    if copied:  # the runtime runs it in graph order (see recompute.runs_in_graph_order)
         backward.metadata_props.add(key=RECOMPUTE_MARK, value=str(len(copied)))
     saved = list(g.saved)
     return GradientGraphs(

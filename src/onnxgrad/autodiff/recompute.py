@@ -221,19 +221,16 @@ def apply_recompute(
 MARK = "onnxgrad.recompute"  # metadata_props of a backward graph holding recomputed nodes
 
 
-def ordered_for_recompute(model: onnx.ModelProto, options: Any) -> None:
-    """Set onnxruntime's priority-based execution order on ``options`` (a ``SessionOptions``) when
-    ``model`` is a backward graph with recomputed nodes.
+def runs_in_graph_order(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` is a backward graph with recomputed nodes, which onnxruntime must run with
+    its priority-based execution order (the session maker sets it on a copy of the options).
 
     The default order is a depth-first walk from the outputs, which rebuilds a layer's activations
     as soon as any gradient depends on them and so keeps every layer's alive at once (measured on a
     4-layer transformer: no saving at all); the priority-based order follows the graph's order,
     where each recomputed node sits just before its first reader.
     """
-    if any(p.key == MARK for p in model.metadata_props):
-        import onnxruntime as ort
-
-        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    return any(p.key == MARK for p in model.metadata_props)
 
 
 def _place(copies: list[onnx.NodeProto], nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:

@@ -1,9 +1,10 @@
 """Loading a model once, at the boundary: what comes out has been validated and need not be again.
 
 Every front end (``ForwardBackward``, ``OnnxModule``, ``build_gradient``, ``gradients``, the compat
-classes, the trainer...) calls :func:`load_checked` on what the user gave it and hands the
-:class:`CheckedModel` inward; :func:`load_model` of a :class:`CheckedModel` returns its proto
-without running the checks again (they cost a pass over the file and a shape inference).
+classes, the trainer...) calls :func:`load_checked` on what the user gave it (most through
+:func:`onnxgrad.autodiff.prepare.prepare`) and hands the :class:`CheckedModel` inward;
+:func:`load_model` of a :class:`CheckedModel` returns its proto without running the checks again
+(they cost a pass over the file and a shape inference).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ import onnxruntime as ort
 from ..errors import InputError
 from ..model.graph import np_dtype, value_info_from_proto
 from ..model.load import CheckedModel, load_checked
-from .session import ForwardBackward, Runner, default_options
+from .runner import Runner, default_options
+from .session import ForwardBackward
 
 
 @dataclass
@@ -205,7 +206,7 @@ def profile_step(
     if by_op:
         # Graphs without Dropout/BatchNormalization are reused as built; the others are rebuilt
         # from the model so that they run in training mode again.
-        source = fb.graphs if fb._modes is None else proto
+        source = proto if fb.follows_training else fb.graphs
         prof.profiled_steps = max(3, steps // 2)
         prof.ops, prof.nodes = _profiled(source, feeds, threads, prof.profiled_steps)
     return prof

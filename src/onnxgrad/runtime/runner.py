@@ -21,7 +21,7 @@ import onnx
 import onnxruntime as ort
 
 from ..autodiff.engine import GradientGraphs
-from ..autodiff.recompute import ordered_for_recompute
+from ..autodiff.recompute import runs_in_graph_order
 from ..deps import require_onnxruntime
 from ..errors import OnnxGradRuntimeError
 from ..model.graph import ValueInfo, to_array, value_info_from_proto
@@ -30,9 +30,12 @@ from .values import C, OrtValueLike, run
 __all__ = [
     "BaseRunner",
     "Runner",
+    "copy_options",
     "default_options",
     "make_runner",
     "make_session",
+    "options_from_state",
+    "options_state",
     "register_runner",
     "split_forward",
 ]
@@ -56,8 +59,9 @@ def make_session(
     require_onnxruntime()
     if options is None:
         options = default_options()
-    if not isinstance(model, str):  # a backward with recomputed activations runs in graph order
-        ordered_for_recompute(model, options)
+    if not isinstance(model, str) and runs_in_graph_order(model):  # recomputed activations
+        options = copy_options(options)  # the caller's options stay as they are
+        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     source = model if isinstance(model, str) else model.SerializeToString()
     try:
         return ort.InferenceSession(source, sess_options=options, providers=providers)
@@ -72,6 +76,62 @@ def default_options() -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
+
+
+# SessionOptions can be neither copied nor pickled: these settings are carried field by field.
+SESSION_FIELDS = (
+    "enable_cpu_mem_arena",
+    "enable_mem_pattern",
+    "enable_mem_reuse",
+    "enable_profiling",
+    "execution_mode",
+    "execution_order",
+    "graph_optimization_level",
+    "inter_op_num_threads",
+    "intra_op_num_threads",
+    "log_severity_level",
+    "log_verbosity_level",
+    "logid",
+    "optimized_model_filepath",
+    "profile_file_prefix",
+    "use_deterministic_compute",
+    "use_per_session_threads",
+)
+# the config entries a copy carries (onnxruntime cannot list those set)
+_CONFIG_KEYS = (
+    "session.intra_op.allow_spinning",
+    "session.inter_op.allow_spinning",
+    "session.set_denormal_as_zero",
+    "session.use_env_allocators",
+    "session.disable_prepacking",
+    "session.use_device_allocator_for_initializers",
+)
+
+
+def options_state(options: ort.SessionOptions) -> dict[str, Any]:
+    """The settings of ``options`` named in :data:`SESSION_FIELDS`, as a plain (picklable) dict."""
+    return {f: getattr(options, f) for f in SESSION_FIELDS if hasattr(options, f)}
+
+
+def options_from_state(state: Mapping[str, Any]) -> ort.SessionOptions:
+    """New ``SessionOptions`` with the settings of :func:`options_state`."""
+    options = ort.SessionOptions()
+    for name, value in state.items():
+        setattr(options, name, value)
+    return options
+
+
+def copy_options(options: ort.SessionOptions) -> ort.SessionOptions:
+    """A copy of ``options``: its :data:`SESSION_FIELDS` and the usual config entries (custom op
+    libraries, initializers and free dimension overrides added to ``options`` are not carried)."""
+    copy = options_from_state(options_state(options))
+    for key in _CONFIG_KEYS:
+        try:
+            value = options.get_session_config_entry(key)
+        except RuntimeError:  # not set
+            continue
+        copy.add_session_config_entry(key, value)
+    return copy
 
 
 def split_forward(

@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
-from ..autodiff.engine import GradientGraphs, build_gradient
-from ..autodiff.modes import ModeSwitch, follows_training_flag, set_training_mode
+from ..autodiff.engine import GradientGraphs
 from ..autodiff.params import untie
+from ..autodiff.prepare import ModelLike, PreparedModel, prepare
 from ..errors import InputError, OnnxGradRuntimeError
-from ..model.graph import FLOAT_TYPES, ValueInfo, np_dtype, to_array
-from ..model.load import CheckedModel, load_checked
+from ..model.graph import ValueInfo, np_dtype, to_array
+from ..model.load import CheckedModel
 from .runner import BaseRunner, make_runner
 from .values import contiguous, from_numpy
 
@@ -96,14 +96,15 @@ class ForwardResult:
 class ForwardBackward:
     """Forward and backward of an ONNX model on onnxruntime, numpy in and numpy out.
 
-    ``model_or_graphs``: a model (proto, path or bytes) or the :class:`GradientGraphs` of one.
+    ``model_or_graphs``: a model (proto, path or bytes, a :class:`PreparedModel`) or the
+    :class:`GradientGraphs` of one.
     Several forwards may be alive at once, and forwards/backwards may run from several threads.
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     """
 
     def __init__(
         self,
-        model_or_graphs: GradientGraphs | CheckedModel | onnx.ModelProto | str | os.PathLike | bytes,
+        model_or_graphs: GradientGraphs | PreparedModel | ModelLike,
         *,
         trainable: Iterable[str] | None = None,
         inputs_requiring_grad: Iterable[str] = (),
@@ -113,29 +114,25 @@ class ForwardBackward:
         tie_weights: bool = True,
         recompute: Any = None,
     ) -> None:
-        self._modes: ModeSwitch | None = None  # Dropout / BatchNormalization follow `training`
+        # Dropout / BatchNormalization follow `training`: the model's training and inference variants
+        self._prepared: PreparedModel | None = None
         if isinstance(model_or_graphs, GradientGraphs):
             graphs = model_or_graphs
             user_outputs = list(graphs.outputs)
         else:
-            checked = load_checked(model_or_graphs)  # the one validation of this model
-            proto = checked.proto
-            user_outputs = [o.name for o in proto.graph.output]
-            if follows_training_flag(proto):
-                self._modes = set_training_mode(checked, True)
-                # running statistics are buffers, left out of the default set by how they are used
-                proto = _overridable(self._modes.model, self._modes.buffers)
-                checked = CheckedModel(proto)  # onnxgrad's own rewrite of a checked model
-                if outputs is None:
-                    outputs = [o for o in user_outputs if o in float_outputs(proto)]
-            graphs = build_gradient(
-                checked,
+            prepared = prepare(model_or_graphs)  # the one validation of this model
+            user_outputs = prepared.output_names
+            # running statistics are buffers, left out of the default set by how they are used
+            graphs = prepared.gradient_graphs(
                 trainable=trainable,
                 inputs_requiring_grad=inputs_requiring_grad,
                 outputs=outputs,
                 tie_weights=tie_weights,
                 recompute=recompute,
             )
+            if prepared.follows_training:
+                self._prepared = prepared
+        self._running_stats = self._prepared.running_stats if self._prepared is not None else {}
         if not graphs.wrt:
             raise InputError(
                 "nothing to differentiate: the model has no floating-point initializer to train and "
@@ -155,23 +152,21 @@ class ForwardBackward:
         self._buffer_values = {k: from_numpy(v) for k, v in self._buffers.items()}
 
     def _stat_names(self) -> list[str]:
-        return self._modes.buffers if self._modes is not None else []
+        return list(self._running_stats)
 
     def _runner_for(self, training: bool) -> BaseRunner:
-        if training or self._modes is None:
+        if training or self._prepared is None:
             return self._runner
         if self._eval_runner is None:
-            switched = set_training_mode(CheckedModel(self._modes.model), False).model
-            model = CheckedModel(_overridable(switched, self._modes.buffers))  # rewrites of a checked model
-            outputs = list(self.graphs.grad_inputs)
-            # a core that tying made is no initializer of this model: name the copy, tied again
-            made = {t.source: t.name for t in self.graphs.ties if t.made}
-            trainable = [made.get(n, n) for n in self.graphs.trainable]
-            graphs = build_gradient(
-                model, trainable=trainable, outputs=outputs, tie_weights=bool(self.graphs.ties)
-            )
+            graphs = self._prepared.eval_graphs(self.graphs)
             self._eval_runner = make_runner(graphs, self.providers, self._options)
         return self._eval_runner
+
+    @property
+    def follows_training(self) -> bool:
+        """Whether Dropout and BatchNormalization follow ``forward(training=...)`` (the model has
+        a training and an inference variant)."""
+        return self._prepared is not None
 
     @property
     def buffers(self) -> dict[str, np.ndarray]:
@@ -209,7 +204,7 @@ class ForwardBackward:
         mode) carrying the current parameter and running-statistics values."""
         graphs = self._runner_for(False).graphs
         model = untie(inference_model(graphs, {**self._params, **self._buffers}), graphs.ties)
-        if self._modes is not None:  # running statistics back to plain initializers
+        if self._prepared is not None:  # running statistics back to plain initializers
             inputs = [i for i in model.graph.input if i.name not in self._buffers]
             del model.graph.input[:]
             model.graph.input.extend(inputs)
@@ -228,8 +223,8 @@ class ForwardBackward:
         runner = self._runner_for(training)
         outs, saved = runner.forward(values, training)
         by_name = dict(zip(runner.graphs.outputs, outs))
-        if training and self._modes is not None:  # keep the running statistics running
-            for stat, out in self._modes.running_stats.items():
+        if training and self._running_stats:  # keep the running statistics running
+            for stat, out in self._running_stats.items():
                 np.copyto(self._buffers[stat], by_name[out].numpy())
         if saved is not None:
             # OrtValues do not own numpy buffers: keep the fed arrays and the parameter arrays of
@@ -326,22 +321,6 @@ def _fmt_shape(shape: tuple) -> str:
     return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
 
 
-def _overridable(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
-    """``model`` with the initializers ``names`` also declared as graph inputs (fed at run time)."""
-    declared = {i.name for i in model.graph.input}
-    model.graph.input.extend(
-        helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
-        for i in model.graph.initializer
-        if i.name in set(names) and i.name not in declared
-    )
-    return model
-
-
-def float_outputs(model: onnx.ModelProto) -> set[str]:
-    """The outputs of ``model`` declared with a floating-point type: those that take a gradient."""
-    return {o.name for o in model.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES}
-
-
 def inference_model(graphs: GradientGraphs, params: Mapping[str, np.ndarray]) -> onnx.ModelProto:
     """The forward graph reduced to the user outputs, with ``params`` as its initializers."""
     model = onnx.ModelProto()
@@ -390,8 +369,8 @@ def gradients(
     ``wrt``: initializer and/or input names (``None``: the default trainable set, tied weights
     as one; named initializers each get their own gradient).
     """
-    checked = load_checked(model)  # the one validation of this model
-    proto = checked.proto
+    prepared = prepare(model, modes=False)  # the one validation of this model
+    proto = prepared.checked.proto
     inits = {i.name for i in proto.graph.initializer}
     inputs = [i.name for i in proto.graph.input if i.name not in inits]
     if wrt is None:
@@ -404,8 +383,8 @@ def gradients(
         trainable = [w for w in wrt if w in inits]
         req = [w for w in wrt if w in inputs]
     outputs = None if grad_outputs is None else list(grad_outputs)
-    graphs = build_gradient(
-        checked, trainable=trainable, inputs_requiring_grad=req, outputs=outputs, tie_weights=wrt is None
+    graphs = prepared.gradient_graphs(
+        trainable=trainable, inputs_requiring_grad=req, outputs=outputs, tie_weights=wrt is None
     )
     fb = ForwardBackward(graphs, providers=providers)
     result = fb.forward(feeds, training=True)

@@ -22,13 +22,13 @@ from onnx import numpy_helper
 from torch import nn
 
 from ..autodiff.engine import build_gradient
-from ..autodiff.modes import follows_training_flag, set_training_mode
-from ..autodiff.params import select_parameters, untie
+from ..autodiff.params import untie
+from ..autodiff.prepare import float_outputs, prepare
 from ..errors import InputError
 from ..model.graph import FLOAT_TYPES, to_array, unique_name, value_info_from_proto
-from ..model.load import CheckedModel, load_checked
+from ..model.load import CheckedModel
 from ..pythonop import make_runner
-from ..runtime.session import float_outputs, resolve_providers
+from ..runtime.session import resolve_providers
 from ..runtime.values import check_input, from_torch, to_torch
 
 # call signatures (input shapes, dtypes, requires-grad flags) remembered per module; beyond, the
@@ -183,29 +183,26 @@ class OnnxModule(nn.Module):
     ) -> None:
         super().__init__()
         self._recompute = recompute  # build_gradient(recompute=): activations rebuilt in the backward
-        checked = load_checked(model)  # the one validation: what follows are onnxgrad's own rewrites
-        selection = select_parameters(checked.proto, trainable, tie_weights=tie_weights)
-        proto = selection.model
+        # the one validation; the parameters are chosen (and tied) before the modes are switched
+        prepared = prepare(model).select(trainable, tie_weights=tie_weights)
+        selection = prepared.selection
+        assert selection is not None
         self.tied = selection.ties  # initializers computed from a parameter
-        self.output_names = [o.name for o in proto.graph.output]
+        self.output_names = prepared.output_names
         # the outputs that take a gradient (integer and bool outputs come back non-differentiable)
-        floats = float_outputs(proto)
+        floats = float_outputs(prepared.checked.proto)
         self._grad_outputs = [o for o in self.output_names if o in floats]
         # Dropout and BatchNormalization follow .train() / .eval(): one model per mode, sharing
         # initializer names; in training mode BatchNormalization's running statistics come out as
         # extra outputs, written back into their buffers after each forward.
-        self._running_stats: dict[str, str] = {}
-        if follows_training_flag(proto):
-            train = set_training_mode(CheckedModel(proto), True)
-            proto = train.model
-            self._running_stats = train.running_stats
-            self._mode_bytes = {
-                True: proto.SerializeToString(),
-                False: set_training_mode(CheckedModel(proto), False).model.SerializeToString(),
-            }
-        else:
-            self._mode_bytes = {True: proto.SerializeToString()}
-            self._mode_bytes[False] = self._mode_bytes[True]
+        self._running_stats: dict[str, str] = prepared.running_stats
+        proto = prepared.training.proto
+        self._mode_bytes = {True: proto.SerializeToString()}
+        self._mode_bytes[False] = (
+            prepared.inference.proto.SerializeToString()
+            if prepared.follows_training
+            else self._mode_bytes[True]
+        )
         self._providers = providers
         self._session_options = session_options
         inits = {i.name: i for i in proto.graph.initializer}

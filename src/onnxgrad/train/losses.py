@@ -391,7 +391,7 @@ def remove_loss(
 
 
 def with_parameters(
-    model: onnx.ModelProto | str | os.PathLike | bytes, params: Mapping[str, np.ndarray]
+    model: CheckedModel | onnx.ModelProto | str | os.PathLike | bytes, params: Mapping[str, np.ndarray]
 ) -> onnx.ModelProto:
     """A copy of ``model`` whose initializers named in ``params`` hold these values (dtype kept)."""
     result = onnx.ModelProto()

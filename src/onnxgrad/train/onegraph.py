@@ -70,7 +70,7 @@ def one_graph_step(fb: Any, optimizer: Optimizer, loss_name: str) -> OneGraphSte
 
 
 def _unsupported(fb: Any, optimizer: Optimizer, loss_name: str) -> str | None:
-    if getattr(fb, "_modes", None) is not None:
+    if fb.follows_training:
         return "the model has Dropout or BatchNormalization (training-mode switches, running statistics)"
     graphs = fb.graphs
     if graphs.ties:

@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ..autodiff.prepare import prepare
 from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import ValueInfo, value_info_from_proto
-from ..model.load import CheckedModel, load_checked
+from ..model.load import CheckedModel
 from ..runtime import ForwardBackward
 from .data import BatchLoader, Data, as_feeds
 from .losses import add_loss, remove_loss
@@ -226,7 +227,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: onnx.ModelProto | str | os.PathLike | bytes | ForwardBackward,
+        model: CheckedModel | onnx.ModelProto | str | os.PathLike | bytes | ForwardBackward,
         *,
         loss: str | None = None,
         loss_options: Mapping[str, Any] | None = None,
@@ -252,17 +253,17 @@ class Trainer:
                 raise InputError("loss= needs an ONNX model; a ForwardBackward already has its outputs")
             fb = model
         else:
-            checked = load_checked(model)  # the one validation: add_loss rewrites the checked model
-            proto = checked.proto
+            prepared = prepare(model)  # the one validation: add_loss rewrites the checked model
+            proto = prepared.checked.proto
             if loss is not None:
-                proto = add_loss(checked, loss, loss_name=loss_name, **dict(loss_options or {}))
-                checked = CheckedModel(proto)
+                proto = add_loss(prepared.checked, loss, loss_name=loss_name, **dict(loss_options or {}))
+                prepared = prepare(CheckedModel(proto))
             elif loss_name not in (outputs := [o.name for o in proto.graph.output]):
                 raise InputError(
                     f"the model has no output {loss_name!r} (outputs: {outputs}); pass loss= to append one"
                 )
             fb = ForwardBackward(
-                checked, trainable=trainable, outputs=[loss_name], providers=providers, recompute=recompute
+                prepared, trainable=trainable, outputs=[loss_name], providers=providers, recompute=recompute
             )
         if loss_name not in fb.output_names or loss_name not in fb.graphs.grad_inputs:
             raise InputError(
