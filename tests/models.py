@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxgrad.autodiff.graph import ir_version_for, onnx_dtype
+from onnxgrad.model.graph import ir_version_for, onnx_dtype
 
 
 def make_model(

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from bench import anchors  # noqa: E402
 
 import onnxgrad  # noqa: E402
-from onnxgrad.autodiff.graph import to_array  # noqa: E402
+from onnxgrad.model.graph import to_array  # noqa: E402
 from onnxgrad.testing import run_gradients  # noqa: E402
 
 # Small batches keep the suite fast; the architectures are exactly the anchors'.

@@ -62,9 +62,10 @@ def test_coverage_lists_rules(capsys):
 def test_coverage_markdown(capsys):
     assert main(["coverage", "--markdown"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "| op | domain | opsets | status | tested in |"
+    assert lines[0] == "| op | domain | opsets | status | rule file | tested in |"
     gemm = next(line for line in lines if line.startswith("| Gemm |"))
     assert gemm.startswith("| Gemm | ai.onnx | 1+ | rule | ") and "test_rules_linalg.py" in gemm
+    assert "| rules/linalg.py |" in gemm
 
 
 def test_info_prints_parameters(mlp_path, capsys):

@@ -13,8 +13,8 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
-from onnxgrad.autodiff.graph import ir_version_for
 from onnxgrad.errors import InputError
+from onnxgrad.model.graph import ir_version_for
 
 pytest.importorskip("sklearn")
 pytest.importorskip("skl2onnx")

@@ -193,17 +193,18 @@ def _grad(args: argparse.Namespace) -> int:
 
 
 def _coverage(args: argparse.Namespace) -> int:
-    """One row per op: the opset versions with a rule, how, and the test files that exercise it."""
+    """One row per op: the opset versions with a rule, how, the module that registers it, and the test
+    files that exercise it."""
     tested = _tested_ops()
     versions: dict[tuple[str, str], list] = {}
     for r in rules_table():
         versions.setdefault((r.domain or "ai.onnx", r.op_type), []).append(r)
-    header = ("op", "domain", "opsets", "status", "tested in")
+    header = ("op", "domain", "opsets", "status", "rule file", "tested in")
     rows = []
     for (domain, op), rs in versions.items():
         where = ", ".join(sorted(tested.get(op, ()))) if tested else "?"
         status = rs[-1].kind + (f" ({rs[-1].note})" if rs[-1].note and args.markdown else "")
-        rows.append((op, domain, ", ".join(f"{r.since}+" for r in rs), status, where or "-"))
+        rows.append((op, domain, ", ".join(f"{r.since}+" for r in rs), status, rs[-1].file, where or "-"))
     print(_markdown(header, rows) if args.markdown else _table(header, rows))
     kinds = Counter(supported_ops().values())
     counts = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))

@@ -32,9 +32,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .autodiff.graph import FLOAT_TYPES, load_model, np_dtype, to_array
 from .autodiff.params import TRAINABLE_KEY
 from .errors import InputError
+from .model.graph import FLOAT_TYPES, np_dtype, to_array
+from .model.load import load_model
 
 LORA_KEY = "onnxgrad.lora"  # metadata_props: JSON description of the adapters (see _Adapter)
 

@@ -311,7 +311,7 @@ def test_bias_gradients_share_one_ones_vector():
 
 @pytest.mark.parametrize(("opset", "ir"), [(13, 8), (18, 8), (21, 10), (23, 11)])
 def test_ir_version_follows_the_opset(opset, ir):
-    from onnxgrad.autodiff.graph import ir_version_for
+    from onnxgrad.model.graph import ir_version_for
 
     assert ir_version_for([helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]) == ir
     assert ir_version_for([helper.make_opsetid("ai.onnx", opset)]) == ir

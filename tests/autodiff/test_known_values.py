@@ -1,4 +1,4 @@
-"""Values fixed by constants and static shapes (``onnxgrad.autodiff.fold``): what shape inference and
+"""Values fixed by constants and static shapes (``onnxgrad.model.fold``): what shape inference and
 the gradient rules learn from them, and what stays unknown."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad.autodiff.fold import MAX_ELEMENTS, known_values
-from onnxgrad.autodiff.graph import ValueInfo, infer_value_infos, ir_version_for
 from onnxgrad.errors import GradientNotImplementedError
+from onnxgrad.model.fold import MAX_ELEMENTS, known_values
+from onnxgrad.model.graph import ValueInfo, ir_version_for
+from onnxgrad.model.infer import infer_value_infos
 
 
 def _const(name: str, value) -> onnx.NodeProto:

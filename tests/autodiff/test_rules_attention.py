@@ -22,7 +22,7 @@ from onnx import TensorProto, helper
 import onnxgrad.autodiff.rules.attention  # noqa: F401  (registers the rules until rules/__init__ imports it)
 from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
-from onnxgrad.autodiff.graph import ir_version_for
+from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import check_gradients, node_model
 from tests.models import ort_loads_opset
 

@@ -1,4 +1,4 @@
-"""Gradient checks of the convolution-like and region pooling rules (rules/conv.py).
+"""Gradient checks of the convolution-like and region pooling rules (rules/conv.py, rules/pool.py).
 
 ConvTranspose, DeformConv, LpPool, GlobalLpPool, MaxRoiPool and RoiAlign, against float64 central
 finite differences: through onnxruntime where it has float64 kernels (DeformConv, RoiAlign), else

@@ -1,5 +1,5 @@
-"""Gradient rules of the indexing ops (rules/indexing.py): scatters, TopK, Compress, Trilu, CumSum,
-CumProd, ReverseSequence, CenterCropPad, MaxUnpool.
+"""Gradient rules of scatters, TopK, Compress, Trilu (rules/indexing.py), CumSum, CumProd
+(rules/reduce.py), ReverseSequence, CenterCropPad (rules/shape.py) and MaxUnpool (rules/pool.py).
 
 Every rule is checked against float64 central finite differences through onnxruntime (which runs
 these ops in float64), except MaxUnpool (no float64 kernel: onnx.reference with a kernel fixed to
@@ -20,8 +20,8 @@ from onnx import TensorProto, helper
 
 from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
-from onnxgrad.autodiff.graph import ir_version_for
 from onnxgrad.autodiff.rules import indexing  # noqa: F401  (registers the rules until rules/__init__ does)
+from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import check_gradients, check_op, node_model, run_model
 
 RNG = np.random.default_rng(7)

@@ -17,9 +17,9 @@ import torch
 from onnx import TensorProto, helper
 
 from onnxgrad.autodiff.engine import build_gradient
-from onnxgrad.autodiff.graph import ir_version_for
 from onnxgrad.autodiff.registry import lookup
 from onnxgrad.errors import GradientNotImplementedError
+from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import Backend, check_gradients, check_op, node_model, run_model
 
 RNG = np.random.default_rng(7)

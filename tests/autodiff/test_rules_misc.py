@@ -1,4 +1,5 @@
-"""Tests of rules/misc.py: optional ops, the SequenceMap refusal, and the stop-gradient declarations."""
+"""Optional ops and the SequenceMap refusal (rules/sequence.py), and the stop-gradient declarations
+(rules/nondiff.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import onnxgrad.autodiff.rules.misc  # noqa: F401  (registers the rules until rules/__init__ does)
 from onnxgrad.autodiff.engine import build_gradient
-from onnxgrad.autodiff.graph import ir_version_for
 from onnxgrad.autodiff.registry import lookup, supported_ops
 from onnxgrad.errors import GradientNotImplementedError
+from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import check_gradients, run_gradients
 
 D = TensorProto.DOUBLE

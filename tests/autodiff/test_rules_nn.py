@@ -1,4 +1,5 @@
-"""Gradient checks of the reduction, softmax and neural-network rules (rules/reduce.py, rules/nn.py).
+"""Gradient checks of the reduction, softmax and neural-network rules (rules/reduce.py, softmax.py,
+conv.py, pool.py, norm.py, elementwise.py).
 
 Each rule is checked against float64 central finite differences: through onnxruntime where it has
 float64 kernels, else through onnx.reference on tiny shapes plus one float32 onnxruntime check. A

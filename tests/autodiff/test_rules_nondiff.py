@@ -71,3 +71,13 @@ def test_stop_gradient_op(op):
     onnx.checker.check_model(model, full_check=True)
     got = onnxgrad.gradients(model, {"x": X}, wrt=["x"])["x"]
     np.testing.assert_array_equal(got, np.broadcast_to(EXPECTED[op](X), X.shape).astype(float))
+
+
+def test_stop_gradient_ops_are_declared_in_one_module():
+    """Every zero-gradient declaration lives in rules/nondiff.py, and each rule names its module."""
+    from onnxgrad.autodiff.registry import lookup, rules_table
+
+    declared = [r for r in rules_table() if r.kind == "zero"]
+    assert declared and {r.file for r in declared} == {"rules/nondiff.py"}
+    assert lookup("", "Relu", 14).file == "rules/elementwise.py"  # a formula
+    assert lookup("", "MaxPool", 12).file == "rules/pool.py"  # a rule

@@ -12,8 +12,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad.autodiff.graph import ir_version_for
 from onnxgrad.errors import GradientNotImplementedError
+from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import check_gradients, check_op, node_model
 from tests.models import ort_loads_opset
 

@@ -1,4 +1,5 @@
-"""Gradient checks of rules/spectral.py (DFT, AffineGrid) against float64 finite differences and torch."""
+"""Gradient checks of DFT (rules/spectral.py) and AffineGrid (rules/resample.py) against float64 finite
+differences and torch."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxgrad.autodiff.compose import compose
 from onnxgrad.autodiff.engine import build_gradient
-from onnxgrad.autodiff.graph import ir_version_for
+from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import check_gradients, run_gradients, run_model
 
 D = TensorProto.DOUBLE

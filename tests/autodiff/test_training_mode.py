@@ -1,5 +1,5 @@
-"""Training mode: Dropout and BatchNormalization gradient rules in training mode (rules/nn.py), and
-switching a model between training and inference (autodiff/modes.py).
+"""Training mode: Dropout and BatchNormalization gradient rules in training mode (rules/elementwise.py
+and rules/norm.py), and switching a model between training and inference (autodiff/modes.py).
 
 Dropout is random, so its gradient is checked against the mask its forward drew (through
 ForwardBackward); BatchNormalization in training mode against float64 finite differences and
@@ -23,9 +23,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
 from onnxgrad.autodiff.engine import build_gradient
-from onnxgrad.autodiff.graph import ir_version_for
 from onnxgrad.autodiff.modes import ModeSwitch, set_training_mode
 from onnxgrad.errors import GradientNotImplementedError, ModelError
+from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import check_gradients, node_model, run_gradients
 from tests.autodiff.test_rules_nn import pos, rnd
 

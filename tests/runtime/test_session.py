@@ -228,7 +228,7 @@ def test_scalar_output_gradient_and_scalar_input_keep_their_rank(opset):
     the gradient of Det of a 2-D matrix come back (1, 2, 2), and a scalar input fed as (1,)."""
     from onnx import TensorProto, helper
 
-    from onnxgrad.autodiff.graph import ir_version_for
+    from onnxgrad.model.graph import ir_version_for
 
     graph = helper.make_graph(
         [helper.make_node("Det", ["x"], ["d"]), helper.make_node("Mul", ["d", "s"], ["y"])],

@@ -2,7 +2,7 @@
 
 ``torch.onnx.export(..., dynamo=False)`` writes MultiheadAttention with axes and shapes computed by
 small graphs of constants (``Constant -> Add -> Mod -> Reshape -> Slice``) that ONNX shape inference
-does not follow; onnxgrad evaluates them (``onnxgrad.autodiff.fold``) so every rank is known.
+does not follow; onnxgrad evaluates them (``onnxgrad.model.fold``) so every rank is known.
 """
 
 from __future__ import annotations

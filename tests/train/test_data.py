@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from onnxgrad.autodiff.graph import ValueInfo
 from onnxgrad.errors import InputError
+from onnxgrad.model.graph import ValueInfo
 from onnxgrad.train import BatchLoader, as_feeds, load_dataset, split
 
 INPUTS = {

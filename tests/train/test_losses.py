@@ -9,8 +9,8 @@ import pytest
 from onnx import TensorProto, helper
 
 import onnxgrad
-from onnxgrad.autodiff.graph import ir_version_for
 from onnxgrad.errors import InputError
+from onnxgrad.model.graph import ir_version_for
 from onnxgrad.train import add_loss, keep_outputs, remove_loss, with_parameters
 
 torch = pytest.importorskip("torch")  # an optional dependency: the reference for every loss

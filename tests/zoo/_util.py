@@ -36,7 +36,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 torch = pytest.importorskip("torch")
 
-from onnxgrad.autodiff.graph import FLOAT_TYPES, to_array  # noqa: E402
+from onnxgrad.model.graph import FLOAT_TYPES, to_array  # noqa: E402
 
 EXPORTERS = ("torchscript", "dynamo")
 BATCH, SEQ, VOCAB, IMAGE = 2, 8, 64, 32

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping
 
 import onnx
 
-from ..autodiff.graph import subgraphs
 from ..errors import InputError
+from ..model.graph import subgraphs
 
 __all__ = ["DEFAULT_TARGETS", "MISSING_KERNELS", "check_targets", "missing_kernels"]
 

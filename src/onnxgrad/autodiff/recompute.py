@@ -38,8 +38,8 @@ import onnx
 from onnx import defs
 
 from ..errors import InputError
+from ..model.graph import node_operands, np_dtype
 from .builder import GradBuilder
-from .graph import node_operands, np_dtype
 
 Recompute = str | Iterable[str] | int | Callable[[onnx.NodeProto], Any] | None
 

@@ -5,6 +5,8 @@ A rule is ``fn(g, n) -> [grad of input 0, grad of input 1, ...]`` where ``g`` is
 differentiated; ``None`` in the result means "no gradient" (the engine only asks for what it needs,
 see ``n.needs``). Rules register next to their definition with :func:`rule`; elementwise ops come
 from a formula table (:func:`formulas`); ops whose gradient is zero or that stop it use :func:`zero`.
+Each registration records the module it came from (:attr:`Rule.module`), which ``onnxgrad coverage``
+shows as the op's rule file.
 
 The registry imports no rule: rule modules register into it when imported (``autodiff/__init__.py``
 imports :mod:`.rules`; :mod:`onnxgrad.pythonop` registers the PythonOp rule the same way, from above).
@@ -13,6 +15,7 @@ imports :mod:`.rules`; :mod:`onnxgrad.pythonop` registers the PythonOp rule the 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +83,17 @@ class Rule:
     fn: RuleFn | None
     kind: str  # "rule", "formula", "zero"
     note: str = ""
+    module: str = ""  # the module that registered it (``onnxgrad.autodiff.rules.pool``)
+
+    @property
+    def file(self) -> str:
+        """The registering module as a path under the package: ``rules/pool.py``, ``pythonop/gradient.py``."""
+        parts = self.module.split(".")
+        if parts[:1] == ["onnxgrad"]:
+            parts = parts[1:]
+        if parts[:2] == ["autodiff", "rules"]:
+            parts = parts[1:]
+        return "/".join(parts) + ".py" if self.module else "?"
 
 
 _RULES: dict[tuple[str, str], list[Rule]] = {}
@@ -96,7 +110,7 @@ def rule(*op_types: str, domain: str = "", since: int = 1) -> Callable[[RuleFn],
 
     def deco(fn: RuleFn) -> RuleFn:
         for op in op_types:
-            _add(Rule(op, domain, since, fn, "rule"))
+            _add(Rule(op, domain, since, fn, "rule", module=fn.__module__))
         return fn
 
     return deco
@@ -104,8 +118,9 @@ def rule(*op_types: str, domain: str = "", since: int = 1) -> Callable[[RuleFn],
 
 def zero(*op_types: str, domain: str = "", note: str = "") -> None:
     """Declare ops whose outputs carry no gradient (comparisons, shapes, rounding, random...)."""
+    module = _caller_module()
     for op in op_types:
-        _add(Rule(op, domain, 1, None, "zero", note))
+        _add(Rule(op, domain, 1, None, "zero", note, module))
 
 
 def formulas(
@@ -147,7 +162,12 @@ def formulas(
         return grads
 
     fn.__name__ = f"grad_{op_type}"
-    _add(Rule(op_type, domain, since, fn, "formula"))
+    _add(Rule(op_type, domain, since, fn, "formula", module=_caller_module()))
+
+
+def _caller_module() -> str:
+    """Name of the module that called the registering function (:func:`zero`, :func:`formulas`)."""
+    return str(sys._getframe(2).f_globals.get("__name__", ""))
 
 
 def _schema_default(n: NodeContext, name: str, default: Any) -> Any:

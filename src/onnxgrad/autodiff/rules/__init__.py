@@ -1,4 +1,8 @@
-"""Gradient rules by op family; importing this package registers all of them."""
+"""Gradient rules, one module per op family; importing this package registers all of them.
+
+``common`` holds what several families share; every other module registers the rules of its family
+(``nondiff`` declares every op that stops the gradient).
+"""
 
 from . import (  # noqa: F401
     attention,
@@ -8,15 +12,15 @@ from . import (  # noqa: F401
     indexing,
     linalg,
     losses,
-    misc,
     ml,
-    nn,
     nondiff,
     norm,
+    pool,
     reduce,
     resample,
     rnn,
     sequence,
     shape,
+    softmax,
     spectral,
 )

@@ -17,10 +17,10 @@ import onnx
 from onnx import helper
 
 from ...errors import GradientNotImplementedError
+from ...model.graph import Dim, ValueInfo
 from ..builder import GradBuilder, Var, sigmoid
-from ..graph import Dim, ValueInfo
 from ..registry import NodeContext, rule
-from .norm import node_label
+from .common import Grads, node_label
 
 _AFTER_SOFTMAX = 3  # qk_matmul_output_mode that exposes the softmax probabilities
 
@@ -135,7 +135,7 @@ def _scale(g: GradBuilder, n: NodeContext, q: Var, heads: _Heads) -> Var | float
 
 
 @rule("Attention", since=23)
-def attention(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def attention(g: GradBuilder, n: NodeContext) -> Grads:
     """Y = P V with P = softmax(softcap(scale Q K^T) + bias), K, V after the past cache.
 
     dV = P^T dY; dP = dY V^T (+ the gradient of qk_matmul_output when the model uses it in mode
@@ -155,7 +155,7 @@ def attention(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     if q.rank not in (3, 4):
         raise GradientNotImplementedError(f"{node_label(n)}: the rank of Q (3 or 4) must be known")
     heads = _Heads(g, n, q, k)
-    grads: list[Var | None] = [None] * len(n.inputs)
+    grads: Grads = [None] * len(n.inputs)
     dy = heads.split(n.dout_or_zeros(0), heads.q_heads)
 
     # K and V as the scores saw them: after the cache (the present outputs), split into heads.
@@ -222,7 +222,7 @@ def _split_cache(
     past: Var | None,
     new_slot: int,
     past_slot: int,
-    grads: list[Var | None],
+    grads: Grads,
 ) -> None:
     """Split the gradient of concat(past, new) along the sequence axis between past and new."""
     if past is None:
@@ -251,7 +251,7 @@ def _mask_grad(g: GradBuilder, ds: Var, mask: Var, shape: tuple[Dim, ...] | None
 
 # ---- RotaryEmbedding ------------------------------------------------------------------------
 @rule("RotaryEmbedding", since=23)
-def rotary_embedding(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def rotary_embedding(g: GradBuilder, n: NodeContext) -> Grads:
     """Each pair (x1, x2) of the rotated part turns by its angle: y1 = c x1 - s x2, y2 = s x1 + c x2.
 
     dX is the opposite rotation: RotaryEmbedding(dY, cos, -sin) with the same attributes (the
@@ -263,7 +263,7 @@ def rotary_embedding(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     pos = n.inputs[3] if len(n.inputs) > 3 else None
     assert x is not None and cos is not None and sin is not None
     dy = n.dy
-    grads: list[Var | None] = [None] * len(n.inputs)
+    grads: Grads = [None] * len(n.inputs)
     attrs = {
         a: n.attr(a) for a in ("interleaved", "rotary_embedding_dim", "num_heads") if n.attr(a) is not None
     }
@@ -310,7 +310,7 @@ def _rotated_pairs(g: GradBuilder, n: NodeContext, x: Var) -> tuple[Var, Var]:
 
 # ---- SwiGLU ---------------------------------------------------------------------------------
 @rule("SwiGLU", since=28)
-def swiglu(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def swiglu(g: GradBuilder, n: NodeContext) -> Grads:
     """y = a sigmoid(alpha a) b: da = dy b s (1 + alpha a (1 - s)), db = dy a s, s = sigmoid(alpha a)."""
     a, b = n.inputs[0], n.inputs[1]
     assert a is not None and b is not None
@@ -367,7 +367,7 @@ def _write_step(
 
 
 @rule("LinearAttention", since=27)
-def linear_attention(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def linear_attention(g: GradBuilder, n: NodeContext) -> Grads:
     """The recurrence S_t = a_t S_{t-1} + k_t w_t^T, w_t = beta_t (v_t - (a_t S_{t-1})^T k_t) for the
     delta rules (v_t otherwise), a_t = exp(decay_t) for the gated rules (1 otherwise), read by
     o_t = scale S_t^T q_t for each query head of the group (GQA).
@@ -384,7 +384,7 @@ def linear_attention(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     past = n.inputs[3] if len(n.inputs) > 3 else None
     decay = n.inputs[4] if len(n.inputs) > 4 else None
     beta = n.inputs[5] if len(n.inputs) > 5 else None
-    grads: list[Var | None] = [None] * len(n.inputs)
+    grads: Grads = [None] * len(n.inputs)
     hq, hkv = int(n.attr("q_num_heads")), int(n.attr("kv_num_heads"))
     rule_name = str(n.attr("update_rule", "gated_delta"))
     gated, delta = rule_name in ("gated", "gated_delta"), rule_name in ("delta", "gated_delta")

@@ -37,9 +37,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ...errors import GradientNotImplementedError
-from ..builder import BOOL, INT64, GradBuilder, Var
-from ..engine import mark, reverse_pass
-from ..graph import (
+from ...model.graph import (
     ValueInfo,
     captured_names,
     constant_values,
@@ -48,9 +46,11 @@ from ..graph import (
     node_operands,
     sort_nodes,
 )
+from ..builder import BOOL, INT64, GradBuilder, Var
+from ..engine import mark, reverse_pass
 from ..registry import NodeContext, rule
+from .common import Grads
 
-Grads = list[Var | None]
 _INT64_MIN = int(np.iinfo(np.int64).min)
 _INT64_MAX = int(np.iinfo(np.int64).max)
 

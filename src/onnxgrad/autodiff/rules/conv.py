@@ -1,12 +1,11 @@
-"""Convolution-like and region pooling layers: ConvTranspose, DeformConv, CausalConvWithState,
-LpPool, GlobalLpPool, MaxRoiPool, RoiAlign.
+"""Convolutions: Conv, ConvTranspose, DeformConv and CausalConvWithState.
 
-ConvTranspose is the adjoint of Conv, so its gradients are the Conv rule read backwards: dX is a
-``Conv`` of dY with the same kernel, dW the Conv rule's weight gradient with X and dY trading
-places. LpPool spreads a per-window factor back over its windows with a ``ConvTranspose`` of ones,
-like AveragePool. The region ops and DeformConv sample X at positions known only at run time; their
-backward recomputes those positions and bilinear weights from the saved inputs and routes dY with
-dense selection matrices (RoiAlign), gathers and scatters (DeformConv), or an argmax (MaxRoiPool).
+Convolution gradients are convolutions again: dX is a ``ConvTranspose`` of dY with the same
+kernel, dW a ``Conv`` of X with dY as the kernel (batch and channels swapped, strides and dilations
+swapped). ConvTranspose is the adjoint of Conv, so its gradients are the Conv rule read backwards:
+dX is a ``Conv`` of dY with the same kernel, dW the Conv rule's weight gradient with X and dY
+trading places. DeformConv samples X at positions known only at run time: its backward recomputes
+those positions and bilinear weights from the saved inputs and routes dY with gathers and scatters.
 """
 
 from __future__ import annotations
@@ -15,25 +14,27 @@ import itertools
 import math
 
 import numpy as np
-from onnx import TensorProto
 
 from ...errors import GradientNotImplementedError
-from ..builder import GradBuilder, Var, sigmoid, where
-from ..graph import Dim
+from ...model.graph import Dim
+from ..builder import INT64, GradBuilder, Var, sigmoid
 from ..registry import NodeContext, rule
-from .nn import (
-    Window,
-    _conv_weight_grad,
-    _pool_rows,
-    _spatial_dims,
-    _spatial_rank,
-    _static,
-    _zeros,
-    window_of,
-)
-from .norm import node_label
+from .common import Grads, Window, node_label, spatial_dims, spatial_rank, static_dims, window_of, zeros
 
-INT64 = TensorProto.INT64
+_END = np.iinfo(np.int64).max  # Slice end meaning "to the end"
+
+
+# ---- shapes ---------------------------------------------------------------------------------
+def _spatial_items(g: GradBuilder, x: Var, nsp: int) -> list[int | Var]:
+    """X's spatial dims: ints when static, else one 1-D slice of its run-time shape."""
+    static = static_dims(spatial_dims(x, nsp))
+    if static is not None:
+        return list(static)
+    return [g.Slice(g.shape_of(x), [2], [2 + nsp])]
+
+
+def _perm_swap01(nsp: int) -> list[int]:
+    return [1, 0, *range(2, 2 + nsp)]
 
 
 def _kernel(n: NodeContext, w: Var | None, nsp: int) -> list[int] | None:
@@ -42,20 +43,116 @@ def _kernel(n: NodeContext, w: Var | None, nsp: int) -> list[int] | None:
     if kernel:
         return [int(k) for k in kernel][-nsp:]
     if w is not None and w.shape is not None:
-        return _static(list(w.shape[2:]))
+        return static_dims(list(w.shape[2:]))
     return None
 
 
-def _int(g: GradBuilder, size: Var | int) -> Var | int:
-    """A size from :meth:`GradBuilder.dim` as an int or a scalar int64 Var, for arithmetic."""
-    return size if isinstance(size, int) else g.Squeeze(size, [0])
+# ---- Conv -----------------------------------------------------------------------------------
+@rule("Conv")
+def conv(g: GradBuilder, n: NodeContext) -> Grads:
+    """Y = X * W + B (cross-correlation, grouped).
+
+    dX = ConvTranspose(dY, W) with the same geometry; dW = Conv(X', dY') where X' puts the
+    channels of a group in the batch slot and (group, batch) in the channel slot, dY' is dY with
+    batch and channels swapped, and strides and dilations trade places; dB = dY summed over all
+    axes but 1.
+    """
+    x, w = n.inputs[0], n.inputs[1]
+    b = n.inputs[2] if len(n.inputs) > 2 else None
+    assert x is not None and w is not None
+    nsp = spatial_rank(n, w, x, n.y)
+    kernel = n.attr("kernel_shape") or (static_dims(list(w.shape[2:])) if w.shape is not None else None)
+    kernel = [int(k) for k in kernel] if kernel else None
+    spatial = spatial_dims(x, nsp)
+    win = window_of(n, nsp, kernel, spatial)
+    group = int(n.attr("group", 1))
+    grads: Grads = [None] * len(n.inputs)
+    if n.needs[0]:
+        grads[0] = _conv_input_grad(g, n.dy, w, x, win, group, kernel, spatial)
+    if n.needs[1]:
+        grads[1] = _conv_weight_grad(g, n.dy, x, w, win, group, kernel, spatial)
+    if b is not None and n.needs[2]:
+        grads[2] = g.reduce_sum(n.dy, [0, *range(2, 2 + nsp)], keepdims=False)
+    return grads
 
 
-def _scalar(g: GradBuilder, size: Var | int, dtype: int) -> Var:
-    """A size from :meth:`GradBuilder.dim` as a scalar of ``dtype``."""
-    if isinstance(size, int):
-        return g.const(np.array(size), dtype)
-    return g.Cast(g.Squeeze(size, [0]), to=dtype)
+def _conv_input_grad(
+    g: GradBuilder,
+    dy: Var,
+    w: Var,
+    x: Var,
+    win: Window,
+    group: int,
+    kernel: list[int] | None,
+    spatial: list[Dim],
+) -> Var:
+    """ConvTranspose(dy, w) with the geometry of the forward, sized like ``x``.
+
+    Input rows past the last window get no gradient: with static sizes ``output_padding`` adds
+    them, else a ``Pad`` to the run-time size of x.
+    """
+    static = static_dims(spatial)
+    attrs = win.attrs()
+    if static is not None and kernel is not None:
+        out_pad = []
+        for i, h in enumerate(static):
+            extent = win.extent(i, kernel[i])
+            rows = (h + win.begins[i] + win.ends[i] - extent) // win.strides[i] + 1
+            out_pad.append(h - (win.strides[i] * (rows - 1) + extent - win.begins[i] - win.ends[i]))
+        return g.ConvTranspose(
+            dy, w, group=group, output_padding=out_pad if any(out_pad) else None, shape=x.shape, **attrs
+        )
+    ct = g.ConvTranspose(dy, w, group=group, **attrs)
+    nsp = len(win.strides)
+    missing = g.Sub(g.Slice(g.shape_of(x), [2], [_END]), g.Slice(g.Shape(ct), [2], [_END]))
+    pads = g.Concat(g.const(np.zeros(nsp, dtype=np.int64)), missing, axis=0)
+    return g.Pad(ct, pads, None, list(range(2, 2 + nsp)), shape=x.shape)
+
+
+def _conv_weight_grad(
+    g: GradBuilder,
+    dy: Var,
+    x: Var,
+    w: Var,
+    win: Window,
+    group: int,
+    kernel: list[int] | None,
+    spatial: list[Dim],
+) -> Var:
+    """dW[m, c, k] = sum_{n, o} dY[n, m, o] X[n, group(m) Cg + c, o s + k d - pad], as one Conv."""
+    nsp = len(win.strides)
+    swap = _perm_swap01(nsp)
+    if group == 1:
+        xr = g.Transpose(x, perm=swap)  # (C, N, H...)
+    else:
+        # (N, G Cg, H...) -> (N, G, Cg, H...) -> (Cg, G, N, H...) -> (Cg, G N, H...): a grouped
+        # Conv then pairs output channel m only with the batch copies of its own group.
+        sp = _spatial_items(g, x, nsp)
+        x5 = g.Reshape(x, g.shape_vector([0, group, -1, *sp]))
+        xt = g.Transpose(x5, perm=[2, 1, 0, *range(3, 3 + nsp)])
+        xr = g.Reshape(xt, g.shape_vector([0, -1, *sp]))
+    dyr = g.Transpose(dy, perm=swap)  # (M, N, Ho...): the kernel
+    r = g.Conv(
+        xr, dyr, strides=list(win.dilations), dilations=list(win.strides), pads=list(win.pads), group=group
+    )  # (Cg, M, K'...) with K' >= kernel
+    static = static_dims(spatial)
+    exact = False
+    if static is not None and kernel is not None:
+        # K' = floor((H + pads - ((Ho - 1) s + 1)) / d) + 1 may exceed K by a few rows.
+        exact = True
+        for i, h in enumerate(static):
+            padded = h + win.begins[i] + win.ends[i]
+            rows = (padded - win.extent(i, kernel[i])) // win.strides[i] + 1
+            span = (rows - 1) * win.strides[i] + 1
+            exact = exact and (padded - span) // win.dilations[i] + 1 == kernel[i]
+    if not exact:
+        ends = (
+            g.const(np.array(kernel, dtype=np.int64))
+            if kernel is not None
+            else g.Slice(g.shape_of(w), [2], [2 + nsp])
+        )
+        r = g.Slice(r, g.const(np.zeros(nsp, dtype=np.int64)), ends, list(range(2, 2 + nsp)))
+    return g.Transpose(r, perm=swap, shape=w.shape)
 
 
 # ---- ConvTranspose --------------------------------------------------------------------------
@@ -75,7 +172,7 @@ def transpose_window(n: NodeContext, nsp: int, kernel: list[int] | None, spatial
     auto_pad = n.attr("auto_pad", "NOTSET") or "NOTSET"
     output_shape = n.attr("output_shape")
     if output_shape or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        static = _static(spatial)
+        static = static_dims(spatial)
         if kernel is None or (output_shape and static is None):
             raise GradientNotImplementedError(
                 f"{node_label(n)}: output_shape or auto_pad={auto_pad} needs static kernel and input sizes"
@@ -102,7 +199,7 @@ def transpose_window(n: NodeContext, nsp: int, kernel: list[int] | None, spatial
 
 
 @rule("ConvTranspose")
-def conv_transpose(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def conv_transpose(g: GradBuilder, n: NodeContext) -> Grads:
     """Y = ConvTranspose(X, W) + B, the adjoint of Conv(., W).
 
     dX = Conv(dY, W) with the adjoint geometry (:func:`transpose_window`); dW is the Conv rule's
@@ -113,342 +210,24 @@ def conv_transpose(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     b = n.inputs[2] if len(n.inputs) > 2 else None
     assert x is not None and w is not None
     dy = n.dy
-    nsp = _spatial_rank(n, w, x, n.y)
+    nsp = spatial_rank(n, w, x, n.y)
     kernel = _kernel(n, w, nsp)
-    spatial = _spatial_dims(x, nsp)
+    spatial = spatial_dims(x, nsp)
     win = transpose_window(n, nsp, kernel, spatial)
     group = int(n.attr("group", 1))
-    grads: list[Var | None] = [None] * len(n.inputs)
+    grads: Grads = [None] * len(n.inputs)
     if n.needs[0]:
         grads[0] = g.Conv(dy, w, group=group, **win.attrs(), shape=x.shape)
     if n.needs[1]:
-        grads[1] = _conv_weight_grad(g, x, dy, w, win, group, kernel, _spatial_dims(dy, nsp))
+        grads[1] = _conv_weight_grad(g, x, dy, w, win, group, kernel, spatial_dims(dy, nsp))
     if b is not None and n.needs[2]:
         grads[2] = g.reduce_sum(dy, [0, *range(2, 2 + nsp)], keepdims=False)
     return grads
 
 
-# ---- Lp pooling -----------------------------------------------------------------------------
-def spread_windows(
-    g: GradBuilder,
-    v: Var,
-    x: Var,
-    kernel: list[int],
-    win: Window,
-    spatial: list[int],
-    ceil: bool,
-) -> Var:
-    """t[i] = sum of v[w] over the pooling windows w that contain position i of x.
-
-    One ``ConvTranspose`` of v with a ones kernel and the pooling geometry, channels folded into
-    the batch so the kernel does not depend on C. ``output_padding`` reaches positions after the
-    last window; a window that ceil mode let run past the padded input is cropped by a larger end
-    pad. (AveragePool's rule in nn.py is this with v = dY / count.)
-    """
-    rows, ends, out_pad = [], [], []
-    for i, h in enumerate(spatial):
-        k, s, d = kernel[i], win.strides[i], win.dilations[i]
-        pb, pe = win.begins[i], win.ends[i]
-        o = _pool_rows(h, k, s, d, pb, pe, ceil)
-        rows.append(o)
-        extra = h - (s * (o - 1) + (k - 1) * d + 1 - pb - pe)
-        ends.append(pe if extra >= 0 else pe - extra)
-        out_pad.append(max(extra, 0))
-    ones = g.const(np.ones((1, 1, *kernel)), x.dtype)
-    ct = g.ConvTranspose(
-        g.Reshape(v, [-1, 1, *rows]),
-        ones,
-        strides=list(win.strides),
-        dilations=list(win.dilations),
-        pads=[*win.begins, *ends],
-        output_padding=out_pad if any(out_pad) else None,
-    )
-    return g.Reshape(ct, g.shape_of(x), shape=x.shape)
-
-
-def _lp_factors(g: GradBuilder, x: Var, y: Var, dy: Var, p: float) -> tuple[Var, Var]:
-    """For y = (sum |x|^p)^(1/p): dy dy/dx = (dy y^(1-p)) * (sign(x) |x|^(p-1)), as (per-window
-    factor, per-element factor). A window of zeros (y = 0) gets 0, torch's choice for norms."""
-    if p == 1:
-        return dy, g.Sign(x)
-    per_window = dy / y if p == 2 else dy * g.Pow(y, g.const(np.array(1 - p), y.dtype))
-    per_window = where(g.Equal(y, g.const(np.array(0.0), y.dtype)), 0.0, per_window)
-    per_element = x if p == 2 else g.Sign(x) * g.Pow(g.Abs(x), g.const(np.array(p - 1), x.dtype))
-    return per_window, per_element
-
-
-def _lp_p(n: NodeContext) -> float:
-    p = float(n.attr("p", 2))
-    if p < 1:
-        raise GradientNotImplementedError(f"{node_label(n)}: p = {p} < 1 is not a norm")
-    return p
-
-
-@rule("LpPool")
-def lp_pool(g: GradBuilder, n: NodeContext) -> list[Var | None]:
-    """y = (sum over the window of |x|^p)^(1/p): dx = sign(x) |x|^(p-1) * spread(dy y^(1-p)).
-
-    Padding adds zeros, which add nothing; ``spread`` sums over the windows holding each element
-    (:func:`spread_windows`). Needs static spatial sizes.
-    """
-    if not n.needs[0]:
-        return [None]
-    x = n.x
-    nsp = _spatial_rank(n, x, n.y)
-    kernel = [int(k) for k in n.attr("kernel_shape")]
-    static = _static(_spatial_dims(x, nsp))
-    if static is None:
-        raise GradientNotImplementedError(f"{node_label(n)}: LpPool needs static spatial sizes")
-    win = window_of(n, nsp, kernel, list(static))
-    per_window, per_element = _lp_factors(g, x, n.y, n.dy, _lp_p(n))
-    spread = spread_windows(g, per_window, x, kernel, win, list(static), bool(n.attr("ceil_mode", 0)))
-    return [spread * per_element]
-
-
-@rule("GlobalLpPool")
-def global_lp_pool(g: GradBuilder, n: NodeContext) -> list[Var | None]:
-    """y = (sum over the spatial dims of |x|^p)^(1/p): dx = dy y^(1-p) sign(x) |x|^(p-1)."""
-    if not n.needs[0]:
-        return [None]
-    per_window, per_element = _lp_factors(g, n.x, n.y, n.dy, _lp_p(n))
-    return [per_window * per_element]
-
-
-# ---- region pooling: shared pieces ----------------------------------------------------------
-def _arange(g: GradBuilder, n: Var | int, dtype: int = INT64) -> Var:
-    """0, 1, ..., n - 1 in ``dtype`` (a constant when n is an int; else n is a 1-D int64 Var)."""
-    if isinstance(n, int):
-        return g.const(np.arange(n), dtype)
-    count = g.Squeeze(n, [0])
-    r = g.Range(g.const(np.array(0)), count, g.const(np.array(1)))
-    return r if dtype == INT64 else g.Cast(r, to=dtype)
-
-
-def _round_half_away(g: GradBuilder, v: Var) -> Var:
-    """C's ``round`` (halves away from zero); ONNX ``Round`` rounds halves to even."""
-    return g.Sign(v) * g.Floor(g.Abs(v) + 0.5)
-
-
-def _column(g: GradBuilder, rois: Var, col: int) -> Var:
-    """Column ``col`` of a (R, k) region table, as (R, 1)."""
-    return g.Slice(rois, [col], [col + 1], [1])
-
-
-# ---- MaxRoiPool -----------------------------------------------------------------------------
-@rule("MaxRoiPool")
-def max_roi_pool(g: GradBuilder, n: NodeContext) -> list[Var | None]:
-    """y[r, c, i, j] = max of X[b_r, c] over bin (i, j) of region r: dX gets dy at that argmax.
-
-    The bins are recomputed as onnxruntime computes them (corners rounded half away from zero,
-    bin edges floor / ceil of float32 multiples of the bin size, clipped to X). The argmax is found
-    in two steps that keep memory at R C H W (pw + ph) rather than R C H W ph pw: the first maximum
-    along each row of a bin, then the first row holding the bin's maximum. dy is scatter-added
-    there; empty bins (output 0) pass nothing. Regions get no gradient: their corners are rounded.
-    """
-    grads: list[Var | None] = [None, None]
-    if not n.needs[0]:
-        return grads
-    x, rois, dy = n.inputs[0], n.inputs[1], n.dy
-    assert x is not None and rois is not None
-    ph, pw = (int(v) for v in n.attr("pooled_shape"))
-    scale = float(n.attr("spatial_scale", 1.0))
-    corners = g.Cast(g.Slice(rois, [1], [5], [1]), to=TensorProto.FLOAT) * np.float32(scale)
-    corners = _round_half_away(g, corners)  # (R, 4): x1, y1, x2, y2
-    batch = g.Cast(_column(g, rois, 0), to=INT64)  # (R, 1)
-    h, w = g.dim(x, 2), g.dim(x, 3)
-    rows = _roi_bins(g, corners, 1, 3, ph, h)  # (R, ph, H)
-    cols = _roi_bins(g, corners, 0, 2, pw, w)  # (R, pw, W)
-    xb = g.Gather(x, g.Squeeze(batch, [1]), axis=0)  # (R, C, H, W)
-    lowest = g.const(np.array(-np.inf), x.dtype)
-    # Step 1: for each row h and column bin j, the first maximum along w.
-    masked = where(g.Unsqueeze(cols, [1, 2]), g.Unsqueeze(xb, [3]), lowest)  # (R, C, H, pw, W)
-    w_arg = g.ArgMax(masked, axis=4, keepdims=0)  # (R, C, H, pw)
-    row_max = g.ReduceMax(masked, [4], keepdims=0)
-    # Step 2: for each row bin i, the first row holding the maximum; then that row's column.
-    over_rows = where(g.Unsqueeze(rows, [1, 4]), g.Unsqueeze(row_max, [2]), lowest)  # (R, C, ph, H, pw)
-    h_arg = g.ArgMax(over_rows, axis=3, keepdims=0)  # (R, C, ph, pw)
-    w_sel = g.GatherElements(w_arg, h_arg, axis=2)
-    nonempty = g.And(g.Unsqueeze(_any(g, rows), [2]), g.Unsqueeze(_any(g, cols), [1]))  # (R, ph, pw)
-    c_dim = g.dim(x, 1)
-    channels = g.Unsqueeze(_arange(g, c_dim), [0, 2, 3])  # (1, C, 1, 1)
-    image = g.Unsqueeze(batch, [2, 3]) * _int(g, c_dim) + channels  # (R, C, 1, 1)
-    index = image * _int(g, h) * _int(g, w) + h_arg * _int(g, w) + w_sel  # into X flattened
-    update = dy * g.Cast(g.Unsqueeze(nonempty, [1]), to=x.dtype)
-    total = g.ReduceProd(g.shape_of(x), keepdims=1)
-    flat = g.ScatterElements(
-        _zeros(g, total, x.dtype), g.Reshape(index, [-1]), g.Reshape(update, [-1]), axis=0, reduction="add"
-    )
-    grads[0] = g.Reshape(flat, g.shape_of(x), shape=x.shape)
-    return grads
-
-
-def _any(g: GradBuilder, mask: Var) -> Var:
-    """(R, bins, size) bool -> (R, bins): whether each bin covers anything."""
-    return g.ReduceMax(g.Cast(mask, to=INT64), [2], keepdims=0) > 0
-
-
-def _roi_bins(g: GradBuilder, corners: Var, lo: int, hi: int, bins: int, size: Var | int) -> Var:
-    """(R, bins, size) bool: the positions along one axis that each bin of each region covers.
-
-    Bin i spans [floor(i b), ceil((i + 1) b)) + start, clipped to [0, size], with the region length
-    max(end - start + 1, 1) and b = length / bins, in float32 as onnxruntime computes it.
-    """
-    f32 = TensorProto.FLOAT
-    start, end = _column(g, corners, lo), _column(g, corners, hi)  # (R, 1)
-    step = g.Max(end - start + 1.0, g.const(np.array(1.0), f32)) / float(bins)
-    idx = g.const(np.arange(bins, dtype=np.float32)[None, :])
-    limit = _scalar(g, size, f32)
-    zero = g.const(np.array(0.0), f32)
-    first = g.Min(g.Max(g.Floor(idx * step) + start, zero), limit)  # (R, bins)
-    last = g.Min(g.Max(g.Ceil((idx + 1.0) * step) + start, zero), limit)
-    pos = _arange(g, size, f32)  # (size,)
-    return g.And(pos >= g.Unsqueeze(first, [2]), pos < g.Unsqueeze(last, [2]))
-
-
-def _batch_scatter(g: GradBuilder, per_roi: Var, batch: Var, x: Var) -> Var:
-    """dX[n] = sum of per_roi[r] over the regions r of image n: one MatMul with an (N, R) one-hot."""
-    images = _arange(g, g.dim(x, 0))
-    onehot = g.Cast(g.Equal(g.Unsqueeze(images, [1]), g.Unsqueeze(batch, [0])), to=x.dtype)
-    flat = g.MatMul(onehot, g.Reshape(per_roi, [0, -1]))
-    return g.Reshape(flat, g.shape_of(x), shape=x.shape)
-
-
-# ---- RoiAlign -------------------------------------------------------------------------------
-class _Samples:
-    """Bilinear sampling along one axis of every region (see :func:`_roi_align_axis`)."""
-
-    def __init__(self, weights: Var, real: Var, grid: Var, slots: Var | int) -> None:
-        self.weights = weights  # (R, bins, slots, size): weight of each sample corner at each position
-        self.real = real  # (R, slots) bool: the slot is a sample of that region (grids vary by region)
-        self.grid = grid  # (R, 1): samples per bin along this axis
-        self.slots = slots  # 2 G: two corners for each of G sample slots
-
-
-def _roi_align_axis(
-    g: GradBuilder,
-    rois: Var,
-    lo: int,
-    hi: int,
-    bins: int,
-    size: Var | int,
-    ratio: int,
-    scale: float,
-    half: bool,
-) -> _Samples:
-    """Bilinear sampling along one axis, as onnxruntime and onnx.reference compute it.
-
-    Region start = x1 scale - 1/2 (half_pixel) or x1 scale, length = end - start (at least 1
-    unless half_pixel), bin b = length / bins, grid = sampling_ratio or ceil(b) samples per bin
-    (G = the largest grid of all regions slots are made; slots past a region's grid are not real).
-    Sample k of bin i is at y = start + i b + (k + 1/2) b / grid; it counts for nothing when
-    y < -1 or y > size; else y is clamped to [0, size - 1] and weighs 1 - frac at floor(y) and frac
-    at the next position (both the last one when floor(y) >= size - 1).
-    """
-    dtype = rois.dtype
-    offset = 0.5 if half else 0.0
-    start = _column(g, rois, lo) * scale - offset  # (R, 1)
-    length = _column(g, rois, hi) * scale - offset - start
-    if not half:
-        length = g.Max(length, g.const(np.array(1.0), dtype))
-    step = length / float(bins)
-    if ratio > 0:
-        grid = g.const(np.full((1, 1), float(ratio)), dtype)
-        n_grid: Var | int = ratio
-    else:
-        grid = g.Ceil(step)
-        largest = g.Max(g.ReduceMax(grid, keepdims=0), g.const(np.array(1.0), dtype))
-        n_grid = g.Reshape(g.Cast(largest, to=INT64), [1])
-    k = _arange(g, n_grid, dtype)  # (G,)
-    i = g.const(np.arange(bins, dtype=np.float64).reshape(1, bins, 1), dtype)
-    start3, step3, grid3 = (g.Unsqueeze(v, [2]) for v in (start, step, grid))
-    y = start3 + i * step3 + g.Unsqueeze(k + 0.5, [0, 1]) * step3 / grid3  # (R, bins, G)
-    limit = _scalar(g, size, dtype)
-    real = g.Less(g.Unsqueeze(k, [0]), grid)  # (R, G)
-    keep = g.Cast(g.And(g.And(y >= -1.0, y <= limit), g.Unsqueeze(real, [1])), to=dtype)
-    yc = g.Max(y, g.const(np.array(0.0), dtype))
-    last = limit - 1.0
-    low = g.Min(g.Floor(yc), last)
-    frac = where(g.Floor(yc) >= last, 0.0, yc - low)
-    high = g.Min(low + 1.0, last)
-
-    def pair(a: Var, b: Var) -> Var:  # (R, bins, G) twice -> (R, bins, G, 2)
-        return g.Concat(g.Unsqueeze(a, [3]), g.Unsqueeze(b, [3]), axis=3)
-
-    weights = pair((1.0 - frac) * keep, frac * keep)
-    onehot = g.Cast(g.Equal(g.Unsqueeze(pair(low, high), [4]), _arange(g, size, dtype)), to=dtype)
-    s = g.Reshape(onehot * g.Unsqueeze(weights, [4]), g.shape_vector([0, bins, -1, size]))
-    real2 = g.Reshape(g.Expand(g.Unsqueeze(real, [2]), [1, 1, 2]), [0, -1])  # (R, 2G)
-    slots = 2 * n_grid if isinstance(n_grid, int) else n_grid * 2
-    return _Samples(s, real2, grid, slots)
-
-
-@rule("RoiAlign", since=10)
-def roi_align(g: GradBuilder, n: NodeContext) -> list[Var | None]:
-    """Y[r, c, i, j] = pooled bilinear samples of X[b_r, c] over bin (i, j) of region r.
-
-    Sampling is separable: with S_y (R, ph, 2G, H) and S_x (R, pw, 2G', W) the weights of the
-    sample corners (:func:`_roi_align_axis`), avg mode is Y = P_y X P_x^T / count per region
-    (P = S summed over its samples), so dX = P_y^T (dY / count) P_x. Max mode (onnxruntime's and
-    onnx.reference's: the maximum over samples and their four corners of weight * X) routes dY
-    to the argmax corner, times its weight. Per-region gradients reach their images through a
-    one-hot MatMul. Regions and batch indices get no gradient, as in torchvision's roi_align
-    (ONNX leaves their differentiability unspecified; the grid size jumps with them anyway).
-    """
-    grads: list[Var | None] = [None] * len(n.inputs)
-    if not n.needs[0]:
-        return grads
-    x, rois, batch, dy = n.inputs[0], n.inputs[1], n.inputs[2], n.dy
-    assert x is not None and rois is not None and batch is not None
-    ph, pw = int(n.attr("output_height", 1)), int(n.attr("output_width", 1))
-    ratio = int(n.attr("sampling_ratio", 0))
-    scale = float(n.attr("spatial_scale", 1.0))
-    half = n.opset >= 16 and str(n.attr("coordinate_transformation_mode", "half_pixel")) == "half_pixel"
-    rois = g.Cast(rois, to=x.dtype) if rois.dtype != x.dtype else rois
-    ys = _roi_align_axis(g, rois, 1, 3, ph, g.dim(x, 2), ratio, scale, half)
-    xs = _roi_align_axis(g, rois, 0, 2, pw, g.dim(x, 3), ratio, scale, half)
-    batch = g.Cast(batch, to=INT64) if batch.dtype != INT64 else batch
-    if str(n.attr("mode", "avg")).lower() == "avg":
-        count = g.Max(ys.grid * xs.grid, g.const(np.array(1.0), x.dtype))  # (R, 1)
-        py = g.ReduceSum(ys.weights, [2], keepdims=0)  # (R, ph, H)
-        px = g.ReduceSum(xs.weights, [2], keepdims=0)  # (R, pw, W)
-        t = g.MatMul(dy / g.Unsqueeze(count, [2, 3]), g.Unsqueeze(px, [1]))  # (R, C, ph, W)
-        per_roi = g.MatMul(g.Unsqueeze(g.Transpose(py, perm=[0, 2, 1]), [1]), t)  # (R, C, H, W)
-    else:
-        per_roi = _roi_align_max(g, x, batch, dy, ys, xs, ph, pw)
-    grads[0] = _batch_scatter(g, per_roi, batch, x)
-    return grads
-
-
-def _roi_align_max(
-    g: GradBuilder, x: Var, batch: Var, dy: Var, ys: _Samples, xs: _Samples, ph: int, pw: int
-) -> Var:
-    """Per-region dX of max mode. V = S_y X S_x^T holds every candidate weight * X; a one-hot of
-    each bin's argmax candidate, times dY, goes back through the same matrices."""
-    xb = g.Gather(x, batch, axis=0)  # (R, C, H, W)
-    sy = g.Unsqueeze(g.Reshape(ys.weights, g.shape_vector([0, -1, g.dim(x, 2)])), [1])  # (R, 1, ph 2G, H)
-    sx = g.Unsqueeze(g.Reshape(xs.weights, g.shape_vector([0, -1, g.dim(x, 3)])), [1])  # (R, 1, pw 2G', W)
-    values = g.MatMul(sy, g.MatMul(xb, g.Transpose(sx, perm=[0, 1, 3, 2])))  # (R, C, ph 2G, pw 2G')
-    split = g.shape_vector([0, 0, ph, -1, pw, xs.slots])
-    values = g.Transpose(g.Reshape(values, split), perm=[0, 1, 2, 4, 3, 5])  # (R, C, ph, pw, 2G, 2G')
-    real = g.Unsqueeze(g.And(g.Unsqueeze(ys.real, [2]), g.Unsqueeze(xs.real, [1])), [1, 2, 3])
-    values = where(real, values, g.const(np.array(-np.inf), x.dtype))
-    candidates = g.Reshape(values, [0, 0, 0, 0, -1])
-    best = g.ArgMax(candidates, axis=4, keepdims=1)
-    n_cand = g.Slice(g.Shape(candidates), [4], [5])
-    chosen = g.Cast(g.Equal(best, _arange(g, n_cand)), to=x.dtype)
-    # A region whose grid is empty (half_pixel and a degenerate box) outputs 0: no gradient.
-    sampled = g.Cast(g.And(ys.grid > 0.0, xs.grid > 0.0), to=x.dtype)  # (R, 1)
-    hot = chosen * g.Unsqueeze(dy * g.Unsqueeze(sampled, [2, 3]), [4])
-    hot = g.Transpose(g.Reshape(hot, g.Shape(values)), perm=[0, 1, 2, 4, 3, 5])  # (R, C, ph, 2G, pw, 2G')
-    hot = g.Reshape(
-        hot, g.shape_vector([0, 0, -1, pw * xs.slots if isinstance(xs.slots, int) else xs.slots * pw])
-    )
-    return g.MatMul(g.MatMul(g.Transpose(sy, perm=[0, 1, 3, 2]), hot), sx)  # (R, C, H, W)
-
-
 # ---- DeformConv -----------------------------------------------------------------------------
 @rule("DeformConv", since=19)
-def deform_conv(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def deform_conv(g: GradBuilder, n: NodeContext) -> Grads:
     """Y[n, m, o] = sum_{c, k} W[m, c, k] mask[n, k, o] X[n, c](p_k(o)) + B[m], X(p) bilinear.
 
     p_k(o) = o s - pad + k d + offset[n, k, o] (per offset group), and X(p) sums, over the 2^D
@@ -463,10 +242,10 @@ def deform_conv(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     b = n.inputs[3] if len(n.inputs) > 3 else None
     mask = n.inputs[4] if len(n.inputs) > 4 else None
     assert x is not None and w is not None and offset is not None
-    nsp = _spatial_rank(n, w, x, n.y)
+    nsp = spatial_rank(n, w, x, n.y)
     kernel = _kernel(n, w, nsp)
-    size = _static(_spatial_dims(x, nsp))
-    out = _static(_spatial_dims(n.y, nsp))
+    size = static_dims(spatial_dims(x, nsp))
+    out = static_dims(spatial_dims(n.y, nsp))
     if kernel is None or size is None or out is None or w.static_shape is None:
         raise GradientNotImplementedError(
             f"{node_label(n)}: DeformConv needs static spatial sizes of X and Y and a static weight shape"
@@ -479,7 +258,7 @@ def deform_conv(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     channels = c_grp * group
     kk, oo = math.prod(kernel), math.prod(out)
     dtype = x.dtype
-    grads: list[Var | None] = [None] * len(n.inputs)
+    grads: Grads = [None] * len(n.inputs)
 
     off = g.Reshape(offset, [0, og, kk, nsp, oo])
     weight, index, slopes = _deform_corners(g, off, kernel, out, size, strides, dilations, pads, og)
@@ -510,7 +289,7 @@ def deform_conv(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     if n.needs[0]:
         updates = g.Reshape(g.Unsqueeze(weight, [4]) * g.Unsqueeze(dsamples, [3]), [0, og, -1, cg])
         full = _batch_index(g, index, og)
-        dxt = g.ScatterND(_zeros(g, g.Shape(xt), dtype), full, updates, reduction="add")
+        dxt = g.ScatterND(zeros(g, g.Shape(xt), dtype), full, updates, reduction="add")
         grads[0] = g.Reshape(g.Transpose(dxt, perm=[0, 1, 3, 2]), g.shape_of(x), shape=x.shape)
     if n.needs[2]:
         # q[n, g, j, corner] = sum over channels of X[corner] * dsamples
@@ -599,11 +378,8 @@ def _batch_index(g: GradBuilder, index: Var, og: int) -> Var:
 
 
 # ---- CausalConvWithState --------------------------------------------------------------------
-_END = np.iinfo(np.int64).max
-
-
 @rule("CausalConvWithState", since=27)
-def causal_conv_with_state(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def causal_conv_with_state(g: GradBuilder, n: NodeContext) -> Grads:
     """y = act(z), z[b, c, t] = sum_j w[c, 0, j] p[b, c, t + j] + bias[c], p = concat(past_state
     (zeros when absent), x) along time; present_state = the last k - 1 positions of p.
 
@@ -616,7 +392,7 @@ def causal_conv_with_state(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     assert x is not None and w is not None
     bias = n.inputs[2] if len(n.inputs) > 2 else None
     past = n.inputs[3] if len(n.inputs) > 3 else None
-    grads: list[Var | None] = [None] * len(n.inputs)
+    grads: Grads = [None] * len(n.inputs)
     k = w.shape[-1] if w.shape is not None and len(w.shape) == 3 else None
     if not isinstance(k, int):
         raise GradientNotImplementedError(f"{node_label(n)}: the kernel size (weight dim 2) must be static")
@@ -629,8 +405,8 @@ def causal_conv_with_state(g: GradBuilder, n: NodeContext) -> list[Var | None]:
         padded = g.Concat(past, x, axis=2)
     else:
         lead = g.Slice(g.shape_of(x), [0], [2])
-        zeros = _zeros(g, g.Concat(lead, g.const(np.array([k - 1], dtype=np.int64)), axis=0), x.dtype)
-        padded = g.Concat(zeros, x, axis=2)
+        before = zeros(g, g.Concat(lead, g.const(np.array([k - 1], dtype=np.int64)), axis=0), x.dtype)
+        padded = g.Concat(before, x, axis=2)
     taps = [g.Slice(padded, [j], [j - (k - 1) if j < k - 1 else _END], [2]) for j in range(k)]
     w_taps = [g.Squeeze(g.Slice(w, [j], [j + 1], [2]), [2]) for j in range(k)]  # (C, 1) each
     dp = None

@@ -1,4 +1,5 @@
-"""Elementwise gradients as a table of formulas (one per input), like PyTorch's derivatives.yaml.
+"""Elementwise ops: a table of formulas (one per input), like PyTorch's derivatives.yaml, then the
+variadic Sum, Mean, Max, Min, and Cast, Where, Clip and Dropout.
 
 Parameter names say what a formula reads: ``x`` (or ``a``, ``b``) the inputs, ``y`` the output,
 ``dy`` the output gradient, any other name the node attribute of that name. Reading ``y`` instead of
@@ -8,12 +9,19 @@ usually saves anyway, and lets the input be freed.
 Where PyTorch (``tools/autograd/derivatives.yaml``) makes a choice, at kinks and ties, so do these
 rules: a kink takes the derivative of the branch torch's backward kernel picks there, and
 Max/Min split the gradient evenly between tied inputs (see :func:`max_min`).
+
+Dropout in training mode reads the mask its forward node draws.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
+from onnx import TensorProto
+
+from ...errors import GradientNotImplementedError
+from ...model.graph import FLOAT_TYPES
 from ..builder import (
     GradBuilder,
     Var,
@@ -31,6 +39,7 @@ from ..builder import (
     where,
 )
 from ..registry import NodeContext, formulas, rule
+from .common import Grads, first_only, node_label, sum_to_scalar
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
@@ -137,9 +146,6 @@ formulas("Swish", _swish, since=24)
 
 
 # ---- variadic, with broadcasting undone ------------------------------------------------------
-Grads = list[Var | None]
-
-
 @rule("Sum")
 def sum_(g: GradBuilder, n: NodeContext) -> Grads:
     """y = x1 + x2 + ...: dxi = dy, summed back to each input's shape."""
@@ -178,3 +184,100 @@ def max_min(g: GradBuilder, n: NodeContext) -> Grads:
         g.unbroadcast(share * m, x, y.shape) if need else None  # type: ignore[arg-type]
         for x, m, need in zip(n.inputs, masks, n.needs)
     ]
+
+
+# ---- casts, selection, clamping --------------------------------------------------------------
+@rule("Cast", "CastLike")
+def cast_(g: GradBuilder, n: NodeContext) -> Grads:
+    """A change of element type: dx = dy cast back to x's type (none for integer x)."""
+    if n.x.dtype not in FLOAT_TYPES:
+        return first_only(n, None)
+    return first_only(n, cast(n.dy, n.x))
+
+
+@rule("Where")
+def where_(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = cond ? a : b: da = dy where cond, db = dy elsewhere, both un-broadcast; none for cond."""
+    cond, a, b = n.inputs
+    grads: Grads = [None, None, None]
+    if n.needs[1]:
+        grads[1] = g.unbroadcast(where(cond, n.dy, 0), a, n.y.shape)  # type: ignore[arg-type]
+    if n.needs[2]:
+        grads[2] = g.unbroadcast(where(cond, 0, n.dy), b, n.y.shape)  # type: ignore[arg-type]
+    return grads
+
+
+@rule("Clip")
+def clip(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = min(max(x, lo), hi): dx = dy where lo <= x <= hi (inclusive, as torch.clamp);
+    dlo = sum(dy where x < lo), dhi = sum(dy where x > hi)."""
+    x, dy = n.x, n.dy
+    if n.opset < 11:  # bounds are attributes
+        lo_a, hi_a = n.attr("min"), n.attr("max")
+        lo = None if lo_a is None else g.const(lo_a, x.dtype)
+        hi = None if hi_a is None else g.const(hi_a, x.dtype)
+    else:
+        lo = n.inputs[1] if len(n.inputs) > 1 else None
+        hi = n.inputs[2] if len(n.inputs) > 2 else None
+    grads: Grads = [None] * len(n.inputs)
+    if n.needs[0]:
+        inside = [x >= lo] if lo is not None else []
+        inside += [x <= hi] if hi is not None else []
+        mask = g.And(*inside) if len(inside) == 2 else inside[0] if inside else None
+        grads[0] = dy if mask is None else where(mask, dy, 0)
+    if lo is not None and n.opset >= 11 and n.needs[1]:
+        grads[1] = sum_to_scalar(g, where(x < lo, dy, 0), lo)
+    if hi is not None and n.opset >= 11 and n.needs[2]:
+        grads[2] = sum_to_scalar(g, where(x > hi, dy, 0), hi)
+    return grads
+
+
+# ---- Dropout --------------------------------------------------------------------------------
+def _dropout_training(n: NodeContext) -> bool | Var:
+    """Whether a Dropout node trains: a bool when known while building, else its run-time flag."""
+    if n.opset < 7:
+        return not n.attr("is_test", 0)
+    if n.opset < 12 or len(n.node.input) < 3 or not n.node.input[2]:
+        return False  # opset 7-11 Dropout is the identity at inference; no flag means inference
+    flag = n.const_input(2)
+    if flag is None:
+        return n.inputs[2]  # type: ignore[return-value]
+    return bool(np.asarray(flag).reshape(-1)[0])
+
+
+@rule("Dropout")
+def dropout(g: GradBuilder, n: NodeContext) -> Grads:
+    """Inference: dx = dy. Training: y = x mask / (1 - ratio), so dx = dy mask / (1 - ratio).
+
+    The mask is the forward node's own Mask output (added to it when the model does not use it):
+    the backward drops exactly what the forward dropped. With ``training_mode`` or ``ratio`` known
+    only at run time, the scale is computed from them (1 when not training: the mask is then all
+    true); ``where`` keeps dropped positions exactly 0.
+    """
+    grads: Grads = [None] * len(n.inputs)
+    if not n.needs[0]:
+        return grads
+    training = _dropout_training(n)
+    if training is False:
+        grads[0] = n.dy
+        return grads
+    if n.opset < 12:
+        raise GradientNotImplementedError(
+            f"{node_label(n)}: Dropout before opset 7 in training mode (is_test=0) is not supported; "
+            "convert the model to opset 12 or later (Dropout with a training_mode input)"
+        )
+    x, dy = n.x, n.dy
+    mask = g.extra_output(n.node, 1, TensorProto.BOOL, x.shape)
+    ratio_var = n.inputs[1] if len(n.inputs) > 1 else None
+    ratio = n.const_input(1)
+    scale: Var | float
+    if ratio_var is not None and ratio is None:  # ratio computed at run time
+        scale = g.Reciprocal(1.0 - cast(ratio_var, x))
+    else:
+        r = 0.5 if ratio is None else float(np.asarray(ratio).reshape(-1)[0])
+        scale = 1.0 / (1.0 - r) if r < 1.0 else 0.0  # ratio 1 drops everything (the mask is all false)
+    if isinstance(training, Var):  # not training: y = x and the mask is all true, so no scaling
+        scale = where(training, g.const(scale, x.dtype) if isinstance(scale, float) else scale, 1.0)
+    scaled = dy if isinstance(scale, float) and scale == 1.0 else dy * scale
+    grads[0] = where(mask, scaled, 0)
+    return grads

@@ -1,9 +1,8 @@
-"""Indexing ops: scatters, TopK, Compress, Trilu, cumulative sums and products, ReverseSequence,
-CenterCropPad and MaxUnpool.
+"""Indexing ops: gathers, scatters, TopK, Compress and Trilu.
 
 A scatter is transposed by a gather at the same indices and the other way round (ScatterElements /
-GatherElements, ScatterND / GatherND, MaxUnpool / Gather). The reductions of the scatters read the
-forward values they need:
+GatherElements, ScatterND / GatherND; Gather by a ScatterND adding up repeated indices). The
+reductions of the scatters read the forward values they need:
 
 * ``none``: the data keeps ``dy`` where no update landed; an update gets ``dy`` at its index, unless
   a later update (row-major order of the indices) overwrote it. That is the true derivative of what
@@ -21,16 +20,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import helper
 
 from ...errors import GradientNotImplementedError
 from ..builder import INT64, GradBuilder, Var, cast, where
 from ..registry import NodeContext, rule
-from .shape import Grads, _axis, _first_only, _need_rank, _numel, _positions, _scatter_positions
-
-
-def _where(n: NodeContext) -> str:
-    return f"{n.node.op_type} node {n.node.name!r}"
+from .common import (
+    Grads,
+    as_int64,
+    first_only,
+    need_rank,
+    node_label,
+    nonneg_axis,
+    perm_inverse,
+    positions,
+    scatter_positions,
+    zeros,
+)
 
 
 def _full(g: GradBuilder, like: Var, value: float | int, dtype: int | None = None) -> Var:
@@ -38,6 +44,82 @@ def _full(g: GradBuilder, like: Var, value: float | int, dtype: int | None = Non
     dtype = like.dtype if dtype is None else dtype
     fill = helper.make_tensor("", dtype, [1], [value])
     return g.ConstantOfShape(g.shape_of(like), value=fill, dtype=dtype, shape=like.shape)
+
+
+# ---- gathers ---------------------------------------------------------------------------------
+def _nonneg_indices(g: GradBuilder, n: NodeContext, x: Var, axis: int) -> Var:
+    """Input 1 (indices into ``axis`` of ``x``) as int64 with negatives wrapped around.
+
+    Constant indices are fixed at build time; the axis size is only looked up when needed.
+    """
+    value = n.const_input(1)
+    if value is not None and value.min(initial=0) >= 0:
+        return g.const(value.astype(np.int64))
+    dim = g.dim(x, axis)
+    if value is not None and isinstance(dim, int):
+        return g.const(np.where(value < 0, value + dim, value).astype(np.int64))
+    idx = as_int64(g, n.inputs[1])  # type: ignore[arg-type]
+    size = g.const(np.int64(dim)) if isinstance(dim, int) else g.Squeeze(dim, [0])
+    return where(idx < g.const(np.int64(0)), idx + size, idx)
+
+
+@rule("Gather")
+def gather(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = take(x, idx, axis): dx[.., idx[j], ..] += dy[.., j, ..] (repeated indices add up).
+
+    ScatterND adds along the leading axis, so dy's index dims move to the front and back.
+    """
+    if not n.needs[0]:
+        return [None, None]
+    x, idx = n.inputs[0], n.inputs[1]
+    r = need_rank(n, x)  # type: ignore[arg-type]
+    q = need_rank(n, idx)  # type: ignore[arg-type]
+    axis = nonneg_axis(n, int(n.attr("axis", 0)), r)
+    indices = g.Unsqueeze(_nonneg_indices(g, n, x, axis), [-1])  # type: ignore[arg-type]
+    dy = n.dy
+    front = [axis, *range(axis), *range(axis + 1, r)]  # x's axes with `axis` first
+    if axis:
+        # dy is (x dims before axis, idx dims, x dims after axis): idx dims go first
+        idx_first = [*range(axis, axis + q), *range(axis), *range(axis + q, r + q - 1)]
+        dy = g.Transpose(dy, perm=idx_first)
+    static = x.static_shape  # type: ignore[union-attr]
+    if static is not None:
+        zshape = g.const(np.array([static[a] for a in front], dtype=np.int64))
+    else:
+        zshape = g.Gather(g.shape_of(x), front, dtype=INT64)  # type: ignore[arg-type]
+    dx = g.ScatterND(zeros(g, zshape, dy.dtype), indices, dy, reduction="add")
+    if axis:
+        dx = g.Transpose(dx, perm=perm_inverse(front))
+    return [dx, None]
+
+
+@rule("GatherND")
+def gather_nd(g: GradBuilder, n: NodeContext) -> Grads:
+    """y[j] = x[idx[j]] (index tuples): dx = scatter-add of dy at idx. ``batch_dims`` = 0 only."""
+    if not n.needs[0]:
+        return [None, None]
+    if int(n.attr("batch_dims", 0)):
+        raise GradientNotImplementedError(
+            f"GatherND {n.node.name!r}: the gradient covers batch_dims = 0 only"
+        )
+    dx = g.ScatterND(g.zeros_like(n.x), n.inputs[1], n.dy, reduction="add", shape=n.x.shape)
+    return [dx, None]
+
+
+@rule("GatherElements")
+def gather_elements(g: GradBuilder, n: NodeContext) -> Grads:
+    """y[i][j] = x[idx[i][j]][j] (axis 0): dx = scatter-add of dy at idx (negatives allowed)."""
+    if not n.needs[0]:
+        return [None, None]
+    dx = g.ScatterElements(
+        g.zeros_like(n.x),
+        n.inputs[1],
+        n.dy,
+        axis=int(n.attr("axis", 0)),
+        reduction="add",
+        shape=n.x.shape,
+    )
+    return [dx, None]
 
 
 # ---- scatters ----------------------------------------------------------------------------------
@@ -70,7 +152,7 @@ class _Scatter:
         Each update's row-major ordinal is scatter-maxed into the data's shape: the position keeps
         the ordinal of its last write, which only that update reads back.
         """
-        order = _positions(self.g, upd)
+        order = positions(self.g, upd)
         last = self.put(_full(self.g, data, -1, INT64), order, "max")
         return self.g.Equal(self.take(last, upd), order)
 
@@ -126,7 +208,7 @@ def _scatter_grads(g: GradBuilder, n: NodeContext, sc: _Scatter, unique: bool) -
         d_data = share * hit_data
         d_upd = sc.take(share, upd) * hit_upd
     else:
-        raise GradientNotImplementedError(f"{_where(n)}: unknown reduction {reduction!r}")
+        raise GradientNotImplementedError(f"{node_label(n)}: unknown reduction {reduction!r}")
     return [d_data if n.needs[0] else None, None, d_upd if n.needs[2] else None]
 
 
@@ -155,7 +237,7 @@ def scatter_elements(g: GradBuilder, n: NodeContext) -> Grads:
     value = n.const_input(1)
     unique = False
     if value is not None:
-        axis = _axis(n, axis, value.ndim)
+        axis = nonneg_axis(n, axis, value.ndim)
         unique = _unique_elements(value, axis, _static_dim(data, axis))
     return _scatter_grads(g, n, _Scatter(g, idx, axis), unique)
 
@@ -185,7 +267,7 @@ def tensor_scatter(g: GradBuilder, n: NodeContext) -> Grads:
     assert past is not None and upd is not None
     w = n.inputs[2] if len(n.inputs) > 2 else None
     mode = n.attr("mode", "linear")
-    axis = _axis(n, int(n.attr("axis", -2)), _need_rank(n, past))
+    axis = nonneg_axis(n, int(n.attr("axis", -2)), need_rank(n, past))
     grads: Grads = [None] * len(n.inputs)
     if n.needs[0]:
         grads[0] = g.TensorScatter(n.dy, g.zeros_like(upd), w, axis=axis, mode=mode, shape=past.shape)
@@ -201,7 +283,7 @@ def tensor_scatter(g: GradBuilder, n: NodeContext) -> Grads:
     if mode == "circular":
         length = g.dim(past, axis)
         slots = g.Mod(slots, g.const(np.int64(length)) if isinstance(length, int) else length)
-    rank = _need_rank(n, past)
+    rank = need_rank(n, past)
     slots = g.Unsqueeze(slots, [i for i in range(1, rank) if i != axis])
     slots = g.Expand(slots, g.shape_of(upd), dtype=INT64)
     grads[1] = g.GatherElements(n.dy, slots, axis=axis, shape=upd.shape)
@@ -216,13 +298,13 @@ def top_k(g: GradBuilder, n: NodeContext) -> Grads:
     The forward node's Indices output is used (added to the node when the model does not use it).
     """
     if not n.needs[0]:
-        return _first_only(n, None)
+        return first_only(n, None)
     x = n.x
     idx = g.extra_output(n.node, 1, INT64, n.y.shape)
     dx = g.ScatterElements(
         g.zeros_like(x), idx, n.dout_or_zeros(0), axis=int(n.attr("axis", -1)), shape=x.shape
     )
-    return _first_only(n, dx)
+    return first_only(n, dx)
 
 
 @rule("Compress")
@@ -230,10 +312,10 @@ def compress(g: GradBuilder, n: NodeContext) -> Grads:
     """y = the slices of x (of flattened x without ``axis``) where ``condition`` holds: the same
     Compress of x's flat positions says where dy goes back."""
     if not n.needs[0]:
-        return _first_only(n, None)
+        return first_only(n, None)
     x = n.x
-    pos = g.Compress(_positions(g, x), n.inputs[1], axis=n.attr("axis"), dtype=INT64)
-    return _first_only(n, _scatter_positions(g, x, pos, n.dy, accumulate=False))
+    pos = g.Compress(positions(g, x), n.inputs[1], axis=n.attr("axis"), dtype=INT64)
+    return first_only(n, scatter_positions(g, x, pos, n.dy, accumulate=False))
 
 
 @rule("Trilu")
@@ -241,102 +323,4 @@ def trilu(g: GradBuilder, n: NodeContext) -> Grads:
     """y = x masked to a triangle: dx = dy with the same mask (the same Trilu)."""
     k = n.inputs[1] if len(n.inputs) > 1 else None
     dx = g.Trilu(n.dy, k, upper=int(n.attr("upper", 1)), shape=n.x.shape)
-    return _first_only(n, dx)
-
-
-@rule("ReverseSequence")
-def reverse_sequence(g: GradBuilder, n: NodeContext) -> Grads:
-    """A permutation that is its own inverse: dx = ReverseSequence(dy) with the same lengths."""
-    dx = g.ReverseSequence(
-        n.dy,
-        n.inputs[1],
-        batch_axis=int(n.attr("batch_axis", 1)),
-        time_axis=int(n.attr("time_axis", 0)),
-        shape=n.x.shape,
-    )
-    return _first_only(n, dx)
-
-
-@rule("CenterCropPad", since=18)
-def center_crop_pad(g: GradBuilder, n: NodeContext) -> Grads:
-    """Cropping by (d - t) // 2 in front is undone by padding (d - t) // 2 in front, and the other
-    way round: dx = CenterCropPad(dy, shape of x on the same axes)."""
-    if not n.needs[0]:
-        return _first_only(n, None)
-    x = n.x
-    axes = n.attr("axes")
-    shape = g.shape_of(x)
-    if axes is not None:
-        rank = x.rank if any(a < 0 for a in axes) else None
-        shape = g.Gather(shape, [_axis(n, int(a), rank) for a in axes], dtype=INT64)
-    return _first_only(n, g.CenterCropPad(n.dy, shape, axes=axes, shape=x.shape))
-
-
-# ---- cumulative ops ----------------------------------------------------------------------------
-@rule("CumSum")
-def cum_sum(g: GradBuilder, n: NodeContext) -> Grads:
-    """y_i = sum of x_j for j before i (inclusive or not): dx_j = the sum of dy_i over the same i,
-    which is CumSum(dy) in the opposite direction with the same ``exclusive``."""
-    dx = g.CumSum(
-        n.dy,
-        n.inputs[1],
-        exclusive=int(n.attr("exclusive", 0)),
-        reverse=1 - int(n.attr("reverse", 0)),
-        shape=n.x.shape,
-    )
-    return _first_only(n, dx)
-
-
-@rule("CumProd", since=26)
-def cum_prod(g: GradBuilder, n: NodeContext) -> Grads:
-    """y_i = product of x_j for j before i: dx_k = sum over i after k of dy_i * prod_{j before i, j != k} x_j.
-
-    Exact with zeros (as torch.cumprod), per line along the axis, with z the first zero:
-    before z, dx_k = rcumsum(dy * y)_k / x_k (no zero divides); at z, dx_z = rcumsum(dy * y')_z
-    where y' is the CumProd of x with that zero replaced by 1; after z, dx = 0.
-    """
-    if not n.needs[0]:
-        return _first_only(n, None)
-    x, y, dy, axis = n.x, n.y, n.dy, n.inputs[1]
-    excl, rev = int(n.attr("exclusive", 0)), int(n.attr("reverse", 0))
-
-    def rcumsum(t: Var) -> Var:
-        return g.CumSum(t, axis, exclusive=excl, reverse=1 - rev, shape=x.shape)
-
-    is_zero = g.Equal(x, g.const(0.0, x.dtype))
-    zeros_so_far = g.CumSum(cast(is_zero, x), axis, reverse=rev)  # inclusive count, forward order
-    before = zeros_so_far < 0.5
-    first = g.And(is_zero, zeros_so_far < 1.5)
-    safe = where(is_zero, 1.0, x)
-    dx_before = rcumsum(dy * y) / safe
-    y_skip = g.CumProd(where(first, 1.0, x), axis, exclusive=excl, reverse=rev, shape=x.shape)
-    dx_first = rcumsum(dy * y_skip)
-    return _first_only(n, where(before, dx_before, where(first, dx_first, 0.0)))
-
-
-# ---- unpooling ---------------------------------------------------------------------------------
-@rule("MaxUnpool")
-def max_unpool(g: GradBuilder, n: NodeContext) -> Grads:
-    """y = zeros with y.flat[I] = X (I flattened over the whole output, as MaxPool's Indices):
-    dX = dy.flat[I]. An index repeated in I keeps the last write, so only that X element gets it."""
-    if not n.needs[0]:
-        return _first_only(n, None)
-    x, ind = n.inputs[0], n.inputs[1]
-    assert x is not None and ind is not None
-    flat_dy = g.Reshape(n.dy, [-1])
-    dx = g.Gather(flat_dy, ind, shape=x.shape)
-    value = n.const_input(1)
-    if value is None or len(np.unique(value)) != value.size:
-        order = _positions(g, x)
-        size = _numel(g, n.y)
-        size_v = g.const(np.array([size], dtype=np.int64)) if isinstance(size, int) else g.Reshape(size, [1])
-        fill = helper.make_tensor("", TensorProto.INT64, [1], [-1])
-        last = g.ScatterElements(
-            g.ConstantOfShape(size_v, value=fill, dtype=INT64),
-            g.Reshape(ind, [-1]),
-            g.Reshape(order, [-1]),
-            axis=0,
-            reduction="max",
-        )
-        dx = where(g.Equal(g.Gather(last, ind, dtype=INT64), order), dx, 0.0)
-    return _first_only(n, dx)
+    return first_only(n, dx)

@@ -1,5 +1,5 @@
 """Matrix products: MatMul (batched, broadcast, 1-D), Gemm (every transA/transB/alpha/beta), Einsum
-(any equation) and Det; MatMulInteger and QLinearMatMul carry no gradient.
+(any equation) and Det; MatMulInteger and QLinearMatMul carry no gradient (:mod:`.nondiff`).
 
 Gradients are written as Gemm with transposes where the operands are matrices: onnxruntime runs
 that as one kernel, where Transpose + MatMul would cost a copy.
@@ -16,8 +16,8 @@ from onnx import TensorProto, helper
 
 from ...errors import GradientNotImplementedError
 from ..builder import GradBuilder, Var
-from ..registry import NodeContext, rule, zero
-from .norm import node_label
+from ..registry import NodeContext, rule
+from .common import Grads, node_label
 
 
 def _swap_last(g: GradBuilder, x: Var, rank: int) -> Var:
@@ -35,7 +35,7 @@ def _rows_of(g: GradBuilder, b: Var, axis: int) -> Var:
 
 
 @rule("MatMul")
-def matmul(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def matmul(g: GradBuilder, n: NodeContext) -> Grads:
     a, b = n.inputs
     dy = n.dy
     if a.rank is None or b.rank is None:
@@ -81,7 +81,7 @@ def matmul(g: GradBuilder, n: NodeContext) -> list[Var | None]:
 
 
 @rule("Gemm")
-def gemm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def gemm(g: GradBuilder, n: NodeContext) -> Grads:
     """Y = alpha * A' B' + beta * C, with A' = A or A^T and B' = B or B^T."""
     a, b = n.inputs[0], n.inputs[1]
     c = n.inputs[2] if len(n.inputs) > 2 else None
@@ -90,7 +90,7 @@ def gemm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     beta = float(n.attr("beta", 1.0))
     ta, tb = int(n.attr("transA", 0)), int(n.attr("transB", 0))
     al = alpha if alpha != 1.0 else None
-    grads: list[Var | None] = [None, None, None]
+    grads: Grads = [None, None, None]
     if n.needs[0]:
         if not ta:  # dA = alpha dY B'^T
             grads[0] = g.Gemm(dy, b, alpha=al, transB=0 if tb else 1)
@@ -156,7 +156,7 @@ def _parse_einsum(n: NodeContext) -> _Equation:
 
 
 @rule("Einsum", since=12)
-def einsum(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def einsum(g: GradBuilder, n: NodeContext) -> Grads:
     """Y = einsum(X_1, ..., X_k): dX_i = einsum(dY, X_j for j != i) onto the term of X_i.
 
     That einsum yields one axis per distinct letter of X_i's term (a repeated letter is a diagonal);
@@ -273,7 +273,7 @@ def _eye(g: GradBuilder, x: Var, axis: int) -> Var:
 
 # ---- Det ------------------------------------------------------------------------------------
 @rule("Det", since=11)
-def det(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def det(g: GradBuilder, n: NodeContext) -> Grads:
     """y = det(X) over the last two axes: dX = dy * cofactor(X), cofactor_ij = (-1)^(i+j) det(minor_ij).
 
     That is dy * det(X) * inv(X)^T where X is invertible, and stays exact where it is not (the
@@ -311,7 +311,3 @@ def _cofactors(g: GradBuilder, x: Var, m: int | None) -> Var:
     minors = g.Gather(g.Gather(x, keep, axis=r - 2), keep, axis=r)  # (..., i, M-1, j, M-1)
     minors = g.Transpose(minors, perm=[*range(r - 2), r - 2, r, r - 1, r + 1])
     return g.Det(minors) * signs
-
-
-# ---- integer and quantized products ---------------------------------------------------------
-zero("MatMulInteger", "QLinearMatMul", note="integer and quantized products: no floating-point gradient")

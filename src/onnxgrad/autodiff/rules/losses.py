@@ -19,7 +19,7 @@ from onnx import TensorProto
 from ...errors import GradientNotImplementedError
 from ..builder import GradBuilder, Var, cast, exp, where
 from ..registry import NodeContext, rule
-from .norm import node_label
+from .common import Grads, node_label
 
 INT64 = TensorProto.INT64
 
@@ -123,11 +123,11 @@ def _weight_grad(g: GradBuilder, n: NodeContext, t: Targets, logp: Var, dy: Var)
 
 
 @rule("NegativeLogLikelihoodLoss", since=12)
-def nll_loss(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def nll_loss(g: GradBuilder, n: NodeContext) -> Grads:
     """loss = reduce(-w[t_i] input[i, t_i]): dinput = -c_i at the label, 0 elsewhere;
     dweight[c] sums dL/dw_i over the samples labelled c."""
     x = n.x
-    grads: list[Var | None] = [None] * len(n.inputs)
+    grads: Grads = [None] * len(n.inputs)
     t = _targets(g, n, x, n.dy)
     if n.needs[0]:
         grads[0] = _logp_grad(g, t)
@@ -137,14 +137,14 @@ def nll_loss(g: GradBuilder, n: NodeContext) -> list[Var | None]:
 
 
 @rule("SoftmaxCrossEntropyLoss", since=12)
-def softmax_cross_entropy_loss(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def softmax_cross_entropy_loss(g: GradBuilder, n: NodeContext) -> Grads:
     """loss = NLL(logp), logp = LogSoftmax(scores) over axis 1 (the optional second output).
 
     With G = dL/dlogp (from the loss, plus the gradient of the log_prob output when the model uses
     it): dscores = G - softmax * sum_c(G), softmax = exp(logp) read from the forward's log_prob.
     """
     x = n.x
-    grads: list[Var | None] = [None] * len(n.inputs)
+    grads: Grads = [None] * len(n.inputs)
     logp = g.extra_output(n.node, 1, x.dtype, x.shape)
     dy, d_logp = n.dout[0], n.dout[1] if len(n.dout) > 1 else None
     t = _targets(g, n, x, dy) if dy is not None else None

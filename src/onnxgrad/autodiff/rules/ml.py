@@ -17,14 +17,15 @@ import numpy as np
 from onnx import TensorProto
 
 from ...errors import GradientNotImplementedError
-from ..builder import GradBuilder, Var, cast
+from ..builder import GradBuilder, cast
 from ..registry import NodeContext, rule
+from .common import Grads
 
 ML = "ai.onnx.ml"
 
 
 @rule("LinearRegressor", domain=ML)
-def linear_regressor(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def linear_regressor(g: GradBuilder, n: NodeContext) -> Grads:
     """Y = X C^T + b with C of shape (targets, features): dX = dY C."""
     if not n.needs[0]:
         return [None]
@@ -45,7 +46,7 @@ def linear_regressor(g: GradBuilder, n: NodeContext) -> list[Var | None]:
 
 
 @rule("Scaler", domain=ML)
-def scaler(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def scaler(g: GradBuilder, n: NodeContext) -> Grads:
     """Y = (X - offset) * scale, per feature (or one value for all): dX = dY * scale."""
     if not n.needs[0]:
         return [None]

@@ -1,5 +1,5 @@
-"""Ops that stop gradients: their outputs are integers, booleans, shapes, random draws, or
-piecewise-constant functions of their inputs (derivative zero almost everywhere).
+"""Every op that stops gradients: its outputs are integers, booleans, shapes, random draws, or
+piecewise-constant functions of its inputs (derivative zero almost everywhere).
 
 Declaring them keeps a gradient path from failing with "no rule" when such an op sits between a
 trainable value and an output (``Shape -> ConstantOfShape``, ``Greater -> Where``...): the engine
@@ -55,3 +55,20 @@ zero(
     note="string and text ops: no floating-point path",
 )
 zero("HannWindow", "HammingWindow", "BlackmanWindow", note="window functions of an integer size")
+zero("SequenceLength", "SequenceEmpty", note="a length, or a sequence made from nothing")
+zero("OptionalHasElement", note="a boolean: whether the optional holds a value")
+zero(
+    "DequantizeLinear",
+    "QuantizeLinear",
+    "DynamicQuantizeLinear",
+    "ConvInteger",
+    "QLinearConv",
+    note="quantization: integer outputs, or (DequantizeLinear) integer inputs; through a rounding the "
+    "gradient is zero almost everywhere (use a straight-through estimator for quantization-aware "
+    "training)",
+)
+zero("MatMulInteger", "QLinearMatMul", note="integer and quantized products: no floating-point gradient")
+zero("BitCast", note="reinterprets the bits: not a differentiable function of the value")
+zero("Unique", note="the unique values are a selection with integer indices and counts: not differentiated")
+zero("ImageDecoder", note="decodes encoded bytes (uint8) into pixels: no gradient")
+zero("MelWeightMatrix", note="a constant matrix computed from integer sizes and frequency bounds")

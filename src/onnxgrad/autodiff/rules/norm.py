@@ -1,32 +1,30 @@
-"""The normalization family: InstanceNormalization, GroupNormalization, LpNormalization, LRN,
-MeanVarianceNormalization, RMSNormalization, and the backward they share with LayerNormalization and
-BatchNormalization (whose rules live in ``nn.py``).
+"""The normalization family: LayerNormalization, BatchNormalization, InstanceNormalization,
+GroupNormalization, RMSNormalization, MeanVarianceNormalization, LpNormalization and LRN.
 
 Every standardization ``xh = (x - mean(x)) inv`` with ``inv = (var(x) + eps)^-1/2`` over some set
 of elements has the same backward (:func:`normalize_backward`), whatever the set: trailing axes
 (LayerNormalization, RMSNormalization), spatial axes (InstanceNormalization, BatchNormalization in
 training mode, MeanVarianceNormalization) or channel groups (GroupNormalization). The statistics
 are recomputed from ``x`` in the backward (:func:`standardize`): ``x`` is read anyway, and these ops
-have no output that holds them.
+have no output that holds them, except LayerNormalization, whose forward node computes its mean
+and inverse standard deviation anyway (the rule reads them).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+from onnx import TensorProto
 
 from ...errors import GradientNotImplementedError
-from ..builder import GradBuilder, Var, sign, where
+from ..builder import GradBuilder, Var, cast, sign, where
 from ..registry import NodeContext, rule
+from .common import Grads, node_label
 
 Reducer = Callable[[Var], Var]  # the mean over the normalized elements, dims kept
-
-
-def node_label(n: NodeContext) -> str:
-    """``"Op node 'name'"``, to start error messages with."""
-    return f"{n.node.op_type} node {n.node.name!r}"
 
 
 def norm_axes(n: NodeContext, x: Var, axis: int) -> list[int]:
@@ -92,9 +90,7 @@ def normalize_backward(
 
 
 # ---- InstanceNormalization and GroupNormalization -------------------------------------------
-def _grouped_norm(
-    g: GradBuilder, n: NodeContext, groups: int, eps: float, per_channel: bool
-) -> list[Var | None]:
+def _grouped_norm(g: GradBuilder, n: NodeContext, groups: int, eps: float, per_channel: bool) -> Grads:
     """Normalization over groups of channels (and all spatial positions), with an affine map.
 
     Computed on 3-D views: x as (N, groups, L) for the statistics (``groups=0``: one group per
@@ -105,7 +101,7 @@ def _grouped_norm(
     assert x is not None and scale is not None
     bias = n.inputs[2] if len(n.inputs) > 2 else None
     dy = n.dy
-    grads: list[Var | None] = [None] * len(n.inputs)
+    grads: Grads = [None] * len(n.inputs)
     stat_view = [0, groups, -1]
     dy_v = g.Reshape(dy, [0, 0, -1] if per_channel else stat_view)  # the layout of scale and bias
     if bias is not None and n.needs[2]:
@@ -127,7 +123,7 @@ def _grouped_norm(
 
 
 @rule("InstanceNormalization")
-def instance_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def instance_norm(g: GradBuilder, n: NodeContext) -> Grads:
     """y = xh scale[c] + B[c], xh standardized over the spatial dims of each (n, c).
 
     dx = normalize_backward(dy scale); dscale = sum(dy xh); dB = sum(dy), sums over N and space.
@@ -136,7 +132,7 @@ def instance_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
 
 
 @rule("GroupNormalization", since=18)
-def group_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def group_norm(g: GradBuilder, n: NodeContext) -> Grads:
     """y = xh scale + bias, xh standardized over each group of C / num_groups channels (and space).
 
     Opset 18 has one scale and bias per group, opset 21 one per channel; the backward is the same
@@ -148,7 +144,7 @@ def group_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
 
 # ---- RMSNormalization and MeanVarianceNormalization -----------------------------------------
 @rule("RMSNormalization", since=23)
-def rms_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def rms_norm(g: GradBuilder, n: NodeContext) -> Grads:
     """y = x inv scale with inv = (mean(x^2) + eps)^-1/2 over the axes [axis, rank).
 
     dx = inv (dxh - xh mean(dxh xh)) with dxh = dy scale, xh = x inv; dscale = sum(dy xh).
@@ -157,7 +153,7 @@ def rms_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     assert x is not None and scale is not None
     mean = mean_over(g, norm_axes(n, x, int(n.attr("axis", -1))))
     xh, inv = standardize(g, x, mean, float(n.attr("epsilon", 1e-5)), centered=False)
-    grads: list[Var | None] = [None, None]
+    grads: Grads = [None, None]
     if n.needs[0]:
         grads[0] = normalize_backward(n.dy * scale, xh, inv, mean, centered=False)
     if n.needs[1]:
@@ -169,7 +165,7 @@ _MVN_EPS = 1e-9  # fixed by the ONNX function body, added to the standard deviat
 
 
 @rule("MeanVarianceNormalization")
-def mean_variance_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def mean_variance_norm(g: GradBuilder, n: NodeContext) -> Grads:
     """y = (x - mean) / (std + 1e-9) over ``axes`` (default [0, 2, 3]).
 
     With inv = 1 / (std + eps): d inv / dx = -inv^2 (x - mean) / (D std), so dx is
@@ -189,7 +185,7 @@ def mean_variance_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
 
 # ---- LpNormalization and LRN ----------------------------------------------------------------
 @rule("LpNormalization")
-def lp_norm(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def lp_norm(g: GradBuilder, n: NodeContext) -> Grads:
     """y = x / |x|_p along ``axis`` (0 where the norm is 0), p = 1 or 2.
 
     With r = |x|_p and y = x / r: dx = (dy - dr sum(dy y)) / r, where dr = dr/dx is y (p = 2) or
@@ -222,7 +218,7 @@ def _channel_window_sum(g: GradBuilder, v: Var, like: Var, size: int, before: in
 
 
 @rule("LRN")
-def lrn(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+def lrn(g: GradBuilder, n: NodeContext) -> Grads:
     """y = x s^-beta with s = bias + alpha / size * W(x^2), W the sum over a window of channels
     [c - floor((size - 1) / 2), c + ceil((size - 1) / 2)].
 
@@ -240,3 +236,162 @@ def lrn(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     s_pow = g.Pow(s, g.const(-beta, x.dtype))
     back = _channel_window_sum(g, dy * x * s_pow / s, x, size, size - 1 - before)
     return [dy * s_pow - x * back * (2 * alpha * beta / size)]
+
+
+# ---- LayerNormalization and BatchNormalization ---------------------------------------------
+@rule("LayerNormalization", since=17)
+def layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = xh * scale + B with xh = (x - mean) inv, over the axes [axis, rank).
+
+    dx = normalize_backward(dy * scale); dscale = sum(dy xh); dB = sum(dy). The forward's own Mean
+    and InvStdDev outputs (in ``stash_type``) are read. Where the model uses those outputs too:
+    dx += (dMean - dInv inv^2 xh) / D, D the normalized size (d inv / d x = -inv^3 (x - mean) / D).
+    """
+    x, scale = n.inputs[0], n.inputs[1]
+    assert x is not None and scale is not None
+    b = n.inputs[2] if len(n.inputs) > 2 else None
+    dy = n.dout_or_zeros(0)
+    d_mean = n.dout[1] if len(n.dout) > 1 else None
+    d_inv = n.dout[2] if len(n.dout) > 2 else None
+    grads: Grads = [None] * len(n.inputs)
+    if b is not None and n.needs[2]:
+        grads[2] = g.unbroadcast(dy, b, x.shape)
+    if not (n.needs[0] or n.needs[1]):
+        return grads
+    axes = norm_axes(n, x, int(n.attr("axis", -1)))
+    stash = int(n.attr("stash_type", TensorProto.FLOAT))
+    stat_shape = None
+    if x.shape is not None:
+        stat_shape = (*x.shape[: axes[0] % len(x.shape)], *(1,) * len(axes))
+    mean = cast(g.extra_output(n.node, 1, stash, stat_shape), x)
+    inv = cast(g.extra_output(n.node, 2, stash, stat_shape), x)
+    xh = (x - mean) * inv
+    if n.needs[1]:
+        grads[1] = g.unbroadcast(dy * xh, scale, x.shape)
+    if n.needs[0]:
+        dx = normalize_backward(dy * scale, xh, inv, mean_over(g, axes))
+        if d_mean is not None or d_inv is not None:  # dx += (dMean - dInv inv^2 xh) / D
+            extra = cast(d_mean, x) if d_mean is not None else None
+            if d_inv is not None:
+                term = cast(d_inv, x) * inv * inv * xh
+                extra = -term if extra is None else extra - term
+            stat = d_mean if d_mean is not None else d_inv
+            dx = dx + extra / normalized_count(g, x, axes, stat)  # type: ignore[operator,arg-type]
+        grads[0] = dx
+    return grads
+
+
+def _batch_norm_training(n: NodeContext) -> bool:
+    """Training mode: the ``training_mode`` attribute from opset 14; before, asking for the
+    statistics outputs (``is_test=0`` before opset 7), as onnxruntime reads it."""
+    if n.opset >= 14:
+        return bool(n.attr("training_mode", 0))
+    if n.opset < 7 and not n.attr("is_test", 0):
+        return True
+    return any(o for o in n.node.output[1:])
+
+
+@rule("BatchNormalization")
+def batch_norm(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = xh scale + B over the batch and spatial axes (per channel).
+
+    Inference mode, xh = (x - mean) inv with the given statistics, inv = (var + eps)^-1/2:
+    dx = dy scale inv; dscale = sum(dy (x - mean)) inv; dB = sum(dy); dmean = -dB scale inv;
+    dvar = -1/2 scale inv^3 sum(dy (x - mean)).
+    Training mode, xh standardized with the batch's own (biased) statistics, recomputed from x:
+    dx = normalize_backward(dy scale) (as torch's batch_norm backward); dscale = sum(dy xh);
+    dB = sum(dy).
+
+    The running statistics outputs, where a loss reads them, take the gradient the ONNX definition
+    implies: running_mean = input_mean m + mean_b(x) (1 - m) and running_var = input_var m +
+    var_b(x) (1 - m), m the momentum and mean_b, var_b the batch's mean and population variance
+    per channel (what Y is normalized with). So d input_mean = m d running_mean, d input_var =
+    m d running_var, and dx gains (1 - m) (d running_mean + 2 (x - mean_b) d running_var) / M,
+    M the elements per channel. This is the same convention as for any other output (torch, whose
+    running statistics are buffers updated outside autograd, gives them none). Before opset 14, the
+    saved mean and variance outputs (training only) still carry no gradient.
+    """
+    x, scale, bias, mean, var = n.inputs[:5]
+    assert x is not None and scale is not None and mean is not None and var is not None
+    dy = n.dout[0]
+    training = _batch_norm_training(n)
+    d_stats = [n.dout[k] if training and k < len(n.dout) else None for k in (1, 2)]
+    if dy is None and not any(d is not None for d in d_stats):
+        return [None] * len(n.inputs)
+    if x.rank is None:
+        raise GradientNotImplementedError(f"{node_label(n)}: the rank of its input must be known")
+    # Parameters are (C,) (or (C, D1...) with spatial=0 in old opsets): align them at axis 1.
+    p_rank = scale.rank if scale.rank is not None else 1
+    trailing = list(range(1 + p_rank, x.rank))
+    axes = [0, *trailing]
+
+    def aligned(p: Var) -> Var:  # (C,) -> (C, 1, ...): the new axes counted from axis 1 of x
+        return g.Unsqueeze(p, [a - 1 for a in trailing]) if trailing else p
+
+    eps = float(n.attr("epsilon", 1e-5))
+    s = cast(scale, x)
+    grads: Grads = [None] * len(n.inputs)
+    if training:
+        if dy is not None:
+            if n.needs[2]:
+                grads[2] = cast(g.reduce_sum(dy, axes, keepdims=False), bias)  # type: ignore[arg-type]
+            if n.needs[0] or n.needs[1]:
+                batch_mean = mean_over(g, axes)
+                xh, inv = standardize(g, x, batch_mean, eps)
+                if n.needs[0]:
+                    grads[0] = normalize_backward(dy * aligned(s), xh, inv, batch_mean)
+                if n.needs[1]:
+                    grads[1] = cast(g.reduce_sum(dy * xh, axes, keepdims=False), scale)
+        _running_stats_grads(g, n, x, axes, aligned, d_stats, grads)
+        return grads  # y does not depend on the running statistics
+    assert dy is not None
+    sum_dy = g.reduce_sum(dy, axes, keepdims=False) if n.needs[2] or n.needs[3] else None
+    if n.needs[2]:
+        grads[2] = cast(sum_dy, bias)  # type: ignore[arg-type]
+    m = cast(mean, x)
+    inv = g.Reciprocal(g.Sqrt(cast(var, x) + eps))
+    if n.needs[0]:
+        grads[0] = dy * aligned(s * inv)
+    if n.needs[1] or n.needs[4]:
+        sum_dy_xc = g.reduce_sum(dy * (x - aligned(m)), axes, keepdims=False)
+        if n.needs[1]:
+            grads[1] = cast(sum_dy_xc * inv, scale)
+        if n.needs[4]:
+            grads[4] = cast(sum_dy_xc * s * inv * inv * inv * -0.5, var)
+    if n.needs[3]:
+        grads[3] = cast(-(sum_dy * s * inv), mean)  # type: ignore[operator]
+    return grads
+
+
+def _running_stats_grads(
+    g: GradBuilder,
+    n: NodeContext,
+    x: Var,
+    axes: list[int],
+    aligned: Any,
+    d_stats: Grads,
+    grads: Grads,
+) -> None:
+    """Add the gradients of the running mean and variance outputs (see :func:`batch_norm`)."""
+    d_rm, d_rv = d_stats
+    if d_rm is None and d_rv is None:
+        return
+    momentum = float(n.attr("momentum", 0.9))
+    for slot, d in ((3, d_rm), (4, d_rv)):
+        if d is not None and n.needs[slot]:
+            grads[slot] = cast(d * momentum, n.inputs[slot])  # type: ignore[arg-type]
+    if not n.needs[0]:
+        return
+    stat = n.inputs[3]
+    assert stat is not None
+    count = normalized_count(g, x, axes, stat)
+    dx = None
+    if d_rm is not None:
+        dx = g.Expand(aligned(cast(d_rm, x)), g.shape_of(x)) if d_rv is None else aligned(cast(d_rm, x))
+    if d_rv is not None:
+        centered = x - mean_over(g, axes)(x)
+        term = centered * aligned(cast(d_rv, x)) * 2.0
+        dx = term if dx is None else dx + term
+    assert dx is not None
+    dx = dx * ((1.0 - momentum) / count)
+    grads[0] = dx if grads[0] is None else grads[0] + dx

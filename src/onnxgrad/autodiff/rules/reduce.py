@@ -1,4 +1,4 @@
-"""Reductions and softmax: every ``Reduce*`` op in every opset form, Softmax, LogSoftmax, Hardmax.
+"""Reductions: every ``Reduce*`` op in every opset form, and the cumulative CumSum and CumProd.
 
 Reduction gradients are written in the *keepdims layout*: the output and its gradient first get the
 reduced axes back as size-1 dims (``Unsqueeze``, skipped when ``keepdims=1``), after which
@@ -6,6 +6,9 @@ broadcasting against the input does the expansion. That layout needs no static s
 covers axes as an attribute (before opset 13 for ReduceSum, 18 for the others) or as an input
 (constant or computed at run time), negative axes, absent axes (= all) and
 ``noop_with_empty_axes`` (where the op is elementwise and so is its gradient).
+
+A cumulative sum is transposed by the cumulative sum in the other direction; CumProd's backward is
+exact where x has zeros.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..builder import GradBuilder, Var, exp, sign, where
-from ..registry import NodeContext, rule, zero
+from ..builder import GradBuilder, Var, cast, exp, sign, where
+from ..registry import NodeContext, rule
+from .common import Grads, first_only, max_grad
 
 
 @dataclass(frozen=True)
@@ -88,17 +92,8 @@ def _axes_since(op: str) -> int:
     return 13 if op == "ReduceSum" else 18
 
 
-def max_grad(g: GradBuilder, x: Var, y_kept: Var, dy_kept: Var, count: Callable[[Var], Var]) -> Var:
-    """Gradient of a max/min, split evenly among tied extrema (as ``torch.amax``).
-
-    ``y_kept`` and ``dy_kept`` are aligned with ``x``; ``count`` sums a mask over the reduced axes.
-    """
-    mask = g.Cast(g.Equal(x, y_kept), to=x.dtype)
-    return mask * (dy_kept / count(mask))
-
-
 def _reduce_rule(op: str, grad: Callable[[GradBuilder, NodeContext, Reduction], Var]) -> None:
-    def fn(g: GradBuilder, n: NodeContext) -> list[Var | None]:
+    def fn(g: GradBuilder, n: NodeContext) -> Grads:
         if not n.needs[0]:
             return [None]
         red = reduction_of(g, n, _axes_since(op))
@@ -187,42 +182,43 @@ for _op, _fn in {
     _reduce_rule(_op, _fn)
 
 
-# ---- softmax family --------------------------------------------------------------------------
-def _softmax_grad(
-    g: GradBuilder, n: NodeContext, fn: Callable[[Var, Var, Callable[[Var], Var]], Var]
-) -> list[Var | None]:
-    """Call ``fn(y, dy, sum_over_softmax_axes)`` in the node's opset semantics.
+# ---- cumulative ops ----------------------------------------------------------------------------
+@rule("CumSum")
+def cum_sum(g: GradBuilder, n: NodeContext) -> Grads:
+    """y_i = sum of x_j for j before i (inclusive or not): dx_j = the sum of dy_i over the same i,
+    which is CumSum(dy) in the opposite direction with the same ``exclusive``."""
+    dx = g.CumSum(
+        n.dy,
+        n.inputs[1],
+        exclusive=int(n.attr("exclusive", 0)),
+        reverse=1 - int(n.attr("reverse", 0)),
+        shape=n.x.shape,
+    )
+    return first_only(n, dx)
 
-    From opset 13 the normalization runs over one axis (default -1). Before, it runs over the
-    flattened dims ``[axis:]`` (default 1): a sum over all those axes with keepdims, or, when the
-    rank is unknown and the axis non-negative, over the 2-D ``Flatten`` of the tensors.
+
+@rule("CumProd", since=26)
+def cum_prod(g: GradBuilder, n: NodeContext) -> Grads:
+    """y_i = product of x_j for j before i: dx_k = sum over i after k of dy_i * prod_{j before i, j != k} x_j.
+
+    Exact with zeros (as torch.cumprod), per line along the axis, with z the first zero:
+    before z, dx_k = rcumsum(dy * y)_k / x_k (no zero divides); at z, dx_z = rcumsum(dy * y')_z
+    where y' is the CumProd of x with that zero replaced by 1; after z, dx = 0.
     """
     if not n.needs[0]:
-        return [None]
-    y, dy = n.y, n.dy
-    if n.opset >= 13:
-        axis = int(n.attr("axis", -1))
-        return [fn(y, dy, lambda v: g.reduce_sum(v, [axis], keepdims=True))]
-    axis = int(n.attr("axis", 1))
-    rank = y.rank
-    if rank is not None or axis < 0:
-        axes = list(range(axis, 0)) if rank is None else list(range(axis % rank, rank))
-        return [fn(y, dy, lambda v: g.reduce_sum(v, axes, keepdims=True))]
-    y2, dy2 = g.Flatten(y, axis=axis), g.Flatten(dy, axis=axis)
-    dx2 = fn(y2, dy2, lambda v: g.reduce_sum(v, [1], keepdims=True))
-    return [g.Reshape(dx2, g.Shape(dy))]
+        return first_only(n, None)
+    x, y, dy, axis = n.x, n.y, n.dy, n.inputs[1]
+    excl, rev = int(n.attr("exclusive", 0)), int(n.attr("reverse", 0))
 
+    def rcumsum(t: Var) -> Var:
+        return g.CumSum(t, axis, exclusive=excl, reverse=1 - rev, shape=x.shape)
 
-@rule("Softmax")
-def softmax(g: GradBuilder, n: NodeContext) -> list[Var | None]:
-    """y = softmax(x): dx = y (dy - sum(dy y))."""
-    return _softmax_grad(g, n, lambda y, dy, s: y * (dy - s(dy * y)))
-
-
-@rule("LogSoftmax")
-def log_softmax(g: GradBuilder, n: NodeContext) -> list[Var | None]:
-    """y = log softmax(x): dx = dy - exp(y) sum(dy)."""
-    return _softmax_grad(g, n, lambda y, dy, s: dy - exp(y) * s(dy))
-
-
-zero("Hardmax", note="piecewise constant (a one-hot of the argmax)")
+    is_zero = g.Equal(x, g.const(0.0, x.dtype))
+    zeros_so_far = g.CumSum(cast(is_zero, x), axis, reverse=rev)  # inclusive count, forward order
+    before = zeros_so_far < 0.5
+    first = g.And(is_zero, zeros_so_far < 1.5)
+    safe = where(is_zero, 1.0, x)
+    dx_before = rcumsum(dy * y) / safe
+    y_skip = g.CumProd(where(first, 1.0, x), axis, exclusive=excl, reverse=rev, shape=x.shape)
+    dx_first = rcumsum(dy * y_skip)
+    return first_only(n, where(before, dx_before, where(first, dx_first, 0.0)))

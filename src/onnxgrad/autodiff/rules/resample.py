@@ -1,4 +1,4 @@
-"""Resampling ops: Resize (and the older Upsample), GridSample, Col2Im.
+"""Resampling ops: Resize (and the older Upsample), GridSample and AffineGrid, Col2Im.
 
 Resize is linear in X and separable: along each resized axis, output position o reads a few input
 positions i with weights w(o, i) that depend only on sizes, scales and attributes. Those taps are
@@ -12,6 +12,9 @@ GridSample reads X at run-time positions: dX scatter-adds dy times the interpola
 corners each output read (2 per dim for linear, 4 for cubic; one ScatterElements), d grid is dy
 times the slope of the interpolation along each coordinate, times the slopes of the padding (border
 clipping, reflections) and of the unnormalization, as torch.nn.functional.grid_sample.
+
+AffineGrid is ``grid[n, p] = theta[n] @ [base(p), 1]`` over the output positions ``p``, so
+``dtheta[n] = dgrid[n]^T @ [base, 1]``; the base coordinates are AffineGrid of the identity.
 
 Col2Im sums patches into an image; its adjoint cuts the patches back out (Im2Col): one Gather from
 the padded dy with a patch-position table computed at build time.
@@ -28,13 +31,9 @@ from onnx import TensorProto
 from ...errors import GradientNotImplementedError
 from ..builder import INT64, GradBuilder, Var, cast, where
 from ..registry import NodeContext, rule
-from .shape import Grads, _first_only, _need_rank, _zeros
+from .common import Grads, first_only, need_rank, node_label, refuse, zeros
 
 F32 = np.float32
-
-
-def _where(n: NodeContext) -> str:
-    return f"{n.node.op_type} node {n.node.name!r}"
 
 
 # ---- Resize: per-axis taps ----------------------------------------------------------------------
@@ -245,7 +244,7 @@ def _resize_mode(n: NodeContext) -> _ResizeMode:
         or found.nearest not in _NEAREST
     ):
         raise GradientNotImplementedError(
-            f"{_where(n)}: unknown mode {mode!r}, coordinate_transformation_mode "
+            f"{node_label(n)}: unknown mode {mode!r}, coordinate_transformation_mode "
             f"{found.transform!r} or nearest_mode {found.nearest!r}"
         )
     return found
@@ -274,10 +273,22 @@ class _AxisResize:
     roi: tuple[float, float]
 
 
+def _aspect_policy(n: NodeContext) -> str:
+    """The node's ``keep_aspect_ratio_policy``; refused with negative axes, which onnxruntime then
+    ignores (the sizes would not be what the rule computes)."""
+    policy = str(n.attr("keep_aspect_ratio_policy", "stretch"))
+    if policy != "stretch" and any(a < 0 for a in n.attr("axes") or ()):
+        raise GradientNotImplementedError(
+            f"{node_label(n)}: onnxruntime ignores negative axes under keep_aspect_ratio_policy "
+            f"{policy!r}; give them as non-negative axes"
+        )
+    return policy
+
+
 def _resize_axes(n: NodeContext, mode: _ResizeMode) -> list[_AxisResize]:
     """The axes a Resize changes, with sizes, float32 scales and roi, as onnxruntime computes them."""
     x = n.x
-    rank = _need_rank(n, x)
+    rank = need_rank(n, x)
     if n.node.op_type == "Upsample" and n.opset < 9:
         scales, sizes, roi = np.asarray(n.attr("scales"), dtype=F32), None, None
     elif n.node.op_type == "Upsample" or n.opset < 11:
@@ -303,19 +314,14 @@ def _resize_axes(n: NodeContext, mode: _ResizeMode) -> list[_AxisResize]:
             raise _RunTime("sizes given and resized dims of X not static")
         outs = [int(s) for s in sizes]
         scale_of = [F32(o) / F32(d) if d else F32(1) for o, d in zip(outs, dims)]
-        policy = n.attr("keep_aspect_ratio_policy", "stretch")
+        policy = _aspect_policy(n)
         if policy != "stretch":
-            if any(a < 0 for a in n.attr("axes") or ()):
-                raise GradientNotImplementedError(
-                    f"{_where(n)}: onnxruntime ignores negative axes under keep_aspect_ratio_policy "
-                    f"{policy!r}; give them as non-negative axes"
-                )
             pick = min if policy == "not_larger" else max
             chosen = pick(scale_of)
             scale_of = [chosen] * len(axes)
             outs = [int(_round_half_away(np.array([chosen * F32(d)], F32))[0]) for d in dims]  # type: ignore[operator]
     else:
-        raise GradientNotImplementedError(f"{_where(n)}: neither scales nor sizes is given")
+        raise GradientNotImplementedError(f"{node_label(n)}: neither scales nor sizes is given")
     # onnxruntime copies X when no dim changes size, whatever the scales; an antialiased axis that
     # keeps its size is copied too, and so is a nearest or unscaled axis with scale 1.
     same = [o == d if d is not None else s == 1 for d, o, s in zip(dims, outs, scale_of)]
@@ -331,7 +337,7 @@ def _resize_axes(n: NodeContext, mode: _ResizeMode) -> list[_AxisResize]:
         y_dim = n.y.shape[a] if n.y.shape is not None else None
         if isinstance(y_dim, int) and y_dim != o:
             raise GradientNotImplementedError(
-                f"{_where(n)}: output dim {a} is {y_dim} but the resize computes {o}"
+                f"{node_label(n)}: output dim {a} is {y_dim} but the resize computes {o}"
             )
         changed.append(_AxisResize(a, int(d), int(o), s, full_roi[a]))
     return changed
@@ -348,21 +354,21 @@ def resize(g: GradBuilder, n: NodeContext) -> Grads:
     from the run-time sizes and scales (:func:`_resize_run_time`, antialias included).
     """
     if not n.needs[0]:
-        return _first_only(n, None)
+        return first_only(n, None)
     mode = _resize_mode(n)
-    rank = _need_rank(n, n.x)
+    rank = need_rank(n, n.x)
     dx = n.dy
     try:
         axes = _resize_axes(n, mode)
     except _RunTime:  # sizes or scales known only at run time
-        return _first_only(n, _resize_run_time(g, n, mode, rank))
+        return first_only(n, _resize_run_time(g, n, mode, rank))
     for ax in axes:
         idx, w = _resize_taps(mode, ax.n_out, ax.n_in, ax.scale, ax.roi)
         table, values = _transpose_taps(idx, w, ax.n_in)
         dx = _apply_adjoint(g, dx, ax.axis, rank, table, values)
     if dx is n.dy:  # a resize that changes nothing
-        return _first_only(n, dx)
-    return _first_only(n, g.Identity(dx, shape=n.x.shape))
+        return first_only(n, dx)
+    return first_only(n, g.Identity(dx, shape=n.x.shape))
 
 
 # ---- Resize: taps computed at run time ----------------------------------------------------------
@@ -564,7 +570,7 @@ def _resize_run_time(g: GradBuilder, n: NodeContext, mode: _ResizeMode, rank: in
             scales = None  # only one of them is given: a run-time scales input is then empty
         roi = _run_time_input(n, 1) if mode.transform == "tf_crop_and_resize" else None
     if scales is None and sizes is None:
-        raise GradientNotImplementedError(f"{_where(n)}: neither scales nor sizes is given")
+        raise GradientNotImplementedError(f"{node_label(n)}: neither scales nor sizes is given")
     axes = [a + rank if a < 0 else a for a in (n.attr("axes") or range(rank))]
     n_ins = [_scalar_dim(g, x, a) for a in axes]
     n_outs = [_scalar_dim(g, dy, a) for a in axes]
@@ -573,13 +579,8 @@ def _resize_run_time(g: GradBuilder, n: NodeContext, mode: _ResizeMode, rank: in
     else:
         assert sizes is not None
         scale_of = [_entry(g, sizes, j, f) / g.Cast(d, to=f) for j, d in enumerate(n_ins)]
-        policy = n.attr("keep_aspect_ratio_policy", "stretch")
+        policy = _aspect_policy(n)
         if policy != "stretch":
-            if any(a < 0 for a in n.attr("axes") or ()):
-                raise GradientNotImplementedError(
-                    f"{_where(n)}: onnxruntime ignores negative axes under keep_aspect_ratio_policy "
-                    f"{policy!r}; give them as non-negative axes"
-                )
             chosen = g.op("Min" if policy == "not_larger" else "Max", *scale_of)
             scale_of = [chosen] * len(axes)
     # onnxruntime copies X when no dim changes size, whatever the scales
@@ -665,7 +666,7 @@ def _grid_corners(
     mode = n.attr("mode", "linear" if n.opset >= 20 else "bilinear")
     if mode not in ("linear", "bilinear", "nearest"):
         raise GradientNotImplementedError(
-            f"{_where(n)}: no gradient for mode {mode!r} (linear, cubic and nearest only)"
+            f"{node_label(n)}: no gradient for mode {mode!r} (linear, cubic and nearest only)"
         )
 
     def lit(v: float | Var) -> Var:
@@ -771,7 +772,7 @@ def grid_sample(g: GradBuilder, n: NodeContext) -> Grads:
     """
     x, grid, dy = n.inputs[0], n.inputs[1], n.dy
     assert x is not None and grid is not None
-    rank = _need_rank(n, x)
+    rank = need_rank(n, x)
     k = rank - 2
     pieces = g.Split(grid, axis=-1, num_outputs=k, outputs=k) if k > 1 else (grid,)
     dims: list[_Corners] = []
@@ -802,7 +803,7 @@ def grid_sample(g: GradBuilder, n: NodeContext) -> Grads:
     grads: Grads = [None, None]
     if n.needs[0]:
         values = g.Reshape(dy_k * g.Unsqueeze(weight, [1]), [0, 0, -1])
-        plane = _zeros(g, g.shape_vector([g.dim(x, 0), g.dim(x, 1), stride]), x.dtype)  # (N, C, P)
+        plane = zeros(g, g.shape_vector([g.dim(x, 0), g.dim(x, 1), stride]), x.dtype)  # (N, C, P)
         dx = g.ScatterElements(plane, index_nc, values, axis=2, reduction="add")
         grads[0] = g.reshape(dx, x)
     if n.needs[1] and dims[0].slope is None:
@@ -825,6 +826,26 @@ def grid_sample(g: GradBuilder, n: NodeContext) -> Grads:
     return grads
 
 
+# ---- AffineGrid ------------------------------------------------------------------------------
+@rule("AffineGrid", since=20)
+def affine_grid_grad(g: GradBuilder, n: NodeContext) -> Grads:
+    """``grid[b, p] = theta[b] @ [base(p), 1]``: ``dtheta[b] = dgrid[b]^T @ [base, 1]``."""
+    theta, size = n.inputs[0], n.inputs[1]
+    if theta is None or theta.static_shape is None:
+        raise refuse(n, "theta needs a static shape")
+    k = theta.static_shape[1]  # 2 (2-D grid) or 3 (3-D grid)
+    eye = np.eye(k, k + 1)[None]
+    # base coordinates: the grid of the identity transform for one batch item, flattened to [P, k]
+    one = g.Concat(g.const(np.int64([1])), g.op("Slice", size, [1], [k + 2], [0]), axis=0)
+    base = g.op("AffineGrid", g.const(eye, theta.dtype), one, align_corners=n.attr("align_corners", 0))
+    base = g.Reshape(base, g.const(np.int64([-1, k])))
+    ones = g.op("ReduceSum", base * 0.0, g.const(np.int64([1])), keepdims=1) + 1.0  # [P, 1]
+    homogeneous = g.Concat(base, ones, axis=1)  # [P, k + 1]
+    batch = g.op("Slice", g.shape_of(theta), [0], [1], [0])
+    dgrid = g.Reshape(n.dy, g.Concat(batch, g.const(np.int64([-1, k])), axis=0))  # [N, P, k]
+    return [g.MatMul(g.Transpose(dgrid, perm=[0, 2, 1]), homogeneous), None]
+
+
 # ---- Col2Im ------------------------------------------------------------------------------------
 @rule("Col2Im", since=18)
 def col2im(g: GradBuilder, n: NodeContext) -> Grads:
@@ -832,11 +853,11 @@ def col2im(g: GradBuilder, n: NodeContext) -> Grads:
     padded dy back out (Im2Col), one Gather with a table of patch positions built from the constant
     image and block shapes (or, when those are computed at run time, by the backward from them)."""
     if not n.needs[0]:
-        return _first_only(n, None)
+        return first_only(n, None)
     image = n.const_input(1)
     block = n.const_input(2)
     if image is None or block is None:
-        return _first_only(n, _col2im_run_time(g, n))
+        return first_only(n, _col2im_run_time(g, n))
     k = len(image)
     dil = list(n.attr("dilations") or [1] * k)
     pads = list(n.attr("pads") or [0] * (2 * k))
@@ -852,7 +873,7 @@ def col2im(g: GradBuilder, n: NodeContext) -> Grads:
     if any(pads):
         dy = g.Pad(dy, [0, 0, *pads[:k], 0, 0, *pads[k:]])
     cols = g.Gather(g.Reshape(dy, [0, 0, -1]), table.astype(np.int64), axis=2)  # (N, C, K, L)
-    return _first_only(n, g.Reshape(cols, [0, -1, table.shape[1]], shape=n.x.shape))
+    return first_only(n, g.Reshape(cols, [0, -1, table.shape[1]], shape=n.x.shape))
 
 
 def _col2im_run_time(g: GradBuilder, n: NodeContext) -> Var:
@@ -865,7 +886,7 @@ def _col2im_run_time(g: GradBuilder, n: NodeContext) -> Var:
     if k is None and n.y.rank is not None:
         k = n.y.rank - 2
     if k is None:
-        raise GradientNotImplementedError(f"{_where(n)}: the number of image dims must be known")
+        raise GradientNotImplementedError(f"{node_label(n)}: the number of image dims must be known")
     dil = list(n.attr("dilations") or [1] * k)
     pads = list(n.attr("pads") or [0] * (2 * k))
     strides = list(n.attr("strides") or [1] * k)

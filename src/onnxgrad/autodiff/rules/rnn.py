@@ -38,10 +38,10 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from ...errors import GradientNotImplementedError
+from ...model.graph import Dim
 from ..builder import GradBuilder, Var
-from ..graph import Dim
 from ..registry import NodeContext, rule
-from .nn import _zeros
+from .common import node_label, optional_input, zeros
 
 _INT64_MIN = int(np.iinfo(np.int64).min)  # Slice end meaning "before the first element"
 
@@ -168,22 +168,18 @@ class _Spec:
         return len(self.directions)
 
 
-def _where(n: NodeContext) -> str:
-    return f"{n.node.op_type} node {n.node.name!r}"
-
-
 def _spec(n: NodeContext) -> _Spec:
     op = n.node.op_type
     direction = n.attr("direction", "forward")
     dirs = {"forward": [False], "reverse": [True], "bidirectional": [False, True]}.get(direction)
     if dirs is None:
-        raise GradientNotImplementedError(f"{_where(n)}: unknown direction {direction!r}")
+        raise GradientNotImplementedError(f"{node_label(n)}: unknown direction {direction!r}")
     hidden = n.attr("hidden_size")
     if hidden is None:
         r = n.inputs[2]
         hidden = r.shape[-1] if r is not None and r.shape is not None else None
     if not isinstance(hidden, int):
-        raise GradientNotImplementedError(f"{_where(n)}: hidden_size must be given or R's shape known")
+        raise GradientNotImplementedError(f"{node_label(n)}: hidden_size must be given or R's shape known")
     layout = n.attr("layout", 0) if n.opset >= 14 else 0
     return _Spec(op, hidden, dirs, layout, n.attr("clip"), _activations(n, op, len(dirs)))
 
@@ -198,11 +194,11 @@ def _activations(n: NodeContext, op: str, num_dirs: int) -> list[list[Act]]:
         names = names * 2
     if len(names) != per_dir * num_dirs:
         raise GradientNotImplementedError(
-            f"{_where(n)}: expected {per_dir * num_dirs} activations, got {names}"
+            f"{node_label(n)}: expected {per_dir * num_dirs} activations, got {names}"
         )
     unknown = [s for s in names if s not in _ACT_PARAMS]
     if unknown:
-        raise GradientNotImplementedError(f"{_where(n)}: unsupported activation(s) {unknown}")
+        raise GradientNotImplementedError(f"{node_label(n)}: unsupported activation(s) {unknown}")
     alphas = list(n.attr("activation_alpha") or [])
     betas = list(n.attr("activation_beta") or [])
     acts: list[Act] = []
@@ -382,7 +378,7 @@ class _Ctx:
     state_shape: Var  # [D, B, H]
 
     def _b(self) -> Var | None:
-        return _input(self.n, 3)
+        return optional_input(self.n, 3)
 
     def bias(self, k: int, which: int) -> Var | None:
         """Wb (``which`` 0) or Rb (1) of gate block ``k`` as [1, D, 1, H]."""
@@ -583,7 +579,7 @@ def _lstm(c: _Ctx, dyh: Var, dyc: Var) -> _Grads:
     g, spec, hp, hsz = c.g, c.spec, c.hprev, c.spec.hidden
     f_act, g_act, h_act = spec.acts
     forget = bool(c.n.attr("input_forget", 0))
-    p = _input(c.n, 7)
+    p = optional_input(c.n, 7)
     pre = c.hr(hp, (0, 4), c.xw(c.input_bias()))
     c0 = _initial(c, 6)
     peep = None
@@ -623,7 +619,7 @@ def _lstm(c: _Ctx, dyh: Var, dyc: Var) -> _Grads:
         if peep is not None:
             dc = b.Add(dc, b.Mul(dpo, peep[1]))
         dpi = b.Mul(b.Mul(dc, b.Sub(cg, cp_t) if forget else cg), di)
-        dpf = _zeros(b, b.Shape(dc), dc.dtype) if df is None else b.Mul(b.Mul(dc, cp_t), df)
+        dpf = zeros(b, b.Shape(dc), dc.dtype) if df is None else b.Mul(b.Mul(dc, cp_t), df)
         d4 = b.Concat(dpi, dpo, dpf, b.Mul(b.Mul(dc, i), dcg), axis=-1)
         dcp = b.Mul(dc, fg)
         if peep is not None:
@@ -645,19 +641,15 @@ def _lstm(c: _Ctx, dyh: Var, dyc: Var) -> _Grads:
 
 
 # ---- the rule ---------------------------------------------------------------------------------
-def _input(n: NodeContext, i: int) -> Var | None:
-    return n.inputs[i] if i < len(n.inputs) else None
-
-
 def _dout(n: NodeContext, i: int) -> Var | None:
     return n.dout[i] if i < len(n.dout) else None
 
 
 def _initial(c: _Ctx, i: int) -> Var:
     """initial_h (i = 5) or initial_c (6) as [D, B, H]; zeros when absent."""
-    v = _input(c.n, i)
+    v = optional_input(c.n, i)
     if v is None:
-        return _zeros(c.g, c.state_shape, c.yp.dtype)
+        return zeros(c.g, c.state_shape, c.yp.dtype)
     return v if c.spec.layout == 0 else c.g.Transpose(v, perm=[1, 0, 2])
 
 
@@ -670,7 +662,7 @@ def _y_shape(x: Var, spec: _Spec) -> tuple[Dim, ...]:
 
 def _lengths(g: GradBuilder, n: NodeContext, x: Var, layout: int) -> Var | None:
     """sequence_lens as int64; None when absent or known to be the full length everywhere."""
-    lens = _input(n, 4)
+    lens = optional_input(n, 4)
     if lens is None:
         return None
     known = n.const_input(4)
@@ -723,7 +715,7 @@ def recurrent(g: GradBuilder, n: NodeContext) -> list[Var | None]:
 
     def final_grad(i: int) -> Var:  # the gradient of Y_h (i = 1) or Y_c (2), [D, B, H]
         d = _dout(n, i)
-        return _zeros(g, state_shape, x.dtype) if d is None else to_time_major(d, [1, 0, 2])
+        return zeros(g, state_shape, x.dtype) if d is None else to_time_major(d, [1, 0, 2])
 
     if spec.op == "RNN":
         out = _rnn(c, final_grad(1))

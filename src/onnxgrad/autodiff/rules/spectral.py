@@ -1,4 +1,4 @@
-"""Spectral and sampling-grid ops: DFT and AffineGrid, both linear in their float input.
+"""Spectral ops: DFT, linear in its float input.
 
 The gradient of a linear map is its adjoint. For the DFT of length ``n`` (``z = F x`` with
 ``F_kj = exp(-2 pi i kj / n)``, or ``exp(+2 pi i kj / n) / n`` for the inverse), the adjoint is
@@ -8,9 +8,6 @@ adjoints of the padding and slicing the op does: a one-sided output is zero-padd
 frequencies, a ``dft_length`` that padded the signal slices its gradient (and zero-pads it where the
 signal was truncated), and a real input keeps the real part.
 
-AffineGrid is ``grid[n, p] = theta[n] @ [base(p), 1]`` over the output positions ``p``, so
-``dtheta[n] = dgrid[n]^T @ [base, 1]``; the base coordinates are AffineGrid of the identity.
-
 Not covered: STFT, and the opset-27 CausalConvWithState and LinearAttention (onnxruntime 1.31 runs
 opsets up to 26 only).
 """
@@ -19,30 +16,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import GradientNotImplementedError
 from ..builder import GradBuilder, Var
 from ..registry import NodeContext, rule
-
-Grads = list[Var | None]
-
-
-def _refuse(n: NodeContext, reason: str) -> GradientNotImplementedError:
-    return GradientNotImplementedError(
-        f"no gradient for node {n.node.name!r} (op {n.node.op_type!r}): {reason}"
-    )
-
-
-def _input(n: NodeContext, i: int) -> Var | None:
-    return n.inputs[i] if i < len(n.inputs) else None
+from .common import Grads, optional_input, refuse
 
 
 def _const_int(n: NodeContext, i: int, what: str) -> int | None:
     """Integer value of optional input ``i``; refuses a value only known at run time."""
-    if _input(n, i) is None:
+    if optional_input(n, i) is None:
         return None
     value = n.const_input(i)
     if value is None:
-        raise _refuse(n, f"{what} must be a constant (initializer or Constant) to differentiate")
+        raise refuse(n, f"{what} must be a constant (initializer or Constant) to differentiate")
     return int(np.asarray(value).reshape(()))
 
 
@@ -79,7 +64,7 @@ def dft_grad(g: GradBuilder, n: NodeContext) -> Grads:
     x = n.x
     shape = x.static_shape
     if shape is None:
-        raise _refuse(n, "the input needs a static shape")
+        raise refuse(n, "the input needs a static shape")
     rank = len(shape)
     axis = _dft_axis(n, rank)
     length = shape[axis]
@@ -101,22 +86,3 @@ def dft_grad(g: GradBuilder, n: NodeContext) -> Grads:
     if shape[-1] == 1:  # real input: the real part
         dx = _slice(g, dx, rank - 1, 0, 1)
     return [dx, None, None]
-
-
-@rule("AffineGrid", since=20)
-def affine_grid_grad(g: GradBuilder, n: NodeContext) -> Grads:
-    """``grid[b, p] = theta[b] @ [base(p), 1]``: ``dtheta[b] = dgrid[b]^T @ [base, 1]``."""
-    theta, size = n.inputs[0], n.inputs[1]
-    if theta is None or theta.static_shape is None:
-        raise _refuse(n, "theta needs a static shape")
-    k = theta.static_shape[1]  # 2 (2-D grid) or 3 (3-D grid)
-    eye = np.eye(k, k + 1)[None]
-    # base coordinates: the grid of the identity transform for one batch item, flattened to [P, k]
-    one = g.Concat(g.const(np.int64([1])), g.op("Slice", size, [1], [k + 2], [0]), axis=0)
-    base = g.op("AffineGrid", g.const(eye, theta.dtype), one, align_corners=n.attr("align_corners", 0))
-    base = g.Reshape(base, g.const(np.int64([-1, k])))
-    ones = g.op("ReduceSum", base * 0.0, g.const(np.int64([1])), keepdims=1) + 1.0  # [P, 1]
-    homogeneous = g.Concat(base, ones, axis=1)  # [P, k + 1]
-    batch = g.op("Slice", g.shape_of(theta), [0], [1], [0])
-    dgrid = g.Reshape(n.dy, g.Concat(batch, g.const(np.int64([-1, k])), axis=0))  # [N, P, k]
-    return [g.MatMul(g.Transpose(dgrid, perm=[0, 2, 1]), homogeneous), None]
