@@ -34,7 +34,7 @@ from onnx import helper, numpy_helper
 
 from .autodiff.params import TRAINABLE_KEY
 from .errors import InputError
-from .model.graph import FLOAT_TYPES, np_dtype, to_array
+from .model.graph import FLOAT_TYPES, np_dtype, to_array, unique_name
 from .model.load import load_model
 
 LORA_KEY = "onnxgrad.lora"  # metadata_props: JSON description of the adapters (see _Adapter)
@@ -67,15 +67,6 @@ def _matcher(targets: Targets) -> Callable[[str], bool]:
         return targets
     pats = [targets] if isinstance(targets, str) else list(targets)
     return lambda name: any(name == p or fnmatch.fnmatchcase(name, p) for p in pats)
-
-
-def _unique(taken: set[str], name: str) -> str:
-    out, k = name, 0
-    while out in taken:
-        k += 1
-        out = f"{name}_{k}"
-    taken.add(out)
-    return out
 
 
 def add_adapters(
@@ -148,8 +139,8 @@ def add_adapters(
         dt = np_dtype(t.data_type)
         a_val = rng.uniform(-bound, bound, size=a_shape).astype(dt)
         b_val = np.zeros(b_shape, dtype=dt)
-        a_name = _unique(taken, f"{known or name}.lora_A")
-        b_name = _unique(taken, f"{known or name}.lora_B")
+        a_name = unique_name(f"{known or name}.lora_A", taken)
+        b_name = unique_name(f"{known or name}.lora_B", taken)
         graph.initializer.extend(
             [numpy_helper.from_array(a_val, a_name), numpy_helper.from_array(b_val, b_name)]
         )
@@ -235,22 +226,22 @@ def _adapt_node(
     node: onnx.NodeProto, k: int, ad: _Adapter, dropout: float, taken: set[str], dtype: int
 ) -> list[onnx.NodeProto]:
     y = node.output[0]
-    base = _unique(taken, f"{y}_base")
+    base = unique_name(f"{y}_base", taken)
     node.output[0] = base
     x = node.input[1 - k] if node.op_type == "MatMul" else node.input[0]
     stem = node.name or y
     nodes: list[onnx.NodeProto] = []
 
     def add(op: str, ins: list[str], **attrs: Any) -> str:
-        name = _unique(taken, f"{stem}/lora/{op}")
-        o = _unique(taken, f"{stem}/lora/{op.lower()}_out")
+        name = unique_name(f"{stem}/lora/{op}", taken)
+        o = unique_name(f"{stem}/lora/{op.lower()}_out", taken)
         nodes.append(helper.make_node(op, ins, [o], name=name, **attrs))
         ad.nodes.append(name)
         return o
 
     def constant(label: str, value: float) -> str:
-        out = _unique(taken, f"{stem}/lora/{label}")
-        name = _unique(taken, f"{stem}/lora/Constant")
+        out = unique_name(f"{stem}/lora/{label}", taken)
+        name = unique_name(f"{stem}/lora/Constant", taken)
         array = np.array(value, dtype=np_dtype(dtype))
         nodes.append(helper.make_node("Constant", [], [out], name=name, value=numpy_helper.from_array(array)))
         ad.nodes.append(name)
@@ -268,7 +259,7 @@ def _adapt_node(
         low = add("MatMul", [x, ad.a])
         up = add("MatMul", [low, ad.b])
     scaled = add("Mul", [up, constant("scale", scale)])
-    name = _unique(taken, f"{stem}/lora/Add")
+    name = unique_name(f"{stem}/lora/Add", taken)
     nodes.append(helper.make_node("Add", [base, scaled], [y], name=name))
     ad.nodes.append(name)
     ad.outputs.append([y, base])

@@ -38,20 +38,12 @@ import onnx
 from onnx import defs
 
 from ..errors import InputError
-from ..model.graph import node_operands, np_dtype
+from ..model.graph import RANDOM_OPS, node_operands, np_dtype
 from .builder import GradBuilder
 
 Recompute = str | Iterable[str] | int | Callable[[onnx.NodeProto], Any] | None
 
-_RANDOM = {
-    "Dropout",
-    "RandomNormal",
-    "RandomUniform",
-    "RandomNormalLike",
-    "RandomUniformLike",
-    "Multinomial",
-    "Bernoulli",
-}
+_RANDOM = RANDOM_OPS | {"Dropout"}  # a recomputed draw would differ from the forward's
 _LAYER = re.compile(r"^(.*?/(?:[^/]*[._])?\d+/)")
 
 

@@ -26,6 +26,10 @@ MAX_IR_VERSION = 13
 MIN_BACKWARD_OPSET = 18
 
 Dim = int | str | None  # static size, symbolic name, or unknown
+# ops whose outputs are random draws (Dropout's mask is random too, but its output is not a draw)
+RANDOM_OPS = frozenset(
+    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ treats their outputs as not requiring a gradient.
 
 from __future__ import annotations
 
+from ...model.graph import RANDOM_OPS
 from ..builder import BOOL_OPS
 from ..registry import zero
 
@@ -36,15 +37,7 @@ zero(
     "Sign",
     note="piecewise constant: the derivative is zero almost everywhere",
 )
-zero(
-    "RandomNormal",
-    "RandomUniform",
-    "RandomNormalLike",
-    "RandomUniformLike",
-    "Multinomial",
-    "Bernoulli",
-    note="random draws: independent of the input values",
-)
+zero(*sorted(RANDOM_OPS), note="random draws: independent of the input values")
 zero("BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", note="integer bit operations")
 zero(
     "StringNormalizer",
