@@ -8,7 +8,7 @@ The whole pass in one screen (:func:`build_gradient`):
 2. walk the nodes in reverse topological order; for every node with an output in both sets, sum the
    gradients of its outputs and call its rule, which returns gradients for its inputs;
 3. the forward graph is the model with trainable initializers turned into inputs, plus, as outputs,
-   exactly the values the backward read (see :class:`~onnxgrad.autodiff.builder.GradBuilder`).
+   exactly the values the backward read (see :class:`~onnxgrad.autodiff.scope.Scope`).
 
 Steps 1 and 2 (:func:`mark`, :func:`reverse_pass`) also run on subgraphs: the rules of If, Loop and
 Scan (``rules/control_flow.py``) differentiate their branches and bodies with them.
@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..errors import GradientNotImplementedError, InputError, ModelError
+from ..errors import GradientNotImplementedError, ModelError
 from ..model.fold import known_tensors
 from ..model.graph import (
     MIN_BACKWARD_OPSET,
@@ -43,7 +43,7 @@ from ..model.infer import infer_value_infos
 from ..model.load import CheckedModel, load_model
 from ..model.pythonop_spec import complete_class_names
 from .builder import GradBuilder, Var
-from .params import Tie, padding_rows, select_parameters
+from .params import Tie, checked_names, padding_rows, select_parameters
 from .recompute import MARK as RECOMPUTE_MARK
 from .recompute import Recompute, apply_recompute
 from .registry import NodeContext, lookup
@@ -209,9 +209,9 @@ def _recompute_views(g: GradBuilder, nodes: Sequence[onnx.NodeProto], fed: set[s
         del g.saved[name]
         again = onnx.NodeProto()
         again.CopyFrom(node)
-        again.input[0] = g._use(g.fwd(src))
+        again.input[0] = g.read(g.fwd(src))
         for p in params:
-            g._use(g.fwd(p))  # constants: copied into the backward
+            g.read(g.fwd(p))  # constants: copied into the backward
         g.nodes.insert(0, again)
 
 
@@ -331,15 +331,7 @@ def _prepare(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _select_inputs(graph_inputs: list[str], infos: dict[str, ValueInfo], names: Iterable[str]) -> list[str]:
-    if isinstance(names, str):
-        names = [names]
-    out = list(dict.fromkeys(names))
-    for n in out:
-        if n not in graph_inputs:
-            raise InputError(f"{n!r} is not an input of the model (inputs: {graph_inputs})")
-        if not _is_float(infos, n):
-            raise InputError(f"input {n!r} is not floating-point: it cannot have a gradient")
-    return out
+    return _checked_values(names, graph_inputs, "input", infos, "have")
 
 
 def _select_outputs(
@@ -347,15 +339,23 @@ def _select_outputs(
 ) -> list[str]:
     if outputs is None:  # floating-point tensors (a sequence output takes a gradient only if named)
         return [o for o in out_names if _is_float(infos, o) and not infos[o].sequence]
-    if isinstance(outputs, str):
-        outputs = [outputs]
-    selected = list(dict.fromkeys(outputs))
-    for o in selected:
-        if o not in out_names:
-            raise InputError(f"{o!r} is not an output of the model (outputs: {out_names})")
-        if not _is_float(infos, o):
-            raise InputError(f"output {o!r} is not floating-point: it cannot take a gradient")
-    return selected
+    return _checked_values(outputs, out_names, "output", infos, "take")
+
+
+def _checked_values(
+    names: Iterable[str], among: list[str], kind: str, infos: dict[str, ValueInfo], verb: str
+) -> list[str]:
+    """``names`` without repeats, each one of ``among`` (the model's inputs or outputs, ``kind``)
+    and floating-point (a value that can ``verb`` a gradient)."""
+
+    def problem(n: str) -> str | None:
+        if n not in among:
+            return f"{n!r} is not an {kind} of the model ({kind}s: {among})"
+        if not _is_float(infos, n):
+            return f"{kind} {n!r} is not floating-point: it cannot {verb} a gradient"
+        return None
+
+    return checked_names(names, problem)
 
 
 def _is_float(infos: dict[str, ValueInfo], name: str) -> bool:
@@ -413,7 +413,7 @@ def _name_outputs(g: GradBuilder, final: list[tuple[str, Var]], grad_outputs: di
             producers[name] = node
             renamed[var.name] = name
         else:
-            g.nodes.append(helper.make_node("Identity", [renamed.get(var.name) or g._use(var)], [name]))
+            g.nodes.append(helper.make_node("Identity", [renamed.get(var.name) or g.read(var)], [name]))
         used.add(var.name)
         grad_outputs[w] = name
 

@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -701,6 +701,17 @@ def untie(model: onnx.ModelProto, ties: Iterable[Tie]) -> onnx.ModelProto:
 
 
 # ---- the one selection ---------------------------------------------------------------------------
+def checked_names(names: Iterable[str] | str, problem: Callable[[str], str | None]) -> list[str]:
+    """``names`` in order, without repeats (one name may be given as a string), each checked:
+    :class:`InputError` with the message ``problem(name)`` returns for the first name it faults."""
+    selected = [names] if isinstance(names, str) else list(dict.fromkeys(names))
+    for n in selected:
+        message = problem(n)
+        if message is not None:
+            raise InputError(message)
+    return selected
+
+
 def select_parameters(
     model: onnx.ModelProto,
     trainable: Iterable[str] | str | None = None,
@@ -718,18 +729,18 @@ def select_parameters(
         names = [n for n, r in reasons.items() if r is None]
         explicit: list[str] = []
     else:
-        if isinstance(trainable, str):
-            trainable = [trainable]
-        names = list(dict.fromkeys(trainable))
-        for n in names:
+
+        def problem(n: str) -> str | None:
             if n not in inits:
-                raise InputError(f"trainable name {n!r} is not an initializer of the model")
+                return f"trainable name {n!r} is not an initializer of the model"
             if inits[n].data_type not in FLOAT_TYPES:
-                raise InputError(
+                return (
                     f"initializer {n!r} has type {helper.tensor_dtype_to_string(inits[n].data_type)}: "
                     "only floating-point initializers can be trained"
                 )
-        explicit = names
+            return None
+
+        names = explicit = checked_names(trainable, problem)
     left_out = {n: r for n, r in reasons.items() if r is not None and n not in names}
     ties: list[Tie] = []
     if tie_weights:

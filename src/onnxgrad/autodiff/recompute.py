@@ -174,7 +174,7 @@ def apply_recompute(
     kept: set[str] = {o for n in g.nodes for o in n.output if o}  # made by the backward already
 
     def keep(name: str) -> None:
-        g._use(g.fwd(name))  # saved (or a constant copied, or a fed value)
+        g.read(g.fwd(name))  # saved (or a constant copied, or a fed value)
         kept.add(name)
 
     def ensure(name: str, key: Any) -> None:

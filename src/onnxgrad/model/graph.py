@@ -32,8 +32,28 @@ RANDOM_OPS = frozenset(
 )
 
 
+class Shaped:
+    """Rank and static shape of anything with a ``shape`` (``None`` when the rank is unknown):
+    a :class:`ValueInfo`, or a value of the graph a gradient rule builds (``autodiff.builder.Var``)."""
+
+    __slots__ = ()
+    shape: tuple[Dim, ...] | None
+
+    @property
+    def rank(self) -> int | None:
+        """The number of dimensions, ``None`` when unknown."""
+        return None if self.shape is None else len(self.shape)
+
+    @property
+    def static_shape(self) -> tuple[int, ...] | None:
+        """The shape as ints when every dimension is known, else ``None``."""
+        if self.shape is None or not all(isinstance(d, int) for d in self.shape):
+            return None
+        return tuple(self.shape)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
-class ValueInfo:
+class ValueInfo(Shaped):
     """Type of one value: ONNX element type and shape (``None`` when the rank is unknown).
 
     ``sequence`` marks a sequence of tensors (``dtype`` and ``shape`` are then those of its elements).
@@ -47,17 +67,6 @@ class ValueInfo:
     @property
     def is_float(self) -> bool:
         return self.dtype in FLOAT_TYPES
-
-    @property
-    def rank(self) -> int | None:
-        return None if self.shape is None else len(self.shape)
-
-    @property
-    def static_shape(self) -> tuple[int, ...] | None:
-        """The shape as ints when every dimension is known, else ``None``."""
-        if self.shape is None or not all(isinstance(d, int) for d in self.shape):
-            return None
-        return tuple(self.shape)  # type: ignore[arg-type]
 
     def to_proto(self, name: str | None = None) -> onnx.ValueInfoProto:
         shape = None if self.shape is None else [d if d is not None else "" for d in self.shape]

@@ -96,7 +96,7 @@ def _bind_outputs(sub: GradBuilder, values: Sequence[Var]) -> list[onnx.ValueInf
         name = v.name
         if name not in produced or name in used:
             name = sub.fresh(f"{v.name}_out")
-            sub.nodes.append(helper.make_node("Identity", [sub._use(v)], [name]))
+            sub.nodes.append(helper.make_node("Identity", [sub.read(v)], [name]))
         used.add(name)
         protos.append(ValueInfo(name, v.dtype, v.shape, v.sequence).rank_only().to_proto())
     return protos
@@ -135,7 +135,7 @@ def _emit(
     g: GradBuilder, op_type: str, inputs: Sequence[Var | None], outs: Sequence[ValueInfo], **attrs: Any
 ) -> list[Var]:
     """One node whose outputs have the types ``outs`` (the names there serve as hints)."""
-    names = [g._use(x) if x is not None else "" for x in inputs]
+    names = [g.read(x) if x is not None else "" for x in inputs]
     results = [Var(g, g.fresh(o.name), o.dtype, o.shape, sequence=o.sequence) for o in outs]
     g.nodes.append(helper.make_node(op_type, names, [v.name for v in results], **attrs))
     return results
@@ -351,7 +351,7 @@ def _loop_backward(g: GradBuilder, n: NodeContext, spec: _LoopSpec) -> Grads:
     # What the backward body reads from the forward body is recomputed there or taped by the forward.
     prefix, tapes, copies = _define_saved(g, sub, spec, n, i, j, [*spec.scan_inputs, *rows])
     trips = _trip_count(g, n, spec, tapes, copies)
-    g.nodes.append(helper.make_node("Sub", [g._use(trips), g._use(g.const(np.int64(1)))], [t_minus_1.name]))
+    g.nodes.append(helper.make_node("Sub", [g.read(trips), g.read(g.const(np.int64(1)))], [t_minus_1.name]))
     bwd_inputs = [v.info.rank_only().to_proto() for v in (j, cond, *dcarried, *acc)]
     bwd_outputs = [sub.op("Identity", cond), *new_carried, *new_acc, *slice_grads.values()]
     bwd_body = _subgraph(

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from onnx import TensorProto, helper
@@ -212,28 +211,9 @@ def _activations(n: NodeContext, op: str, num_dirs: int) -> list[list[Act]]:
 
 
 # ---- Scan bodies ------------------------------------------------------------------------------
-class _Body(GradBuilder):
-    """Builds a Scan body graph: names come from the outer builder, constants and outer values are
-    read from the outer scope (reading a forward value from the body saves it like any other read)."""
-
-    def __init__(self, outer: GradBuilder) -> None:
-        super().__init__({}, {}, set(), outer.opset)
-        self.outer = outer
-        self.inputs: list[Var] = []
-
-    def fresh(self, hint: str) -> str:
-        return self.outer.fresh(hint)
-
-    def const(self, value: Any, dtype: int | None = None) -> Var:
-        return self.outer.const(value, dtype)
-
-    def _use(self, var: Var) -> str:
-        return var.name if var.g is self else self.outer._use(var)
-
-    def input(self, like: Var, hint: str) -> Var:
-        var = Var(self, self.fresh(hint), like.dtype)
-        self.inputs.append(var)
-        return var
+def _body_input(body: GradBuilder, like: Var, hint: str) -> Var:
+    """A new input of the Scan body ``body``, of the dtype of ``like``."""
+    return Var(body, body.fresh(hint), like.dtype)
 
 
 def _flip(g: GradBuilder, x: Var) -> Var:
@@ -241,7 +221,7 @@ def _flip(g: GradBuilder, x: Var) -> Var:
     return g.Slice(x, [-1], [_INT64_MIN], [0], [-1])
 
 
-StepFn = Callable[[_Body, list[Var], list[Var]], tuple[list[Var], list[Var]]]
+StepFn = Callable[[GradBuilder, list[Var], list[Var]], tuple[list[Var], list[Var]]]
 
 
 def _scan(
@@ -255,12 +235,13 @@ def _scan(
     """
     if backward:
         seqs = [_flip(g, s) for s in seqs]
-    body = _Body(g)
-    states = [body.input(s, "state") for s in init]
-    slices = [body.input(s, "step") for s in seqs]
+    body = g.child()  # reads the values of g by name; its constants are its own initializers
+    states = [_body_input(body, s, "state") for s in init]
+    slices = [_body_input(body, s, "step") for s in seqs]
     new_states, outs = step(body, states, slices)
+    assert not body.saved and not body.fwd_nodes  # the forward values it reads are g's to save
     results = []
-    body_inputs = {v.name for v in body.inputs}
+    body_inputs = {v.name for v in [*states, *slices]}
     for v in [*new_states, *outs]:  # a body output must be a fresh name of its own
         if v.name in body_inputs or v.name in {r.name for r in results}:
             v = body.Identity(v)
@@ -270,8 +251,9 @@ def _scan(
     graph = helper.make_graph(
         body.nodes,
         g.fresh("rnn_scan_body"),
-        [helper.make_tensor_value_info(v.name, v.dtype, rank3) for v in body.inputs],
+        [helper.make_tensor_value_info(v.name, v.dtype, rank3) for v in [*states, *slices]],
         [helper.make_tensor_value_info(v.name, v.dtype, rank3) for v in results],
+        initializer=list(body.initializers.values()),
     )
     produced = g.op("Scan", *init, *seqs, outputs=len(results), body=graph, num_scan_inputs=len(seqs))
     produced = list(produced) if isinstance(produced, tuple) else [produced]
@@ -448,12 +430,12 @@ def _add(*xs: Var | None) -> Var:
     return out
 
 
-def _inside(b: _Body, mask: Var | None, x: Var) -> Var:
+def _inside(b: GradBuilder, mask: Var | None, x: Var) -> Var:
     """``x`` inside the sequence, 0 outside (a Where: padding may hold anything, even NaN)."""
     return x if mask is None else b.Where(mask, x, b.const(0.0, x.dtype))
 
 
-def _carry(b: _Body, mask: Var | None, new: Var, old: Var) -> Var:
+def _carry(b: GradBuilder, mask: Var | None, new: Var, old: Var) -> Var:
     """The state after a step: ``new`` inside the sequence, ``old`` passed through outside."""
     return new if mask is None else b.Where(mask, new, old)
 
@@ -471,11 +453,11 @@ def _unpack(c: _Ctx, slices: list[Var], count: int) -> tuple[Var | None, list[Va
     return dy, body, mask
 
 
-def _plus(b: _Body, state: Var, dy: Var | None) -> Var:
+def _plus(b: GradBuilder, state: Var, dy: Var | None) -> Var:
     return state if dy is None else b.Add(state, dy)
 
 
-def _blocks(b: _Body, x: Var, count: int) -> list[Var]:
+def _blocks(b: GradBuilder, x: Var, count: int) -> list[Var]:
     """The ``count`` gate blocks of a step's [D, B, count H] value."""
     return list(b.Split(x, axis=-1, num_outputs=count, outputs=count))
 
@@ -489,7 +471,7 @@ def _rnn(c: _Ctx, dyh: Var) -> _Grads:
     src = c.yp if from_y else c.hr(c.hprev, (0, 1), c.xw(c.input_bias()))
     r = c.n.inputs[2]
 
-    def step(b: _Body, states: list[Var], slices: list[Var]) -> tuple[list[Var], list[Var]]:
+    def step(b: GradBuilder, states: list[Var], slices: list[Var]) -> tuple[list[Var], list[Var]]:
         dy, (v,), mask = _unpack(c, slices, 1)
         deriv = _derivative(acts, None, v, 0) if from_y else _gate(spec, acts, v)[1]
         dpre = _inside(b, mask, b.Mul(_plus(b, states[0], dy), deriv))
@@ -519,7 +501,7 @@ def _gru(c: _Ctx, dyh: Var) -> _Grads:
     if lbr:
         lin = _add(c.hr(hp, (2, 3)), c.bias(2, 1))
 
-        def step(b: _Body, states: list[Var], slices: list[Var]) -> tuple[list[Var], list[Var]]:
+        def step(b: GradBuilder, states: list[Var], slices: list[Var]) -> tuple[list[Var], list[Var]]:
             dy, (pzr, xh, lin_t, hp_t), mask = _unpack(c, slices, 4)
             zr, dzr = _gate(spec, f, pzr)
             (z, r), (dz, dr) = _blocks(b, zr, 2), _blocks(b, dzr, 2)
@@ -545,7 +527,7 @@ def _gru(c: _Ctx, dyh: Var) -> _Grads:
     r_zr = g.Slice(r_full, [0], [2 * hsz], [1])
     r_h = g.Slice(r_full, [2 * hsz], [3 * hsz], [1])
 
-    def step0(b: _Body, states: list[Var], slices: list[Var]) -> tuple[list[Var], list[Var]]:
+    def step0(b: GradBuilder, states: list[Var], slices: list[Var]) -> tuple[list[Var], list[Var]]:
         dy, (pzr, ph, hp_t), mask = _unpack(c, slices, 3)
         zr, dzr = _gate(spec, f, pzr)
         (z, r), (dz, dr) = _blocks(b, zr, 2), _blocks(b, dzr, 2)
@@ -586,7 +568,7 @@ def _lstm(c: _Ctx, dyh: Var, dyc: Var) -> _Grads:
     if p is not None:  # [D, 1, H] each, ONNX order i, o, f
         peep = [g.Unsqueeze(v, [1]) for v in g.Split(p, axis=1, num_outputs=3, outputs=3)]
 
-    def input_forget_gates(b: _Body, pi: Var, pf: Var, cprev: Var) -> tuple[Var, Var, Var, Var | None]:
+    def input_forget_gates(b: GradBuilder, pi: Var, pf: Var, cprev: Var) -> tuple[Var, Var, Var, Var | None]:
         """i, di, f, df at one step (peepholes read C_{t-1}; input_forget: f = 1 - i, df unused)."""
         i, di = _gate(spec, f_act, pi if peep is None else b.Add(pi, b.Mul(cprev, peep[0])))
         if forget:
@@ -594,7 +576,7 @@ def _lstm(c: _Ctx, dyh: Var, dyc: Var) -> _Grads:
         fg, df = _gate(spec, f_act, pf if peep is None else b.Add(pf, b.Mul(cprev, peep[2])))
         return i, di, fg, df
 
-    def cell_step(b: _Body, states: list[Var], slices: list[Var]) -> tuple[list[Var], list[Var]]:
+    def cell_step(b: GradBuilder, states: list[Var], slices: list[Var]) -> tuple[list[Var], list[Var]]:
         pre_t, *mask = slices
         pi, _, pf, pc = _blocks(b, pre_t, 4)
         i, _, fg, _ = input_forget_gates(b, pi, pf, states[0])
@@ -606,7 +588,7 @@ def _lstm(c: _Ctx, dyh: Var, dyc: Var) -> _Grads:
     cprev = g.Concat(g.Unsqueeze(c0, [0]), g.Slice(cs, [0], [-1], [0]), axis=0)
     r = c.n.inputs[2]
 
-    def step(b: _Body, states: list[Var], slices: list[Var]) -> tuple[list[Var], list[Var]]:
+    def step(b: GradBuilder, states: list[Var], slices: list[Var]) -> tuple[list[Var], list[Var]]:
         dy, (pre_t, c_t, cp_t), mask = _unpack(c, slices, 3)
         pi, po, pf, pc = _blocks(b, pre_t, 4)
         i, di, fg, df = input_forget_gates(b, pi, pf, cp_t)
