@@ -215,7 +215,7 @@ def flip(g: GradBuilder, x: Var) -> Var:
     return g.Slice(x, [-1], [_INT64_MIN], [0], [-1], shape=x.shape)
 
 
-def body_input(body: GradBuilder, like: Var, hint: str, rank: int | None) -> Var:
+def _body_input(body: GradBuilder, like: Var, hint: str, rank: int | None) -> Var:
     """A new input of the Scan body ``body``, of the dtype of ``like`` and (when known) rank ``rank``."""
     return Var(body, body.fresh(hint), like.dtype, None if rank is None else (None,) * rank)
 
@@ -260,8 +260,8 @@ def scan(
     body = g.child()
     state_ranks = [known(s.rank) for s in init]
     slice_ranks = [known(None if s.rank is None else s.rank - 1) for s in seqs]
-    states = [body_input(body, s, "state", r) for s, r in zip(init, state_ranks)]
-    slices = [body_input(body, s, "step", r) for s, r in zip(seqs, slice_ranks)]
+    states = [_body_input(body, s, "state", r) for s, r in zip(init, state_ranks)]
+    slices = [_body_input(body, s, "step", r) for s, r in zip(seqs, slice_ranks)]
     new_states, outs = step(body, states, slices)
     assert len(new_states) == len(init) and (out_ranks is None or len(out_ranks) == len(outs))
     assert not body.saved and not body.fwd_nodes  # the forward values it reads are g's to save
