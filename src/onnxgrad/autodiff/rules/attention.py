@@ -20,7 +20,7 @@ from ...errors import GradientNotImplementedError
 from ...model.graph import Dim, ValueInfo
 from ..builder import GradBuilder, Var, sigmoid
 from ..registry import NodeContext, rule
-from .common import Grads, node_label
+from .common import Grads, node_label, scan, zeros
 
 _AFTER_SOFTMAX = 3  # qk_matmul_output_mode that exposes the softmax probabilities
 
@@ -322,48 +322,21 @@ def swiglu(g: GradBuilder, n: NodeContext) -> Grads:
 
 
 # ---- LinearAttention ------------------------------------------------------------------------
-class _Body:
-    """Nodes of a Scan body written by hand: fresh names from the builder, constants as nodes."""
-
-    def __init__(self, g: GradBuilder, dtype: int) -> None:
-        self.g, self.dtype, self.nodes = g, dtype, []  # type: ignore[var-annotated]
-
-    def __call__(self, op: str, *inputs: str, **attrs: object) -> str:
-        out = self.g.fresh(op.lower())
-        self.nodes.append(helper.make_node(op, list(inputs), [out], **attrs))
-        return out
-
-    def ints(self, *values: int) -> str:
-        out = self.g.fresh("axes")
-        self.nodes.append(helper.make_node("Constant", [], [out], value_ints=list(values)))
-        return out
-
-    def t(self, x: str) -> str:  # swap the last two of 4 axes
-        return self("Transpose", x, perm=[0, 1, 3, 2])
-
-    def graph(
-        self, name: str, inputs: list[tuple[str, int]], outputs: list[tuple[str, int]]
-    ) -> onnx.GraphProto:
-        """The body; values are (name, rank)."""
-
-        def info(v: tuple[str, int]) -> onnx.ValueInfoProto:
-            return helper.make_tensor_value_info(v[0], self.dtype, [None] * v[1])
-
-        return helper.make_graph(self.nodes, name, [info(i) for i in inputs], [info(o) for o in outputs])
+_STATE_RANK = 4  # (B, Hkv, dk, dv): what the Scans declare for a state whose Var does not tell
 
 
-def _write_step(
-    b: _Body, sp: str, k: str, v: str, a: str | None, beta: str | None
-) -> tuple[str, str, str, str | None]:
-    """One recurrence step on (B, H, dk, dv) states: (S~, kc, w, u) with S~ = a S_prev,
-    kc = k as a column, u = v - S~^T k (delta rules) and w = beta u the row written, S = S~ + kc w."""
-    st = b("Mul", sp, b("Unsqueeze", a, b.ints(-1))) if a is not None else sp
-    kc = b("Unsqueeze", k, b.ints(-1))  # (B, H, dk, 1)
-    row = b("Unsqueeze", v, b.ints(-2))  # (B, H, 1, dv)
+def _write_step(sp: Var, k: Var, v: Var, a: Var | None, beta: Var | None) -> tuple[Var, Var, Var, Var | None]:
+    """One recurrence step on (B, H, dk, dv) states, in the Scan body of ``sp``: (S~, kc, w, u) with
+    S~ = a S_prev, kc = k as a column, u = v - S~^T k (delta rules) and w = beta u the row written,
+    S = S~ + kc w."""
+    body = sp.g
+    st = sp if a is None else sp * body.Unsqueeze(a, [-1])
+    kc = body.Unsqueeze(k, [-1])  # (B, H, dk, 1)
+    row = body.Unsqueeze(v, [-2])  # (B, H, 1, dv)
     if beta is None:
         return st, kc, row, None
-    u = b("Sub", row, b("MatMul", b.t(kc), st))
-    return st, kc, b("Mul", b("Unsqueeze", beta, b.ints(-1)), u), u
+    u = row - _swap_last(body, kc) @ st
+    return st, kc, body.Unsqueeze(beta, [-1]) * u, u
 
 
 @rule("LinearAttention", since=27)
@@ -406,7 +379,7 @@ def linear_attention(g: GradBuilder, n: NodeContext) -> Grads:
 
     def time_major(x: Var, heads: list[int]) -> Var:  # (B, T, heads... * d) -> (T, B, heads..., d)
         r = len(heads) + 3
-        return g.Transpose(g.Reshape(x, [0, 0, *heads, -1]), perm=[1, 0, *range(2, r)])
+        return g.Transpose(g.Reshape(x, [0, 0, *heads, -1]), perm=[1, 0, *range(2, r)], shape=(None,) * r)
 
     def batch_major(x: Var, like: Var) -> Var:  # back from (T, B, ...) to the layout of ``like``
         r = x.rank if x.rank is not None else 4
@@ -414,125 +387,93 @@ def linear_attention(g: GradBuilder, n: NodeContext) -> Grads:
 
     qs = time_major(q, [hkv, groups])  # (T, B, Hkv, R, dk)
     ks, vs = time_major(k, [hkv]), time_major(v, [hkv])  # (T, B, Hkv, d)
-    ks = Var(g, ks.name, dt, (None,) * 4)
-    vs = Var(g, vs.name, dt, (None,) * 4)
-    qs = Var(g, qs.name, dt, (None,) * 5)
     per_head_decay = False
     a_s = b_s = None
     if decay is not None:
         last = decay.shape[-1] if decay.shape is not None else None
         per_head_decay = isinstance(last, int) and last == hkv
-        a_s = g.Exp(time_major(decay, [hkv]))  # (T, B, Hkv, dk | 1)
-    if beta is not None:
-        b_s = g.Transpose(g.Unsqueeze(beta, [-1]), perm=[1, 0, 2, 3])  # (T, B, Hkv | 1, 1)
+        a_s = time_major(g.Exp(decay), [hkv])  # (T, B, Hkv, dk | 1)
+    if beta is not None:  # (T, B, Hkv | 1, 1)
+        b_s = g.Transpose(g.Unsqueeze(beta, [-1]), perm=[1, 0, 2, 3], shape=(None,) * 4)
     if past is not None:
         s0 = past
     else:
-        dims = g.Concat(g.Slice(g.Shape(ks), [1], [4]), g.Slice(g.Shape(vs), [3], [4]), axis=0)
-        s0 = g.op("ConstantOfShape", dims, value=helper.make_tensor("", dt, [1], [0.0]), dtype=dt)
+        s0 = zeros(g, g.Concat(g.Slice(g.Shape(ks), [1], [4]), g.Slice(g.Shape(vs), [3], [4]), axis=0), dt)
     extra = [x for x in (a_s, b_s) if x is not None]
 
+    def gates(rest: list[Var]) -> tuple[Var | None, Var | None]:  # one step's a_t and beta_t
+        it = iter(rest)
+        return (next(it) if a_s is not None else None), (next(it) if b_s is not None else None)
+
     # Scan 1: the state before each step.
-    b = _Body(g, dt)
-    sp, k_t, v_t = g.fresh("s_prev"), g.fresh("k_t"), g.fresh("v_t")
-    a_t = g.fresh("a_t") if a_s is not None else None
-    beta_t = g.fresh("beta_t") if b_s is not None else None
-    st, kc, w, _ = _write_step(b, sp, k_t, v_t, a_t, beta_t)
-    s_new = b("Add", st, b("MatMul", kc, w))
-    s_copy = b("Identity", sp)
-    body = b.graph(
-        "linear_attention_states",
-        [(sp, 4), (k_t, 3), (v_t, 3), *((x, 3) for x in (a_t, beta_t) if x)],
-        [(s_new, 4), (s_copy, 4)],
-    )
-    _, states = g.Scan(s0, ks, vs, *extra, outputs=2, body=body, num_scan_inputs=2 + len(extra))
+    def state_step(body: GradBuilder, states: list[Var], slices: list[Var]) -> tuple[list[Var], list[Var]]:
+        (sp,), (k_t, v_t, *rest) = states, slices
+        st, kc, w, _ = _write_step(sp, k_t, v_t, *gates(rest))
+        return [st + kc @ w], [sp]
+
+    _, (states,) = scan(g, [s0], [ks, vs, *extra], state_step, rank=_STATE_RANK)
 
     # Scan 2: backwards through time.
     dy = n.dout_or_zeros(0)
     dos = time_major(dy * scale, [hkv, groups])  # (T, B, Hkv, R, dv)
     d_present = n.dout[1] if len(n.dout) > 1 and n.dout[1] is not None else None
     ds0 = d_present if d_present is not None else g.zeros_like(past) if past is not None else s0
-    b = _Body(g, dt)
-    ds, q_t, do_t = g.fresh("ds"), g.fresh("q_t"), g.fresh("do_t")
-    k_t, v_t, sp = g.fresh("k_t"), g.fresh("v_t"), g.fresh("s_prev")
-    a_t = g.fresh("a_t") if a_s is not None else None
-    beta_t = g.fresh("beta_t") if b_s is not None else None
-    st, kc, w, u = _write_step(b, sp, k_t, v_t, a_t, beta_t)
-    s_t = b("Add", st, b("MatMul", kc, w))
-    ds_t = b("Add", ds, b("MatMul", b("Transpose", q_t, perm=[0, 1, 3, 2]), do_t))
-    dq_t = b("MatMul", do_t, b.t(s_t))  # (B, H, R, dk)
-    dkc = b("MatMul", ds_t, b.t(w))  # (B, H, dk, 1)
-    dw = b("MatMul", b.t(kc), ds_t)  # (B, H, 1, dv)
-    d_st = ds_t
-    outs = []
-    if beta_t is not None:
-        assert u is not None
-        du = b("Mul", b("Unsqueeze", beta_t, b.ints(-1)), dw)
-        dbeta = b("ReduceSum", b("Mul", dw, u), b.ints(3), keepdims=0)  # (B, H, 1)
-        d_st = b("Sub", d_st, b("MatMul", kc, du))
-        dkc = b("Sub", dkc, b("MatMul", st, b.t(du)))
-        dv_t = b("Squeeze", du, b.ints(2))
-    else:
-        dbeta = None
-        dv_t = b("Squeeze", dw, b.ints(2))
-    dk_t = b("Squeeze", dkc, b.ints(3))
-    if a_t is not None:
-        d_sp = b("Mul", d_st, b("Unsqueeze", a_t, b.ints(-1)))
-        da = b("ReduceSum", b("Mul", d_st, sp), b.ints(3), keepdims=0)  # (B, H, dk)
-        outs.append(b("Mul", da, a_t))  # per key dim; summed below for a per-head decay
-    else:
-        d_sp = d_st
-    if dbeta is not None:
-        outs.append(dbeta)
-    scan_ins = [
-        (ds, 4),
-        (q_t, 4),
-        (do_t, 4),
-        (k_t, 3),
-        (v_t, 3),
-        *((x, 3) for x in (a_t, beta_t) if x),
-        (sp, 4),
-    ]
-    body = b.graph(
-        "linear_attention_grad",
-        scan_ins,
-        [(d_sp, 4), (dq_t, 4), (dk_t, 3), (dv_t, 3), *((o, 3) for o in outs)],
+
+    def grad_step(body: GradBuilder, states: list[Var], slices: list[Var]) -> tuple[list[Var], list[Var]]:
+        (ds,), (q_t, do_t, k_t, v_t, *rest, sp) = states, slices
+        a_t, beta_t = gates(rest)
+        st, kc, w, u = _write_step(sp, k_t, v_t, a_t, beta_t)
+        s_t = st + kc @ w
+        ds_t = ds + _swap_last(body, q_t) @ do_t
+        dq_t = do_t @ _swap_last(body, s_t)  # (B, H, R, dk)
+        dkc = ds_t @ _swap_last(body, w)  # (B, H, dk, 1)
+        dw = _swap_last(body, kc) @ ds_t  # (B, H, 1, dv)
+        d_st = ds_t
+        outs = []
+        if beta_t is not None:
+            assert u is not None
+            du = body.Unsqueeze(beta_t, [-1]) * dw
+            dbeta = body.ReduceSum(dw * u, [3], keepdims=0)  # (B, H, 1)
+            d_st = d_st - kc @ du
+            dkc = dkc - st @ _swap_last(body, du)
+            dv_t = body.Squeeze(du, [2])
+        else:
+            dbeta = None
+            dv_t = body.Squeeze(dw, [2])
+        dk_t = body.Squeeze(dkc, [3])
+        if a_t is not None:
+            d_sp = d_st * body.Unsqueeze(a_t, [-1])
+            da = body.ReduceSum(d_st * sp, [3], keepdims=0)  # (B, H, dk)
+            outs.append(da * a_t)  # per key dim; summed below for a per-head decay
+        else:
+            d_sp = d_st
+        if dbeta is not None:
+            outs.append(dbeta)
+        return [d_sp], [dq_t, dk_t, dv_t, *outs]
+
+    seqs = [qs, dos, ks, vs, *extra, states]
+    out_ranks = [4, 3, 3] + [3] * len(extra)  # dq_t, dk_t, dv_t, then d decay_t and dbeta_t
+    (d_past,), (dq, dk, dv, *rest) = scan(
+        g, [ds0], seqs, grad_step, backward=True, rank=_STATE_RANK, out_ranks=out_ranks, portable=False
     )
-    m = len(scan_ins) - 1
-    results = g.Scan(
-        ds0,
-        qs,
-        dos,
-        ks,
-        vs,
-        *extra,
-        states,
-        outputs=4 + len(outs),
-        body=body,
-        num_scan_inputs=m,
-        scan_input_directions=[1] * m,
-        scan_output_directions=[1] * (3 + len(outs)),
-    )
-    d_past, dq, dk, dv = results[:4]
-    rest = list(results[4:])
     if n.needs[0]:
-        grads[0] = batch_major(Var(g, dq.name, dt, (None,) * 5), q)
+        grads[0] = batch_major(dq, q)
     if n.needs[1]:
-        grads[1] = batch_major(Var(g, dk.name, dt, (None,) * 4), k)
+        grads[1] = batch_major(dk, k)
     if n.needs[2]:
-        grads[2] = batch_major(Var(g, dv.name, dt, (None,) * 4), v)
+        grads[2] = batch_major(dv, v)
     if past is not None and n.needs[3]:
         grads[3] = g.Identity(d_past, shape=past.shape)
     if decay is not None:
-        d_decay = Var(g, rest.pop(0).name, dt, (None,) * 4)  # (T, B, Hkv, dk)
+        d_decay = rest.pop(0)  # (T, B, Hkv, dk)
         if n.needs[4]:
             assert a_s is not None
             d_decay = (
                 g.ReduceSum(d_decay, [3], keepdims=1) if per_head_decay else g.unbroadcast(d_decay, a_s, None)
             )
-            grads[4] = batch_major(Var(g, d_decay.name, dt, (None,) * 4), decay)
+            grads[4] = batch_major(d_decay, decay)
     if beta is not None and n.needs[5]:
         assert b_s is not None  # (T, B, Hkv, 1) to (T, B, Hkv | 1, 1): one beta may serve every head
-        d_beta = g.unbroadcast(Var(g, rest.pop(0).name, dt, (None,) * 4), b_s, None)
+        d_beta = g.unbroadcast(rest.pop(0), b_s, None)
         grads[5] = g.reshape(g.Transpose(d_beta, perm=[1, 0, 2, 3]), beta)
     return grads

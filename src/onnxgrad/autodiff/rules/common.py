@@ -1,5 +1,5 @@
 """What several rule modules share: error messages, optional inputs, axes, zeros, flat positions,
-and the window geometry of convolutions and pooling.
+the window geometry of convolutions and pooling, and the ``Scan`` loops a backward runs.
 
 Rule modules import these and the builder, the registry and the model layer, never each other.
 """
@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import onnx
+from onnx import helper
 
 from ...errors import GradientNotImplementedError
 from ...model.graph import Dim
@@ -18,6 +20,7 @@ from ..builder import INT64, GradBuilder, Var, zero_tensor
 from ..registry import NodeContext
 
 Grads = list[Var | None]  # what a rule returns: one gradient (or None) per input
+_INT64_MIN = int(np.iinfo(np.int64).min)  # Slice end meaning "before the first element"
 
 
 # ---- messages and inputs ---------------------------------------------------------------------
@@ -204,3 +207,94 @@ def window_of(n: NodeContext, nsp: int, kernel: list[int] | None, spatial: list[
         begins.append(begin)
         ends.append(total - begin)
     return Window(strides, dilations, (*begins, *ends))
+
+
+# ---- Scan loops of the backward ----------------------------------------------------------------
+def flip(g: GradBuilder, x: Var) -> Var:
+    """``x`` reversed along axis 0."""
+    return g.Slice(x, [-1], [_INT64_MIN], [0], [-1], shape=x.shape)
+
+
+def _body_input(body: GradBuilder, like: Var, hint: str, rank: int | None) -> Var:
+    """A new input of the Scan body ``body``, of the dtype of ``like`` and (when known) rank ``rank``."""
+    return Var(body, body.fresh(hint), like.dtype, None if rank is None else (None,) * rank)
+
+
+StepFn = Callable[[GradBuilder, list[Var], list[Var]], tuple[list[Var], list[Var]]]
+
+
+def scan(
+    g: GradBuilder,
+    init: Sequence[Var],
+    seqs: Sequence[Var],
+    step: StepFn,
+    *,
+    backward: bool = False,
+    rank: int | None = None,
+    out_ranks: Sequence[int] | None = None,
+    portable: bool = True,
+) -> tuple[list[Var], list[Var]]:
+    """One ``Scan`` of the backward over axis 0 of ``seqs`` (last step first when ``backward``),
+    carrying states that start as ``init``.
+
+    ``step(body, states, slices) -> (new states, per-step outputs)`` builds the body in ``body``, a
+    child scope of ``g`` (it reads the values of g by name; its constants are its own initializers),
+    from Vars of the states and of one step's slices of ``seqs``. Returns the final states and the
+    stacked per-step outputs (in time order either way). Backwards, the sequences and the stacked
+    outputs are flipped explicitly, as onnx.reference does not implement Scan's directions; with
+    ``portable=False`` the Scan runs them backwards itself (``scan_input_directions``), which
+    saves onnxruntime a copy of each.
+
+    onnxruntime wants the rank of every body value declared: a state's is that of its ``init``, a
+    slice's one less than its sequence's, a per-step output's that of ``out_ranks`` (when given) or
+    of its Var; ``rank`` stands for any of these that is not known. The Vars returned carry the
+    ranks declared (one more for the stacked outputs).
+    """
+
+    def known(r: int | None) -> int | None:
+        return r if r is not None else rank
+
+    flips = backward and portable
+    if flips:
+        seqs = [flip(g, s) for s in seqs]
+    body = g.child()
+    state_ranks = [known(s.rank) for s in init]
+    slice_ranks = [known(None if s.rank is None else s.rank - 1) for s in seqs]
+    states = [_body_input(body, s, "state", r) for s, r in zip(init, state_ranks)]
+    slices = [_body_input(body, s, "step", r) for s, r in zip(seqs, slice_ranks)]
+    new_states, outs = step(body, states, slices)
+    assert len(new_states) == len(init) and (out_ranks is None or len(out_ranks) == len(outs))
+    assert not body.saved and not body.fwd_nodes  # the forward values it reads are g's to save
+    step_ranks = list(out_ranks) if out_ranks is not None else [known(v.rank) for v in outs]
+    results: list[Var] = []
+    body_inputs = {v.name for v in [*states, *slices]}
+    for v in [*new_states, *outs]:  # a body output must be a fresh name of its own
+        if v.name in body_inputs or v.name in {r.name for r in results}:
+            v = body.Identity(v)
+        results.append(v)
+
+    def info(v: Var, r: int | None) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(v.name, v.dtype, None if r is None else [None] * r)
+
+    graph = helper.make_graph(
+        body.nodes,
+        g.fresh("scan_body"),
+        [info(v, r) for v, r in zip([*states, *slices], [*state_ranks, *slice_ranks])],
+        [info(v, r) for v, r in zip(results, [*state_ranks, *step_ranks])],
+        initializer=list(body.initializers.values()),
+    )
+    directions: dict[str, list[int]] = {}
+    if backward and not portable:
+        directions = {"scan_input_directions": [1] * len(seqs), "scan_output_directions": [1] * len(outs)}
+    produced = g.op(
+        "Scan", *init, *seqs, outputs=len(results), body=graph, num_scan_inputs=len(seqs), **directions
+    )
+    produced = list(produced) if isinstance(produced, tuple) else [produced]
+    out_ranks_all = [*state_ranks, *(None if r is None else r + 1 for r in step_ranks)]
+    produced = [
+        v if r is None else Var(g, v.name, v.dtype, (None,) * r) for v, r in zip(produced, out_ranks_all)
+    ]
+    finals, stacked = produced[: len(init)], produced[len(init) :]
+    if flips:
+        stacked = [flip(g, s) for s in stacked]
+    return finals, stacked

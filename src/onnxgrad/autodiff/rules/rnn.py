@@ -34,16 +34,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from ...errors import GradientNotImplementedError
 from ...model.graph import Dim
 from ..builder import GradBuilder, Var
 from ..registry import NodeContext, rule
-from .common import node_label, optional_input, zeros
-
-_INT64_MIN = int(np.iinfo(np.int64).min)  # Slice end meaning "before the first element"
-
+from .common import flip, node_label, optional_input, scan, zeros
 
 # ---- activation functions ---------------------------------------------------------------------
 # name -> (takes alpha, takes beta); defaults as onnxruntime (rnn_helpers.cc), 0 otherwise
@@ -61,6 +58,7 @@ _ACT_PARAMS = {
     "softplus": (False, False),
 }
 _ACT_DEFAULTS = {"leakyrelu": (0.01, 0.0), "hardsigmoid": (0.2, 0.5), "elu": (1.0, 0.0)}
+_STEP_RANK = 3  # every value of a Scan step is [D, B, .] (or a [1, B, 1] mask)
 _NUM_GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 _DEFAULT_ACTS = {"RNN": ["tanh"], "GRU": ["sigmoid", "tanh"], "LSTM": ["sigmoid", "tanh", "tanh"]}
 
@@ -210,59 +208,6 @@ def _activations(n: NodeContext, op: str, num_dirs: int) -> list[list[Act]]:
     return [[acts[d * per_dir + s] for d in range(num_dirs)] for s in range(per_dir)]
 
 
-# ---- Scan bodies ------------------------------------------------------------------------------
-def _body_input(body: GradBuilder, like: Var, hint: str) -> Var:
-    """A new input of the Scan body ``body``, of the dtype of ``like``."""
-    return Var(body, body.fresh(hint), like.dtype)
-
-
-def _flip(g: GradBuilder, x: Var) -> Var:
-    """``x`` reversed along axis 0."""
-    return g.Slice(x, [-1], [_INT64_MIN], [0], [-1])
-
-
-StepFn = Callable[[GradBuilder, list[Var], list[Var]], tuple[list[Var], list[Var]]]
-
-
-def _scan(
-    g: GradBuilder, init: list[Var], seqs: list[Var], step: StepFn, backward: bool
-) -> tuple[list[Var], list[Var]]:
-    """One ``Scan`` over axis 0 of ``seqs`` (last step first when ``backward``).
-
-    ``step(body, states, slices) -> (new states, per-step outputs)`` builds the body; returns the final
-    states and the stacked per-step outputs, in the order of ``seqs``. The sequences are flipped
-    explicitly rather than with ``scan_input_directions``, which onnx.reference does not implement.
-    """
-    if backward:
-        seqs = [_flip(g, s) for s in seqs]
-    body = g.child()  # reads the values of g by name; its constants are its own initializers
-    states = [_body_input(body, s, "state") for s in init]
-    slices = [_body_input(body, s, "step") for s in seqs]
-    new_states, outs = step(body, states, slices)
-    assert not body.saved and not body.fwd_nodes  # the forward values it reads are g's to save
-    results = []
-    body_inputs = {v.name for v in [*states, *slices]}
-    for v in [*new_states, *outs]:  # a body output must be a fresh name of its own
-        if v.name in body_inputs or v.name in {r.name for r in results}:
-            v = body.Identity(v)
-        results.append(v)
-    # every per-step value is [D, B, .] (or a [1, B, 1] mask); onnxruntime wants the rank declared
-    rank3 = [None, None, None]
-    graph = helper.make_graph(
-        body.nodes,
-        g.fresh("rnn_scan_body"),
-        [helper.make_tensor_value_info(v.name, v.dtype, rank3) for v in [*states, *slices]],
-        [helper.make_tensor_value_info(v.name, v.dtype, rank3) for v in results],
-        initializer=list(body.initializers.values()),
-    )
-    produced = g.op("Scan", *init, *seqs, outputs=len(results), body=graph, num_scan_inputs=len(seqs))
-    produced = list(produced) if isinstance(produced, tuple) else [produced]
-    finals, stacked = produced[: len(init)], produced[len(init) :]
-    if backward:
-        stacked = [_flip(g, s) for s in stacked]
-    return finals, stacked
-
-
 # ---- sequences, directions, masks -------------------------------------------------------------
 def _split_dirs(g: GradBuilder, x: Var | None, num_dirs: int) -> list[Var | None]:
     """The directions of a [T, D, B, .] tensor, each [T, 1, B, .]."""
@@ -283,7 +228,7 @@ class _Seqs:
 
     def _rev(self, x: Var) -> Var:  # x [T, B, ...]: reverse each sequence within its length
         if self.lens is None:
-            return _flip(self.g, x)
+            return flip(self.g, x)
         return self.g.ReverseSequence(x, self.lens, batch_axis=1, time_axis=0)
 
     def reorder(self, x: Var) -> Var:
@@ -477,7 +422,7 @@ def _rnn(c: _Ctx, dyh: Var) -> _Grads:
         dpre = _inside(b, mask, b.Mul(_plus(b, states[0], dy), deriv))
         return [_carry(b, mask, b.MatMul(dpre, r), states[0])], [dpre]
 
-    (dh0,), (dpre,) = _scan(c.g, [dyh], _step_inputs(c, src), step, backward=True)
+    (dh0,), (dpre,) = scan(c.g, [dyh], _step_inputs(c, src), step, backward=True, rank=_STEP_RANK)
     return _Grads(dxw=dpre, dr=lambda: _contract(c.g, dpre, c.hprev, spec.num_directions), drb=None, dh0=dh0)
 
 
@@ -513,7 +458,9 @@ def _gru(c: _Ctx, dyh: Var) -> _Grads:
             prev = b.Add(b.Mul(dh, z), b.MatMul(d3, r_full))
             return [_carry(b, mask, prev, states[0])], [_inside(b, mask, d3), _inside(b, mask, dph)]
 
-        (dh0,), (d3, dph) = _scan(g, [dyh], _step_inputs(c, pre_zr, xw_h, lin, hp), step, backward=True)
+        (dh0,), (d3, dph) = scan(
+            g, [dyh], _step_inputs(c, pre_zr, xw_h, lin, hp), step, backward=True, rank=_STEP_RANK
+        )
         return _Grads(
             dxw=g.Concat(g.Slice(d3, [0], [2 * hsz], [3]), dph, axis=3),
             dr=lambda: _contract(g, d3, hp, dirs),
@@ -539,7 +486,9 @@ def _gru(c: _Ctx, dyh: Var) -> _Grads:
         prev = b.Add(b.Add(b.Mul(dh, z), b.MatMul(dzr_p, r_zr)), b.Mul(dq, r))
         return [_carry(b, mask, prev, states[0])], [_inside(b, mask, dzr_p), _inside(b, mask, dph)]
 
-    (dh0,), (dzr, dph) = _scan(g, [dyh], _step_inputs(c, pre_zr, pre_h, hp), step0, backward=True)
+    (dh0,), (dzr, dph) = scan(
+        g, [dyh], _step_inputs(c, pre_zr, pre_h, hp), step0, backward=True, rank=_STEP_RANK
+    )
     dxw = g.Concat(dzr, dph, axis=3)
     return _Grads(
         dxw=dxw,
@@ -584,7 +533,9 @@ def _lstm(c: _Ctx, dyh: Var, dyc: Var) -> _Grads:
         cn = _carry(b, mask[0] if mask else None, cn, states[0])
         return [cn], [cn]
 
-    _, (cs,) = _scan(g, [c0], [s for s in (pre, c.mask) if s is not None], cell_step, backward=False)
+    _, (cs,) = scan(
+        g, [c0], [s for s in (pre, c.mask) if s is not None], cell_step, backward=False, rank=_STEP_RANK
+    )
     cprev = g.Concat(g.Unsqueeze(c0, [0]), g.Slice(cs, [0], [-1], [0]), axis=0)
     r = c.n.inputs[2]
 
@@ -611,7 +562,9 @@ def _lstm(c: _Ctx, dyh: Var, dyc: Var) -> _Grads:
         new = [_carry(b, mask, b.MatMul(d4, r), states[0]), _carry(b, mask, dcp, states[1])]
         return new, [_inside(b, mask, d4)]
 
-    (dh0, dc0), (d4,) = _scan(g, [dyh, dyc], _step_inputs(c, pre, cs, cprev), step, backward=True)
+    (dh0, dc0), (d4,) = scan(
+        g, [dyh, dyc], _step_inputs(c, pre, cs, cprev), step, backward=True, rank=_STEP_RANK
+    )
 
     def dp() -> Var:  # dP_i = sum dpre_i C_{t-1}, dP_o = sum dpre_o C_t, dP_f = sum dpre_f C_{t-1}
         dpi, dpo, dpf = (g.Slice(d4, [k * hsz], [(k + 1) * hsz], [3]) for k in range(3))
