@@ -49,9 +49,8 @@ from ...model.graph import (
 from ..builder import BOOL, INT64, GradBuilder, Var
 from ..engine import mark, reverse_pass
 from ..registry import NodeContext, rule
-from .common import Grads
+from .common import Grads, flip
 
-_INT64_MIN = int(np.iinfo(np.int64).min)
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
@@ -551,7 +550,7 @@ def _scan_input_grad(g: GradBuilder, x: Var, s: _Scanned, stacked: Var | None, t
     if stacked is None:  # the body does not use the slices differentiably
         return g.zeros_like(x)
     if not s.reverse:
-        stacked = g.op("Slice", stacked, [-1], [_INT64_MIN], [0], [-1])
+        stacked = flip(g, stacked)
     if trips is not None:
         shape = g.shape_of(x)
         count = g.op("Unsqueeze", trips, [0])
