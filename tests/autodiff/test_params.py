@@ -542,3 +542,22 @@ def test_made_core_with_dropout_in_the_model():
     got = {i.name: numpy_helper.to_array(i) for i in fb.to_onnx().graph.initializer}
     np.testing.assert_array_equal(got["B"], 2 * b)
     assert "B_core" not in got
+
+
+def test_tie_candidates_are_pairs_whose_extremes_match():
+    """Only pairs whose minimum and maximum agree (through a cast) are compared element by element:
+    a transposed copy and a float16 copy are candidates, independent weights of one shape are not."""
+    from onnxgrad.autodiff.params import _candidate_pairs
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 4)).astype(np.float32)
+    arrays = {
+        "W": w,
+        "WT": w.T.copy(),
+        "W16": w.astype(np.float16),
+        **{f"other{k}": rng.standard_normal((6, 4)).astype(np.float32) for k in range(5)},
+    }
+    extremes = {n: (a.min(), a.max()) for n, a in arrays.items()}
+    pairs = _candidate_pairs(list(arrays), extremes)
+    # W16 -> W is no candidate: float16 extremes widened to float32 are not W's (the cast lost bits)
+    assert pairs == [("W", "WT"), ("W", "W16"), ("WT", "W"), ("WT", "W16")]
