@@ -4,7 +4,7 @@
 above ``size_threshold`` bytes in one file next to the model, ``<name>.onnx.data``) when asked or,
 by default, when the tensors exceed what one protobuf can hold. Loading such a model back needs
 nothing special: ``ForwardBackward(path)``, ``OnnxModule(path)``, ``build_gradient(path)`` read the
-external data from the model's folder (and only from there, see :mod:`onnxgrad.validate`).
+external data from the model's folder (and only from there, see :mod:`onnxgrad.model.validate`).
 """
 
 from __future__ import annotations
