@@ -398,9 +398,10 @@ def _train(args: argparse.Namespace) -> int:
 
     n_params = sum(p.size for p in trainer.parameters.values())
     val_text = f" / {len(next(iter(val.values())))} validation" if val else ""
+    epochs = f"{len(history)} epoch{'s' if len(history) != 1 else ''}"
     print(
-        f"trained {args.model}: {len(history)} epochs of {args.optimizer} (lr {args.lr}, "
-        f"{args.schedule} schedule, batch {args.batch_size}), {n_train} training{val_text} samples"
+        f"trained {args.model}: {epochs} of {args.optimizer} (lr {args.lr}, {args.schedule} schedule, "
+        f"batch {args.batch_size}), {n_train} training{val_text} samples"
     )
     losses = history["loss"]
     print(f"  loss          {losses[0]:.6g} -> {losses[-1]:.6g}")
