@@ -2,7 +2,8 @@
 
 Each test gets a fresh generator seeded from its own id (the autouse fixture in ``conftest.py``), so
 its data never depend on which tests ran before it, in its file or in another file importing these
-helpers (``test_rules_losses.py`` running first used to change the data of ``test_rules_nn.py``).
+helpers (``test_rules_losses.py`` running first used to change the data of the pooling and
+normalization tests).
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import check_gradients, node_model
+from tests.autodiff.conftest import ensure_output_shape
 from tests.models import ort_loads_opset
 
-from .test_rules_linalg import ensure_output_shape, torch_grads
+from .test_rules_linalg import torch_grads
 
 RNG = np.random.default_rng(5)
 F32 = np.float32

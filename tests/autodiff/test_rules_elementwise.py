@@ -1,4 +1,5 @@
-"""Elementwise gradient rules: unary, binary (with broadcasting undone) and variadic ops.
+"""Elementwise gradient rules (rules/elementwise.py): unary, binary (with broadcasting undone) and
+variadic ops, Where, Clip, Cast and Dropout.
 
 Every rule is checked against float64 central finite differences (``onnxgrad.testing.check_op``)
 with inputs kept away from kinks and domain edges; ``dynamic=True`` gives the float inputs symbolic
@@ -14,9 +15,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from onnx import TensorProto
 
 import onnxgrad
 from onnxgrad.testing import check_gradients, check_op, node_model, run_gradients
+from tests.autodiff.random_data import rnd  # one generator per test (conftest.py)
 
 RNG = np.random.default_rng(0)
 REF = "reference"
@@ -265,7 +268,7 @@ def test_variadic_opset8_forms():
         check_op(op, xs, opset=8)
 
 
-# ---- conventions at kinks and ties, against torch autograd in float64 -------------------------
+# ---- conventions at kinks and ties, against torch autograd in float64 --------------------------
 def ours(
     op: str,
     inputs: list[np.ndarray],
@@ -396,3 +399,68 @@ def test_torch_max_min_ties_split_evenly(op):
     assert_same(op, [a, b, c], lambda *ts: red(torch.stack(ts), dim=0))
     # with broadcasting: the tie count is per output element
     assert_same(op, [a, np.array(1.0)], fn2)
+
+
+# ---- Dropout -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("opset", [10, 12, 13])
+def test_dropout_inference_is_identity(opset: int) -> None:
+    x = rnd(3, 4)
+    check_op("Dropout", [x], opset=opset)
+    if opset >= 12:
+        check_op("Dropout", [x, np.array(0.5), np.array(False)], opset=opset, constant={1})
+        check_op(
+            "Dropout",
+            [x, None, np.array(False)],
+            opset=opset,
+            n_outputs=2,
+            output_dtypes=[np.float64, np.bool_],
+        )
+
+
+# ---- Where, Clip, Cast -------------------------------------------------------------------------
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize(
+    ("cshape", "ashape", "bshape"),
+    [((2, 3), (2, 3), (2, 3)), ((2, 3), (3,), (2, 1)), ((4, 1, 3), (1, 2, 1), ())],
+)
+def test_where(cshape, ashape, bshape, dynamic):
+    cond = RNG.random(cshape) > 0.5
+    check_op("Where", [cond, rand(*ashape), rand(*bshape)], dynamic=dynamic)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_clip_bounds_as_inputs(dynamic):
+    x = away_from(rand(3, 5) * 2, [-0.5, 0.7])
+    lo, hi = np.array(-0.5), np.array(0.7)
+    check_op("Clip", [x, lo, hi], opset=18, dynamic=dynamic)  # grads for x, min and max
+    # onnxruntime has no float64 kernel for Clip before opset 12
+    check_op("Clip", [x, lo, hi], opset=11, constant=[1, 2], dynamic=dynamic, backend="reference")
+    check_op("Clip", [x, lo], opset=13, dynamic=dynamic)
+    check_op("Clip", [x, None, hi], opset=13, dynamic=dynamic)
+    check_op("Clip", [x], opset=13, dynamic=dynamic)
+
+
+def test_clip_attributes_and_inclusive_bounds():
+    x = away_from(rand(4, 3) * 2, [-0.5, 0.7])
+    check_op("Clip", [x], attrs={"min": -0.5, "max": 0.7}, opset=6, backend="reference")
+    check_op("Clip", [x], attrs={"max": 0.7}, opset=6, backend="reference")
+    # at x == min or max the gradient passes (as torch.clamp): check it directly
+    m = node_model("Clip", [np.array([-1.0, 0.0, 1.0]), np.array(0.0), np.array(1.0)], constant=[1, 2])
+    got = onnxgrad.gradients(m, {"in0": np.array([-1.0, 0.0, 1.0])}, {"out0": np.ones(3)}, wrt=["in0"])
+    np.testing.assert_array_equal(got["in0"], [0.0, 1.0, 1.0])
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_cast(dynamic):
+    check_op(
+        "Cast",
+        [rand(3, 4)],
+        attrs={"to": TensorProto.FLOAT},
+        output_dtypes=[np.float32],
+        dynamic=dynamic,
+        eps=1e-2,
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    check_op("Cast", [rand(3)], attrs={"to": TensorProto.DOUBLE}, dynamic=dynamic)
+    check_op("CastLike", [rand(3, 2), np.zeros(1, np.float64)], constant=[1], opset=15)

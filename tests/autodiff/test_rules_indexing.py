@@ -1,28 +1,34 @@
-"""Gradient rules of scatters, TopK, Compress, Trilu (rules/indexing.py), CumSum, CumProd
-(rules/reduce.py), ReverseSequence, CenterCropPad (rules/shape.py) and MaxUnpool (rules/pool.py).
+"""Gradient rules of the gathers, scatters, TopK, Compress and Trilu (rules/indexing.py).
 
 Every rule is checked against float64 central finite differences through onnxruntime (which runs
-these ops in float64), except MaxUnpool (no float64 kernel: onnx.reference with a kernel fixed to
-onnxruntime's semantics, plus a float32 onnxruntime check). Scatter reductions, TopK and CumProd are
-also compared with torch autograd in float64.
+these ops in float64). Scatter reductions and TopK are also compared with torch autograd in float64.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import helper
 
-from onnxgrad import testing
+import onnxgrad
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.autodiff.rules import indexing  # noqa: F401  (registers the rules until rules/__init__ does)
-from onnxgrad.model.graph import ir_version_for
-from onnxgrad.testing import check_gradients, check_op, node_model, run_model
+from onnxgrad.errors import GradientNotImplementedError
+from onnxgrad.testing import check_gradients, check_op, node_model
+from tests.autodiff.conftest import (
+    assert_ok,
+    check_feeds,
+    gradients,
+    i64,
+    model,
+    runtime_inputs,
+    untyped_outputs_ranked,
+)
 
 RNG = np.random.default_rng(7)
 F32 = np.float32
@@ -30,48 +36,6 @@ F32 = np.float32
 
 def rnd(*shape: int) -> np.ndarray:
     return RNG.standard_normal(shape)
-
-
-def i64(values: Any) -> np.ndarray:
-    return np.asarray(values, dtype=np.int64)
-
-
-def runtime_inputs(model: onnx.ModelProto, *names: str) -> onnx.ModelProto:
-    """Turn initializers (index tensors) into graph inputs: nothing is known about them when building."""
-    for name in names:
-        init = next(t for t in model.graph.initializer if t.name == name)
-        model.graph.initializer.remove(init)
-        model.graph.input.append(helper.make_tensor_value_info(name, init.data_type, list(init.dims)))
-    return model
-
-
-def untyped_outputs_ranked(model: onnx.ModelProto, rank: int) -> onnx.ModelProto:
-    """Give outputs shape inference left without a shape ``rank`` unknown dims (the checker wants one)."""
-    for out in model.graph.output:
-        t = out.type.tensor_type
-        if not t.HasField("shape"):
-            for _ in range(rank):
-                t.shape.dim.add()
-    return model
-
-
-def check_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray], **kw: Any) -> None:
-    wrt = [k for k, v in feeds.items() if v.dtype.kind == "f"]
-    result = check_gradients(model, feeds, wrt=wrt, **kw)
-    assert result.ok, result.report()
-
-
-def gradients(
-    model: onnx.ModelProto, feeds: dict[str, np.ndarray], wrt: Sequence[str], cot: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-    """Output 0, its cotangent and the gradients of ``wrt`` of a model, on onnxruntime."""
-    graphs = build_gradient(model, trainable=[], inputs_requiring_grad=list(wrt))
-    name = model.graph.output[0].name
-    out = run_model(graphs.forward)(feeds)
-    if cot is None:
-        cot = RNG.standard_normal(out[name].shape)
-    _, res = testing.run_gradients(graphs, feeds, {name: cot})
-    return out[name], cot, res
 
 
 def versus_torch(
@@ -123,7 +87,7 @@ def test_scatter_elements(opset: int, reduction: str, axis: int) -> None:
     check_op("ScatterElements", [data, idx, upd], attrs=attrs, opset=opset)
     # indices known only at run time, and symbolic dims
     model = runtime_inputs(node_model("ScatterElements", [data, idx, upd], attrs=attrs, opset=opset), "in1")
-    check_model(model, {"in0": data, "in1": idx, "in2": upd})
+    check_feeds(model, {"in0": data, "in1": idx, "in2": upd})
     check_op("ScatterElements", [data, idx, upd], attrs=attrs, opset=opset, dynamic=True)
 
 
@@ -202,7 +166,7 @@ def test_scatter_nd(opset: int, reduction: str, idx: np.ndarray, upd_shape: tupl
     attrs = {} if reduction == "none" else {"reduction": reduction}
     check_op("ScatterND", [data, idx, upd], attrs=attrs, opset=opset)
     model = runtime_inputs(node_model("ScatterND", [data, idx, upd], attrs=attrs, opset=opset), "in1")
-    check_model(model, {"in0": data, "in1": idx, "in2": upd})
+    check_feeds(model, {"in0": data, "in1": idx, "in2": upd})
 
 
 def test_scatter_nd_unique_indices() -> None:
@@ -231,7 +195,7 @@ def test_tensor_scatter(mode: str, with_indices: bool) -> None:
     check_op("TensorScatter", inputs4, attrs=attrs, opset=24, dynamic=True)
 
 
-# ---- TopK -------------------------------------------------------------------------------------------
+# ---- TopK -----------------------------------------------------------------------------------------
 def topk_input(*shape: int) -> np.ndarray:
     return RNG.permutation(int(np.prod(shape))).reshape(shape) * 0.25 - 1.0  # distinct values
 
@@ -266,7 +230,7 @@ def test_topk(opset: int, attrs: dict[str, Any], with_k: bool, indices_used: boo
             output_dtypes=[np.float64, np.int64],
             dynamic=dynamic,
         )
-        check_model(model if indices_used else values_only(model), {"in0": x})
+        check_feeds(model if indices_used else values_only(model), {"in0": x})
 
 
 def test_topk_versus_torch() -> None:
@@ -281,7 +245,7 @@ def test_topk_versus_torch() -> None:
     )
 
 
-# ---- Compress, Trilu, ReverseSequence, CenterCropPad ------------------------------------------------
+# ---- Compress, Trilu ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("opset", "axis"), [(9, None), (9, 0), (9, 1), (11, None), (11, 1), (11, -1)])
 def test_compress(opset: int, axis: int | None) -> None:
     x = rnd(3, 4)
@@ -289,7 +253,7 @@ def test_compress(opset: int, axis: int | None) -> None:
     attrs = {} if axis is None else {"axis": axis}
     for dynamic in (False, True):
         model = node_model("Compress", [x, cond], attrs=attrs, opset=opset, dynamic=dynamic)
-        check_model(untyped_outputs_ranked(model, 1 if axis is None else 2), {"in0": x})
+        check_feeds(untyped_outputs_ranked(model, 1 if axis is None else 2), {"in0": x})
 
 
 @pytest.mark.parametrize("upper", [0, 1])
@@ -300,146 +264,60 @@ def test_trilu(upper: int, k: int | None) -> None:
     check_op("Trilu", inputs, attrs={"upper": upper}, opset=14, dynamic=True)
 
 
-@pytest.mark.parametrize(("batch_axis", "time_axis"), [(1, 0), (0, 1)])
-def test_reverse_sequence(batch_axis: int, time_axis: int) -> None:
-    x = rnd(4, 3, 2) if batch_axis == 1 else rnd(3, 4, 2)
-    lens = i64([4, 1, 2]) if batch_axis == 1 else i64([1, 4, 3])
-    attrs = {"batch_axis": batch_axis, "time_axis": time_axis}
-    check_op("ReverseSequence", [x, lens], attrs=attrs, opset=10)
-    check_op("ReverseSequence", [x, lens], attrs=attrs, opset=10, dynamic=True)
-
-
+# ---- Gather, GatherND, GatherElements -------------------------------------------------------------
+@pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize(
-    ("shape", "target", "axes"),
-    [((5, 4), (3, 7), None), ((2, 5, 6), (4, 3), [1, 2]), ((2, 5, 6), (8,), [-2]), ((3, 4), (3, 4), None)],
+    ("shape", "indices", "axis"),
+    [
+        ((5, 3), np.array([0, 2, 2, 4]), 0),  # duplicates add up
+        ((5, 3), np.array([[1, -1], [0, 1]]), 1),  # 2-D and negative indices
+        ((2, 4, 3), np.array([3, -4, 0]), -2),
+        ((2, 4, 3), np.array(2), 1),  # scalar index drops the axis
+        ((2, 4, 3), np.array([[0, 2], [2, 2]], dtype=np.int32), -1),
+    ],
 )
-def test_center_crop_pad(shape: tuple[int, ...], target: tuple[int, ...], axes: list[int] | None) -> None:
-    attrs = {} if axes is None else {"axes": axes}
-    check_op("CenterCropPad", [rnd(*shape), i64(target)], attrs=attrs)
-    check_op("CenterCropPad", [rnd(*shape), i64(target)], attrs=attrs, dynamic=True)
+def test_gather(shape, indices, axis, dynamic):
+    check_op("Gather", [rnd(*shape), indices], attrs={"axis": axis}, dynamic=dynamic)
 
 
-# ---- CumSum, CumProd --------------------------------------------------------------------------------
-@pytest.mark.parametrize("opset", [11, 14])
-@pytest.mark.parametrize("exclusive", [0, 1])
-@pytest.mark.parametrize("reverse", [0, 1])
-@pytest.mark.parametrize("axis", [0, -1])
-def test_cumsum(opset: int, exclusive: int, reverse: int, axis: int) -> None:
-    attrs = {"exclusive": exclusive, "reverse": reverse}
-    check_op("CumSum", [rnd(3, 4), np.array(axis, dtype=np.int64)], attrs=attrs, opset=opset)
-    check_op("CumSum", [rnd(3, 4), np.array(axis, dtype=np.int32)], attrs=attrs, opset=opset, dynamic=True)
-
-
-def cumprod_input() -> np.ndarray:
-    """Lines without zeros, with one zero (first, middle, last) and with two zeros."""
-    x = RNG.uniform(0.5, 1.5, (6, 5)) * RNG.choice([-1.0, 1.0], (6, 5))
-    x[1, 0] = x[2, 2] = x[3, 4] = 0.0
-    x[4, 1] = x[4, 3] = 0.0
-    return x
-
-
-@pytest.mark.parametrize("exclusive", [0, 1])
-@pytest.mark.parametrize("reverse", [0, 1])
-@pytest.mark.parametrize("axis", [1, -2])
-def test_cumprod(exclusive: int, reverse: int, axis: int) -> None:
-    x = cumprod_input() if axis == 1 else cumprod_input().T.copy()
-    attrs = {"exclusive": exclusive, "reverse": reverse}
-    check_op("CumProd", [x, np.array(axis, dtype=np.int64)], attrs=attrs, opset=26)
-    check_op("CumProd", [x, np.array(axis, dtype=np.int64)], attrs=attrs, opset=26, dynamic=True)
-
-
-@pytest.mark.parametrize("reverse", [0, 1])
-def test_cumprod_versus_torch(reverse: int) -> None:
-    def fn(x: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:
-        if reverse:
-            return torch.cumprod(x.flip(1), 1).flip(1)
-        return torch.cumprod(x, 1)
-
-    versus_torch(
-        "CumProd", [cumprod_input(), np.array(1, dtype=np.int64)], fn, {"reverse": reverse}, opset=26
+def test_gather_with_indices_from_an_input():
+    # Token ids fed at run time (an embedding lookup), negative ones included.
+    m = model(
+        [helper.make_node("Gather", ["table", "ids"], ["y"])],
+        [("ids", np.int64, [2, 3])],
+        [("y", np.float64, None)],
+        inits={"table": rnd(6, 4)},
     )
+    assert_ok(check_gradients(m, {"ids": np.array([[0, 5, -1], [2, 2, 0]])}))
 
 
-# ---- MaxUnpool ---------------------------------------------------------------------------------------
-def _max_unpool_kernel() -> type:
-    """onnx.reference lays the values out in the inferred shape before padding to output_shape;
-    onnxruntime (and MaxPool's Indices) number positions in the output shape itself."""
-    from onnx.reference.op_run import OpRun
-
-    class MaxUnpool(OpRun):
-        op_domain = ""
-
-        def _run(self, X, indices, output_shape=None, kernel_shape=None, pads=None, strides=None):  # type: ignore[override]
-            nsp = X.ndim - 2
-            strides = strides or [1] * nsp
-            pads = pads or [0] * (2 * nsp)
-            if output_shape is None:
-                spatial = [
-                    (X.shape[2 + i] - 1) * strides[i] - pads[i] - pads[nsp + i] + kernel_shape[i]
-                    for i in range(nsp)
-                ]
-                output_shape = [*X.shape[:2], *spatial]
-            y = np.zeros(int(np.prod(output_shape)), dtype=X.dtype)
-            y[indices.reshape(-1)] = X.reshape(-1)
-            return (y.reshape(tuple(int(d) for d in output_shape)),)
-
-    return MaxUnpool
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "indices"),
+    [
+        ((4, 3), np.array([[0], [3], [0]])),  # rows, one repeated
+        ((4, 3, 2), np.array([[1, 2], [-1, 0], [1, 2]])),  # (row, col) pairs, negative, repeated
+        ((3, 2), np.array([[[2, 1]], [[0, 0]]])),  # single elements, batched index shape
+    ],
+)
+def test_gather_nd(shape, indices, dynamic):
+    check_op("GatherND", [rnd(*shape), indices], dynamic=dynamic)
 
 
-@pytest.fixture
-def fixed_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    precise = testing._precise_ops
-    monkeypatch.setattr(testing, "_precise_ops", lambda: [*precise(), _max_unpool_kernel()])
+def test_gather_nd_batch_dims_is_refused():
+    m = node_model("GatherND", [rnd(2, 3), np.array([[1], [0]])], attrs={"batch_dims": 1})
+    with pytest.raises(GradientNotImplementedError, match="batch_dims"):
+        onnxgrad.build_gradient(m, inputs_requiring_grad=["in0"])
 
 
-UNPOOL_CASES = [
-    # X (1, 2, 2, 2) from 2x2 windows of a (1, 2, 4, 4) tensor; indices flat over the output
-    (
-        {"kernel_shape": [2, 2], "strides": [2, 2]},
-        i64([[[[0, 3], [9, 15]], [[17, 18], [28, 31]]]]),
-        None,
-    ),
-    # output_shape larger than inferred (5 x 5); indices repeat (overlapping windows)
-    (
-        {"kernel_shape": [2, 2], "strides": [2, 2]},
-        i64([[[[0, 6], [6, 24]], [[25, 31], [43, 43]]]]),
-        i64([1, 2, 5, 5]),
-    ),
-]
-
-
-@pytest.mark.usefixtures("fixed_reference")
-@pytest.mark.parametrize("opset", [9, 11, 22])
-@pytest.mark.parametrize(("attrs", "idx", "out_shape"), UNPOOL_CASES, ids=["plain", "output_shape"])
-def test_max_unpool(opset: int, attrs: dict[str, Any], idx: np.ndarray, out_shape: np.ndarray | None) -> None:
-    inputs = [rnd(1, 2, 2, 2), idx] + ([] if out_shape is None else [out_shape])
-    x32 = [a.astype(F32) if a.dtype.kind == "f" else a for a in inputs]
-    for backend, values in (("reference", inputs), ("onnxruntime", x32)):
-        model = untyped_outputs_ranked(node_model("MaxUnpool", values, attrs=attrs, opset=opset), 4)
-        check_model(model, {"in0": values[0]}, backend=backend)
-    model = untyped_outputs_ranked(
-        runtime_inputs(node_model("MaxUnpool", x32, attrs=attrs, opset=opset), "in1"), 4
-    )
-    check_model(model, {"in0": x32[0], "in1": idx})
-
-
-def test_max_pool_then_unpool() -> None:
-    """Overlapping windows pick an element twice: the gradient must count it once."""
-    x = RNG.permutation(25).reshape(1, 1, 5, 5).astype(F32)
-    vi = helper.make_tensor_value_info
-    pool = {"kernel_shape": [3, 3], "strides": [1, 1]}
-    graph = helper.make_graph(
-        [
-            helper.make_node("MaxPool", ["x"], ["p", "i"], **pool),
-            helper.make_node("MaxUnpool", ["p", "i"], ["y"], **pool),
-        ],
-        "g",
-        [vi("x", TensorProto.FLOAT, [1, 1, 5, 5])],
-        [vi("y", TensorProto.FLOAT, [1, 1, 5, 5])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
-    model.ir_version = ir_version_for(model.opset_import)
-    cot = np.ones((1, 1, 5, 5), dtype=F32)
-    y, _, res = gradients(model, {"x": x}, ["x"], cot)
-    np.testing.assert_array_equal(res["x"], (y != 0).astype(F32))  # y = x where x is a window max
-    check_model(model, {"x": x})
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "indices", "axis"),
+    [
+        ((3, 4), np.array([[0, 2, 2], [1, 1, 0], [0, 0, 0]]), 1),
+        ((3, 4), np.array([[2, 0, 1, -1], [2, 2, 2, 0]]), 0),
+        ((2, 3, 2), np.array([[[1], [0]], [[2], [-3]]]), -2),
+    ],
+)
+def test_gather_elements(shape, indices, axis, dynamic):
+    check_op("GatherElements", [rnd(*shape), indices], attrs={"axis": axis}, dynamic=dynamic)

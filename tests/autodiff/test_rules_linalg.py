@@ -11,16 +11,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper
 
 from onnxgrad.autodiff.engine import build_gradient
-from onnxgrad.autodiff.registry import lookup
 from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import Backend, check_gradients, check_op, node_model, run_model
+from tests.autodiff.conftest import ensure_output_shape
 
 RNG = np.random.default_rng(7)
 F32 = np.float32
@@ -158,17 +157,6 @@ EINSUM_CASES = [
     (",ij->ij", [(), (2, 3)]),  # a scalar operand
     ("Ab,bA->A", [(3, 4), (4, 3)]),  # upper-case letters
 ]
-
-
-def ensure_output_shape(model: onnx.ModelProto, shape: Sequence[int], dynamic: bool = False) -> None:
-    """Declare the shape of output 0 where ONNX shape inference gave up (the checker wants one on
-    graph outputs): static, or of that rank with unknown dims. Shared by the other test modules."""
-    out = model.graph.output[0].type.tensor_type
-    if not out.HasField("shape"):
-        for d in shape:
-            dim = out.shape.dim.add()
-            if not dynamic:
-                dim.dim_value = d
 
 
 def check_einsum(equation: str, inputs: list[np.ndarray], dynamic: bool = False) -> None:
@@ -325,10 +313,3 @@ def test_det_gradient_at_singular_matrices_is_the_adjugate_transpose(n: int, ran
 
 def test_det_versus_torch() -> None:
     torch_grads("Det", [rnd(2, 3, 3)], {}, torch.linalg.det, backend="reference")
-
-
-# ---- no gradient ----------------------------------------------------------------------------
-@pytest.mark.parametrize("op", ["MatMulInteger", "QLinearMatMul"])
-def test_integer_products_have_no_gradient(op: str) -> None:
-    found = lookup("", op, 21)
-    assert found is not None and found.kind == "zero"

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 import onnxgrad.autodiff.rules.losses  # noqa: F401  (registers the rules until rules/__init__ does)
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.testing import check_gradients, check_op, node_model
-from tests.autodiff.test_rules_nn import grads, rnd
+from tests.autodiff.conftest import grads
+from tests.autodiff.random_data import rnd
 
 OPS = ["NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss"]
 REDUCTIONS = ["none", "sum", "mean"]

@@ -22,7 +22,8 @@ from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.testing import check_op, node_model
-from tests.autodiff.test_rules_nn import F32, check_model, f32, grads, rnd, versus_torch
+from tests.autodiff.conftest import F32, check_model, f32, grads, versus_torch
+from tests.autodiff.random_data import pos, rnd  # one generator per test (conftest.py)
 
 EPS = 2.0**-12  # an epsilon the float attribute holds exactly, for comparisons with torch
 
@@ -236,3 +237,87 @@ def test_lrn_versus_torch() -> None:
         lambda t: F.local_response_norm(t, 3, alpha=0.25, beta=0.75, k=1.5),
         backend="reference",
     )
+
+
+# ---- LayerNormalization and BatchNormalization ----------------------------------------------
+LAYERNORM_CASES = [
+    ((2, 3, 4), -1, (4,), True),
+    ((2, 3, 4), 1, (3, 4), True),
+    ((2, 3, 4), -2, (3, 4), False),
+    ((3, 5), 0, (3, 5), True),
+    ((2, 3, 4), 1, (1, 4), True),  # scale and bias broadcast inside the normalized shape
+]
+
+
+@pytest.mark.parametrize(("xs", "axis", "ps", "bias"), LAYERNORM_CASES)
+def test_layer_norm(xs: tuple, axis: int, ps: tuple, bias: bool) -> None:
+    inputs = [rnd(*xs), rnd(*ps), rnd(*ps) if bias else None]
+    attrs = {"axis": axis, "epsilon": 1e-3}
+    check_op("LayerNormalization", inputs, attrs=attrs, opset=17, backend="reference")
+    check_op("LayerNormalization", f32(*inputs), attrs=attrs, opset=17)
+    check_op("LayerNormalization", f32(*inputs), attrs=attrs, opset=17, dynamic=True)
+
+
+def test_layer_norm_statistics_as_outputs() -> None:
+    """Gradients flowing into Mean and InvStdDev too (a model that outputs them)."""
+    inputs = [rnd(2, 3, 4), rnd(4), rnd(4)]
+    types = [np.float64, np.float32, np.float32]  # statistics in stash_type (float)
+    for axis in (-1, 1):
+        check_op(
+            "LayerNormalization",
+            inputs,
+            attrs={"axis": axis},
+            opset=17,
+            n_outputs=3,
+            output_dtypes=types,
+            backend="reference",
+        )
+
+
+def test_layer_norm_versus_torch() -> None:
+    x, s, b = rnd(2, 3, 4), rnd(3, 4), rnd(3, 4)
+    versus_torch(
+        "LayerNormalization",
+        [x, s, b],
+        {"axis": 1, "epsilon": 1e-5},
+        lambda x, s, b: F.layer_norm(x, (3, 4), s, b, eps=1e-5),
+        backend="reference",
+        opset=17,
+    )
+
+
+BATCHNORM_SHAPES = [(4, 3), (2, 3, 5), (2, 3, 4, 3), (1, 2, 3, 2, 2)]
+
+
+@pytest.mark.parametrize("shape", BATCHNORM_SHAPES, ids=["0d", "1d", "2d", "3d"])
+@pytest.mark.parametrize("opset", [9, 15])
+def test_batch_norm_inference(shape: tuple, opset: int) -> None:
+    c = shape[1]
+    inputs = [rnd(*shape), rnd(c), rnd(c), rnd(c), pos(c)]
+    check_op("BatchNormalization", inputs, attrs={"epsilon": 1e-3}, opset=opset)
+    check_op("BatchNormalization", inputs, opset=opset, dynamic=True)
+
+
+@pytest.mark.parametrize("spatial", [0, 1])
+def test_batch_norm_opset7_spatial(spatial: int) -> None:
+    """spatial=0 (before opset 9): statistics per (C, H, W) position, not per channel."""
+    ps = (3,) if spatial else (3, 4, 2)
+    inputs = [rnd(2, 3, 4, 2), rnd(*ps), rnd(*ps), rnd(*ps), pos(*ps)]
+    check_op("BatchNormalization", inputs, attrs={"spatial": spatial}, opset=7)
+
+
+def test_batch_norm_constant_statistics() -> None:
+    inputs = [rnd(2, 3, 4), rnd(3), rnd(3), rnd(3), pos(3)]
+    check_op("BatchNormalization", inputs, opset=15, constant={3, 4})
+
+
+def test_batch_norm_versus_torch() -> None:
+    x, s, b, m, v = rnd(2, 3, 4, 3), rnd(3), rnd(3), rnd(3), pos(3)
+    versus_torch(
+        "BatchNormalization",
+        [x, s, b, m, v],
+        {"epsilon": 1e-5},
+        lambda x, s, b, m, v: F.batch_norm(x, m, v, s, b, training=False, eps=1e-5),
+        opset=15,
+        needs=[0, 1, 2],
+    )  # torch has no gradient for the statistics

@@ -1,4 +1,5 @@
-"""Gradient rules of the resampling ops (rules/resample.py): Resize, Upsample, GridSample, Col2Im.
+"""Gradient rules of the resampling ops (rules/resample.py): Resize, Upsample, GridSample, Col2Im,
+AffineGrid.
 
 onnxruntime has no float64 Resize, Upsample or Col2Im kernel: those are checked against float64
 finite differences through onnx.reference (tiny shapes, scales whose coordinates onnx.reference and
@@ -24,7 +25,7 @@ from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.autodiff.rules import resample  # noqa: F401  (registers the rules until rules/__init__ does)
 from onnxgrad.errors import GradientNotImplementedError
-from onnxgrad.testing import check_gradients, node_model, run_model
+from onnxgrad.testing import check_gradients, check_op, node_model, run_gradients, run_model
 
 RNG = np.random.default_rng(11)
 F32 = np.float32
@@ -279,7 +280,7 @@ def test_resize_saves_nothing() -> None:
     assert build_gradient(model, trainable=[], inputs_requiring_grad=["in0"]).saved == []
 
 
-# ---- Resize: scales, sizes and roi known only at run time -----------------------------------------
+# ---- Resize: scales, sizes and roi known only at run time ---------------------------------------
 def run_time(model: onnx.ModelProto, dynamic: bool = False) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The model with its non-empty roi, scales and sizes initializers made graph inputs (their
     values returned as feeds); ``dynamic``: every dim of X and Y symbolic too."""
@@ -466,7 +467,7 @@ def test_resize_versus_torch(attrs: dict[str, Any], fn: Callable[..., torch.Tens
         versus_torch(model, [x], lambda t, s=size: fn(t, s), backend="reference")
 
 
-# ---- GridSample -------------------------------------------------------------------------------------
+# ---- GridSample ---------------------------------------------------------------------------------
 def grid_inputs(n_spatial: int, dtype: Any = np.float64) -> tuple[np.ndarray, np.ndarray]:
     """X (2, 2, 4, 5[, 3]) and a grid reaching past the borders (for the padding modes)."""
     x = rnd(2, 2, 4, 5, 3, dtype=dtype)[..., : 3 if n_spatial == 3 else 1]
@@ -552,7 +553,7 @@ def test_grid_sample_versus_torch(mode: str, padding: str, align: bool) -> None:
     )
 
 
-# ---- Col2Im --------------------------------------------------------------------------------------
+# ---- Col2Im -------------------------------------------------------------------------------------
 COL2IM_CASES = [
     ({}, (5, 6), (2, 3)),
     ({"strides": [2, 1], "dilations": [1, 2], "pads": [1, 0, 0, 2]}, (5, 6), (2, 2)),
@@ -610,3 +611,23 @@ def test_col2im_run_time_shapes(
             feeds[init.name] = onnx.numpy_helper.to_array(init)
         result = check_gradients(model, feeds, wrt=["in0"], backend=backend)
         assert result.ok, result.report()
+
+
+# ---- AffineGrid ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("align_corners", [0, 1])
+@pytest.mark.parametrize("size", [[2, 3, 4, 5], [2, 1, 3, 2, 4]])
+def test_affine_grid(align_corners: int, size: list[int]) -> None:
+    k = len(size) - 2
+    theta = rnd(2, k, k + 1)
+    check_op("AffineGrid", [theta, np.int64(size)], attrs={"align_corners": align_corners}, opset=20)
+    # and against torch
+    model = node_model(
+        "AffineGrid", [theta, np.int64(size)], attrs={"align_corners": align_corners}, opset=20
+    )
+    graphs = build_gradient(model, inputs_requiring_grad=["in0"])
+    cot = rnd(*size[:1], *size[2:], k)
+    _, grads = run_gradients(graphs, {"in0": theta}, {"out0": cot})
+    tt = torch.tensor(theta, requires_grad=True)
+    grid = F.affine_grid(tt, size, align_corners=bool(align_corners))
+    (grid * torch.tensor(cot)).sum().backward()
+    np.testing.assert_allclose(grads["in0"], tt.grad.numpy(), rtol=1e-10, atol=1e-12)

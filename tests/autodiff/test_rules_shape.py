@@ -1,4 +1,4 @@
-"""Gradient rules of shape and data-movement ops, and of ops that stop gradients.
+"""Gradient rules of shape and data-movement ops (rules/shape.py).
 
 Every check compares with float64 central finite differences (``onnxgrad.testing.check_op``);
 ``dynamic=True`` gives the float inputs symbolic dims, which exercises the run-time shape paths.
@@ -7,14 +7,12 @@ Every check compares with float64 central finite differences (``onnxgrad.testing
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
 import onnxgrad
-from onnxgrad.errors import GradientNotImplementedError
-from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import check_gradients, check_op, node_model
+from tests.autodiff.conftest import assert_ok, model
 from tests.models import ort_loads_opset
 
 RNG = np.random.default_rng(0)
@@ -26,34 +24,6 @@ def rand(*shape: int) -> np.ndarray:
 
 def i64(*values: int) -> np.ndarray:
     return np.array(values, dtype=np.int64)
-
-
-def away_from(x: np.ndarray, points: list[float], gap: float = 0.05) -> np.ndarray:
-    """``x`` with values near ``points`` (kinks) pushed away, so finite differences are exact."""
-    x = x.copy()
-    for p in points:
-        near = np.abs(x - p) < gap
-        x[near] = p + np.where(x[near] >= p, gap, -gap)
-    return x
-
-
-def model(nodes, inputs, outputs, inits=(), opset: int = 18):
-    """A model from nodes, (name, dtype, shape) inputs and outputs, and numpy initializers."""
-    vi = helper.make_tensor_value_info
-    graph = helper.make_graph(
-        nodes,
-        "m",
-        [vi(n, helper.np_dtype_to_tensor_dtype(np.dtype(t)), s) for n, t, s in inputs],
-        [vi(n, helper.np_dtype_to_tensor_dtype(np.dtype(t)), s) for n, t, s in outputs],
-        initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in dict(inits).items()],
-    )
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = ir_version_for(m.opset_import)
-    return onnx.shape_inference.infer_shapes(m)  # types the outputs left open
-
-
-def assert_ok(result) -> None:
-    assert result.ok, result.report()
 
 
 # ---- reshapes and permutations ---------------------------------------------------------------
@@ -126,7 +96,7 @@ def test_depth_to_space_at_opset_28(mode):
     check_op("DepthToSpace", [rand(2, 8, 2, 3)], attrs={"blocksize": 2, "mode": mode}, opset=28)
 
 
-# ---- joining and splitting --------------------------------------------------------------------
+# ---- joining and splitting -------------------------------------------------------------------
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize(
     ("shapes", "axis"),
@@ -176,7 +146,7 @@ def test_split_with_unused_outputs_gets_zeros(dims):
     np.testing.assert_array_equal(grads["x"], [[0] * 4, [-1] * 4, [0] * 4])
 
 
-# ---- picking elements by position --------------------------------------------------------------
+# ---- picking elements by position ------------------------------------------------------------
 SLICES = [  # starts, ends, axes, steps
     ([1], [3], [0], None),  # unit steps with constant bounds: the Pad path
     ([0, -3], [2, 100], [0, -1], [1, 1]),  # negative start, clamped end
@@ -230,119 +200,13 @@ def test_slice_bounds_computed_at_run_time():
     assert_ok(check_gradients(m, {"x": rand(5, 6)}))
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(
-    ("shape", "indices", "axis"),
-    [
-        ((5, 3), np.array([0, 2, 2, 4]), 0),  # duplicates add up
-        ((5, 3), np.array([[1, -1], [0, 1]]), 1),  # 2-D and negative indices
-        ((2, 4, 3), np.array([3, -4, 0]), -2),
-        ((2, 4, 3), np.array(2), 1),  # scalar index drops the axis
-        ((2, 4, 3), np.array([[0, 2], [2, 2]], dtype=np.int32), -1),
-    ],
-)
-def test_gather(shape, indices, axis, dynamic):
-    check_op("Gather", [rand(*shape), indices], attrs={"axis": axis}, dynamic=dynamic)
-
-
-def test_gather_with_indices_from_an_input():
-    # Token ids fed at run time (an embedding lookup), negative ones included.
-    m = model(
-        [helper.make_node("Gather", ["table", "ids"], ["y"])],
-        [("ids", np.int64, [2, 3])],
-        [("y", np.float64, None)],
-        inits={"table": rand(6, 4)},
-    )
-    assert_ok(check_gradients(m, {"ids": np.array([[0, 5, -1], [2, 2, 0]])}))
-
-
-@pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(
-    ("shape", "indices"),
-    [
-        ((4, 3), np.array([[0], [3], [0]])),  # rows, one repeated
-        ((4, 3, 2), np.array([[1, 2], [-1, 0], [1, 2]])),  # (row, col) pairs, negative, repeated
-        ((3, 2), np.array([[[2, 1]], [[0, 0]]])),  # single elements, batched index shape
-    ],
-)
-def test_gather_nd(shape, indices, dynamic):
-    check_op("GatherND", [rand(*shape), indices], dynamic=dynamic)
-
-
-def test_gather_nd_batch_dims_is_refused():
-    m = node_model("GatherND", [rand(2, 3), np.array([[1], [0]])], attrs={"batch_dims": 1})
-    with pytest.raises(GradientNotImplementedError, match="batch_dims"):
-        onnxgrad.build_gradient(m, inputs_requiring_grad=["in0"])
-
-
-@pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(
-    ("shape", "indices", "axis"),
-    [
-        ((3, 4), np.array([[0, 2, 2], [1, 1, 0], [0, 0, 0]]), 1),
-        ((3, 4), np.array([[2, 0, 1, -1], [2, 2, 2, 0]]), 0),
-        ((2, 3, 2), np.array([[[1], [0]], [[2], [-3]]]), -2),
-    ],
-)
-def test_gather_elements(shape, indices, axis, dynamic):
-    check_op("GatherElements", [rand(*shape), indices], attrs={"axis": axis}, dynamic=dynamic)
-
-
-# ---- broadcasting, selection, clamping, casts --------------------------------------------------
+# ---- broadcasting and repetition -------------------------------------------------------------
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize(
     ("shape", "target"), [((3, 1), (2, 3, 4)), ((4,), (3, 1)), ((2, 3), (2, 3)), ((1, 3), (1, 1))]
 )
 def test_expand(shape, target, dynamic):
     check_op("Expand", [rand(*shape), i64(*target)], dynamic=dynamic)
-
-
-@pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize(
-    ("cshape", "ashape", "bshape"),
-    [((2, 3), (2, 3), (2, 3)), ((2, 3), (3,), (2, 1)), ((4, 1, 3), (1, 2, 1), ())],
-)
-def test_where(cshape, ashape, bshape, dynamic):
-    cond = RNG.random(cshape) > 0.5
-    check_op("Where", [cond, rand(*ashape), rand(*bshape)], dynamic=dynamic)
-
-
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_clip_bounds_as_inputs(dynamic):
-    x = away_from(rand(3, 5) * 2, [-0.5, 0.7])
-    lo, hi = np.array(-0.5), np.array(0.7)
-    check_op("Clip", [x, lo, hi], opset=18, dynamic=dynamic)  # grads for x, min and max
-    # onnxruntime has no float64 kernel for Clip before opset 12
-    check_op("Clip", [x, lo, hi], opset=11, constant=[1, 2], dynamic=dynamic, backend="reference")
-    check_op("Clip", [x, lo], opset=13, dynamic=dynamic)
-    check_op("Clip", [x, None, hi], opset=13, dynamic=dynamic)
-    check_op("Clip", [x], opset=13, dynamic=dynamic)
-
-
-def test_clip_attributes_and_inclusive_bounds():
-    x = away_from(rand(4, 3) * 2, [-0.5, 0.7])
-    check_op("Clip", [x], attrs={"min": -0.5, "max": 0.7}, opset=6, backend="reference")
-    check_op("Clip", [x], attrs={"max": 0.7}, opset=6, backend="reference")
-    # at x == min or max the gradient passes (as torch.clamp): check it directly
-    m = node_model("Clip", [np.array([-1.0, 0.0, 1.0]), np.array(0.0), np.array(1.0)], constant=[1, 2])
-    got = onnxgrad.gradients(m, {"in0": np.array([-1.0, 0.0, 1.0])}, {"out0": np.ones(3)}, wrt=["in0"])
-    np.testing.assert_array_equal(got["in0"], [0.0, 1.0, 1.0])
-
-
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_cast(dynamic):
-    check_op(
-        "Cast",
-        [rand(3, 4)],
-        attrs={"to": TensorProto.FLOAT},
-        output_dtypes=[np.float32],
-        dynamic=dynamic,
-        eps=1e-2,
-        rtol=1e-4,
-        atol=1e-5,
-    )
-    check_op("Cast", [rand(3)], attrs={"to": TensorProto.DOUBLE}, dynamic=dynamic)
-    check_op("CastLike", [rand(3, 2), np.zeros(1, np.float64)], constant=[1], opset=15)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -386,7 +250,7 @@ def test_tile_repeats_computed_in_the_graph():
     assert res.ok, res.report()
 
 
-# ---- padding -----------------------------------------------------------------------------------
+# ---- padding ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("pads", [(1, 0, 2, 3), (0, -1, 1, 2), (-1, -2, 0, 0)])
 def test_pad_constant(pads, dynamic):
@@ -423,49 +287,21 @@ def test_pad_reflect_edge_wrap(mode, opset, dynamic):
         check_op("Pad", [rand(4, 5)], attrs={"mode": mode, "pads": [2, 1, 1, 3]}, opset=2)
 
 
-# ---- ops that stop gradients -------------------------------------------------------------------
-def test_nondifferentiable_ops_in_the_path():
-    # y = Where(x > 0, x, zeros(shape(x))) + x * Floor(x) * Cast(ArgMax(x)) ; the stopped ops
-    # (Shape, ConstantOfShape, Greater, Floor, ArgMax) contribute no gradient.
-    nodes = [
-        helper.make_node("Shape", ["x"], ["s"]),
-        helper.make_node(
-            "ConstantOfShape", ["s"], ["z"], value=numpy_helper.from_array(np.zeros(1, np.float64))
-        ),
-        helper.make_node("Greater", ["x", "z"], ["pos"]),
-        helper.make_node("Where", ["pos", "x", "z"], ["relu"]),
-        helper.make_node("Floor", ["x"], ["fl"]),
-        helper.make_node("ArgMax", ["x"], ["am"], axis=1, keepdims=1),
-        helper.make_node("Cast", ["am"], ["amf"], to=TensorProto.DOUBLE),
-        helper.make_node("Mul", ["x", "fl"], ["t"]),
-        helper.make_node("Mul", ["t", "amf"], ["u"]),
-        helper.make_node("Add", ["relu", "u"], ["y"]),
-    ]
-    m = model(nodes, [("x", np.float64, ["n", 4])], [("y", np.float64, None)])
-    x = away_from(away_from(rand(3, 4) * 3, [0.0]), [-2.0, -1.0, 1.0, 2.0])
-    assert_ok(check_gradients(m, {"x": x}))
-    got = onnxgrad.gradients(m, {"x": x}, {"y": np.ones_like(x)}, wrt=["x"])
-    am = np.argmax(x, axis=1)[:, None]
-    np.testing.assert_allclose(got["x"], (x > 0) + np.floor(x) * am)
+# ---- ReverseSequence, CenterCropPad ----------------------------------------------------------
+@pytest.mark.parametrize(("batch_axis", "time_axis"), [(1, 0), (0, 1)])
+def test_reverse_sequence(batch_axis: int, time_axis: int) -> None:
+    x = rand(4, 3, 2) if batch_axis == 1 else rand(3, 4, 2)
+    lens = i64(4, 1, 2) if batch_axis == 1 else i64(1, 4, 3)
+    attrs = {"batch_axis": batch_axis, "time_axis": time_axis}
+    check_op("ReverseSequence", [x, lens], attrs=attrs, opset=10)
+    check_op("ReverseSequence", [x, lens], attrs=attrs, opset=10, dynamic=True)
 
 
-def test_nondiff_declarations():
-    ops = onnxgrad.supported_ops()
-    for op in (
-        "Shape",
-        "Size",
-        "ConstantOfShape",
-        "Equal",
-        "ArgMax",
-        "Floor",
-        "Round",
-        "NonZero",
-        "RandomNormalLike",
-        "BitwiseAnd",
-        "Range",
-        "OneHot",
-        "IsNaN",
-    ):
-        assert ops[op] == "zero", op
-    for op in ("Reshape", "Slice", "Gather", "Pad", "Tile", "Clip", "Where", "DepthToSpace"):
-        assert ops[op] == "rule", op
+@pytest.mark.parametrize(
+    ("shape", "target", "axes"),
+    [((5, 4), (3, 7), None), ((2, 5, 6), (4, 3), [1, 2]), ((2, 5, 6), (8,), [-2]), ((3, 4), (3, 4), None)],
+)
+def test_center_crop_pad(shape: tuple[int, ...], target: tuple[int, ...], axes: list[int] | None) -> None:
+    attrs = {} if axes is None else {"axes": axes}
+    check_op("CenterCropPad", [rand(*shape), i64(*target)], attrs=attrs)
+    check_op("CenterCropPad", [rand(*shape), i64(*target)], attrs=attrs, dynamic=True)

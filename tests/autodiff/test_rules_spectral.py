@@ -1,12 +1,10 @@
-"""Gradient checks of DFT (rules/spectral.py) and AffineGrid (rules/resample.py) against float64 finite
-differences and torch."""
+"""Gradient checks of DFT (rules/spectral.py) against float64 finite differences and torch."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import onnxgrad.autodiff.rules.spectral  # noqa: F401  (registers the rules until rules/__init__ does)
 from onnxgrad.autodiff.engine import build_gradient
@@ -64,22 +62,3 @@ def test_dft_dynamic_shape_refused() -> None:
     model = node_model("DFT", [rnd(2, 5, 2)], attrs={"axis": 1}, opset=17, dynamic=True)
     with pytest.raises(GradientNotImplementedError, match=r"'DFT'.*static shape"):
         build_gradient(model, inputs_requiring_grad=["in0"])
-
-
-@pytest.mark.parametrize("align_corners", [0, 1])
-@pytest.mark.parametrize("size", [[2, 3, 4, 5], [2, 1, 3, 2, 4]])
-def test_affine_grid(align_corners: int, size: list[int]) -> None:
-    k = len(size) - 2
-    theta = rnd(2, k, k + 1)
-    check_op("AffineGrid", [theta, np.int64(size)], attrs={"align_corners": align_corners}, opset=20)
-    # and against torch
-    model = node_model(
-        "AffineGrid", [theta, np.int64(size)], attrs={"align_corners": align_corners}, opset=20
-    )
-    graphs = build_gradient(model, inputs_requiring_grad=["in0"])
-    cot = rnd(*size[:1], *size[2:], k)
-    _, grads = run_gradients(graphs, {"in0": theta}, {"out0": cot})
-    tt = torch.tensor(theta, requires_grad=True)
-    grid = F.affine_grid(tt, size, align_corners=bool(align_corners))
-    (grid * torch.tensor(cot)).sum().backward()
-    np.testing.assert_allclose(grads["in0"], tt.grad.numpy(), rtol=1e-10, atol=1e-12)

@@ -27,7 +27,7 @@ from onnxgrad.autodiff.modes import ModeSwitch, set_training_mode
 from onnxgrad.errors import GradientNotImplementedError, ModelError
 from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import check_gradients, node_model, run_gradients
-from tests.autodiff.test_rules_nn import pos, rnd
+from tests.autodiff.random_data import pos, rnd
 
 
 def model_of(nodes: list, inputs: list, outputs: list, inits: list = (), opset: int = 15) -> onnx.ModelProto:
