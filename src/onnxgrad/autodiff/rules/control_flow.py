@@ -1,7 +1,7 @@
 """Control flow: If, Loop and Scan, at any depth of nesting.
 
 A subgraph (a branch, a body) is differentiated like the main graph, by the engine's own
-:func:`~onnxgrad.autodiff.engine.mark` and :func:`~onnxgrad.autodiff.engine.reverse_pass`, with a
+:func:`~onnxgrad.autodiff.backward.mark` and :func:`~onnxgrad.autodiff.backward.reverse_pass`, with a
 child :class:`~onnxgrad.autodiff.builder.GradBuilder` whose nodes become the backward subgraph.
 Gradients flow to a node's inputs and to the outer values its subgraphs capture (a weight read
 inside a Loop body is differentiated like an input). What the backward subgraph reads from the
@@ -46,8 +46,8 @@ from ...model.graph import (
     node_operands,
     sort_nodes,
 )
+from ..backward import mark, reverse_pass
 from ..builder import BOOL, INT64, GradBuilder, Var
-from ..engine import mark, reverse_pass
 from ..registry import NodeContext, rule
 from .common import Grads, flip
 
