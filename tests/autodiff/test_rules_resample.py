@@ -11,7 +11,7 @@ float64 on onnxruntime from opset 20. Resize, GridSample and Col2Im are also com
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -169,10 +169,9 @@ SCALES = [f32(1, 1, 1.7, 0.55), f32(1, 1, 0.6, 3), f32(1, 1, 0.25, 1.5)]
 ROI = f32(0, 0, 0.1, -0.2, 1, 1, 0.8, 1.3)
 
 
-@pytest.mark.parametrize("transform", TRANSFORMS)
-@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
-def test_resize_matches_onnxruntime(transform: str, mode: str) -> None:
-    x = rnd(2, 1, 5, 4, dtype=F32)
+def _resize_models(x: np.ndarray, transform: str, mode: str) -> Iterator[onnx.ModelProto]:
+    """Opset-19 Resize models of ``x`` for every nearest mode (``mode="nearest"``) and every scale of
+    SCALES, with the roi that ``tf_crop_and_resize`` reads."""
     nearest = ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"] if mode == "nearest" else [None]
     for nearest_mode in nearest:
         for scales in SCALES:
@@ -180,7 +179,15 @@ def test_resize_matches_onnxruntime(transform: str, mode: str) -> None:
                 continue  # onnxruntime breaks exact ties of this transform differently (see report)
             attrs = {"mode": mode, "coordinate_transformation_mode": transform, "nearest_mode": nearest_mode}
             roi = ROI if transform == "tf_crop_and_resize" else None
-            check_adjoint(resize_model(x, attrs, 19, roi=roi, scales=scales), x)
+            yield resize_model(x, attrs, 19, roi=roi, scales=scales)
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+def test_resize_matches_onnxruntime(transform: str, mode: str) -> None:
+    x = rnd(2, 1, 5, 4, dtype=F32)
+    for model in _resize_models(x, transform, mode):
+        check_adjoint(model, x)
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
@@ -312,15 +319,9 @@ def test_resize_run_time_scales_match_onnxruntime(transform: str, mode: str, dyn
     """Scales (and roi) fed at run time: the interpolation matrices are built by the backward from
     them, and must be the transpose of onnxruntime's forward for every mode and transformation."""
     x = rnd(2, 1, 5, 4, dtype=F32)
-    nearest = ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"] if mode == "nearest" else [None]
-    for nearest_mode in nearest:
-        for scales in SCALES:
-            if transform == "half_pixel_symmetric" and nearest_mode == "round_prefer_floor":
-                continue  # onnxruntime breaks exact ties of this transform differently (see report)
-            attrs = {"mode": mode, "coordinate_transformation_mode": transform, "nearest_mode": nearest_mode}
-            roi = ROI if transform == "tf_crop_and_resize" else None
-            model, feeds = run_time(resize_model(x, attrs, 19, roi=roi, scales=scales), dynamic)
-            check_adjoint(model, x, feeds)
+    for static in _resize_models(x, transform, mode):
+        model, feeds = run_time(static, dynamic)
+        check_adjoint(model, x, feeds)
 
 
 def test_resize_run_time_other_forms_match_onnxruntime() -> None:

@@ -61,6 +61,23 @@ def _cube_node(x="x", ctx="ctx", y="y", class_name=None, **overrides):
     return node
 
 
+def _cube_grad_node(class_name=None, **attrs):
+    """A PythonOpGrad of Cube reading (ctx, dy) and writing dx; ``attrs`` beyond the required ones."""
+    node = helper.make_node(
+        "PythonOpGrad",
+        ["ctx", "dy"],
+        ["dx"],
+        domain="com.microsoft",
+        func_name=CUBE,
+        output_convention="d",
+        output_tensor_requires_grads=[1],
+        **attrs,
+    )
+    if class_name is not None:  # make_node's own ``name=`` is the node's name
+        node.attribute.append(helper.make_attribute("name", class_name))
+    return node
+
+
 def _vi(name, rank=2, dtype=DOUBLE):
     return helper.make_tensor_value_info(name, dtype, [None] * rank)
 
@@ -72,18 +89,11 @@ def cube_registered():
 
 # ---- schemas -----------------------------------------------------------------------------------
 def test_checker_and_shape_inference_accept_both_nodes_and_type_their_outputs():
-    grad = helper.make_node(
-        "PythonOpGrad",
-        ["ctx", "dy"],
-        ["dx"],
-        domain="com.microsoft",
-        func_name=CUBE,
-        output_convention="d",
+    grad = _cube_grad_node(
         input_tensor_types=[DOUBLE],
         input_tensor_ranks=[2],
         output_tensor_types=[DOUBLE],
         output_tensor_ranks=[2],
-        output_tensor_requires_grads=[1],
     )
     grad.attribute.append(helper.make_attribute("name", "Cube"))
     model = _model([_cube_node(class_name="Cube"), grad], [_vi("x"), _vi("dy")], [_vi("y"), _vi("dx")])
@@ -105,16 +115,7 @@ def test_checker_requires_the_class_name_as_both_schema_generations_do(op):
     """Seeds 000, 001 and 002 mark ``name`` required; a node with only ``func_name`` fails the
     checker, and onnxgrad's own loaders add ``name`` to their copy first."""
     fwd = _cube_node(class_name="Cube")
-    grad = helper.make_node(
-        "PythonOpGrad",
-        ["ctx", "dy"],
-        ["dx"],
-        domain="com.microsoft",
-        func_name=CUBE,
-        output_convention="d",
-        output_tensor_requires_grads=[1],
-    )
-    grad.attribute.append(helper.make_attribute("name", "Cube"))
+    grad = _cube_grad_node(class_name="Cube")
     target = fwd if op == "PythonOp" else grad
     model = _model([fwd, grad], [_vi("x"), _vi("dy")], [_vi("y"), _vi("dx")])
     onnx.checker.check_model(model, full_check=True)
@@ -409,18 +410,7 @@ def test_output_rank_is_checked_against_output_tensor_ranks():
 
 def test_pythonopgrad_checks_the_gradients_it_receives():
     fwd = _cube_node(class_name="Cube")
-    grad = helper.make_node(
-        "PythonOpGrad",
-        ["ctx", "dy"],
-        ["dx"],
-        name="cube_grad",
-        domain="com.microsoft",
-        func_name=CUBE,
-        output_convention="d",
-        input_tensor_types=[DOUBLE],
-        input_tensor_ranks=[2],
-        output_tensor_requires_grads=[1],
-    )
+    grad = _cube_grad_node(name="cube_grad", input_tensor_types=[DOUBLE], input_tensor_ranks=[2])
     dy = helper.make_tensor_value_info("dy", TensorProto.FLOAT, [None, None])
     model = _model([fwd, grad], [_vi("x"), dy], [_vi("y"), _vi("dx")])
     with pytest.raises(
@@ -441,16 +431,7 @@ def test_inplace_flag_is_refused(op):
     """The old ``inplace`` flag asked that outputs reuse input memory; onnxgrad refuses it rather
     than ignore it (0, as the original exporter wrote it, is accepted)."""
     fwd = _cube_node(inplace=1 if op == "PythonOp" else 0)
-    grad = helper.make_node(
-        "PythonOpGrad",
-        ["ctx", "dy"],
-        ["dx"],
-        domain="com.microsoft",
-        func_name=CUBE,
-        output_convention="d",
-        output_tensor_requires_grads=[1],
-        inplace=1 if op == "PythonOpGrad" else 0,
-    )
+    grad = _cube_grad_node(inplace=1 if op == "PythonOpGrad" else 0)
     grad.name, fwd.name = "g", "f"
     model = _model([fwd, grad], [_vi("x"), _vi("dy")], [_vi("y"), _vi("dx")])
     name = "f" if op == "PythonOp" else "g"

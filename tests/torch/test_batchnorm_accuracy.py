@@ -59,6 +59,24 @@ def _worst(got: dict, want: dict) -> float:
     )
 
 
+def _export_training(net: nn.Module, x: torch.Tensor) -> onnx.ModelProto:
+    """``net`` exported by the TorchScript exporter in training mode, nothing folded."""
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            net,
+            (x,),
+            buf,
+            dynamo=False,
+            input_names=["x"],
+            output_names=["y"],
+            training=torch.onnx.TrainingMode.TRAINING,
+            do_constant_folding=False,
+        )
+    return onnx.load_from_string(buf.getvalue())
+
+
 @pytest.mark.parametrize(
     ("seed", "offset", "bn_first"),
     [(7, 1.0, False), (3, 1000.0, True)],
@@ -74,20 +92,7 @@ def test_conv_bn_relu_stack_float32_as_accurate_as_torch(seed, offset, bn_first)
     want = _grads(net64, x.double(), gy)
     torch32 = _grads(copy.deepcopy(net), x, gy)
 
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            copy.deepcopy(net),
-            (x,),
-            buf,
-            dynamo=False,
-            input_names=["x"],
-            output_names=["y"],
-            training=torch.onnx.TrainingMode.TRAINING,
-            do_constant_folding=False,
-        )
-    model = onnx.load_from_string(buf.getvalue())
+    model = _export_training(copy.deepcopy(net), x)
     ours = onnxgrad.gradients(model, {"x": x.numpy()}, {"y": gy.numpy()}, wrt=list(want))
     # measured: normalized input, torch 1.6e-6 and onnxgrad 1.1e-6 (before centering the forward,
     # the same); raw input of mean 1000, torch 1.2e-5 and onnxgrad 1.4e-5 (2.2e-1 when
@@ -107,19 +112,6 @@ def test_batch_norm_scale_gradient_of_a_channel_far_from_zero():
     gy = torch.randn(4, 8, 16, 16)
     want = _grads(copy.deepcopy(net).double(), x.double(), gy)
     torch32 = _grads(copy.deepcopy(net), x, gy)
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            net,
-            (x,),
-            buf,
-            dynamo=False,
-            input_names=["x"],
-            output_names=["y"],
-            training=torch.onnx.TrainingMode.TRAINING,
-            do_constant_folding=False,
-        )
-    ours = onnxgrad.gradients(onnx.load_from_string(buf.getvalue()), {"x": x.numpy()}, {"y": gy.numpy()})
+    ours = onnxgrad.gradients(_export_training(net, x), {"x": x.numpy()}, {"y": gy.numpy()})
     # measured: torch 2.5e-5, onnxgrad 1e-7 (7.3e-5 with the mean taken once)
     assert _worst(ours, want) <= 2 * _worst(torch32, want)
