@@ -396,3 +396,26 @@ def test_a_shape_rule_contradicting_the_traced_call_is_refused():
         r"returned shape \[3, 4\]",
     ):
         onnxgrad.export(_Apply(GeluWrongRule.apply), (torch.randn(3, 4),))
+
+
+class ScaleNewStyle(torch.autograd.Function):
+    """forward without ctx, setup_context, and a default argument (torch's newer convention)."""
+
+    @staticmethod
+    def forward(x, scale=2.5):
+        return x * scale
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.scale = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+def test_new_style_function_with_a_default_argument_exports_and_matches_eager(no_leaks):
+    torch.manual_seed(0)
+    model = compare_with_eager(_Apply(ScaleNewStyle.apply), torch.randn(3, 4))
+    (node,) = python_ops(model)
+    assert node_attributes(node)["input_float_scalars"] == [2.5]

@@ -15,6 +15,7 @@ import functools
 import inspect
 import io
 import threading
+import types
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -154,10 +155,16 @@ class _ExportState:
 
     def _patch(self, cls: type) -> None:
         own = cls.__dict__.get("forward")
-        if cls in self._patched or not isinstance(own, staticmethod):
+        function = own.__func__ if isinstance(own, staticmethod) else own
+        if cls in self._patched or not isinstance(function, types.FunctionType):
             return
         self._patched[cls] = own
-        cls.forward = staticmethod(functools.partial(self.forward, cls, own.__func__))
+
+        @functools.wraps(function)  # the signature apply binds default arguments with
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self.forward(cls, function, *args, **kwargs)
+
+        cls.forward = staticmethod(forward)
 
     def apply(self, cls: type, call: Any, *args: Any, **kwargs: Any) -> Any:
         """``cls.apply(*args)`` during the export (calls that look ``apply`` up)."""
@@ -211,6 +218,7 @@ class _ExportState:
                 raise
             except Exception as exc:
                 raise _inline_error(qualified_name(cls), exc) from exc
+            _tensor_outputs(qualified_name(cls), out)
             if node is not None and node.kind() == _SYMBOLIC:
                 _check_inlinable(qualified_name(cls), node)
             return out
