@@ -6,6 +6,14 @@ node tracing records for each ``Function.apply``): the chosen Functions become `
 PythonOp nodes carrying every attribute of the original schema, the others are inlined as usual,
 and the rest of the module is standard ONNX. Non-tensor arguments are stored by value (see
 :mod:`onnxgrad.model.pythonop_spec`); anything that cannot be is refused with :class:`PythonOpError`.
+
+A kept Function's ``forward`` runs with the tracer paused (as ORTModule's exporter did): its body
+never enters the trace, so bodies torch cannot trace (collectives, an ``OnnxModule``, captured
+parameters) export, and in-place writes do not leak into the outer graph; a write without
+``ctx.mark_dirty`` into a tensor the module reads again is refused. Reentrant
+``torch.utils.checkpoint`` exports its body as standard ONNX. The node's outputs keep their traced
+shapes in a static export, or the shapes the Function's ``infer_shape`` declares (ORTModule's
+convention). Every failure inside a Function during the export is a :class:`PythonOpError` naming it.
 """
 
 from __future__ import annotations
@@ -162,7 +170,13 @@ class _ExportState:
 
         @functools.wraps(function)  # the signature apply binds default arguments with
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return self.forward(cls, function, *args, **kwargs)
+            if torch._C._get_tracing_state() is None:
+                return function(*args, **kwargs)
+            try:
+                return self.forward(cls, function, *args, **kwargs)
+            except PythonOpError as exc:  # torch may wrap it on the way out: export raises this one
+                self.error = self.error or exc
+                raise
 
         cls.forward = staticmethod(forward)
 
@@ -196,7 +210,7 @@ class _ExportState:
         return out
 
     def forward(self, owner: type, original: Any, *args: Any, **kwargs: Any) -> Any:
-        """The ``forward`` of a Function class during the export.
+        """The ``forward`` of a Function class while torch traces the module.
 
         Called by ``apply`` while torch traces, after torch recorded the call as a ``prim::PythonOp``
         node: for a kept Function the body runs with the tracer paused, so nothing of it enters the
@@ -208,8 +222,6 @@ class _ExportState:
         new_style = _is_setup_context_defined(owner.setup_context)
         ctx = None if new_style or not args else args[0]
         cls = getattr(type(ctx), "_forward_cls", owner) if ctx is not None else owner
-        if tracing is None:
-            return original(*args, **kwargs)
         node = tracing.graph().insertPoint().prev()  # the prim::PythonOp of this call
         if not self.keeps(cls):
             try:
