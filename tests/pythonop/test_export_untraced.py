@@ -144,6 +144,59 @@ def test_onnx_module_inside_a_function_forward_and_backward(no_leaks):
     assert [n.op_type for n in model.graph.node] == ["Gemm", "PythonOp", "Gemm"]
 
 
+class OuterFunction(torch.autograd.Function):
+    """ORTModule's inner-module call: forward builds an OnnxModule (or not) and runs it; backward
+    runs it again under autograd. ``dim`` and ``use_onnx`` are constants of the node."""
+
+    inner_bytes: bytes = b""
+
+    @staticmethod
+    def forward(ctx, x, dim, use_onnx):
+        inner = _HalfSquare(dim)
+        ctx.inner = OnnxModule(OuterFunction.inner_bytes) if use_onnx else inner
+        ctx.save_for_backward(x)
+        return ctx.inner(x)
+
+    @staticmethod
+    def backward(ctx, dv):
+        (x,) = ctx.saved_tensors
+        y = x.detach().requires_grad_()
+        with torch.enable_grad():
+            z = ctx.inner(y)
+        z.backward(dv)
+        return y.grad.detach(), None, None
+
+
+class _HalfSquare(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x):
+        return 0.5 * x * x + self.bias
+
+
+class OuterModel(torch.nn.Module):
+    def __init__(self, dim: int, use_onnx: bool) -> None:
+        super().__init__()
+        self.dim, self.use_onnx = dim, use_onnx
+        self.bias = torch.nn.Parameter(torch.linspace(-1.0, 1.0, dim))
+
+    def forward(self, x):
+        return OuterFunction.apply(x + self.bias, self.dim, self.use_onnx)
+
+
+def test_onnx_module_built_in_forward_and_run_again_in_backward(no_leaks):
+    buf = io.BytesIO()
+    torch.onnx.export(_HalfSquare(3), (torch.randn(3),), buf, dynamo=False, input_names=["x"])
+    OuterFunction.inner_bytes = buf.getvalue()
+    x = torch.tensor([1.0, -1.0, 0.25])
+    for use_onnx in (False, True):
+        model = compare_with_eager(OuterModel(3, use_onnx), x)
+        attrs = node_attributes(python_ops(model)[0])
+        assert attrs["input_int_scalars"] == [3] and attrs["input_bool_scalars"] == [int(use_onnx)]
+
+
 # ---- in-place writes without mark_dirty (issue 21 item 7) ----------------------------------------------
 class AddScaledBiasInPlace(torch.autograd.Function):
     """ORTModule's InplaceUpdateInputNotAsOutputNotRequireGrad: writes into x without mark_dirty."""
