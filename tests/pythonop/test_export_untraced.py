@@ -18,6 +18,7 @@ import torch.utils.checkpoint
 import onnxgrad
 from onnxgrad.errors import PythonOpError
 from onnxgrad.model.pythonop_spec import node_attributes
+from onnxgrad.pythonop.executor import run_model
 from onnxgrad.torch import OnnxModule
 from tests.pythonop.functions import ReduceMarkDirty, ReduceModel, TensorParallel
 
@@ -472,3 +473,31 @@ def test_new_style_function_with_a_default_argument_exports_and_matches_eager(no
     model = compare_with_eager(_Apply(ScaleNewStyle.apply), torch.randn(3, 4))
     (node,) = python_ops(model)
     assert node_attributes(node)["input_float_scalars"] == [2.5]
+
+
+class NanToZeroCopy(torch.autograd.Function):
+    """Reads an input holding NaN without writing into it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.nan_to_num(x, nan=0.0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class NanModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return NanToZeroCopy.apply(x) * self.w + x.isnan().to(x.dtype)
+
+
+def test_an_input_holding_nan_is_not_taken_for_a_write():
+    x = torch.tensor([1.0, float("nan"), -2.0])
+    model = onnxgrad.export(NanModel(), (x,))
+    (out,) = run_model(model, {"x": x.numpy()}, training=False)
+    np.testing.assert_array_equal(out, [2.0, 1.0, -4.0])

@@ -257,7 +257,7 @@ class _ExportState:
                 k
                 for k, t in enumerate(tensors)
                 if not any(t is d for d in dirty)
-                and (t._version != versions[k] or not torch.equal(t.detach(), before[k]))
+                and (t._version != versions[k] or not _same(t.detach(), before[k]))
             ]
             call = _Call(cls, inputs, outs, mutated)  # reads sizes: not while tracing
         finally:
@@ -346,6 +346,13 @@ def _checkpoint_function() -> type | None:
     import torch.utils.checkpoint
 
     return getattr(torch.utils.checkpoint, "CheckpointFunction", None)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal data, NaN equal to NaN (a NaN left in place is not a write)."""
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
 
 
 def _tensor_outputs(name: str, out: Any) -> list[torch.Tensor]:
