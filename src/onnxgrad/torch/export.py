@@ -223,6 +223,8 @@ class _ExportState:
         ctx = None if new_style or not args else args[0]
         cls = getattr(type(ctx), "_forward_cls", owner) if ctx is not None else owner
         node = tracing.graph().insertPoint().prev()  # the prim::PythonOp of this call
+        if node is None or node.kind() != _SYMBOLIC:  # forward called directly, not by apply
+            return original(*args, **kwargs)
         if not self.keeps(cls):
             try:
                 out = original(*args, **kwargs)
@@ -231,8 +233,7 @@ class _ExportState:
             except Exception as exc:
                 raise _inline_error(qualified_name(cls), exc) from exc
             _tensor_outputs(qualified_name(cls), out)
-            if node is not None and node.kind() == _SYMBOLIC:
-                _check_inlinable(qualified_name(cls), node)
+            _check_inlinable(qualified_name(cls), node)
             return out
         name = qualified_name(cls)
         inputs = args if ctx is None else args[1:]
@@ -262,9 +263,8 @@ class _ExportState:
             call = _Call(cls, inputs, outs, mutated)  # reads sizes: not while tracing
         finally:
             torch._C._set_tracing_state(tracing)
-        if node is not None and node.kind() == _SYMBOLIC:
-            node.i_(_CALL_ATTR, len(self.calls))
-            self.calls.append(call)
+        node.i_(_CALL_ATTR, len(self.calls))
+        self.calls.append(call)
         # When apply returns, torch copies the nodes traced since the call into the node as its body
         # (unused here) and reads each new output's trace for that copy: one placeholder each, a
         # dead constant once torch points the output at the node.
