@@ -21,7 +21,7 @@ import math
 import numbers
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from .model.infer import infer_value_infos
 from .model.load import CheckedModel, load_checked
 from .runtime.runner import default_options, make_session
 from .train.losses import add_loss, keep_outputs, with_parameters
+from .train.optim import Optimizer
 from .train.trainer import Callback, History, Trainer
 
 __all__ = ["OnnxClassifier", "OnnxRegressor", "to_onnx_model"]
@@ -105,7 +106,7 @@ class _OnnxEstimator(BaseEstimator):
         model: Any = None,
         *,
         output: str | None = None,
-        optimizer: str = "adam",
+        optimizer: str | Callable[[dict[str, np.ndarray]], Optimizer] = "adam",
         lr: float = 1e-3,
         max_iter: int = 200,
         tol: float = 1e-4,
@@ -328,7 +329,7 @@ class _OnnxEstimator(BaseEstimator):
         trainer = Trainer(
             CheckedModel(with_parameters(CheckedModel(self._train_model_), weights)),
             optimizer=self.optimizer,
-            lr=self.lr,
+            lr=None if _is_factory(self.optimizer) else self.lr,  # a factory sets its own
             batch_size=self._batch_size(n_samples),
             shuffle=self.shuffle,
             seed=self.random_state,
@@ -428,7 +429,9 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
     consecutive epochs; with ``early_stopping``, ``validation_fraction`` of the samples are set
     aside and their R² is watched instead, and the weights of the best epoch are kept. ``epochs``:
     exactly that many epochs per ``fit``, no convergence test (what earlier versions did).
-    ``batch_size="auto"`` is ``min(200, n_samples)``.
+    ``batch_size="auto"`` is ``min(200, n_samples)``. ``optimizer``: ``"adam"``, ``"sgd"``,
+    ``"adamw"``, or a factory ``params -> Optimizer`` that sets its own learning rate (``lr`` is then
+    unused), such as ``functools.partial(onnxgrad.train.ElasticPenalty, lr=0.01, l1=1e-4, l2=1e-4)``.
 
     Fitted attributes: ``onnx_model_``, ``loss_curve_`` (the training loss of each epoch: the mean
     squared error for ``"mse"``, where MLPRegressor records half of it), ``best_loss_`` (``None``
@@ -442,7 +445,7 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
         *,
         loss: str = "mse",
         output: str | None = None,
-        optimizer: str = "adam",
+        optimizer: str | Callable[[dict[str, np.ndarray]], Optimizer] = "adam",
         lr: float = 1e-3,
         max_iter: int = 200,
         tol: float = 1e-4,
@@ -529,7 +532,7 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
         *,
         output: str | None = None,
         scores: str = "auto",
-        optimizer: str = "adam",
+        optimizer: str | Callable[[dict[str, np.ndarray]], Optimizer] = "adam",
         lr: float = 1e-3,
         max_iter: int = 200,
         tol: float = 1e-4,
@@ -634,6 +637,11 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
 
     def _score_predictions(self, y: np.ndarray, pred: np.ndarray, w: Any) -> float:
         return float(accuracy_score(y, pred, sample_weight=w))
+
+
+def _is_factory(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a factory ``params -> Optimizer`` (not a name, not a class)."""
+    return callable(optimizer) and not isinstance(optimizer, str | type)
 
 
 def _integer(value: Any) -> bool:
