@@ -120,8 +120,10 @@ class OrtGradientForwardBackwardFunction:
     ) -> OrtValueVector | list[ort.OrtValue]:
         """Run the model on ``inputs``: the features (``_input_names``) then the weights
         (``_weights_to_train``), as numpy arrays or OrtValues. Returns one OrtValue per output
-        (``.numpy()`` gives the array) in an :class:`OrtValueVector`, as the original did, or in
-        ``forward_outputs_cache`` when one is given (a list or an ``OrtValueVector``).
+        (``C.OrtValue``; ``.numpy()`` gives the array) in an :class:`OrtValueVector`, as the
+        original did, or in ``forward_outputs_cache`` when one is given (a list or an
+        ``OrtValueVector``), which is overwritten as the original overwrote it (see
+        :func:`~onnxgrad.compat.values.fill`).
 
         With ``training``, what the backward needs is pushed on this instance's stack.
         """
@@ -150,8 +152,9 @@ class OrtGradientForwardBackwardFunction:
         self, grad_outputs: Sequence[Any], backward_outputs_cache: Any = None
     ) -> OrtValueVector | list[ort.OrtValue | None]:
         """Gradients for the latest pending training forward (LIFO), given one gradient per
-        output (``None`` counts as zeros). Returns an :class:`OrtValueVector` (as the original
-        did; or ``backward_outputs_cache`` filled) with one OrtValue per forward input: the
+        output (``None`` counts as zeros; a gradient with the output's number of values in another
+        shape is reshaped, as the original did). Returns an :class:`OrtValueVector` (as the
+        original did; or ``backward_outputs_cache`` overwritten) with one OrtValue per forward input: the
         features first, then the weights (``None`` for a non-float feature).
         """
         cls = type(self)
