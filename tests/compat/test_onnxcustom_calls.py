@@ -71,6 +71,28 @@ def test_caches_are_overwritten_not_appended(linear, kind):
         assert_grads(gradient, expected_grads(x, w, g))
 
 
+def test_previous_result_as_cache(linear):
+    """What onnxcustom's loop does: the vectors the previous calls returned come back as caches.
+    Before the fix, the prediction was appended (the old one read first) and 6 gradients came
+    back for 3 inputs."""
+    fb, X, _, coef, intercept = linear
+    fn = fb.new_instance()
+    x0, x1 = X[:8], X[8:16]
+    prediction = fn.forward([x0, coef, intercept], training=True)
+    gradient = fn.backward([np.ones((8, 1), np.float32)])
+    old = prediction[0].numpy().copy()
+    view = prediction[0].numpy()  # shares the value's buffer
+    again = fn.forward([x1, coef, intercept], training=True, forward_outputs_cache=prediction)
+    assert again is prediction and len(prediction) == 1
+    np.testing.assert_allclose(prediction[0].numpy(), x1 @ coef + intercept, rtol=1e-5, atol=1e-4)
+    assert not np.allclose(prediction[0].numpy(), old)
+    # written in place, as the original's agent wrote into the cache: the earlier view changed too
+    np.testing.assert_array_equal(view, prediction[0].numpy())
+    g = np.full((8, 1), 2.0, np.float32)
+    assert fn.backward([g], backward_outputs_cache=gradient) is gradient and len(gradient) == 3
+    assert_grads(gradient, expected_grads(x1, coef, g))
+
+
 def test_a_bare_vector_with_other_shapes_is_refused(linear):
     """onnxruntime's own vector can only be rewritten in place: a smaller last batch does not fit
     in the buffers of the previous one, and the error says what to pass instead."""

@@ -161,7 +161,9 @@ def fill(cache: Any, values: list[Any]) -> Any:
     an onnxruntime ``C.OrtValueVector`` (what onnxcustom's own loop passed) is filled when empty,
     and overwritten in place when it holds as many tensors of the same types and shapes (the
     original's agents wrote into it the same way). Any other C vector cannot be rewritten from
-    Python: :class:`~onnxgrad.errors.InputError` says so.
+    Python: :class:`~onnxgrad.errors.InputError` says so. Written in place, the old values' buffers
+    receive the new data: arrays read from them before with ``.numpy()`` (which share them) change
+    too, as they did with the original; copy them to keep them.
     """
     if cache is None:
         return OrtValueVector(values)
