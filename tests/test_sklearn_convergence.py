@@ -157,7 +157,9 @@ def test_epochs_runs_exactly_that_many(diabetes):
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConvergenceWarning)
         reg = OnnxRegressor(start, epochs=3, tol=1e9, n_iter_no_change=1).fit(X_tr, y_tr)
-    assert reg.n_iter_ == 3
+    assert reg.n_iter_ == 3 and reg.best_loss_ == min(reg.loss_curve_)
+    assert reg.validation_scores_ is None and reg.best_validation_score_ is None
+    assert reg.partial_fit(X_tr, y_tr).n_iter_ == 4 and reg.best_loss_ == min(reg.loss_curve_)
     warm = OnnxRegressor(start, max_iter=5, warm_start=True)
     with pytest.warns(ConvergenceWarning, match=r"Maximum iterations \(5\)"):
         warm.fit(X_tr, y_tr)

@@ -168,6 +168,7 @@ class _OnnxEstimator(BaseEstimator):
         self.trainer_ = self._make_trainer(start, resume=warm, n_samples=len(X))
         if self.epochs is not None:  # a fixed number of epochs: no convergence test
             self._train(X, y, sample_weight, epochs=self.epochs)
+            self._without_validation()
         else:
             self._fit_until_converged(X, y, sample_weight)
         return self
@@ -273,7 +274,13 @@ class _OnnxEstimator(BaseEstimator):
             if getattr(self, "trainer_", None) is None:  # unpickled: rebuild from the trained model
                 self.trainer_ = self._make_trainer(self.onnx_model_, resume=True)
         self._train(X, y, sample_weight, epochs=1)
+        self._without_validation()
         return self
+
+    def _without_validation(self) -> None:
+        """The stopping attributes of a run that watched nothing: the best loss of the curve."""
+        self.best_loss_ = min(self.loss_curve_)
+        self.validation_scores_ = self.best_validation_score_ = None
 
     def _check_X(self, X: Any, reset: bool) -> np.ndarray:
         X = check_array(X, dtype=None, ensure_2d=True)
