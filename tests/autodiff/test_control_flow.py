@@ -124,6 +124,22 @@ def test_if_branch_passing_an_outer_value_through():
         check(model, {"x": np.array([0.5, -1.5]), "c": np.array(taken)})
 
 
+def test_if_branch_output_named_like_the_if_output():
+    # optimum's merged decoders name a branch output after the If output ('present.1.value'); the
+    # backward reads that output (tanh's y) under the same name: no Identity(y -> y), no false cycle
+    def branch(name: str, op: str) -> onnx.GraphProto:
+        return graph(name, [node(op, ["x", "W"], ["z"]), node("Tanh", ["z"], ["y"])], [], [vi("y", F64, [3])])
+
+    model = make_model(
+        [node("If", ["c"], ["y"], then_branch=branch("then", "Mul"), else_branch=branch("else", "Add"))],
+        [("x", np.float64, [3]), ("c", np.bool_, [])],
+        [("y", np.float64, [3])],
+        {"W": np.array([0.5, -1.0, 2.0])},
+    )
+    for taken in (True, False):
+        check(model, {"x": np.array([0.3, -0.2, 0.7]), "c": np.array(taken)})
+
+
 def test_if_branch_with_dynamic_shapes():
     # the then-branch's ReduceSum needs the shape of exp(x), known only at run time: computed in the
     # forward branch and exported through the If like any value the backward reads
