@@ -31,8 +31,9 @@ from .autodiff import build_gradient, rules_table, supported_ops
 from .autodiff.params import padding_rows, select_parameters
 from .autodiff.registry import lookup
 from .errors import InputError, OnnxGradError
-from .model.graph import opset_of, value_info_from_proto
+from .model.graph import dtype_name, opset_of, value_info_from_proto
 from .model.load import CheckedModel, load_checked, load_model
+from .runtime.values import check_input
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -492,6 +493,14 @@ def _checked_shapes(model: onnx.ModelProto, specs: Sequence[str]) -> dict[str, t
     unknown = [n for n in shapes if n not in inputs]
     if unknown:
         raise InputError(f"--shape names {unknown}, which are not inputs of the model ({inputs})")
+    declared = {vi.name: value_info_from_proto(vi) for vi in model.graph.input}
+    for name, shape in shapes.items():
+        info = declared.get(name)
+        if info is not None:
+            try:
+                check_input(name, dtype_name(info.dtype), shape, info)
+            except InputError as exc:
+                raise InputError(f"--shape {name}={','.join(map(str, shape))}: {exc}") from None
     return shapes
 
 
@@ -536,7 +545,8 @@ def _check(args: argparse.Namespace) -> int:
         whole = check_gradients(checked, feeds, max_elements=args.max_elements, seed=args.seed, **tolerances)
         worst = max(whole.max_error.values(), default=0.0)
         dtypes = sorted({str(v.dtype) for k, v in feeds.items() if v.dtype.kind == "f"}) or ["-"]
-        status = "ok" if whole.ok else "FAIL"
+        status = "FAIL" if not whole.ok else "NONDIFF" if whole.nondiff else "ok"
+        status += f" ({whole.nondiff_note()})" if whole.nondiff else ""
         rows.append(("whole model", "-", f"{'/'.join(dtypes)} onnxruntime", f"{worst:.2e}", status))
         if not whole.ok:
             details.append(("whole model", whole.report()))
@@ -548,7 +558,18 @@ def _check(args: argparse.Namespace) -> int:
         print(f"\n{title}:\n{report}")
     failed = sum(r[4].startswith("FAIL") for r in rows)
     skipped = sum(r[4].startswith("skipped") for r in rows)
-    print(f"\n{len(rows)} checks: {len(rows) - failed - skipped} ok, {failed} failed, {skipped} skipped")
+    nondiff = sum(r[4].startswith("NONDIFF") for r in rows)
+    kinks = f"{nondiff} not differentiable at some probed elements, " if nondiff else ""
+    print(
+        f"\n{len(rows)} checks: {len(rows) - failed - skipped - nondiff} ok, {kinks}{failed} failed, "
+        f"{skipped} skipped"
+    )
+    if nondiff:
+        print(
+            "NONDIFF: at those elements the function has a kink within the finite-difference step (a "
+            "ReLU zero, a pooling or argmax tie) and the gradient lies between the one-sided slopes; "
+            "the other elements agree. Another --seed probes other points."
+        )
     return 1 if failed else 0
 
 
