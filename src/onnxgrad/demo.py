@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .model.graph import ir_version_for
 from .runtime.runner import make_session
 from .train import Trainer
+from .train.trainer import accuracy
 
 DEFAULT_PATH = os.path.join("out", "digits_mlp.onnx")
 INPUT, LOGITS = "pixels", "logits"
@@ -122,11 +123,6 @@ def load_digits_split(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     y = data.target.astype(np.int64)
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, stratify=y, random_state=seed)
     return x_tr, x_te, y_tr, y_te
-
-
-def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
-    """Fraction of rows whose largest logit is the label."""
-    return float(np.mean(np.argmax(logits, axis=1) == labels))
 
 
 def main(
