@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -379,6 +380,10 @@ class Trainer:
             one_graph_step(fb, self.optimizer, loss_name) if one_graph and not two_sessions else None
         )
         self.updates = 0  # optimizer updates made by this trainer's fit runs
+        # what the caller wants a checkpoint to record about the run (data file, split...): compared
+        # on resume with the rest of setup()
+        self.run_info: dict[str, Any] = {}
+        self.changed_since_checkpoint: dict[str, tuple[Any, Any]] = {}
 
     @property
     def step_path(self) -> str:
@@ -426,6 +431,14 @@ class Trainer:
         val = as_feeds(val_data, self.inputs) if val_data is not None else None
         if resume is not None:
             self.load_checkpoint(resume)
+            if self.changed_since_checkpoint:
+                changes = "; ".join(
+                    f"{k} {a!r} -> {b!r}" for k, (a, b) in self.changed_since_checkpoint.items()
+                )
+                warnings.warn(
+                    f"resuming {os.fspath(resume)!r} with settings changed since the checkpoint: {changes}",
+                    stacklevel=2,
+                )
         self.has_validation = val is not None
         self.stop_training = False
         if self.plateau is not None and self.plateau.monitor.startswith("val_") and val is None:
@@ -630,7 +643,10 @@ class Trainer:
         self.rng.bit_generator.state = state["rng"]
         self.history = History(state["history"])
         self.epoch = int(state["epoch"])
-        self.resumed_setup = state.get("setup")
+        before, now = state.get("setup") or {}, self.setup()
+        self.changed_since_checkpoint = {
+            k: (before[k], now.get(k)) for k in before if _plain(before[k]) != _plain(now.get(k))
+        }
 
     def setup(self) -> dict[str, Any]:
         """The settings a checkpoint records so that a resumed run can say what changed: batch size,
@@ -642,12 +658,13 @@ class Trainer:
             if isinstance(v, int | float | bool | tuple) and k not in ("iterations", "lr")
         }
         return {
+            **self.run_info,
             "batch_size": self.batch_size,
             "accumulate": self.accumulate,
             "clip_norm": self.clip_norm,
             "clip_value": self.clip_value,
             "optimizer": type(opt).__name__,
-            "lr": float(opt.schedule(0)),
+            "lr": _base_lr(opt.schedule),
             "schedule": type(opt.schedule).__name__,
             **{f"optimizer.{k}": list(v) if isinstance(v, tuple) else v for k, v in sorted(options.items())},
         }
@@ -691,8 +708,17 @@ def _plateau(schedule: Any) -> ReduceLROnPlateau | None:
     return schedule if isinstance(schedule, ReduceLROnPlateau) else None
 
 
+def _base_lr(schedule: Any) -> float:
+    """The learning rate a schedule starts from (after its warm-up), for comparing two setups."""
+    if isinstance(schedule, LinearWarmup):
+        schedule = schedule.after
+    return float(schedule.lr) if isinstance(getattr(schedule, "lr", None), float) else float(schedule(0))
+
+
 def _plain(value: Any) -> Any:
-    """A history value as JSON or CSV writes it (numpy scalars as Python numbers)."""
+    """A value as JSON or CSV writes it (numpy scalars as Python numbers, tuples as lists)."""
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
     return value.item() if isinstance(value, np.generic) else value
 
 
