@@ -157,3 +157,21 @@ def test_a_wrong_shape_is_one_line(cnn_path, capsys, shape, message, command):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("onnxgrad: error: ")
     assert re.search(message, err)
+
+
+def test_a_wrong_value_between_the_slopes_at_a_kink_still_fails(monkeypatch):
+    """At x = 0 a quarter of the gradient lies between the one-sided slopes (0 and the cotangent) but
+    is neither: a mismatch, not NONDIFF. Elsewhere the rule is right."""
+    supported_ops()
+
+    def quarter_at_zero(g, n):
+        dx = g.Where(g.Greater(n.x, 0.0), n.dy, n.dy * 0.0)
+        return [g.Where(g.Equal(n.x, 0.0), n.dy * 0.25, dx)]
+
+    monkeypatch.setitem(
+        registry._RULES, ("", "Relu"), [registry.Rule("Relu", "", 1, quarter_at_zero, "rule")]
+    )
+    x = np.array([[0.0, 1.0, -2.0], [0.5, 0.0, -0.3]])
+    result = check_gradients(relu_model(), {"in0": x})
+    assert sorted(m.index for m in result.mismatches) == [(0, 0), (1, 1)]
+    assert result.nondiff == []

@@ -220,11 +220,13 @@ def check_gradients(
     Tolerances default to float64 ones; float32 models get looser defaults.
 
     An element whose central difference disagrees is tested for a kink within the step (a ReLU zero,
-    a pooling or argmax tie, where the central difference is the mean of two different slopes): when
-    the one-sided slopes ``(f(x+h) - f(x)) / h`` and ``(f(x) - f(x-h)) / h`` disagree beyond the
-    tolerance and the analytic gradient lies between them (within the tolerance), the element is
-    recorded in ``nondiff``, not as a mismatch. A wrong gradient at a smooth point still fails: there
-    both slopes are within ``O(h)`` of the true gradient.
+    a pooling or argmax tie, where the central difference averages two slopes): the one-sided slopes
+    ``(f(x+h) - f(x)) / h`` and ``(f(x) - f(x-h)) / h`` and the central difference at ``h / 2`` are
+    computed; when the function is not smooth within the step (the two slopes disagree, or the
+    central differences at ``h`` and ``h / 2`` do) and the analytic gradient is one of the one-sided
+    slopes (at ``h`` or ``h / 2``) or the central difference at ``h / 2``, the element goes to
+    ``nondiff``, not to the mismatches. A wrong gradient at a smooth point still fails (there both
+    slopes and both central differences agree), and so does one at a kink that is none of the slopes.
     """
     checked = load_checked(model)
     proto = checked.proto
@@ -260,8 +262,27 @@ def check_gradients(
     result = GradCheckResult(analytic=analytic, numeric={})
     at_x: list[float] = []  # f(x), computed on the first kink test
 
-    def close(a: float, b: float, scale: float) -> bool:
-        return abs(a - b) <= atol + rtol * scale
+    def kink(vals: dict[str, np.ndarray], w: str, idx: tuple, f_plus: float, f_minus: float, a: float) -> Any:
+        """``(left, right)`` slopes when element ``idx`` of ``w`` is not differentiable within the
+        step and ``a`` is one of its one-sided slopes (at ``eps`` or ``eps / 2``), else ``None``."""
+        if not at_x:
+            at_x.append(loss(vals))
+        f0, base = at_x[0], vals[w]
+        slopes = []
+        for step, (fp, fm) in ((eps, (f_plus, f_minus)), (eps / 2, (None, None))):
+            plus, minus = base.copy(), base.copy()
+            plus[idx] += step
+            minus[idx] -= step
+            if fp is None:
+                fp, fm = loss({**vals, w: plus}), loss({**vals, w: minus})
+            hp, hm = float(plus[idx] - base[idx]), float(base[idx] - minus[idx])  # as the dtype has them
+            slopes.append(((f0 - fm) / hm, (fp - f0) / hp, (fp - fm) / (hp + hm)))
+        (left, right, central), (left2, right2, central2) = slopes
+        tol = atol + rtol * max(abs(left), abs(right), abs(central))
+        smooth = abs(left - right) <= tol and abs(central - central2) <= tol
+        if smooth or not any(abs(a - s) <= tol for s in (left, right, left2, right2, central2)):
+            return None
+        return left, right
 
     for w in graphs.grad_outputs:
         base = values[w]
@@ -280,21 +301,13 @@ def check_gradients(
             a = float(analytic[w][idx])
             err = abs(a - num[idx])
             where = tuple(int(i) for i in idx)
-            if np.isfinite(a) and not err <= atol + rtol * abs(num[idx]):
-                if not at_x:
-                    at_x.append(loss(values))
-                # the steps as the dtype represents them
-                right = (f_plus - at_x[0]) / float(plus[idx] - base[idx])
-                left = (at_x[0] - f_minus) / float(base[idx] - minus[idx])
-                scale = max(abs(left), abs(right))
-                if not close(left, right, scale) and min(left, right) - (atol + rtol * scale) <= a <= max(
-                    left, right
-                ) + (atol + rtol * scale):
-                    result.nondiff.append(NonDifferentiable(w, where, a, float(num[idx]), left, right))
-                    continue
-            worst = max(worst, err)
             if not np.isfinite(a) or err > atol + rtol * abs(num[idx]):
+                sides = kink(values, w, idx, f_plus, f_minus, a) if np.isfinite(a) else None
+                if sides is not None:
+                    result.nondiff.append(NonDifferentiable(w, where, a, float(num[idx]), *sides))
+                    continue
                 result.mismatches.append(Mismatch(w, where, a, float(num[idx])))
+            worst = max(worst, err)
         result.numeric[w] = num
         result.max_error[w] = worst
         result.probed[w] = len(flat_idx)
