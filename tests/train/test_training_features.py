@@ -242,3 +242,19 @@ def test_step_hook_counts_updates_on_the_one_graph_path():
     trainer.fit(regression_data(24), epochs=2)
     assert trainer.step_path == "one graph"
     assert [s for s, _ in seen] == list(range(1, 7)) and {lr for _, lr in seen} == {0.01}
+
+
+def test_resuming_with_other_settings_warns_with_both_values(tmp_path):
+    data = regression_data(32)
+    first = Trainer(linear(), loss="mse", optimizer="sgd", lr=0.05, batch_size=16, progress=False)
+    first.fit(data, epochs=1, checkpoint=tmp_path / "c.npz")
+    same = Trainer(linear(), loss="mse", optimizer="sgd", lr=0.05, batch_size=16, progress=False)
+    same.load_checkpoint(tmp_path / "c.npz")
+    assert same.changed_since_checkpoint == {}
+    other = Trainer(
+        linear(), loss="mse", optimizer="sgd", lr=0.1, batch_size=8, clip_norm=1.0, progress=False
+    )
+    with pytest.warns(UserWarning, match=r"settings changed since the checkpoint: batch_size 16 -> 8; "
+                      r"clip_norm None -> 1\.0; lr 0\.05 -> 0\.1"):  # fmt: skip
+        other.fit(data, epochs=2, resume=tmp_path / "c.npz")
+    assert other.epoch == 2
