@@ -310,3 +310,68 @@ def test_opset_and_ir_version(opset, step_opset, ir, tmp_path):
     data = digits_like()
     first = runner.step({k: v[:BATCH] for k, v in data.items()})
     assert np.isfinite(first)
+
+
+# ---- the batch is checked, the runner describes itself ------------------------------------------
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        (
+            {"pixels": np.zeros((4, 7), np.float32), "target": np.zeros(4, np.int64)},
+            r"input 'pixels' has shape \(4, 7\), the model expects \(N, 8\) \(dimension 1 must be 8\)",
+        ),
+        (
+            {"pixels": np.zeros((4, 8, 1), np.float32), "target": np.zeros(4, np.int64)},
+            r"input 'pixels' has rank 3 \(shape \(4, 8, 1\)\), the model expects rank 2",
+        ),
+        (
+            {"pixels": np.zeros((4, 8), np.float32), "target": np.zeros(3, np.int64)},
+            r"inputs 'pixels' and 'target' disagree on dimension 'N': 'pixels' has 4 \(shape \(4, 8\)\), "
+            r"'target' has 3 \(shape \(3,\)\)",
+        ),
+        (
+            {"pixels": np.zeros((4, 8), np.float32), "target": np.zeros(4, np.float64)},
+            r"batch input 'target' has dtype float64, the step expects int64 \(shape \(N,\)\)",
+        ),
+    ],
+)
+def test_a_wrong_batch_is_an_input_error_naming_the_input(tmp_path, batch, message):
+    """Before: onnxruntime's raw 'Got invalid dimensions' / broadcast failure in the loss."""
+    generate(small_mlp(), loss="cross_entropy", out_dir=tmp_path)
+    runner = Runner(tmp_path)
+    with pytest.raises(InputError, match=message):
+        runner.step(batch)
+    with pytest.raises(InputError, match=message):
+        runner.evaluate(batch)
+    assert runner.iterations == 0
+    # a safe cast is still taken: float64 pixels, int32 targets
+    loss = runner.step({"pixels": np.zeros((4, 8)), "target": np.zeros(4, np.int32)})
+    assert loss == pytest.approx(np.log(4), rel=1e-3)  # zero pixels: the logits are the bias, near 0
+
+
+def test_reprs_say_what_the_object_holds(tmp_path):
+    from onnxgrad import ForwardBackward, build_gradient
+
+    model = small_mlp()
+    generate(model, loss="cross_entropy", optimizer="sgd", lr=0.1, out_dir=tmp_path)
+    assert repr(Runner(tmp_path)) == (
+        f"Runner({str(tmp_path)!r}, batch=(pixels: (N, 8), target: (N,)), parameters=4 tensors "
+        "(212 values), optimizer=sgd, lr=0.1, step=0, outputs=['loss', 'logits'])"
+    )
+    assert repr(ForwardBackward(model)) == (
+        "ForwardBackward(inputs=(pixels: (N, 8)), outputs=['logits'], parameters=4 tensors (212 values), "
+        "inputs_requiring_grad=[])"
+    )
+    assert repr(build_gradient(model, inputs_requiring_grad=["pixels"])) == (
+        "GradientGraphs(inputs=['pixels'], outputs=['logits'], trainable=4 tensors, "
+        "inputs_requiring_grad=['pixels'], saved=4 values, forward=3 nodes, backward=11 nodes)"
+    )
+
+
+def test_forward_backward_checks_that_the_batch_dimensions_agree():
+    from onnxgrad import ForwardBackward
+    from onnxgrad.train import add_loss
+
+    fb = ForwardBackward(add_loss(small_mlp(), "cross_entropy"), outputs=["loss"])
+    with pytest.raises(InputError, match=r"inputs 'pixels' and 'target' disagree on dimension 'N'"):
+        fb.forward({"pixels": np.zeros((4, 8), np.float32), "target": np.zeros(3, np.int64)})
