@@ -25,14 +25,17 @@ from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.autodiff.rules import resample  # noqa: F401  (registers the rules until rules/__init__ does)
 from onnxgrad.errors import GradientNotImplementedError
-from onnxgrad.testing import check_gradients, check_op, node_model, run_gradients, run_model
+from onnxgrad.testing import (
+    assert_allclose_scaled,
+    check_gradients,
+    check_op,
+    node_model,
+    run_gradients,
+    run_model,
+)
+from tests.autodiff.random_data import rnd, rng  # one generator per test (conftest.py)
 
-RNG = np.random.default_rng(11)
 F32 = np.float32
-
-
-def rnd(*shape: int, dtype: Any = np.float64) -> np.ndarray:
-    return RNG.standard_normal(shape).astype(dtype)
 
 
 def f32(*values: float) -> np.ndarray:
@@ -77,10 +80,10 @@ def check_adjoint(model: onnx.ModelProto, x: np.ndarray, extra: dict[str, np.nda
     feeds = {"in0": basis, **(extra or {})}
     out = run_model(graphs.forward)(feeds)["out0"]
     jac = out.reshape(size, -1).T.astype(np.float64)  # (outputs of one item, inputs of one item)
-    cot = RNG.standard_normal(out.shape).astype(x.dtype)
+    cot = rng().standard_normal(out.shape).astype(x.dtype)
     _, res = testing.run_gradients(graphs, feeds, {"out0": cot})
     expected = cot.reshape(size, -1).astype(np.float64) @ jac
-    np.testing.assert_allclose(res["in0"].reshape(size, -1), expected, rtol=1e-5, atol=1e-5)
+    assert_allclose_scaled(res["in0"].reshape(size, -1), expected, rtol=1e-5)
 
 
 def gradients(
@@ -89,7 +92,7 @@ def gradients(
     """Output 0, a random cotangent and the gradients of every input."""
     graphs = build_gradient(model, trainable=[], inputs_requiring_grad=list(feeds))
     out = run_model(graphs.forward, backend)(feeds)["out0"]
-    cot = RNG.standard_normal(out.shape)
+    cot = rng().standard_normal(out.shape)
     _, res = testing.run_gradients(graphs, feeds, {"out0": cot}, backend)
     return out, cot, res
 
@@ -516,7 +519,7 @@ def grid_inputs(n_spatial: int, dtype: Any = np.float64) -> tuple[np.ndarray, np
     """X (2, 2, 4, 5[, 3]) and a grid reaching past the borders (for the padding modes)."""
     x = rnd(2, 2, 4, 5, 3, dtype=dtype)[..., : 3 if n_spatial == 3 else 1]
     x = x[..., 0] if n_spatial == 2 else x
-    grid = RNG.uniform(-1.4, 1.4, (2, 3, 2, *(() if n_spatial == 2 else (2,)), n_spatial)).astype(dtype)
+    grid = rng().uniform(-1.4, 1.4, (2, 3, 2, *(() if n_spatial == 2 else (2,)), n_spatial)).astype(dtype)
     return np.ascontiguousarray(x), grid
 
 
