@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import InputError
 from .schedules import LearningRate, as_schedule
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "clip_grad_norm", "clip_grad_value"]
 
 
 class Optimizer:
@@ -235,6 +235,53 @@ class AdamW(Adam):
         if self.weight_decay:
             p *= 1.0 - self.lr * self.weight_decay
         self._adam(name, p, grad)
+
+
+# ---- gradient clipping -------------------------------------------------------------------------
+def clip_grad_norm(grads: dict[str, np.ndarray], max_norm: float, norm_type: float = 2.0) -> float:
+    """Scale every gradient of ``grads`` by one factor so that their global norm is at most
+    ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``; returns the global norm before clipping.
+
+    The global norm is the ``norm_type``-norm of the per-gradient norms (``inf``: the largest
+    absolute value); the factor is ``max_norm / (norm + 1e-6)`` when below 1. Arrays are scaled in
+    place (a read-only one is replaced in ``grads`` by a scaled copy). A non-finite norm raises
+    :class:`InputError`: scaling by it would turn every gradient into NaN.
+    """
+    _check_positive(max_norm=max_norm, norm_type=norm_type)
+    if not grads:
+        return 0.0
+    if math.isinf(norm_type):
+        total = max(float(np.max(np.abs(g))) if g.size else 0.0 for g in grads.values())
+    else:
+        norms = [np.linalg.norm(g.ravel().astype(np.float64), ord=norm_type) for g in grads.values()]
+        total = float(np.linalg.norm(np.asarray(norms), ord=norm_type))
+    if not math.isfinite(total):
+        raise InputError(f"the gradients' global norm is {total}: they cannot be clipped")
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for name, g in grads.items():
+            if g.flags.writeable:
+                g *= coef
+            else:
+                grads[name] = g * np.asarray(coef, dtype=g.dtype)
+    return total
+
+
+def clip_grad_value(grads: dict[str, np.ndarray], clip_value: float) -> None:
+    """Clip every gradient element to ``[-clip_value, clip_value]``, as
+    ``torch.nn.utils.clip_grad_value_`` (in place; a read-only array is replaced by a clipped copy)."""
+    _check_positive(clip_value=clip_value)
+    for name, g in grads.items():
+        if g.flags.writeable:
+            np.clip(g, -clip_value, clip_value, out=g)
+        else:
+            grads[name] = np.clip(g, -clip_value, clip_value)
+
+
+def _check_positive(**values: float) -> None:
+    for key, value in values.items():
+        if not value > 0:
+            raise InputError(f"{key} must be > 0, got {value}")
 
 
 class ElasticPenalty(Optimizer):
