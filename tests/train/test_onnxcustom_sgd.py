@@ -123,8 +123,10 @@ def test_elastic_penalty_step_is_onnxcustoms_update():
     assert set(adam.state_dict()["state"]["W"]) == {"step", "exp_avg", "exp_avg_sq"}  # Adam's state
 
 
-def test_elastic_penalty_bad_arguments():
+def test_elastic_penalty_defaults_and_bad_arguments():
     p = {"W": np.zeros(3, np.float32)}
+    default = ElasticPenalty(p, lr=0.1)  # what onnxcustom's functions applied: 0.01 each
+    assert (default.l1, default.l2, type(default.inner)) == (0.01, 0.01, SGD)
     with pytest.raises(InputError, match="l1 must be >= 0, got -1"):
         ElasticPenalty(p, lr=0.1, l1=-1)
     with pytest.raises(InputError, match=r"l2 must be <= 0.5 \(the shrinking factor"):

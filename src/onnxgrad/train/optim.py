@@ -291,7 +291,9 @@ class ElasticPenalty(Optimizer):
     As in onnxcustom, the shrinking does not depend on the learning rate, and the gradient the
     inner optimizer applies is the data loss's alone (computed at the weights before the shrink).
     The penalty onnxcustom added to the loss it reported, ``l1 Σ|W| + l2 Σ W²``, is
-    :meth:`penalty`. ``optimizer``: the inner optimizer's class (:class:`SGD` by default), built
+    :meth:`penalty`. The defaults, 0.01 each, are what onnxcustom applied whatever it was given
+    (its class defaulted to 0.5 but never passed its values to the ONNX functions, whose defaults
+    were 0.01). ``optimizer``: the inner optimizer's class (:class:`SGD` by default), built
     with ``lr`` and ``options``. For the :class:`~onnxgrad.train.Trainer`, give the class and
     ``optimizer_options={"l1": ..., "l2": ...}``; for the scikit-learn estimators, a factory such as
     ``functools.partial(ElasticPenalty, lr=0.01, l1=1e-4, l2=1e-4)``.
@@ -301,8 +303,8 @@ class ElasticPenalty(Optimizer):
         self,
         params: Mapping[str, np.ndarray],
         lr: LearningRate,
-        l1: float = 0.5,
-        l2: float = 0.5,
+        l1: float = 0.01,
+        l2: float = 0.01,
         optimizer: type[Optimizer] = SGD,
         **options: Any,
     ) -> None:
