@@ -15,9 +15,14 @@ onnxgrad) and writes ``tests/data/ort_training/``:
   (``training_model.onnx``, ``eval_model.onnx``, ``optimizer_model.onnx``, ``checkpoint``) and
   ``checkpoint_step5`` (saved after 5 steps with the optimizer state), for the tests that continue
   training from 1.19.2's files;
-* ``ours_in_ort.json`` when ``tests/data/ort_training/ours/checkpoint`` exists (written by onnxgrad,
-  see ``tests/compat_training/test_checkpoint.py``): 1.19.2 loads it, trains 5 steps on the folder
-  above, and records the losses and properties.
+* ``ours_in_ort.json`` when ``tests/data/ort_training/ours/checkpoint`` exists: 1.19.2 loads that
+  checkpoint (written by onnxgrad) with the models of ``ort1192/``, trains 10 steps and records the
+  losses, learning rate, properties and parameters.
+
+Write ``ours/checkpoint`` first, with onnxgrad (``scenarios.write_checkpoint`` run on
+``onnxgrad.compat.training``)::
+
+    PYTHONPATH=src python tools/record_ort_training.py --write-ours
 """
 
 from __future__ import annotations
@@ -59,6 +64,17 @@ def _isolated(scenario, tr, work: str) -> dict:
     return queue.get()
 
 
+def write_ours() -> int:
+    """Write ``ours/checkpoint`` with onnxgrad (run in onnxgrad's environment)."""
+    import onnxgrad.compat.training as tr
+
+    (DATA / "ours").mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        scenarios.write_checkpoint(tr, tmp, str(DATA / "ours" / "checkpoint"))
+    print("wrote", DATA / "ours" / "checkpoint")
+    return 0
+
+
 def main() -> int:
     """Run every scenario on onnxruntime-training and write the fixtures."""
     import onnxruntime
@@ -92,14 +108,7 @@ def main() -> int:
         f.write("\n")
     ours = DATA / "ours" / "checkpoint"
     if ours.exists():
-        state, module, opt = scenarios._session(tr, str(DATA / "ort1192"), str(ours))
-        x, y = scenarios.data("classes")
-        result = {
-            "losses": scenarios._train(module, opt, x[: 5 * scenarios.BATCH], y[: 5 * scenarios.BATCH]),
-            "lr": opt.get_learning_rate(),
-            "properties": {k: v for k, v in state.properties},
-            "params": scenarios._params(state),
-        }
+        result = scenarios.continue_from(tr, str(DATA / "ort1192"), str(ours))
         with open(DATA / "ours_in_ort.json", "w") as f:
             json.dump(result, f, separators=(",", ":"))
             f.write("\n")
@@ -108,4 +117,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(write_ours() if "--write-ours" in sys.argv[1:] else main())

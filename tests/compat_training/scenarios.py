@@ -137,13 +137,18 @@ def _session(tr, work: str, checkpoint: str | None = None):
     return state, module, optimizer
 
 
+def _scalar(loss) -> float:
+    """A loss as a float; a custom loss may have shape [1]."""
+    return float(np.asarray(loss).reshape(()))
+
+
 def _train(module, optimizer, x, y, lr: float | None = None) -> list[float]:
     if lr is not None:
         optimizer.set_learning_rate(lr)
     losses = []
     module.train()
     for xb, yb in batches(x, y):
-        losses.append(float(module(xb, yb)))
+        losses.append(_scalar(module(xb, yb)))
         optimizer.step()
         module.lazy_reset_grad()
     return losses
@@ -151,7 +156,7 @@ def _train(module, optimizer, x, y, lr: float | None = None) -> list[float]:
 
 def _eval(module, x, y) -> float:
     module.eval()
-    loss = float(module(x, y))
+    loss = _scalar(module(x, y))
     module.train()
     return loss
 
@@ -320,7 +325,7 @@ def scheduler(tr, work: str) -> dict[str, Any]:
     lrs, losses = [], []
     for xb, yb in batches(x[: 10 * BATCH], y[: 10 * BATCH]):
         lrs.append(opt.get_learning_rate())
-        losses.append(float(module(xb, yb)))
+        losses.append(_scalar(module(xb, yb)))
         opt.step()
         sched.step()
         module.lazy_reset_grad()
@@ -402,3 +407,28 @@ SCENARIOS = {
     "nominal": nominal,
     "nominal_lr": nominal_lr,
 }
+
+
+def write_checkpoint(tr, work: str, path: str) -> None:
+    """Train the MLP 5 steps, set properties, save with the optimizer state to ``path``."""
+    _generate(tr, work, mlp(), tr.artifacts.LossType.CrossEntropyLoss)
+    state, module, opt = _session(tr, work)
+    x, y = data("classes")
+    _train(module, opt, x[: 5 * BATCH], y[: 5 * BATCH], 0.01)
+    state.properties["epoch"] = 5
+    state.properties["best"] = 0.25
+    state.properties["note"] = "written elsewhere"
+    tr.api.CheckpointState.save_checkpoint(state, path, include_optimizer_state=True)
+
+
+def continue_from(tr, folder: str, checkpoint: str, lr: float | None = None) -> dict[str, Any]:
+    """Load ``checkpoint`` with the models of ``folder`` and train on the 10 batches after the
+    first 5 (at the checkpoint's learning rate unless ``lr``)."""
+    state, module, opt = _session(tr, folder, checkpoint)
+    x, y = data("classes")
+    return {
+        "lr_loaded": opt.get_learning_rate(),
+        "properties": {k: v for k, v in state.properties},
+        "losses": _train(module, opt, x[5 * BATCH :], y[5 * BATCH :], lr),
+        "params": _params(state),
+    }
