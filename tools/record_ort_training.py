@@ -82,7 +82,7 @@ def main() -> int:
     import onnxruntime.training.api
     import onnxruntime.training.api.lr_scheduler
     import onnxruntime.training.artifacts
-    import onnxruntime.training.onnxblock  # noqa: F401
+    import onnxruntime.training.onnxblock
 
     onnxruntime.set_default_logger_severity(3)
 
@@ -92,7 +92,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, scenario in scenarios.SCENARIOS.items():
             recorded[name] = _isolated(scenario, tr, os.path.join(tmp, name))
-            print(name, "error" in recorded[name] and recorded[name]["error"] or "ok")
+            print(name, ("error" in recorded[name] and recorded[name]["error"]) or "ok")
         keep = DATA / "ort1192"
         shutil.rmtree(keep, ignore_errors=True)
         keep.mkdir()
@@ -102,7 +102,9 @@ def main() -> int:
         state, module, opt = scenarios._session(tr, str(folder))
         x, y = scenarios.data("classes")
         scenarios._train(module, opt, x[: 5 * scenarios.BATCH], y[: 5 * scenarios.BATCH], 0.01)
-        tr.api.CheckpointState.save_checkpoint(state, str(keep / "checkpoint_step5"), include_optimizer_state=True)
+        tr.api.CheckpointState.save_checkpoint(
+            state, str(keep / "checkpoint_step5"), include_optimizer_state=True
+        )
     with open(DATA / "recorded.json", "w") as f:
         json.dump(recorded, f, indent=None, separators=(",", ":"))
         f.write("\n")

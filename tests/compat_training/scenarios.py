@@ -167,11 +167,18 @@ def _params(state) -> dict[str, Any]:
 
 def loss_scenario(tr, work: str, loss: str, optimizer: str, target: str, lr: float) -> dict[str, Any]:
     """Generate with one LossType and OptimType, train STEPS steps, evaluate."""
-    _generate(tr, work, mlp(), getattr(tr.artifacts.LossType, loss), getattr(tr.artifacts.OptimType, optimizer))
+    _generate(
+        tr, work, mlp(), getattr(tr.artifacts.LossType, loss), getattr(tr.artifacts.OptimType, optimizer)
+    )
     state, module, opt = _session(tr, work)
     x, y = data(target)
     losses = _train(module, opt, x, y, lr)
-    return {"losses": losses, "eval": _eval(module, x, y), "params": _params(state), "lr": opt.get_learning_rate()}
+    return {
+        "losses": losses,
+        "eval": _eval(module, x, y),
+        "params": _params(state),
+        "lr": opt.get_learning_rate(),
+    }
 
 
 def api_surface(tr, work: str) -> dict[str, Any]:
@@ -306,7 +313,7 @@ def export(tr, work: str) -> dict[str, Any]:
     import onnxruntime as ort
 
     _generate(tr, work, mlp(), tr.artifacts.LossType.CrossEntropyLoss)
-    state, module, opt = _session(tr, work)
+    _state, module, opt = _session(tr, work)
     x, y = data("classes")
     _train(module, opt, x[: 5 * BATCH], y[: 5 * BATCH], 0.01)
     path = os.path.join(work, "inference.onnx")
@@ -319,7 +326,7 @@ def export(tr, work: str) -> dict[str, Any]:
 def scheduler(tr, work: str) -> dict[str, Any]:
     """LinearLRScheduler(optimizer, warmup_step_count=3, total_step_count=10, initial_lr=0.01)."""
     _generate(tr, work, mlp(), tr.artifacts.LossType.CrossEntropyLoss)
-    state, module, opt = _session(tr, work)
+    _state, module, opt = _session(tr, work)
     sched = tr.api.lr_scheduler.LinearLRScheduler(opt, 3, 10, 0.01)
     x, y = data("classes")
     lrs, losses = [], []
@@ -372,7 +379,7 @@ def _nominal(tr, work: str):
 
 def nominal(tr, work: str) -> dict[str, Any]:
     """A nominal checkpoint (parameters without data), filled from a buffer, then trained."""
-    buffer, state, module = _nominal(tr, work)
+    buffer, _state, module = _nominal(tr, work)
     out: dict[str, Any] = {"size": int(module.get_parameters_size())}
     module.copy_buffer_to_parameters(buffer, False)
     opt = tr.api.Optimizer(os.path.join(work, "optimizer_model.onnx"), module)

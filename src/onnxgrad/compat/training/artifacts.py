@@ -81,7 +81,8 @@ def _optimizer(optimizer: OptimType | object | None) -> tuple[str, dict] | None:
     if isinstance(optimizer, onnxblock.optim.SGD):
         return graphs.SGD, optimizer.attributes
     raise InputError(
-        f"optimizer must be an OptimType, onnxblock.optim.AdamW or onnxblock.optim.SGD, got {type(optimizer).__name__}"
+        "optimizer must be an OptimType, onnxblock.optim.AdamW or onnxblock.optim.SGD, "
+        f"got {type(optimizer).__name__}"
     )
 
 
@@ -91,7 +92,9 @@ def _set_outputs(model: onnx.ModelProto, names: list[str]) -> None:
     infos = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input)}
     missing = [n for n in names if n not in infos]
     if missing:
-        raise InputError(f"no value named {missing} in the model to output (the loss must return value names)")
+        raise InputError(
+            f"no value named {missing} in the model to output (the loss must return value names)"
+        )
     del model.graph.output[:]
     model.graph.output.extend(infos[n] for n in names)
 
@@ -152,7 +155,9 @@ def generate_artifacts(
     requires_grad, frozen_params = list(requires_grad or []), list(frozen_params or [])
     both = sorted(set(requires_grad) & set(frozen_params))
     if both:
-        raise InputError(f"a parameter cannot be frozen and require gradient computation at the same time {both}")
+        raise InputError(
+            f"a parameter cannot be frozen and require gradient computation at the same time {both}"
+        )
     base = _load(model)
     floats = {i.name for i in base.graph.initializer if i.data_type in FLOAT_TYPES}
     inits = {i.name for i in base.graph.initializer}

@@ -116,7 +116,9 @@ class _Reader:
         expected = int(np.prod(dims)) * np.dtype(dtype).itemsize
         if len(raw) != expected:
             raise InputError(f"checkpoint tensor {name!r}: {len(raw)} bytes for shape {dims} of {dtype}")
-        return name, np.frombuffer(raw.tobytes(), dtype=np.dtype(dtype).newbyteorder("<")).reshape(dims).copy()
+        return name, np.frombuffer(raw.tobytes(), dtype=np.dtype(dtype).newbyteorder("<")).reshape(
+            dims
+        ).copy()
 
 
 def loads(buf: bytes) -> CheckpointData:
@@ -135,7 +137,9 @@ def loads(buf: bytes) -> CheckpointData:
         if module is not None:
             data.nominal = bool(r.scalar(module, 2, nt.BoolFlags, False))
             if r.scalar(module, 3, nt.BoolFlags, False):
-                raise InputError("the checkpoint keeps its tensors in an external file, which is not supported")
+                raise InputError(
+                    "the checkpoint keeps its tensors in an external file, which is not supported"
+                )
             data.trainable = dict(r.tensor(t, data.nominal) for t in r.tables(module, 0))
             data.frozen = dict(r.tensor(t, data.nominal) for t in r.tables(module, 1))
         for g in r.tables(root, 2):

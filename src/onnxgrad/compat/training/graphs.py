@@ -93,7 +93,9 @@ def _params_as_inputs(model: onnx.ModelProto, names: Iterable[str]) -> None:
         raise InputError(f"{missing} are not initializers of the model")
     declared = {i.name for i in g.input}
     g.input.extend(
-        helper.make_tensor_value_info(n, inits[n].data_type, list(inits[n].dims)) for n in names if n not in declared
+        helper.make_tensor_value_info(n, inits[n].data_type, list(inits[n].dims))
+        for n in names
+        if n not in declared
     )
     kept = [i for i in g.initializer if i.name not in set(names)]
     del g.initializer[:]
@@ -195,7 +197,10 @@ def inference_graph(
     model = onnx.ModelProto()
     model.CopyFrom(prepare(loss_model).given_inference.proto)
     g = model.graph
-    replaced = [numpy_helper.from_array(np.asarray(values[i.name]), i.name) if i.name in values else i for i in g.initializer]
+    replaced = [
+        numpy_helper.from_array(np.asarray(values[i.name]), i.name) if i.name in values else i
+        for i in g.initializer
+    ]
     del g.initializer[:]
     g.initializer.extend(replaced)
     known = {o.name for o in g.output}
@@ -229,7 +234,9 @@ def loss_model_from_eval(eval_model: onnx.ModelProto, values: Mapping[str, np.nd
 ADAMW, SGD = "AdamWOptimizer", "SGDOptimizerV2"
 
 
-def optimizer_graph(kind: str, attrs: Mapping, params: Mapping[str, tuple[int, list[int]]]) -> onnx.ModelProto:
+def optimizer_graph(
+    kind: str, attrs: Mapping, params: Mapping[str, tuple[int, list[int]]]
+) -> onnx.ModelProto:
     """One update of every parameter of ``params`` (name -> (ONNX type, shape)).
 
     Inputs: ``learning_rate`` (float32 scalar), ``step`` (int64 scalar: the updates already made),
@@ -245,7 +252,9 @@ def optimizer_graph(kind: str, attrs: Mapping, params: Mapping[str, tuple[int, l
     if kind not in (ADAMW, SGD):
         raise InputError(f"unsupported optimizer {kind!r}; onnxgrad runs AdamW and SGD")
     if kind == ADAMW and int(attrs.get("adam_mode", 0)) != 1:
-        raise InputError("AdamWOptimizer with adam_mode=0 (torch's variant) is not supported; 1.19.2 writes 1")
+        raise InputError(
+            "AdamWOptimizer with adam_mode=0 (torch's variant) is not supported; 1.19.2 writes 1"
+        )
     graph = helper.make_graph([], "optimizer", [], [])
     e = _Emitter(graph, 17, TensorProto.FLOAT, "opt")
     lr = helper.make_tensor_value_info("learning_rate", TensorProto.FLOAT, [])
@@ -279,7 +288,9 @@ def optimizer_graph(kind: str, attrs: Mapping, params: Mapping[str, tuple[int, l
         else:
             m = e.op("Add", e.op("Mul", e.const(alpha), names[2]), e.op("Mul", e.const(1.0 - alpha), grad))
             v = e.op(
-                "Add", e.op("Mul", e.const(beta), names[3]), e.op("Mul", e.const(1.0 - beta), e.op("Mul", grad, grad))
+                "Add",
+                e.op("Mul", e.const(beta), names[3]),
+                e.op("Mul", e.const(1.0 - beta), e.op("Mul", grad, grad)),
             )
             denom = e.op("Add", e.op("Sqrt", v), e.const(eps))
             new_p = e.op("Sub", p, e.op("Mul", scalars["lr_t"], e.op("Div", m, denom)))

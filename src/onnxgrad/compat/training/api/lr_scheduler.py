@@ -22,14 +22,17 @@ __all__ = ["LinearLRScheduler"]
 class LinearLRScheduler:
     """Linear warm-up then linear decay of ``optimizer``'s learning rate (see the module doc)."""
 
-    def __init__(self, optimizer: Optimizer, warmup_step_count: int, total_step_count: int, initial_lr: float) -> None:
+    def __init__(
+        self, optimizer: Optimizer, warmup_step_count: int, total_step_count: int, initial_lr: float
+    ) -> None:
         if not isinstance(optimizer, Optimizer):
             raise InputError(f"LinearLRScheduler takes an api.Optimizer, got {type(optimizer).__name__}")
         if warmup_step_count < 0 or total_step_count < 0:
             raise InputError("warmup_step_count and total_step_count must be >= 0")
         if warmup_step_count > total_step_count:
             raise InputError(
-                f"warmup_step_count ({warmup_step_count}) is larger than total_step_count ({total_step_count})"
+                f"warmup_step_count ({warmup_step_count}) is larger than "
+                f"total_step_count ({total_step_count})"
             )
         self._optimizer = optimizer
         self.warmup_step_count, self.total_step_count = int(warmup_step_count), int(total_step_count)

@@ -70,7 +70,9 @@ class Module:
             self._check_state()
         else:
             self._graph = self._rebuild(train)
-        self._session = make_session(self._graph.model, self._providers, self._options, label="training model")
+        self._session = make_session(
+            self._graph.model, self._providers, self._options, label="training model"
+        )
         self._eval_session: ort.InferenceSession | None = None
         self._eval_graph: onnx.ModelProto | None = None
         self._reset = True
@@ -92,8 +94,9 @@ class Module:
     def _loss_model(self) -> onnx.ModelProto:
         if self._eval_file is None:
             raise InputError(
-                "this training model comes from onnxruntime-training and holds com.microsoft training kernels "
-                "that stock onnxruntime lacks; pass eval_model_uri so that onnxgrad rebuilds the steps from it"
+                "this training model comes from onnxruntime-training and holds com.microsoft training "
+                "kernels that stock onnxruntime lacks; pass eval_model_uri so that onnxgrad rebuilds the "
+                "steps from it"
             )
         return graphs.loss_model_from_eval(self._eval_file, self._state._values())
 

@@ -52,7 +52,9 @@ class Optimizer:
         self._lr = float(self._group.initial_lr)
         values = state._values()
         self._params = [p for p in module._graph.parameters if p in module._graph.grads]
-        specs = {p: (helper.np_dtype_to_tensor_dtype(values[p].dtype), list(values[p].shape)) for p in self._params}
+        specs = {
+            p: (helper.np_dtype_to_tensor_dtype(values[p].dtype), list(values[p].shape)) for p in self._params
+        }
         model = graphs.optimizer_graph(self._kind, self._attrs, specs)
         self._session = make_session(model, module._providers, module._options, label="optimizer model")
         self._outputs = [o.name for o in model.graph.output]

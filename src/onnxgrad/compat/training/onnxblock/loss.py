@@ -67,7 +67,9 @@ class CrossEntropyLoss(blocks.Block):
     """``SoftmaxCrossEntropyLoss`` of the scores and int64 ``labels`` (an input without the scores'
     last axis); ``weight`` rescales each class, ``ignore_index`` skips a label value."""
 
-    def __init__(self, weight: np.ndarray | None = None, reduction: str = "mean", ignore_index: int | None = None):
+    def __init__(
+        self, weight: np.ndarray | None = None, reduction: str = "mean", ignore_index: int | None = None
+    ):
         super().__init__()
         if reduction not in _REDUCTIONS:
             raise InputError(f"Reduction {reduction} not supported; expected one of {list(_REDUCTIONS)}")
@@ -108,7 +110,9 @@ class BCEWithLogitsLoss(blocks.Block):
     """``reduce(-(log(sigmoid(x)) * t * pos_weight + log(1 - sigmoid(x)) * (1 - t)) * weight)``,
     written with the same nodes as onnxruntime-training."""
 
-    def __init__(self, weight: np.ndarray | None = None, reduction: str = "mean", pos_weight: np.ndarray | None = None):
+    def __init__(
+        self, weight: np.ndarray | None = None, reduction: str = "mean", pos_weight: np.ndarray | None = None
+    ):
         super().__init__()
         self._weight, self._pos_weight = weight, pos_weight
         self._reduce = _reduction(reduction)
