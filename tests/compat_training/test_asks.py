@@ -62,7 +62,7 @@ def test_yolo_style_loss_with_reduce_min_max(tmp_path):
     x, y = scenarios.data("floats", n=64)
     feeds = {"input": x[:8], "target": y[:8]}
     # the loss model: onnxgrad's gradients of it against float64 finite differences
-    loss_model, outputs = build_loss_model(scenarios.mlp(), YoloStyleLoss())
+    loss_model, _ = build_loss_model(scenarios.mlp(), YoloStyleLoss())
     assert {n.op_type for n in loss_model.graph.node} >= {"ReduceMax", "ReduceMin", "Sigmoid"}
     result = check_gradients(loss_model, feeds, wrt=scenarios.PARAMS)
     assert result.ok, result
