@@ -181,6 +181,34 @@ def loss_scenario(tr, work: str, loss: str, optimizer: str, target: str, lr: flo
     }
 
 
+def weight_decay(tr, work: str) -> dict[str, Any]:
+    """AdamW with weight decay and without bias correction, passed as an onnxblock optimizer."""
+    opt_block = tr.onnxblock.optim.AdamW(weight_decay=0.1, bias_correction=False, betas=(0.8, 0.99))
+    _generate(tr, work, mlp(), tr.artifacts.LossType.CrossEntropyLoss, opt_block)
+    state, module, opt = _session(tr, work)
+    x, y = data("classes")
+    losses = _train(module, opt, x, y, 0.02)
+    return {"losses": losses, "params": _params(state)}
+
+
+def additional_outputs(tr, work: str) -> dict[str, Any]:
+    """additional_output_names: the call returns the loss and the logits."""
+    _generate(tr, work, mlp(), tr.artifacts.LossType.CrossEntropyLoss, additional_output_names=["logits"])
+    _state, module, opt = _session(tr, work)
+    x, y = data("classes")
+    loss, logits = module(x[:BATCH], y[:BATCH])
+    opt.step()
+    module.eval()
+    eval_loss, eval_logits = module(x[:BATCH], y[:BATCH])
+    return {
+        "loss": _scalar(loss),
+        "logits": _f(logits),
+        "eval_loss": _scalar(eval_loss),
+        "eval_logits": _f(eval_logits),
+        "outputs": len(module.output_names()),
+    }
+
+
 def api_surface(tr, work: str) -> dict[str, Any]:
     """Names, orders and sizes that scripts read: inputs/outputs, parameter order, buffers."""
     _generate(tr, work, mlp(), tr.artifacts.LossType.CrossEntropyLoss, frozen_params=None)
@@ -403,6 +431,8 @@ SCENARIOS = {
     "adamw_bce": lambda tr, w: loss_scenario(tr, w, "BCEWithLogitsLoss", "AdamW", "binary", 0.01),
     "sgd_l1": lambda tr, w: loss_scenario(tr, w, "L1Loss", "SGD", "floats", 0.05),
     "api_surface": api_surface,
+    "weight_decay": weight_decay,
+    "additional_outputs": additional_outputs,
     "frozen": frozen,
     "accumulation": accumulation,
     "custom_loss": custom_loss,

@@ -146,6 +146,7 @@ def test_small_unet_with_resize(tmp_path):
     assert losses[-1] < 0.9 * losses[0], losses
 
 
+@pytest.mark.slow  # about 15 s on 2 shared cores
 def test_distilbert_classifier(tmp_path):
     """A DistilBERT sequence classifier (built from a small config, offline): its loss is torch's,
     its gradients onnxgrad's checked ones, and training fits a batch."""

@@ -175,3 +175,18 @@ def test_nominal_checkpoint(tmp_path, recorded):
 def test_nominal_checkpoint_learning_rate_where_1192_crashed(tmp_path, recorded):
     assert "crashed" in recorded["nominal_lr"]
     assert run("nominal_lr", tmp_path) == {"lr": pytest.approx(1e-3)}
+
+
+def test_adamw_weight_decay_without_bias_correction(tmp_path, recorded):
+    """onnxblock.optim.AdamW(weight_decay=, bias_correction=, betas=) as the optimizer: the
+    decay applied after the step, as 1.19.2's Hugging Face variant."""
+    ours, theirs = run("weight_decay", tmp_path), recorded["weight_decay"]
+    close(ours["losses"], theirs["losses"])
+    close(ours["params"], theirs["params"])
+
+
+def test_additional_output_names(tmp_path, recorded):
+    ours, theirs = run("additional_outputs", tmp_path), recorded["additional_outputs"]
+    assert ours["outputs"] == theirs["outputs"] == 2
+    for key in ("loss", "logits", "eval_loss", "eval_logits"):
+        close(ours[key], theirs[key])
