@@ -209,6 +209,50 @@ def additional_outputs(tr, work: str) -> dict[str, Any]:
     }
 
 
+def offline_blocks(tr, work: str) -> dict[str, Any]:
+    """The offline tooling without generate_artifacts: a TrainingBlock, an optimizer block in an
+    empty base, save_checkpoint, then load_checkpoint_to_model of the trained values."""
+    ob = tr.onnxblock
+
+    class MLPTrainingBlock(ob.TrainingBlock):
+        def __init__(self):
+            super().__init__()
+            self.loss = ob.loss.CrossEntropyLoss()
+
+        def build(self, output_name):
+            return self.loss(output_name)
+
+    model = mlp()
+    block = MLPTrainingBlock()
+    for name in PARAMS:
+        block.requires_grad(name, True)
+    with ob.base(model):
+        block(*[o.name for o in model.graph.output])
+        training_model, eval_model = block.to_model_proto()
+        params = block.parameters()
+    opt_block = ob.optim.AdamW()
+    with ob.empty_base():
+        opt_block(params)
+        optimizer_model = opt_block.to_model_proto()
+    os.makedirs(work, exist_ok=True)
+    onnx.save(training_model, os.path.join(work, "training_model.onnx"))
+    onnx.save(eval_model, os.path.join(work, "eval_model.onnx"))
+    onnx.save(optimizer_model, os.path.join(work, "optimizer_model.onnx"))
+    ob.save_checkpoint(params, os.path.join(work, "checkpoint"))
+    state, module, opt = _session(tr, work)
+    x, y = data("classes")
+    losses = _train(module, opt, x, y, 0.01)
+    trained = os.path.join(work, "trained")
+    tr.api.CheckpointState.save_checkpoint(state, trained)
+    fresh = mlp()
+    ob.load_checkpoint_to_model(trained, fresh)
+    return {
+        "losses": losses,
+        "trainable": [t.name for t in params[0]],
+        "loaded": {t.name: _f(numpy_helper.to_array(t)) for t in fresh.graph.initializer},
+    }
+
+
 def api_surface(tr, work: str) -> dict[str, Any]:
     """Names, orders and sizes that scripts read: inputs/outputs, parameter order, buffers."""
     _generate(tr, work, mlp(), tr.artifacts.LossType.CrossEntropyLoss, frozen_params=None)
@@ -431,6 +475,7 @@ SCENARIOS = {
     "adamw_bce": lambda tr, w: loss_scenario(tr, w, "BCEWithLogitsLoss", "AdamW", "binary", 0.01),
     "sgd_l1": lambda tr, w: loss_scenario(tr, w, "L1Loss", "SGD", "floats", 0.05),
     "api_surface": api_surface,
+    "offline_blocks": offline_blocks,
     "weight_decay": weight_decay,
     "additional_outputs": additional_outputs,
     "frozen": frozen,

@@ -16,7 +16,6 @@ import pytest
 import onnxgrad
 import onnxgrad.compat.training as og
 from onnxgrad.compat.training import onnxblock
-from onnxgrad.compat.training.artifacts import build_loss_model
 from onnxgrad.testing import check_gradients
 
 from . import scenarios
@@ -36,6 +35,19 @@ def test_newer_opsets_give_the_1192_numbers(opset, tmp_path):
     x, y = scenarios.data("classes")
     close(scenarios._train(module, opt, x, y, 0.01), theirs["losses"])
     close(scenarios._params(state), theirs["params"])
+
+
+def build_loss_model(model: onnx.ModelProto, loss: onnxblock.Block) -> onnx.ModelProto:
+    """``model`` with ``loss`` appended, as a ForwardBlock builds it (the loss its only output)."""
+
+    class WithLoss(onnxblock.ForwardBlock):
+        def build(self, output_name):
+            return loss(output_name)
+
+    block = WithLoss()
+    with onnxblock.base(model):
+        block(model.graph.output[0].name)
+    return block.to_model_proto()
 
 
 class YoloStyleLoss(onnxblock.Block):
@@ -62,7 +74,7 @@ def test_yolo_style_loss_with_reduce_min_max(tmp_path):
     x, y = scenarios.data("floats", n=64)
     feeds = {"input": x[:8], "target": y[:8]}
     # the loss model: onnxgrad's gradients of it against float64 finite differences
-    loss_model, _ = build_loss_model(scenarios.mlp(), YoloStyleLoss())
+    loss_model = build_loss_model(scenarios.mlp(), YoloStyleLoss())
     assert {n.op_type for n in loss_model.graph.node} >= {"ReduceMax", "ReduceMin", "Sigmoid"}
     result = check_gradients(loss_model, feeds, wrt=scenarios.PARAMS)
     assert result.ok, result
@@ -181,7 +193,7 @@ def test_distilbert_classifier(tmp_path):
     first = float(module(*feeds))
     with torch.no_grad():
         close(first, float(torch.nn.functional.cross_entropy(Logits()(ids), labels)), rtol=1e-5)
-    loss_model, _ = build_loss_model(model, og.artifacts.LossType.CrossEntropyLoss)
+    loss_model = build_loss_model(model, onnxblock.loss.CrossEntropyLoss())
     expected = onnxgrad.gradients(loss_model, {"input_ids": feeds[0], "labels": feeds[1]}, wrt=params)
     for name in params:
         close(state.parameters[name].grad, expected[name], rtol=1e-5)

@@ -190,3 +190,13 @@ def test_additional_output_names(tmp_path, recorded):
     assert ours["outputs"] == theirs["outputs"] == 2
     for key in ("loss", "logits", "eval_loss", "eval_logits"):
         close(ours[key], theirs[key])
+
+
+def test_offline_tooling_blocks(tmp_path, recorded):
+    """TrainingBlock, an optimizer block in empty_base(), onnxblock.save_checkpoint and
+    load_checkpoint_to_model, as scripts wrote them before generate_artifacts existed."""
+    ours, theirs = run("offline_blocks", tmp_path), recorded["offline_blocks"]
+    assert ours["trainable"] == theirs["trainable"] == scenarios.PARAMS
+    close(ours["losses"], theirs["losses"])
+    close(ours["loaded"], theirs["loaded"])
+    close(ours["losses"], recorded["adamw_cross_entropy"]["losses"])  # the same training

@@ -14,11 +14,10 @@ import pathlib
 from enum import Enum
 
 import onnx
-from onnx import numpy_helper
 
 from ...errors import InputError
 from ...model.graph import FLOAT_TYPES
-from . import checkpoint_file, graphs, onnxblock
+from . import onnxblock
 
 __all__ = ["LossType", "OptimType", "generate_artifacts"]
 
@@ -69,57 +68,33 @@ def _loss_block(loss: LossType | onnxblock.Block | None) -> onnxblock.Block:
     raise InputError(f"loss must be a LossType, an onnxblock.Block or None, got {type(loss).__name__}")
 
 
-def _optimizer(optimizer: OptimType | object | None) -> tuple[str, dict] | None:
+def _optimizer(optimizer: OptimType | object | None) -> onnxblock.optim.AdamW | onnxblock.optim.SGD | None:
     if optimizer is None:
         return None
     if optimizer == OptimType.AdamW:
-        optimizer = onnxblock.optim.AdamW()
-    elif optimizer == OptimType.SGD:
-        optimizer = onnxblock.optim.SGD()
-    if isinstance(optimizer, onnxblock.optim.AdamW):
-        return graphs.ADAMW, optimizer.attributes
-    if isinstance(optimizer, onnxblock.optim.SGD):
-        return graphs.SGD, optimizer.attributes
+        return onnxblock.optim.AdamW()
+    if optimizer == OptimType.SGD:
+        return onnxblock.optim.SGD()
+    if isinstance(optimizer, (onnxblock.optim.AdamW, onnxblock.optim.SGD)):
+        return optimizer
     raise InputError(
         "optimizer must be an OptimType, onnxblock.optim.AdamW or onnxblock.optim.SGD, "
         f"got {type(optimizer).__name__}"
     )
 
 
-def _set_outputs(model: onnx.ModelProto, names: list[str]) -> None:
-    """Make ``names`` the graph outputs (onnxruntime-training keeps only the loss outputs)."""
-    inferred = onnx.shape_inference.infer_shapes(model)
-    infos = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input)}
-    missing = [n for n in names if n not in infos]
-    if missing:
-        raise InputError(
-            f"no value named {missing} in the model to output (the loss must return value names)"
-        )
-    del model.graph.output[:]
-    model.graph.output.extend(infos[n] for n in names)
+class _TrainingBlock(onnxblock.TrainingBlock):
+    """The loss block, fed ``loss_input_names`` when given, returning the additional outputs too."""
 
+    def __init__(
+        self, loss: onnxblock.Block, loss_input_names: list[str] | None, additional: list[str]
+    ) -> None:
+        super().__init__()
+        self._loss, self._loss_input_names, self._additional = loss, loss_input_names, additional
 
-def build_loss_model(
-    model: onnx.ModelProto,
-    loss: LossType | onnxblock.Block | None,
-    additional_output_names: list[str] | None = None,
-    loss_input_names: list[str] | None = None,
-) -> tuple[onnx.ModelProto, list[str]]:
-    """``model`` with the loss appended and its outputs set: (loss model, loss outputs)."""
-    block = _loss_block(loss)
-    if additional_output_names is not None and not isinstance(additional_output_names, list):
-        raise InputError(
-            f"additional_output_names must be a list of strings, got {type(additional_output_names).__name__}"
-        )
-    inputs = list(loss_input_names) if loss_input_names else [o.name for o in model.graph.output]
-    with onnxblock.base(model):
-        out = block(*inputs)
-    outputs = list(out) if isinstance(out, (tuple, list)) else [out]
-    outputs += list(additional_output_names or [])
-    if not outputs or not all(isinstance(o, str) for o in outputs):
-        raise InputError(f"the loss block must return the name(s) of its output(s), got {out!r}")
-    _set_outputs(model, outputs)
-    return model, outputs
+    def build(self, *inputs_to_loss: str) -> tuple[str, ...]:
+        out = self._loss(*(self._loss_input_names or inputs_to_loss))
+        return (*(out if isinstance(out, (tuple, list)) else (out,)), *self._additional)
 
 
 def generate_artifacts(
@@ -160,37 +135,33 @@ def generate_artifacts(
         )
     base = _load(model)
     floats = {i.name for i in base.graph.initializer if i.data_type in FLOAT_TYPES}
-    inits = {i.name for i in base.graph.initializer}
-    for label, names in (("requires_grad", requires_grad), ("frozen_params", frozen_params)):
-        unknown = [n for n in names if n not in inits]
-        if unknown:
-            raise InputError(f"{label} names {unknown} that are not initializers of the model")
-    not_float = [n for n in requires_grad if n not in floats]
+    not_float = [
+        n for n in requires_grad if n in {i.name for i in base.graph.initializer} and n not in floats
+    ]
     if not_float:
         raise InputError(f"requires_grad names {not_float}, which are not floating-point initializers")
-    opt = _optimizer(optimizer)
-    loss_model, loss_outputs = build_loss_model(base, loss, additional_output_names, loss_input_names)
-    order = [i.name for i in loss_model.graph.initializer]
-    trainable = [n for n in order if n in set(requires_grad)]
-    frozen = [n for n in order if n in set(frozen_params)]
-    training = graphs.training_graph(loss_model, trainable, frozen, loss_outputs)
-    evaluation = graphs.eval_graph(loss_model, [*trainable, *frozen], loss_outputs)
-    graphs.mark(evaluation, {"loss_outputs": loss_outputs})
+    if additional_output_names is not None and not isinstance(additional_output_names, list):
+        raise InputError(
+            f"additional_output_names must be a list of strings, got {type(additional_output_names).__name__}"
+        )
+    optimizer_block = _optimizer(optimizer)
+    block = _TrainingBlock(_loss_block(loss), loss_input_names, list(additional_output_names or []))
+    for name in requires_grad:
+        block.requires_grad(name)
+    for name in frozen_params:
+        block.requires_grad(name, False)
+    with onnxblock.base(base):
+        block(*[o.name for o in base.graph.output])
+    training, evaluation = block.to_model_proto()
 
     directory = pathlib.Path(artifact_directory if artifact_directory is not None else os.getcwd())
     directory.mkdir(parents=True, exist_ok=True)
-    onnx.save(training.model, directory / f"{prefix}training_model.onnx")
+    onnx.save(training, directory / f"{prefix}training_model.onnx")
     onnx.save(evaluation, directory / f"{prefix}eval_model.onnx")
-    values = {i.name: numpy_helper.to_array(i) for i in loss_model.graph.initializer}
-    data = checkpoint_file.CheckpointData(
-        trainable={n: values[n] for n in trainable}, frozen={n: values[n] for n in frozen}
-    )
-    checkpoint_file.save(directory / f"{prefix}checkpoint", data)
+    onnxblock.save_checkpoint(block.parameters(), directory / f"{prefix}checkpoint")
     if nominal_checkpoint:
-        data.nominal = True
-        checkpoint_file.save(directory / f"{prefix}nominal_checkpoint", data)
-    if opt is not None:
-        kind, attrs = opt
-        specs = {n: (values[n].dtype, list(values[n].shape)) for n in trainable}
-        specs = {n: (onnx.helper.np_dtype_to_tensor_dtype(d), s) for n, (d, s) in specs.items()}
-        onnx.save(graphs.optimizer_graph(kind, attrs, specs), directory / f"{prefix}optimizer_model.onnx")
+        onnxblock.save_checkpoint(block.parameters(), directory / f"{prefix}nominal_checkpoint", True)
+    if optimizer_block is not None:
+        with onnxblock.empty_base():
+            optimizer_block(block.parameters())
+        onnx.save(optimizer_block.to_model_proto(), directory / f"{prefix}optimizer_model.onnx")

@@ -45,6 +45,7 @@ __all__ = [
     "mark",
     "optimizer_graph",
     "read_meta",
+    "set_outputs",
     "training_graph",
 ]
 
@@ -81,6 +82,18 @@ def read_meta(model: onnx.ModelProto) -> dict | None:
         if p.key == META_KEY:
             return json.loads(p.value)
     return None
+
+
+def set_outputs(model: onnx.ModelProto, names: list[str]) -> None:
+    """Make ``names`` the graph outputs, in place (onnxruntime-training keeps only the loss
+    outputs and the additional ones)."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    infos = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input)}
+    missing = [n for n in names if n not in infos]
+    if missing:
+        raise InputError(f"no value named {missing} in the model to output (a loss returns value names)")
+    del model.graph.output[:]
+    model.graph.output.extend(infos[n] for n in names)
 
 
 def _params_as_inputs(model: onnx.ModelProto, names: Iterable[str]) -> None:

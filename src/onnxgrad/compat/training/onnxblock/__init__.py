@@ -21,5 +21,18 @@ Pass an instance as ``generate_artifacts(..., loss=MyLoss())``, or build on a mo
 from . import blocks, loss, optim
 from ._accessor import base, custom_op_library, empty_base
 from .blocks import Block
+from .training import ForwardBlock, TrainingBlock, load_checkpoint_to_model, save_checkpoint
 
-__all__ = ["Block", "base", "blocks", "custom_op_library", "empty_base", "loss", "optim"]
+__all__ = [
+    "Block",
+    "ForwardBlock",
+    "TrainingBlock",
+    "base",
+    "blocks",
+    "custom_op_library",
+    "empty_base",
+    "load_checkpoint_to_model",
+    "loss",
+    "optim",
+    "save_checkpoint",
+]
