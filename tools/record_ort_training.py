@@ -14,7 +14,8 @@ onnxgrad) and writes ``tests/data/ort_training/``:
 * ``ort1192/``: the artifacts folder 1.19.2 generated for the MLP, cross-entropy and AdamW
   (``training_model.onnx``, ``eval_model.onnx``, ``optimizer_model.onnx``, ``checkpoint``) and
   ``checkpoint_step5`` (saved after 5 steps with the optimizer state), for the tests that continue
-  training from 1.19.2's files;
+  training from 1.19.2's files; ``ort1192_bn/``: the folder of the BatchNormalization scenario
+  (an eval model 1.19.2 itself cannot load);
 * ``ours_in_ort.json`` when ``tests/data/ort_training/ours/checkpoint`` exists: 1.19.2 loads that
   checkpoint (written by onnxgrad) with the models of ``ort1192/``, trains 10 steps and records the
   losses, learning rate, properties and parameters.
@@ -93,12 +94,14 @@ def main() -> int:
         for name, scenario in scenarios.SCENARIOS.items():
             recorded[name] = _isolated(scenario, tr, os.path.join(tmp, name))
             print(name, ("error" in recorded[name] and recorded[name]["error"]) or "ok")
-        keep = DATA / "ort1192"
-        shutil.rmtree(keep, ignore_errors=True)
-        keep.mkdir()
-        folder = Path(tmp) / "resume"
-        for file in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint"):
-            shutil.copy(folder / file, keep / file)
+        files = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
+        for scenario, kept in (("resume", "ort1192"), ("batchnorm", "ort1192_bn")):
+            keep = DATA / kept
+            shutil.rmtree(keep, ignore_errors=True)
+            keep.mkdir()
+            for file in files:
+                shutil.copy(Path(tmp) / scenario / file, keep / file)
+        keep, folder = DATA / "ort1192", Path(tmp) / "resume"
         state, module, opt = scenarios._session(tr, str(folder))
         x, y = scenarios.data("classes")
         scenarios._train(module, opt, x[: 5 * scenarios.BATCH], y[: 5 * scenarios.BATCH], 0.01)

@@ -16,7 +16,7 @@ from onnxgrad.compat.training import checkpoint_file
 from onnxgrad.errors import InputError
 
 from . import scenarios
-from .test_scenarios import close
+from .test_scenarios import _bn_eval, close
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "ort_training"
 ORT = DATA / "ort1192"
@@ -147,3 +147,18 @@ def test_api_errors(tmp_path):
         state.parameters["nope"]
     with pytest.raises(InputError, match=r"has shape \(3,\), got \(2,\)"):
         state.parameters["fc2.bias"] = np.zeros(2, np.float32)
+
+
+def test_1192_batchnorm_folder_trains_and_evaluates(recorded):
+    """1.19.2's folder of a training-mode BatchNormalization: its eval model did not load in 1.19.2
+    (a BatchNormalization with three outputs outside training mode); onnxgrad rebuilds both steps
+    from it, trains with 1.19.2's numbers (running statistics included) and evaluates."""
+    theirs = recorded["batchnorm"]
+    folder = DATA / "ort1192_bn"
+    state, module, opt = scenarios._session(og, str(folder))
+    x, y = scenarios.data("one")
+    close(scenarios._train(module, opt, x, y, 0.01), theirs["losses"])
+    close(scenarios._params(state), theirs["params"])
+    module.eval()
+    loss = float(module(x, y))
+    close(loss, _bn_eval(scenarios._params(state), x, y), rtol=1e-5)
