@@ -162,3 +162,28 @@ def test_1192_batchnorm_folder_trains_and_evaluates(recorded):
     module.eval()
     loss = float(module(x, y))
     close(loss, _bn_eval(scenarios._params(state), x, y), rtol=1e-5)
+
+
+def test_onnxblock_errors():
+    ob = og.onnxblock
+    with pytest.raises(InputError, match=r"call them inside 'with onnxblock\.base"):
+        ob.blocks.Add()("a", "b")
+    with (
+        pytest.raises(InputError, match="custom_op_library is not supported"),
+        ob.custom_op_library("lib.so"),
+    ):
+        pass
+    with pytest.raises(InputError, match="Reduction max not supported"):
+        ob.loss.MSELoss(reduction="max")
+
+    class Loss(ob.TrainingBlock):
+        def build(self, output_name):
+            return ob.loss.MSELoss()(output_name)
+
+    with pytest.raises(InputError, match="build the training model first"):
+        Loss().parameters()
+    model = scenarios.mlp()
+    with ob.base(model), pytest.raises(InputError, match="InputLike: the model has no graph input or output"):
+        ob.blocks.InputLike("nope")("t")
+    with ob.empty_base(), pytest.raises(InputError, match="made an invalid model"):
+        ob.blocks.Add()("undefined_a", "undefined_b")
