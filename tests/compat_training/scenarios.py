@@ -253,6 +253,42 @@ def offline_blocks(tr, work: str) -> dict[str, Any]:
     }
 
 
+def loss_options(tr, work: str) -> dict[str, Any]:
+    """The losses' options: MSE summed, BCE with pos_weight, cross-entropy with ignore_index."""
+    ob, out = tr.onnxblock, {}
+    cases = {
+        "mse_sum": (ob.loss.MSELoss(reduction="sum"), tr.artifacts.OptimType.SGD, "floats", 0.005),
+        "bce_pos_weight": (
+            ob.loss.BCEWithLogitsLoss(pos_weight=np.array([2.0, 1.0, 0.5], np.float32)),
+            tr.artifacts.OptimType.AdamW,
+            "binary",
+            0.01,
+        ),
+        "ce_ignore_index": (
+            ob.loss.CrossEntropyLoss(ignore_index=1),
+            tr.artifacts.OptimType.AdamW,
+            "classes",
+            0.01,
+        ),
+    }
+    for key, (loss, optimizer, kind, lr) in cases.items():
+        folder = os.path.join(work, key)
+        _generate(tr, folder, mlp(), loss, optimizer)
+        _state, module, opt = _session(tr, folder)
+        x, y = data(kind)
+        out[key] = _train(module, opt, x[: 6 * BATCH], y[: 6 * BATCH], lr)
+    return out
+
+
+def weighted_cross_entropy(tr, work: str) -> dict[str, Any]:
+    """CrossEntropyLoss(weight=...): class weights."""
+    loss = tr.onnxblock.loss.CrossEntropyLoss(weight=np.array([1.0, 2.0, 3.0], np.float32))
+    _generate(tr, work, mlp(), loss)
+    _state, module, opt = _session(tr, work)
+    x, y = data("classes")
+    return {"losses": _train(module, opt, x[: 6 * BATCH], y[: 6 * BATCH], 0.01)}
+
+
 def api_surface(tr, work: str) -> dict[str, Any]:
     """Names, orders and sizes that scripts read: inputs/outputs, parameter order, buffers."""
     _generate(tr, work, mlp(), tr.artifacts.LossType.CrossEntropyLoss, frozen_params=None)
@@ -475,6 +511,8 @@ SCENARIOS = {
     "adamw_bce": lambda tr, w: loss_scenario(tr, w, "BCEWithLogitsLoss", "AdamW", "binary", 0.01),
     "sgd_l1": lambda tr, w: loss_scenario(tr, w, "L1Loss", "SGD", "floats", 0.05),
     "api_surface": api_surface,
+    "loss_options": loss_options,
+    "weighted_cross_entropy": weighted_cross_entropy,
     "offline_blocks": offline_blocks,
     "weight_decay": weight_decay,
     "additional_outputs": additional_outputs,

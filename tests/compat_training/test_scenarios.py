@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 import onnxgrad.compat.training as og
@@ -200,3 +201,26 @@ def test_offline_tooling_blocks(tmp_path, recorded):
     close(ours["losses"], theirs["losses"])
     close(ours["loaded"], theirs["loaded"])
     close(ours["losses"], recorded["adamw_cross_entropy"]["losses"])  # the same training
+
+
+def test_loss_options(tmp_path, recorded):
+    """MSELoss(reduction="sum"), BCEWithLogitsLoss(pos_weight=...), CrossEntropyLoss(ignore_index=...)."""
+    ours, theirs = run("loss_options", tmp_path), recorded["loss_options"]
+    close(ours, theirs)
+
+
+def test_weighted_cross_entropy_where_1192_failed(tmp_path, recorded):
+    """1.19.2's CrossEntropyLoss tested ``if self._weight:`` on an array and raised; onnxgrad
+    computes the weighted mean, checked in numpy on the first batch."""
+    assert "truth value of an array" in recorded["weighted_cross_entropy"]["error"]
+    ours = run("weighted_cross_entropy", tmp_path)
+    session = ort.InferenceSession(scenarios.mlp().SerializeToString(), providers=["CPUExecutionProvider"])
+    x, y = scenarios.data("classes")
+    (logits,) = session.run(None, {"input": x[: scenarios.BATCH]})
+    logits = logits.astype(np.float64)
+    log_p = logits - logits.max(1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(1, keepdims=True))
+    w = np.array([1.0, 2.0, 3.0])[y[: scenarios.BATCH]]
+    expected = -(w * log_p[np.arange(scenarios.BATCH), y[: scenarios.BATCH]]).sum() / w.sum()
+    close(ours["losses"][0], expected, rtol=1e-5)
+    assert len(ours["losses"]) == 6
