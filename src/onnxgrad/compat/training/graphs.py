@@ -116,7 +116,8 @@ def _params_as_inputs(model: onnx.ModelProto, names: Iterable[str]) -> None:
 
 
 def _finish(model: onnx.ModelProto) -> onnx.ModelProto:
-    model.ir_version = min(max(model.ir_version, ir_version_for(model.opset_import)), 10)
+    """Checked, at the lowest IR version its opsets allow (what older runtimes load)."""
+    model.ir_version = ir_version_for(model.opset_import)
     check_model(model)
     return model
 
@@ -128,6 +129,10 @@ def training_graph(
     from the first of ``loss_outputs`` (onnxruntime-training's rule)."""
     if not trainable:
         raise InputError("nothing to train: pass the parameters to train as requires_grad")
+    known = {i.name for i in loss_model.graph.initializer}
+    unknown = [n for n in [*trainable, *frozen] if n not in known]
+    if unknown:
+        raise InputError(f"{unknown} are not initializers of the model")
     # frozen parameters become inputs before anything folds them: their values are fed per call
     overridable = onnx.ModelProto()
     overridable.CopyFrom(loss_model)
@@ -171,11 +176,7 @@ def training_graph(
     del g.output[:]
     g.output.extend(by_name[n] for n in wanted if n in order)
     # trainable values were fed by compose as initializers: every parameter becomes an input
-    inits = {i.name for i in loss_model.graph.initializer}
     params = [i.name for i in loss_model.graph.initializer if i.name in set(trainable) | set(frozen)]
-    for name in trainable:
-        if name not in inits:
-            raise InputError(f"{name!r} is not an initializer of the model")
     for name in params:
         if name not in {i.name for i in g.initializer}:  # compose dropped it: put it back
             src = next(i for i in loss_model.graph.initializer if i.name == name)

@@ -104,18 +104,17 @@ class Module:
         """The steps of an onnxruntime-training folder, from its eval model and checkpoint."""
         d = self._state._data
         inputs = [i.name for i in train.graph.input]
-        trainable = [n for n in inputs if n in d.trainable]
-        frozen = [n for n in inputs if n in d.frozen] + [n for n in d.frozen if n not in inputs]
-        if not trainable:
-            trainable = list(d.trainable)
         outputs = [o.name for o in train.graph.output if not o.name.endswith(_ACCUMULATED)]
         loss_model = self._loss_model()
-        order = [n for n in inputs if n in d.trainable or n in d.frozen]
-        order += [n for n in (*d.trainable, *d.frozen) if n not in order]
         by_name = {i.name: i for i in loss_model.graph.initializer}
+        # the parameters in the training model's input order, then any other the eval model reads
+        order = [n for n in inputs if n in by_name and (n in d.trainable or n in d.frozen)]
+        order += [n for n in (*d.trainable, *d.frozen) if n in by_name and n not in order]
+        trainable = [n for n in order if n in d.trainable]
+        frozen = [n for n in order if n in d.frozen]
         rest = [i for i in loss_model.graph.initializer if i.name not in set(order)]
         del loss_model.graph.initializer[:]
-        loss_model.graph.initializer.extend([*(by_name[n] for n in order if n in by_name), *rest])
+        loss_model.graph.initializer.extend([*(by_name[n] for n in order), *rest])
         known = {o.name for o in loss_model.graph.output}
         missing = [o for o in outputs if o not in known]
         if missing:
