@@ -196,7 +196,7 @@ def test_train_resume_equals_an_uninterrupted_run(tmp_path, capsys):
         (["--target", "z"], "data.npz", "the target array 'z' is not in"),
         (["--target", "y"], "data.txt", "expected a .csv or .npz file"),
         (["--target", "y", "--momentum", "0.9"], "data.csv", "--momentum applies to --optimizer sgd only"),
-        (["--target", "y", "--output", "nope"], "data.csv", "'nope' is neither an output nor a value"),
+        (["--target", "y", "--loss-output", "nope"], "data.csv", "'nope' is neither an output nor a value"),
     ],
 )
 def test_train_errors_are_one_line(tmp_path, capsys, extra, data, message):
@@ -324,7 +324,7 @@ def report_sections(text: str) -> dict[str, list[str]]:
 
 def test_bench_prints_times_and_ops(tmp_path, capsys):
     path = two_layer_mlp(tmp_path / "mlp.onnx")
-    assert main(["bench", str(path), "--steps", "2", "--batch", "3"]) == 0
+    assert main(["bench", str(path), "--steps", "2", "--batch-size", "3"]) == 0
     text = capsys.readouterr().out
     assert text.startswith(f"training step of {path}: forward + backward, output gradient of ones, ")
     assert "4 trainable tensors (195 values)" in text and "onnxruntime's default threads" in text
@@ -354,7 +354,7 @@ def test_bench_prints_times_and_ops(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("extra", "shape"),
-    [([], [1, 8]), (["--batch", "4"], [4, 8]), (["--batch", "4", "--shape", "x=5,8"], [5, 8])],
+    [([], [1, 8]), (["--batch-size", "4"], [4, 8]), (["--batch-size", "4", "--shape", "x=5,8"], [5, 8])],
 )
 def test_bench_json(tmp_path, capsys, extra, shape):
     path = two_layer_mlp(tmp_path / "mlp.onnx")
@@ -388,11 +388,11 @@ def test_bench_json(tmp_path, capsys, extra, shape):
         (["--shape", "y=2,8"], "--shape names ['y'], which are not inputs of the model (['x'])"),
         (["--shape", "x=-1,8"], "--shape 'x=-1,8': dimensions cannot be negative"),
         (["--steps", "0"], "--steps must be >= 1, got 0"),
-        (["--batch", "0"], "--batch must be >= 1, got 0"),
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--threads", "0"], "--threads must be >= 1, got 0"),
         (
             ["--shape", "x=2,5"],
-            "input 'x' has shape (2, 5), the model expects (N, 8) (dimension 1 must be 8)",
+            "--shape x=2,5: input 'x' has shape (2, 5), the model expects (N, 8) (dimension 1 must be 8)",
         ),
     ],
 )

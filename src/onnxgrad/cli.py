@@ -4,8 +4,17 @@ Subcommands: ``grad`` (write the forward and backward graphs of a model), ``chec
 each node and of the whole model against finite differences), ``coverage`` (the ops with gradient
 rules), ``info`` (what a model contains and which of its ops lack a rule), ``train`` (fine-tune a
 model on a CSV or NPZ file), ``bench`` (time a model's training step and where the time goes) and
-``demo`` (train an MLP on the digits data set). Errors that onnxgrad raises are printed as one line
-on stderr with exit code 2; a failed gradient check exits with 1.
+``demo`` (train an MLP on the digits data set), ``artifacts`` (one-graph training steps for any
+onnxruntime). Errors that onnxgrad raises are printed as one line on stderr with exit code 2; a
+failed gradient check exits with 1.
+
+One vocabulary across commands: ``-o/--output-dir DIR`` for a folder written, ``-o/--output-file
+FILE`` for a file written, ``--trainable`` for the initializers trained, ``--loss-output`` for the
+model output a loss reads, ``--batch-size``, ``--seed``, ``--shape NAME=DIMS``, ``--no-progress``.
+Older spellings (``train --out``/``--output``, ``demo --output``, ``bench --batch``, ``artifacts
+--requires-grad``) still work, hidden from the help, with a deprecation note on stderr
+(``add_deprecated``, in :mod:`onnxgrad.artifacts.cli`, the lowest
+command-line module, which the ``artifacts`` options use too).
 """
 
 from __future__ import annotations
@@ -26,13 +35,15 @@ import onnx
 from onnx import helper
 
 from ._version import __version__
+from .artifacts.cli import add_deprecated
 from .artifacts.cli import add_parser as add_artifacts_parser
 from .autodiff import build_gradient, rules_table, supported_ops
 from .autodiff.params import padding_rows, select_parameters
 from .autodiff.registry import lookup
 from .errors import InputError, OnnxGradError
-from .model.graph import opset_of, value_info_from_proto
+from .model.graph import dtype_name, opset_of, value_info_from_proto
 from .model.load import CheckedModel, load_checked, load_model
+from .runtime.values import check_input
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,8 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
     p.add_argument(
-        "--batch", type=int, default=1, metavar="N", help="value of every symbolic dimension (default 1)"
+        "--batch-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="value of every symbolic dimension, the batch included (default 1)",
     )
+    add_deprecated(p, "--batch", "--batch-size", "batch_size", type=int)
     p.add_argument("--steps", type=int, default=20, metavar="K", help="timed steps (default 20)")
     p.add_argument(
         "--threads", type=int, default=None, metavar="T", help="intra-op threads (default: onnxruntime's)"
@@ -148,21 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=DIMS",
-        help="shape of an input, e.g. x=2,3,8 (overrides --batch for that input)",
+        help="shape of an input, e.g. x=2,3,8 (overrides --batch-size for that input)",
     )
     p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("demo", help="train an MLP on scikit-learn's digits with onnxruntime")
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=15, help="number of epochs (default 15)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, the split and the shuffling")
     p.add_argument(
         "-o",
-        "--output",
+        "--output-file",
         default=None,
-        metavar="PATH",
+        metavar="FILE",
         help="where to write the trained model (default: out/digits_mlp.onnx)",
     )
+    add_deprecated(p, "--output", "--output-file", "output_file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_demo)
 
@@ -282,7 +299,7 @@ def _info(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
-    kwargs = {"path": args.output} if args.output else {}
+    kwargs = {"path": args.output_file} if args.output_file else {}
     try:
         demo.main(epochs=args.epochs, seed=args.seed, progress=not args.no_progress, **kwargs)
     except ModuleNotFoundError as exc:  # an optional dependency, not a bug
@@ -296,7 +313,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 # ---- train -------------------------------------------------------------------------------------
-SCHEDULES = ("constant", "cosine", "step", "invscaling")
+SCHEDULES = ("constant", "cosine", "step", "invscaling", "plateau")
+# what a resumed run must share with its checkpoint: another split would move samples between the
+# training and the validation sets
+SPLIT_KEYS = ("data", "val_split", "seed")
 
 
 def _add_train_parser(sub: Any) -> None:
@@ -317,29 +337,65 @@ def _add_train_parser(sub: Any) -> None:
         "--features", metavar="A,B,...", help="CSV feature columns, in order (default: all others)"
     )
     p.add_argument("--loss", default="mse", choices=LOSSES, help="loss appended to the model (default mse)")
-    p.add_argument("--output", metavar="NAME", help="model output the loss reads (default: the first)")
-    p.add_argument("--epochs", type=int, default=10, help="number of epochs (default 10)")
+    p.add_argument(
+        "--loss-output", metavar="NAME", help="model output the loss reads (default: the first output)"
+    )
+    add_deprecated(p, "--output", "--loss-output", "loss_output")
+    p.add_argument("--epochs", type=int, default=10, help="most epochs to run (default 10)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 0.001)")
     p.add_argument("--batch-size", type=int, default=32, metavar="B", help="mini-batch size (default 32)")
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        metavar="K",
+        help="update every K mini-batches with their mean gradient (default 1)",
+    )
     p.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS), help="optimizer (default adam)")
     p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
-    p.add_argument("--schedule", default="constant", choices=SCHEDULES, help="learning-rate schedule")
+    p.add_argument(
+        "--clip-norm", type=float, metavar="X", help="scale the gradients to this global L2 norm at most"
+    )
+    p.add_argument("--clip-value", type=float, metavar="X", help="clip every gradient element to [-X, X]")
+    p.add_argument(
+        "--schedule",
+        default="constant",
+        choices=SCHEDULES,
+        help="learning-rate schedule (default constant; plateau: divide by 10 when the validation loss "
+        "(the training loss without --val-split) has not improved for 10 epochs)",
+    )
     p.add_argument("--warmup", type=int, default=0, metavar="STEPS", help="linear warm-up steps (default 0)")
     p.add_argument(
         "--val-split", type=float, default=0.0, metavar="F", help="fraction held out for validation"
     )
+    p.add_argument(
+        "--patience",
+        type=int,
+        metavar="N",
+        help="stop when the validation loss (the training loss without --val-split) has not improved "
+        "for N epochs, and keep the best epoch's parameters",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffling and the split")
+    p.add_argument(
+        "--providers",
+        metavar="P1,P2",
+        help="onnxruntime execution providers, in order of preference (default: CPUExecutionProvider)",
+    )
     p.add_argument("--plot", metavar="PNG", help="write the loss curves to this PNG file")
+    p.add_argument("--history", metavar="FILE", help="write one row per epoch to this .csv or .json file")
     p.add_argument("--checkpoint", metavar="FILE", help="save a checkpoint (.npz) after every epoch")
     p.add_argument("--resume", metavar="FILE", help="resume from a checkpoint written by --checkpoint")
-    p.add_argument("-o", "--out", required=True, metavar="OUT.onnx", help="where to write the trained model")
+    p.add_argument(
+        "-o", "--output-file", metavar="FILE", help="where to write the trained model (.onnx; required)"
+    )
+    add_deprecated(p, "--out", "--output-file", "output_file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_train)
 
 
-def _schedule(args: argparse.Namespace, steps_per_epoch: int) -> Any:
-    from .train import Constant, Cosine, InverseScaling, LinearWarmup, StepDecay
+def _schedule(args: argparse.Namespace, steps_per_epoch: int, val: bool) -> Any:
+    from .train import Constant, Cosine, InverseScaling, LinearWarmup, ReduceLROnPlateau, StepDecay
 
     total = max(1, args.epochs * steps_per_epoch - args.warmup)
     lr = args.lr
@@ -348,31 +404,60 @@ def _schedule(args: argparse.Namespace, steps_per_epoch: int) -> Any:
         "cosine": lambda: Cosine(lr, total_steps=total),
         "step": lambda: StepDecay(lr, step_size=max(1, args.epochs // 3) * steps_per_epoch, gamma=0.1),
         "invscaling": lambda: InverseScaling(lr),
+        "plateau": lambda: ReduceLROnPlateau(lr, monitor="val_loss" if val else "loss"),
     }[args.schedule]()
     return LinearWarmup(sched, args.warmup) if args.warmup > 0 else sched
 
 
+def _check_train_args(args: argparse.Namespace) -> None:
+    """One-line errors for option values out of range."""
+    if args.output_file is None:  # not required=True: the deprecated --out fills it too
+        raise InputError("-o/--output-file FILE is required: where to write the trained model")
+    for flag, value, low in (
+        ("--epochs", args.epochs, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--accumulate", args.accumulate, 1),
+        ("--patience", args.patience, 1),
+    ):
+        if value is not None and value < low:
+            raise InputError(f"{flag} must be >= {low}, got {value}")
+    for flag, value in (("--clip-norm", args.clip_norm), ("--clip-value", args.clip_value)):
+        if value is not None and not value > 0:
+            raise InputError(f"{flag} must be > 0, got {value}")
+    if args.momentum and args.optimizer != "sgd":
+        raise InputError("--momentum applies to --optimizer sgd only")
+
+
 def _train(args: argparse.Namespace) -> int:
     from .runtime import ForwardBackward
-    from .train import Trainer, add_loss, load_dataset, remove_loss, split
+    from .train import (
+        EarlyStopping,
+        HistoryFile,
+        Trainer,
+        accuracy_metric,
+        add_loss,
+        load_dataset,
+        remove_loss,
+        split,
+    )
+    from .train.losses import CLASS_LOSSES
     from .train.trainer import input_infos
 
     start = time.perf_counter()
-    if args.epochs < 1:
-        raise InputError(f"--epochs must be >= 1, got {args.epochs}")
+    _check_train_args(args)
     checked = load_checked(args.model)  # the one validation: add_loss rewrites the checked model
     base = checked.proto
     taken = {v.name for v in (*base.graph.input, *base.graph.output)} | {
         o for n in base.graph.node for o in n.output
     }
     target_input = next(n for n in ("target", "onnxgrad_target", "onnxgrad_target_2") if n not in taken)
-    model = add_loss(checked, args.loss, output=args.output, target_name=target_input)
+    model = add_loss(checked, args.loss, output=args.loss_output, target_name=target_input)
     options: dict[str, Any] = {"weight_decay": args.weight_decay}
     if args.optimizer == "sgd":
         options["momentum"] = args.momentum
-    elif args.momentum:
-        raise InputError("--momentum applies to --optimizer sgd only")
-    fb = ForwardBackward(CheckedModel(model), outputs=["loss"])
+    providers = [p.strip() for p in args.providers.split(",") if p.strip()] if args.providers else None
+    fb = ForwardBackward(CheckedModel(model), outputs=["loss"], providers=providers)
+    loss_reads = args.loss_output or base.graph.output[0].name
     features = [c.strip() for c in args.features.split(",")] if args.features else None
     data = load_dataset(
         args.data, input_infos(fb), target=args.target, target_input=target_input, features=features
@@ -381,42 +466,110 @@ def _train(args: argparse.Namespace) -> int:
     if args.val_split:
         data, val = split(data, args.val_split, seed=args.seed)
     n_train = len(next(iter(data.values())))
-    steps = math.ceil(n_train / args.batch_size)
+    steps = math.ceil(math.ceil(n_train / args.batch_size) / args.accumulate)
+    monitor = "val_loss" if val else "loss"
+    stopper = EarlyStopping(monitor=monitor, patience=args.patience) if args.patience else None
+    callbacks: list[Any] = [c for c in (stopper,) if c is not None]
+    if args.history:
+        callbacks.append(HistoryFile(args.history))
+    classifier = args.loss in CLASS_LOSSES
     trainer = Trainer(
         fb,
         optimizer=args.optimizer,
-        lr=_schedule(args, steps),
+        lr=_schedule(args, steps, val is not None),
         optimizer_options=options,
         batch_size=args.batch_size,
         seed=args.seed,
         progress=not args.no_progress,
+        callbacks=callbacks,
+        metrics={"acc": accuracy_metric(loss_reads, target_input)} if classifier else None,
+        accumulate=args.accumulate,
+        clip_norm=args.clip_norm,
+        clip_value=args.clip_value,
     )
-    history = trainer.fit(data, val, epochs=args.epochs, checkpoint=args.checkpoint, resume=args.resume)
-    out = os.fspath(args.out)
+    trainer.run_info = {"data": os.path.abspath(args.data), "val_split": args.val_split, "seed": args.seed}
+    resumed_at = 0
+    if args.resume:
+        trainer.load_checkpoint(args.resume)
+        resumed_at = trainer.epoch
+        _resume_notes(args.resume, trainer.changed_since_checkpoint)
+    done_before = trainer.epoch
+    history = trainer.fit(data, val, epochs=args.epochs, checkpoint=args.checkpoint)
+    out = os.fspath(args.output_file)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     onnx.save(remove_loss(CheckedModel(fb.to_onnx())), out)  # our own rewrite: not checked again
 
     n_params = sum(p.size for p in trainer.parameters.values())
     val_text = f" / {len(next(iter(val.values())))} validation" if val else ""
-    epochs = f"{len(history)} epoch{'s' if len(history) != 1 else ''}"
+    ran = trainer.epoch - done_before
+    epochs = f"{ran} epoch{'s' if ran != 1 else ''}"
+    if resumed_at:
+        epochs += f" (epochs {resumed_at + 1}-{trainer.epoch}, resumed from epoch {resumed_at})"
+    extra = "".join(
+        f", {text}"
+        for text, on in (
+            (f"{args.accumulate} batches per update", args.accumulate > 1),
+            (f"gradient norm clipped to {args.clip_norm}", args.clip_norm),
+            (f"gradients clipped to ±{args.clip_value}", args.clip_value),
+        )
+        if on
+    )
     print(
         f"trained {args.model}: {epochs} of {args.optimizer} (lr {args.lr}, {args.schedule} schedule, "
-        f"batch {args.batch_size}), {n_train} training{val_text} samples"
+        f"batch {args.batch_size}{extra}), {n_train} training{val_text} samples"
     )
+    print(f"  stopped       {_stop_reason(trainer, stopper, args.epochs, ran)}")
     losses = history["loss"]
     print(f"  loss          {losses[0]:.6g} -> {losses[-1]:.6g}")
     if val:
         vl = history["val_loss"]
         best = int(np.argmin(vl))
         print(f"  val loss      {vl[0]:.6g} -> {vl[-1]:.6g} (best {vl[best]:.6g} at epoch {best + 1})")
+        if classifier:
+            acc = history["val_acc"]
+            print(f"  val accuracy  {acc[0]:.2%} -> {acc[-1]:.2%}")
+    if args.schedule == "plateau" or args.warmup:
+        print(f"  lr            {history['lr'][0]:.6g} -> {history['lr'][-1]:.6g}")
     print(f"  parameters    {len(trainer.parameters)} tensors, {n_params:,} values")
     print(f"  saved         {out}")
     if args.plot:
         print(f"  plot          {history.plot(args.plot, title=os.path.basename(args.model))}")
+    if args.history:
+        print(f"  history       {args.history}")
     if args.checkpoint:
         print(f"  checkpoint    {args.checkpoint}")
     print(f"  time          {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _resume_notes(path: str, changed: dict[str, tuple[Any, Any]]) -> None:
+    """Refuse a resumed run whose data split differs from the checkpoint's; note other changes."""
+    moved = {k: v for k, v in changed.items() if k in SPLIT_KEYS}
+    if moved:
+        what = "; ".join(f"{k} {old!r} in the checkpoint, {new!r} now" for k, (old, new) in moved.items())
+        raise InputError(
+            f"--resume {path}: the data or its split changed ({what}): resuming would move samples "
+            f"between training and validation; use the checkpoint's values or start without --resume"
+        )
+    if changed:
+        what = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        print(
+            f"onnxgrad: note: resuming {path} with settings changed since the checkpoint: {what}",
+            file=sys.stderr,
+        )
+
+
+def _stop_reason(trainer: Any, stopper: Any, epochs: int, ran: int) -> str:
+    """Why the run ended: early stopping (with its figures) or the epoch limit."""
+    if stopper is not None and trainer.stop_training:
+        restored = f"; the parameters of epoch {stopper.best_epoch} kept" if stopper.restore_best else ""
+        return (
+            f"early stopping at epoch {trainer.epoch}: {stopper.monitor} has not improved for "
+            f"{stopper.patience} epochs (best {stopper.best:.6g} at epoch {stopper.best_epoch}){restored}"
+        )
+    if ran == 0:
+        return f"nothing to run: the checkpoint is at epoch {trainer.epoch}, --epochs is {epochs}"
+    return f"--epochs {epochs} reached"
 
 
 # ---- bench -------------------------------------------------------------------------------------
@@ -425,8 +578,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .runtime.profile import profile_step, random_feeds
 
-    if args.batch < 1:
-        raise InputError(f"--batch must be >= 1, got {args.batch}")
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.steps < 1:
         raise InputError(f"--steps must be >= 1, got {args.steps}")
     if args.threads is not None and args.threads < 1:
@@ -434,7 +587,7 @@ def _bench(args: argparse.Namespace) -> int:
     checked = load_checked(args.model)  # the one validation of this model
     model = checked.proto
     shapes = _checked_shapes(model, args.shape)
-    feeds = random_feeds(model, batch=args.batch, shapes=shapes)
+    feeds = random_feeds(model, batch=args.batch_size, shapes=shapes)
     prof = profile_step(checked, feeds, steps=args.steps, threads=args.threads)
     params = sum(prof.trainable.values())
     threads = "onnxruntime's default threads"
@@ -450,13 +603,17 @@ def _bench(args: argparse.Namespace) -> int:
     notes = _set_dims(model, feeds, shapes)
     if notes:
         print(
-            f"symbolic dimensions set to {args.batch} ({'; '.join(notes)}); "
-            "change them with --batch N or --shape NAME=DIMS"
+            f"symbolic dimensions set to {args.batch_size} ({'; '.join(notes)}); "
+            "change them with --batch-size N or --shape NAME=DIMS"
         )
     print()
     print(prof.report())
     if args.json:
-        record = {"model": os.fspath(args.model), "onnxruntime": onnxruntime.__version__, "batch": args.batch}
+        record = {
+            "model": os.fspath(args.model),
+            "onnxruntime": onnxruntime.__version__,
+            "batch": args.batch_size,
+        }
         record.update(prof.to_dict())
         os.makedirs(os.path.dirname(os.fspath(args.json)) or ".", exist_ok=True)
         with open(args.json, "w") as f:
@@ -492,6 +649,14 @@ def _checked_shapes(model: onnx.ModelProto, specs: Sequence[str]) -> dict[str, t
     unknown = [n for n in shapes if n not in inputs]
     if unknown:
         raise InputError(f"--shape names {unknown}, which are not inputs of the model ({inputs})")
+    declared = {vi.name: value_info_from_proto(vi) for vi in model.graph.input}
+    for name, shape in shapes.items():
+        info = declared.get(name)
+        if info is not None:
+            try:
+                check_input(name, dtype_name(info.dtype), shape, info)
+            except InputError as exc:
+                raise InputError(f"--shape {name}={','.join(map(str, shape))}: {exc}") from None
     return shapes
 
 
@@ -536,7 +701,8 @@ def _check(args: argparse.Namespace) -> int:
         whole = check_gradients(checked, feeds, max_elements=args.max_elements, seed=args.seed, **tolerances)
         worst = max(whole.max_error.values(), default=0.0)
         dtypes = sorted({str(v.dtype) for k, v in feeds.items() if v.dtype.kind == "f"}) or ["-"]
-        status = "ok" if whole.ok else "FAIL"
+        status = "FAIL" if not whole.ok else "NONDIFF" if whole.nondiff else "ok"
+        status += f" ({whole.nondiff_note()})" if whole.nondiff else ""
         rows.append(("whole model", "-", f"{'/'.join(dtypes)} onnxruntime", f"{worst:.2e}", status))
         if not whole.ok:
             details.append(("whole model", whole.report()))
@@ -548,7 +714,18 @@ def _check(args: argparse.Namespace) -> int:
         print(f"\n{title}:\n{report}")
     failed = sum(r[4].startswith("FAIL") for r in rows)
     skipped = sum(r[4].startswith("skipped") for r in rows)
-    print(f"\n{len(rows)} checks: {len(rows) - failed - skipped} ok, {failed} failed, {skipped} skipped")
+    nondiff = sum(r[4].startswith("NONDIFF") for r in rows)
+    kinks = f"{nondiff} not differentiable at some probed elements, " if nondiff else ""
+    print(
+        f"\n{len(rows)} checks: {len(rows) - failed - skipped - nondiff} ok, {kinks}{failed} failed, "
+        f"{skipped} skipped"
+    )
+    if nondiff:
+        print(
+            "NONDIFF: at those elements the function has a kink within the finite-difference step (a "
+            "ReLU zero, a pooling or argmax tie) and the gradient lies between the one-sided slopes; "
+            "the other elements agree. Another --seed probes other points."
+        )
     return 1 if failed else 0
 
 

@@ -3,8 +3,9 @@
 The model is built with ``onnx.helper`` (Gemm, Relu, Gemm); :class:`onnxgrad.train.Trainer` appends
 a cross-entropy loss, runs forward and backward on onnxruntime and updates the weights in place with
 Adam, showing a progress bar per epoch. The trained logits model is saved and reloaded with a plain
-``onnxruntime.InferenceSession`` to show it is an ordinary ONNX file. Needs scikit-learn (the
-bundled digits set, no download) and tqdm.
+``onnxruntime.InferenceSession`` to show it is an ordinary ONNX file. The digits are also written
+next to the model (``digits.npz``), so that the commands the demo suggests at the end run as printed.
+Needs scikit-learn (the bundled digits set, no download) and tqdm.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .model.graph import ir_version_for
 from .runtime.runner import make_session
 from .train import Trainer
+from .train.trainer import accuracy
 
 DEFAULT_PATH = os.path.join("out", "digits_mlp.onnx")
 INPUT, LOGITS = "pixels", "logits"
@@ -124,9 +126,21 @@ def load_digits_split(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     return x_tr, x_te, y_tr, y_te
 
 
-def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
-    """Fraction of rows whose largest logit is the label."""
-    return float(np.mean(np.argmax(logits, axis=1) == labels))
+def next_steps(model: str, data: str) -> list[tuple[str, str]]:
+    """The commands the demo ends with, each with what it shows, for the model and data it wrote."""
+    stem = os.path.splitext(model)[0]
+    return [
+        (f"onnxgrad check {model}", "every node's gradient against finite differences"),
+        (
+            f"onnxgrad train {model} --data {data} --target target --loss cross_entropy --val-split 0.2 "
+            f"--patience 3 --history {stem}_history.csv -o {stem}_tuned.onnx",
+            "fine-tune it from the shell: validation accuracy, early stopping, a history file",
+        ),
+        (
+            f"onnxgrad artifacts {model} --loss cross_entropy -o {stem}_artifacts",
+            "one ONNX graph per training step, for onnxruntime in Python, Node or the browser",
+        ),
+    ]
 
 
 def main(
@@ -141,8 +155,9 @@ def main(
     """Train, evaluate, save and reload the digits MLP; print a summary and return the numbers.
 
     The result has ``epoch_losses`` (mean training loss per epoch), ``test_accuracy``,
-    ``reloaded_accuracy`` (the saved file run by a plain InferenceSession), ``path`` and
-    ``seconds`` (the whole run) and ``train_seconds``.
+    ``reloaded_accuracy`` (the saved file run by a plain InferenceSession), ``path``, ``data`` (the
+    digits as ``.npz``), ``next_steps`` (the commands suggested), ``seconds`` (the whole run) and
+    ``train_seconds``.
     """
     start = time.perf_counter()
     rng = np.random.default_rng(seed)
@@ -171,6 +186,8 @@ def main(
     onnx.save(trainer.to_onnx(), path)  # the logits model with the trained weights
     session = make_session(path, ["CPUExecutionProvider"])
     reloaded_acc = accuracy(session.run([LOGITS], {INPUT: x_te})[0], y_te)
+    data = os.path.join(os.path.dirname(path), "digits.npz")
+    np.savez(data, **{INPUT: np.concatenate([x_tr, x_te]), "target": np.concatenate([y_tr, y_te])})
     seconds = time.perf_counter() - start
 
     n_params = sum(p.size for p in trainer.parameters.values())
@@ -184,11 +201,17 @@ def main(
     print(f"  saved           {path} ({os.path.getsize(path) / 1024:.0f} KiB)")
     print(f"  reloaded        onnxruntime.InferenceSession: test accuracy {reloaded_acc:.2%}")
     print(f"  time            {seconds:.1f} s ({train_seconds:.1f} s training)")
+    steps = next_steps(path, data)
+    print("\nnext steps (onnxgrad is also python -m onnxgrad):")
+    for command, what in steps:  # a shell comment: each line pastes as it is
+        print(f"  {command}  # {what}")
     return {
         "epoch_losses": epoch_losses,
         "test_accuracy": test_acc,
         "reloaded_accuracy": reloaded_acc,
         "path": path,
+        "data": data,
+        "next_steps": [command for command, _ in steps],
         "seconds": seconds,
         "train_seconds": train_seconds,
     }

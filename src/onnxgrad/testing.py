@@ -5,12 +5,15 @@ forward graph, in float64, through onnxruntime or ``onnx.reference`` (for ops on
 float64 kernel for). :func:`node_model` and :func:`check_op` make one-node models so each rule is
 checked in isolation, at any shape; :func:`check_nodes` checks every node of a model that way, at the
 values the model computes. The command ``onnxgrad check`` is :func:`check_nodes` and
-:func:`check_gradients` on random inputs.
+:func:`check_gradients` on random inputs. :func:`assert_allclose_scaled` compares two float32
+results of one computation done in different orders, with a bound that scales with their magnitude.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -53,8 +56,6 @@ def run_model(model: onnx.ModelProto, backend: Backend = "onnxruntime") -> Any:
 
 def _precise_ops() -> list[type]:
     """Replacements for onnx.reference kernels: Erf and Gelu in float64, grouped ConvTranspose fixed."""
-    import math
-
     from onnx.reference.op_run import OpRun
     from onnx.reference.ops.op_conv_transpose import ConvTranspose as _RefConvTranspose
 
@@ -134,6 +135,8 @@ def run_gradients(
 
 @dataclass
 class Mismatch:
+    """One probed element: the analytic gradient and the central finite difference."""
+
     name: str
     index: tuple[int, ...]
     analytic: float
@@ -141,25 +144,59 @@ class Mismatch:
 
 
 @dataclass
+class NonDifferentiable(Mismatch):
+    """An element where the function has a kink within the step (a ReLU zero, a pooling or argmax
+    tie): the one-sided slopes ``left`` and ``right`` disagree and the analytic gradient lies between
+    them, so the central difference (their mean) cannot judge it."""
+
+    left: float = math.nan
+    right: float = math.nan
+
+
+@dataclass
 class GradCheckResult:
-    """Analytic and numeric gradients, and where they disagree."""
+    """Analytic and numeric gradients, and where they disagree.
+
+    ``mismatches``: elements where the gradient is wrong (the check fails); ``nondiff``: elements
+    where the function is not differentiable within the finite-difference step, left out of the
+    comparison and of ``max_error`` (see :func:`check_gradients`); ``probed``: elements compared,
+    by value.
+    """
 
     analytic: dict[str, np.ndarray]
     numeric: dict[str, np.ndarray]  # NaN where an element was not probed
     mismatches: list[Mismatch] = field(default_factory=list)
     max_error: dict[str, float] = field(default_factory=dict)
+    nondiff: list[NonDifferentiable] = field(default_factory=list)
+    probed: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.mismatches
 
+    def nondiff_note(self) -> str:
+        """``'not differentiable within the step at k of n elements'``, or ``''`` when none was."""
+        if not self.nondiff:
+            return ""
+        probed = sum(self.probed.values())
+        return f"not differentiable within the step at {len(self.nondiff)} of {probed} elements"
+
     def report(self) -> str:
         lines = [f"{'value':40s} {'max |analytic - numeric|':>26s}  status"]
         bad = {m.name for m in self.mismatches}
+        kinks = Counter(m.name for m in self.nondiff)
         for name, err in self.max_error.items():
-            lines.append(f"{name:40s} {err:26.3e}  {'FAIL' if name in bad else 'ok'}")
+            status = "FAIL" if name in bad else "ok"
+            if kinks[name]:
+                status += f" ({kinks[name]} of {self.probed.get(name, 0)} not differentiable within the step)"
+            lines.append(f"{name:40s} {err:26.3e}  {status}")
         for m in self.mismatches[:10]:
             lines.append(f"  {m.name}{list(m.index)}: analytic {m.analytic:.8g}, numeric {m.numeric:.8g}")
+        for k in self.nondiff[: 10 if not self.mismatches else 0]:
+            lines.append(
+                f"  {k.name}{list(k.index)}: NONDIFF, analytic {k.analytic:.8g}, one-sided slopes "
+                f"{k.left:.8g} and {k.right:.8g}"
+            )
         return "\n".join(lines)
 
 
@@ -182,6 +219,15 @@ def check_gradients(
     ``wrt``: initializer and input names (``None``: every floating-point initializer and input).
     At most ``max_elements`` elements per value are probed (chosen at random, seeded).
     Tolerances default to float64 ones; float32 models get looser defaults.
+
+    An element whose central difference disagrees is tested for a kink within the step (a ReLU zero,
+    a pooling or argmax tie, where the central difference averages two slopes): the one-sided slopes
+    ``(f(x+h) - f(x)) / h`` and ``(f(x) - f(x-h)) / h`` and the central difference at ``h / 2`` are
+    computed; when the function is not smooth within the step (the two slopes disagree, or the
+    central differences at ``h`` and ``h / 2`` do) and the analytic gradient is one of the one-sided
+    slopes (at ``h`` or ``h / 2``) or the central difference at ``h / 2``, the element goes to
+    ``nondiff``, not to the mismatches. A wrong gradient at a smooth point still fails (there both
+    slopes and both central differences agree), and so does one at a kink that is none of the slopes.
     """
     checked = load_checked(model)
     proto = checked.proto
@@ -215,6 +261,30 @@ def check_gradients(
     analytic = _backward(graphs, bwd, values, out, cot)
 
     result = GradCheckResult(analytic=analytic, numeric={})
+    at_x: list[float] = []  # f(x), computed on the first kink test
+
+    def kink(vals: dict[str, np.ndarray], w: str, idx: tuple, f_plus: float, f_minus: float, a: float) -> Any:
+        """``(left, right)`` slopes when element ``idx`` of ``w`` is not differentiable within the
+        step and ``a`` is one of its one-sided slopes (at ``eps`` or ``eps / 2``), else ``None``."""
+        if not at_x:
+            at_x.append(loss(vals))
+        f0, base = at_x[0], vals[w]
+        slopes = []
+        for step, (fp, fm) in ((eps, (f_plus, f_minus)), (eps / 2, (None, None))):
+            plus, minus = base.copy(), base.copy()
+            plus[idx] += step
+            minus[idx] -= step
+            if fp is None:
+                fp, fm = loss({**vals, w: plus}), loss({**vals, w: minus})
+            hp, hm = float(plus[idx] - base[idx]), float(base[idx] - minus[idx])  # as the dtype has them
+            slopes.append(((f0 - fm) / hm, (fp - f0) / hp, (fp - fm) / (hp + hm)))
+        (left, right, central), (left2, right2, central2) = slopes
+        tol = atol + rtol * max(abs(left), abs(right), abs(central))
+        smooth = abs(left - right) <= tol and abs(central - central2) <= tol
+        if smooth or not any(abs(a - s) <= tol for s in (left, right, left2, right2, central2)):
+            return None
+        return left, right
+
     for w in graphs.grad_outputs:
         base = values[w]
         num = np.full(base.shape, np.nan)
@@ -227,14 +297,21 @@ def check_gradients(
             plus, minus = base.copy(), base.copy()
             plus[idx] += eps
             minus[idx] -= eps
-            num[idx] = (loss({**values, w: plus}) - loss({**values, w: minus})) / (2 * eps)
+            f_plus, f_minus = loss({**values, w: plus}), loss({**values, w: minus})
+            num[idx] = (f_plus - f_minus) / (2 * eps)
             a = float(analytic[w][idx])
             err = abs(a - num[idx])
-            worst = max(worst, err)
+            where = tuple(int(i) for i in idx)
             if not np.isfinite(a) or err > atol + rtol * abs(num[idx]):
-                result.mismatches.append(Mismatch(w, tuple(int(i) for i in idx), a, float(num[idx])))
+                sides = kink(values, w, idx, f_plus, f_minus, a) if np.isfinite(a) else None
+                if sides is not None:
+                    result.nondiff.append(NonDifferentiable(w, where, a, float(num[idx]), *sides))
+                    continue
+                result.mismatches.append(Mismatch(w, where, a, float(num[idx])))
+            worst = max(worst, err)
         result.numeric[w] = num
         result.max_error[w] = worst
+        result.probed[w] = len(flat_idx)
         if analytic[w].shape != base.shape or analytic[w].dtype != base.dtype:
             result.mismatches.append(Mismatch(w, (), float("nan"), float("nan")))
     return result
@@ -322,7 +399,9 @@ def check_op(
 class NodeCheck:
     """The gradient check of one node of a model, on its own (:func:`check_nodes`).
 
-    ``status``: ``"ok"``, ``"FAIL"`` or ``"skipped"``; ``checked_in``: precision and backend (``"-"``
+    ``status``: ``"ok"``, ``"FAIL"``, ``"skipped"`` or ``"NONDIFF"`` (the elements where the node is
+    differentiable within the step agree, the others were left out: ``note`` says how many, and the
+    elements are in ``result.nondiff``); ``checked_in``: precision and backend (``"-"``
     when not checked); ``max_error``: the largest difference found, formatted; ``note``: why a node
     was skipped or could not be checked; ``result``: the comparison, when one ran.
     """
@@ -451,7 +530,8 @@ def _check_node(
             error = exc
             continue
         worst = max(result.max_error.values(), default=0.0)
-        check.status = "ok" if result.ok else "FAIL"
+        check.status = "FAIL" if not result.ok else "NONDIFF" if result.nondiff else "ok"
+        check.note = result.nondiff_note()
         check.checked_in, check.max_error, check.result = f"{precision} {backend}", f"{worst:.2e}", result
         return
     check.note = f"cannot check the node: {' '.join(str(error).split())[:200]}"
@@ -466,3 +546,53 @@ def _declare_output_shapes(model: onnx.ModelProto, values: Sequence[np.ndarray |
             tensor.shape.SetInParent()
             for d in np.shape(value):
                 tensor.shape.dim.add().dim_value = d
+
+
+# ---- float32 results computed in different orders ---------------------------------------------
+def assert_allclose_scaled(
+    actual: Any,
+    expected: Any,
+    *,
+    rtol: float = 1e-5,
+    scale: float | None = None,
+    err_msg: str = "",
+) -> None:
+    """Assert that two results of the same computation, done in different orders, agree to rounding.
+
+    The rule: every element satisfies ``|actual - expected| <= rtol * scale``, where ``scale`` is
+    ``max |expected|`` over the tensor's finite elements unless given. Shapes must be equal, NaNs
+    and infinities at the same places.
+
+    Use it where float32 values are computed in another order: merged against unmerged weights,
+    ONNX against torch, fused against unfused kernels, one graph against two, and onnxruntime on a
+    CPU with other kernels (AVX2 against AVX-512). Reordering a float32 sum moves each element by
+    a few units in the last place of the terms summed into it, and those terms have the magnitude
+    of the tensor, not of the element: an element that cancels to near zero carries an error of
+    the size of its neighbours, and a large tensor carries a large absolute error. So the bound
+    scales with the tensor's magnitude: neither absolute (breaks on values of magnitude 100) nor
+    per element (breaks on the elements near zero). A reorder costs about 1e-7 to 1e-6 relative
+    per float32 reduction and grows with depth; a wrong formula (a missed factor, a wrong
+    gradient) is off by 1e-2 or more: pick ``rtol`` between the two. Comparisons against float64
+    finite differences have their own rule (:func:`check_gradients`).
+
+    ``actual`` and ``expected``: arrays, scalars or torch tensors (detached here). ``scale``: the
+    magnitude the error is measured against, when it is not that of ``expected`` (e.g. a
+    gradient whose exact value is zero). Raises ``AssertionError`` naming the worst element.
+    """
+    got, want = _as_float64(actual), _as_float64(expected)
+    if got.shape != want.shape:
+        raise AssertionError(f"{err_msg}: shapes differ: {got.shape} against {want.shape}".lstrip(": "))
+    if scale is None:
+        finite = np.abs(want[np.isfinite(want)])
+        scale = float(finite.max()) if finite.size else 0.0
+    bound = rtol * scale
+    note = f"bound {rtol:g} x max|expected| {scale:.4g} = {bound:.3g}"
+    np.testing.assert_allclose(got, want, rtol=0, atol=bound, err_msg=f"{err_msg} ({note})".lstrip())
+
+
+def _as_float64(value: Any) -> np.ndarray:
+    """``value`` as a float64 (or complex128) array; torch tensors are detached and moved to the CPU."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    return arr.astype(np.complex128 if arr.dtype.kind == "c" else np.float64)

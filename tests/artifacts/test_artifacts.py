@@ -12,6 +12,7 @@ import pytest
 from onnxgrad.artifacts import Runner, generate, tensors
 from onnxgrad.demo import build_mlp
 from onnxgrad.errors import InputError
+from onnxgrad.testing import assert_allclose_scaled
 from onnxgrad.train import Callback, LinearWarmup, Trainer
 from tests.models import make_model
 
@@ -52,10 +53,6 @@ def train_both(model, data, *, loss="cross_entropy", optimizer="adamw", lr=1e-2,
     return record.losses, trainer.parameters, losses, runner
 
 
-def assert_close(actual, expected, rtol=1e-5, atol=1e-7):
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
-
-
 OPTIMIZERS = [
     ("adamw", {}),
     ("adamw", {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}),
@@ -76,11 +73,11 @@ def test_step_matches_trainer(optimizer, options, tmp_path):
         small_mlp(), digits_like(), optimizer=optimizer, tmp_path=tmp_path, **options
     )
     assert len(losses) == STEPS
-    assert_close(losses, ref_losses)
+    assert_allclose_scaled(losses, ref_losses, rtol=1e-5)
     params = runner.parameters
     assert params.keys() == ref_params.keys()
     for name in params:
-        assert_close(params[name], ref_params[name])
+        assert_allclose_scaled(params[name], ref_params[name], rtol=1e-5)
 
 
 @pytest.mark.parametrize("loss", ["mse", "huber", "l1"])
@@ -89,9 +86,9 @@ def test_regression_losses_match(loss, tmp_path):
     data = {"pixels": rng.random((STEPS * BATCH, 8)).astype(np.float32)}
     data["target"] = rng.standard_normal((STEPS * BATCH, 4)).astype(np.float32)
     ref_losses, ref_params, losses, runner = train_both(small_mlp(), data, loss=loss, tmp_path=tmp_path)
-    assert_close(losses, ref_losses)
+    assert_allclose_scaled(losses, ref_losses, rtol=1e-5)
     for name, value in runner.parameters.items():
-        assert_close(value, ref_params[name])
+        assert_allclose_scaled(value, ref_params[name], rtol=1e-5)
 
 
 def test_schedule_matches_trainer(tmp_path):
@@ -99,9 +96,9 @@ def test_schedule_matches_trainer(tmp_path):
     ref_losses, ref_params, losses, runner = train_both(
         small_mlp(), digits_like(), lr=schedule, tmp_path=tmp_path
     )
-    assert_close(losses, ref_losses)
+    assert_allclose_scaled(losses, ref_losses, rtol=1e-5)
     for name, value in runner.parameters.items():
-        assert_close(value, ref_params[name])
+        assert_allclose_scaled(value, ref_params[name], rtol=1e-5)
 
 
 def test_adamw_matches_torch(tmp_path):
@@ -125,7 +122,7 @@ def test_adamw_matches_torch(tmp_path):
         loss = runner.step(batch)
         assert loss == pytest.approx(ref.item(), rel=1e-5)
     for name, value in runner.parameters.items():
-        assert_close(value, params[name].detach().numpy(), atol=1e-6)
+        assert_allclose_scaled(value, params[name], rtol=1e-5)
 
 
 def batchnorm_model() -> onnx.ModelProto:
@@ -165,12 +162,12 @@ def test_running_statistics_are_carried(tmp_path):
     losses = [
         runner.step({k: v[i : i + BATCH] for k, v in data.items()}) for i in range(0, STEPS * BATCH, BATCH)
     ]
-    assert_close(losses, record.losses)
+    assert_allclose_scaled(losses, record.losses, rtol=1e-5)
     state = runner.state_dict()
     for name, value in trainer.fb.buffers.items():
-        assert_close(state[name], value)
+        assert_allclose_scaled(state[name], value, rtol=1e-5)
     for name, value in trainer.parameters.items():
-        assert_close(state[name], value)
+        assert_allclose_scaled(state[name], value, rtol=1e-5)
     # evaluation uses the running statistics, as the trainer's inference mode does
     batch = {k: v[:BATCH] for k, v in data.items()}
     assert runner.evaluate(batch)["loss"] == pytest.approx(trainer.evaluate(batch)["loss"], rel=1e-5)
@@ -217,7 +214,7 @@ def test_save_writes_trained_inference_model(tmp_path):
     assert [i.name for i in model.graph.input] == ["pixels"]
     logits = ort.InferenceSession(path).run(None, {"pixels": data["pixels"][:5]})[0]
     ev = runner.evaluate({k: v[:5] for k, v in data.items()})
-    assert_close(logits, ev["logits"])
+    assert_allclose_scaled(logits, ev["logits"], rtol=1e-5)
     # the saved state resumes training where it stopped
     runner.save_state(tmp_path / "resume.safetensors")
     again = Runner(tmp_path / "a", state=tmp_path / "resume.safetensors", lr=1e-2, threads=1)
@@ -276,7 +273,7 @@ def test_cli_writes_the_folder(tmp_path, capsys):
     losses = [
         runner.step({k: v[i : i + BATCH] for k, v in data.items()}) for i in range(0, STEPS * BATCH, BATCH)
     ]
-    assert_close(losses, ref_losses)
+    assert_allclose_scaled(losses, ref_losses, rtol=1e-5)
     assert (
         main(
             [
@@ -310,3 +307,68 @@ def test_opset_and_ir_version(opset, step_opset, ir, tmp_path):
     data = digits_like()
     first = runner.step({k: v[:BATCH] for k, v in data.items()})
     assert np.isfinite(first)
+
+
+# ---- the batch is checked, the runner describes itself ------------------------------------------
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        (
+            {"pixels": np.zeros((4, 7), np.float32), "target": np.zeros(4, np.int64)},
+            r"input 'pixels' has shape \(4, 7\), the model expects \(N, 8\) \(dimension 1 must be 8\)",
+        ),
+        (
+            {"pixels": np.zeros((4, 8, 1), np.float32), "target": np.zeros(4, np.int64)},
+            r"input 'pixels' has rank 3 \(shape \(4, 8, 1\)\), the model expects rank 2",
+        ),
+        (
+            {"pixels": np.zeros((4, 8), np.float32), "target": np.zeros(3, np.int64)},
+            r"inputs 'pixels' and 'target' disagree on dimension 'N': 'pixels' has 4 \(shape \(4, 8\)\), "
+            r"'target' has 3 \(shape \(3,\)\)",
+        ),
+        (
+            {"pixels": np.zeros((4, 8), np.float32), "target": np.zeros(4, np.float64)},
+            r"batch input 'target' has dtype float64, the step expects int64 \(shape \(N,\)\)",
+        ),
+    ],
+)
+def test_a_wrong_batch_is_an_input_error_naming_the_input(tmp_path, batch, message):
+    """Before: onnxruntime's raw 'Got invalid dimensions' / broadcast failure in the loss."""
+    generate(small_mlp(), loss="cross_entropy", out_dir=tmp_path)
+    runner = Runner(tmp_path)
+    with pytest.raises(InputError, match=message):
+        runner.step(batch)
+    with pytest.raises(InputError, match=message):
+        runner.evaluate(batch)
+    assert runner.iterations == 0
+    # a safe cast is still taken: float64 pixels, int32 targets
+    loss = runner.step({"pixels": np.zeros((4, 8)), "target": np.zeros(4, np.int32)})
+    assert loss == pytest.approx(np.log(4), rel=1e-3)  # zero pixels: the logits are the bias, near 0
+
+
+def test_reprs_say_what_the_object_holds(tmp_path):
+    from onnxgrad import ForwardBackward, build_gradient
+
+    model = small_mlp()
+    generate(model, loss="cross_entropy", optimizer="sgd", lr=0.1, out_dir=tmp_path)
+    assert repr(Runner(tmp_path)) == (
+        f"Runner({str(tmp_path)!r}, batch=(pixels: (N, 8), target: (N,)), parameters=4 tensors "
+        "(212 values), optimizer=sgd, lr=0.1, step=0, outputs=['loss', 'logits'])"
+    )
+    assert repr(ForwardBackward(model)) == (
+        "ForwardBackward(inputs=(pixels: (N, 8)), outputs=['logits'], parameters=4 tensors (212 values), "
+        "inputs_requiring_grad=[])"
+    )
+    assert repr(build_gradient(model, inputs_requiring_grad=["pixels"])) == (
+        "GradientGraphs(inputs=['pixels'], outputs=['logits'], trainable=4 tensors, "
+        "inputs_requiring_grad=['pixels'], saved=4 values, forward=3 nodes, backward=11 nodes)"
+    )
+
+
+def test_forward_backward_checks_that_the_batch_dimensions_agree():
+    from onnxgrad import ForwardBackward
+    from onnxgrad.train import add_loss
+
+    fb = ForwardBackward(add_loss(small_mlp(), "cross_entropy"), outputs=["loss"])
+    with pytest.raises(InputError, match=r"inputs 'pixels' and 'target' disagree on dimension 'N'"):
+        fb.forward({"pixels": np.zeros((4, 8), np.float32), "target": np.zeros(3, np.int64)})

@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from ..train.losses import LOSSES
 from .optim import OPTIMIZERS
 
-__all__ = ["add_parser"]
+__all__ = ["add_deprecated", "add_parser"]
+
+
+class _Deprecated(argparse.Action):
+    """An old spelling of an option: stores into the new option's destination and says so on stderr."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str = "", **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        print(f"onnxgrad: note: {option} is deprecated, use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated(parser: argparse.ArgumentParser, old: str, new: str, dest: str, **kwargs: Any) -> None:
+    """Accept ``old`` as a hidden spelling of option ``new`` (destination ``dest``), with a note."""
+    parser.add_argument(old, dest=dest, action=_Deprecated, new=new, help=argparse.SUPPRESS, **kwargs)
 
 
 def add_parser(sub: Any) -> None:
@@ -24,8 +45,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
     p.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="the folder to write")
     p.add_argument("--loss", required=True, choices=[*LOSSES, "none"], help="loss appended to the model")
-    p.add_argument("--loss-output", metavar="NAME", help="the value the loss reads (default: first output)")
-    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
+    p.add_argument(
+        "--loss-output", metavar="NAME", help="model output the loss reads (default: the first output)"
+    )
+    p.add_argument(
+        "--optimizer", default="adamw", choices=list(OPTIMIZERS), help="optimizer of the step (default adamw)"
+    )
     p.add_argument("--lr", type=float, default=1e-3, help="default learning rate (an input of the step)")
     p.add_argument("--weight-decay", type=float, help="default: the optimizer's (AdamW 0.01, others 0)")
     p.add_argument("--momentum", type=float, help="SGD momentum")
@@ -33,7 +58,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--nesterov", action="store_true", help="SGD Nesterov momentum")
     p.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam/AdamW betas")
     p.add_argument("--eps", type=float, help="Adam/AdamW epsilon")
-    p.add_argument("--requires-grad", nargs="+", metavar="NAME", help="initializers to train (default: all)")
+    p.add_argument(
+        "--trainable", nargs="+", metavar="NAME", help="initializers to train (default: every float one)"
+    )
+    add_deprecated(p, "--requires-grad", "--trainable", "trainable", nargs="+")
     p.add_argument("--frozen", nargs="+", default=[], metavar="NAME", help="initializers not to train")
     p.set_defaults(func=_run)
 
@@ -57,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
     loss_options = {"output": args.loss_output} if args.loss_output else {}
     art = generate(
         args.model,
-        requires_grad=args.requires_grad,
+        requires_grad=args.trainable,
         frozen=args.frozen,
         loss=None if args.loss == "none" else args.loss,
         loss_options=loss_options,

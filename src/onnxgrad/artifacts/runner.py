@@ -19,8 +19,10 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ..errors import InputError
+from ..model.graph import ValueInfo, onnx_dtype
 from ..runtime.runner import default_options, make_session
 from ..runtime.session import resolve_providers
+from ..runtime.values import check_dims_agree, check_input
 from ..train.schedules import LearningRate, as_schedule
 from . import tensors
 from .generate import FILES, FORMAT
@@ -69,6 +71,9 @@ class Runner:
         if missing:
             raise InputError(f"the state file lacks {missing}")
         self.batch_specs = {s["name"]: s for s in m["batch"]}
+        # every input the steps take from the caller, as declared (the batch, and what eval adds)
+        specs = {s["name"]: s for s in (*m["eval_step"]["inputs"], *m["batch"])}
+        self._infos = {n: _value_info(s) for n, s in specs.items()}
         self.loss_name = m["loss"]["name"]
         # two buffer sets: a step reads set k and writes set 1 - k
         self._arrays = [
@@ -95,6 +100,18 @@ class Runner:
             self._bindings.append(b)
         self._current = 0
 
+    def __repr__(self) -> str:
+        params = self.manifest["parameters"]
+        n_values = sum(int(np.prod(p["shape"])) for p in params)
+        batch = ", ".join(f"{n}: {_fmt_spec(i)}" for n, i in self._infos.items() if n in self.batch_specs)
+        outputs = [s["name"] for s in self.manifest["eval_step"]["outputs"]]
+        optimizer = self.manifest["optimizer"]["name"]
+        return (
+            f"Runner({self.folder!r}, batch=({batch}), parameters={len(params)} tensors "
+            f"({n_values:,} values), optimizer={optimizer}, lr={self.lr:g}, step={self.iterations}, "
+            f"outputs={outputs})"
+        )
+
     def _session(self, key: str) -> ort.InferenceSession:
         path = os.path.join(self.folder, self.manifest["files"][key])
         return make_session(path, self._providers, self._options)
@@ -109,11 +126,17 @@ class Runner:
             raise InputError(f"missing batch input(s) {missing}; the step takes {list(self.batch_specs)}")
         out = {}
         for name in names:
-            spec = self.batch_specs[name]
-            arr = np.ascontiguousarray(batch[name], dtype=np.dtype(spec["dtype"]))
-            if spec["shape"] is not None and arr.ndim != len(spec["shape"]):
-                raise InputError(f"batch input {name!r} has shape {arr.shape}, expected {spec['shape']}")
-            out[name] = arr
+            info = self._infos[name]
+            expected = np.dtype(self.batch_specs[name]["dtype"])
+            given = np.asarray(batch[name])
+            if not np.can_cast(given.dtype, expected, "same_kind"):
+                raise InputError(
+                    f"batch input {name!r} has dtype {given.dtype}, the step expects {expected} "
+                    f"(shape {_fmt_spec(info)})"
+                )
+            check_input(name, expected.name, given.shape, info)
+            out[name] = np.ascontiguousarray(given, dtype=expected)
+        check_dims_agree({k: a.shape for k, a in out.items()}, self._infos)
         return out
 
     # ---- training ------------------------------------------------------------------------------
@@ -183,3 +206,17 @@ class Runner:
         path = os.fspath(path)
         onnx.save(self.to_onnx(), path)
         return path
+
+
+def _value_info(spec: Mapping[str, Any]) -> ValueInfo:
+    """A manifest's ``{"name", "dtype", "shape"}`` entry as a :class:`ValueInfo`."""
+    shape = spec["shape"]
+    dims = None if shape is None else tuple(d if isinstance(d, int) and d > 0 else (d or None) for d in shape)
+    return ValueInfo(spec["name"], onnx_dtype(np.dtype(spec["dtype"])), dims)
+
+
+def _fmt_spec(info: ValueInfo) -> str:
+    if info.shape is None:
+        return "?"
+    dims = ["?" if d is None else str(d) for d in info.shape]
+    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"

@@ -75,6 +75,15 @@ class GradientGraphs:
         """Names whose gradients the backward returns: trainable values, then inputs."""
         return list(self.grad_outputs)
 
+    def __repr__(self) -> str:
+        inits = {i.name for i in self.forward.graph.initializer}
+        inputs = [i.name for i in self.forward.graph.input if i.name not in inits]
+        return (
+            f"GradientGraphs(inputs={inputs}, outputs={self.outputs}, trainable={len(self.trainable)} "
+            f"tensors, inputs_requiring_grad={self.inputs_requiring_grad}, saved={len(self.saved)} values, "
+            f"forward={len(self.forward.graph.node)} nodes, backward={len(self.backward.graph.node)} nodes)"
+        )
+
     def save(self, directory: str | os.PathLike) -> list[str]:
         """Write ``forward.onnx`` and ``backward.onnx`` into ``directory``; returns the paths."""
         os.makedirs(directory, exist_ok=True)

@@ -25,7 +25,7 @@ from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import ValueInfo, np_dtype, to_array
 from ..model.load import CheckedModel
 from .runner import BaseRunner, make_runner
-from .values import contiguous, from_numpy
+from .values import check_dims_agree, contiguous, from_numpy
 
 Feeds = Mapping[str, Any]
 
@@ -151,6 +151,16 @@ class ForwardBackward:
         self._buffers = {k: np.array(to_array(inits[k]), copy=True) for k in self._stat_names()}
         self._buffer_values = {k: from_numpy(v) for k, v in self._buffers.items()}
 
+    def __repr__(self) -> str:
+        n_values = sum(p.size for p in self._params.values())
+        inputs = ", ".join(
+            f"{k}: {_fmt_shape(v.shape) if v.shape is not None else '?'}" for k, v in self._inputs.items()
+        )
+        return (
+            f"ForwardBackward(inputs=({inputs}), outputs={self.output_names}, parameters={len(self._params)} "
+            f"tensors ({n_values:,} values), inputs_requiring_grad={self.graphs.inputs_requiring_grad})"
+        )
+
     def _stat_names(self) -> list[str]:
         return list(self._running_stats)
 
@@ -246,7 +256,9 @@ class ForwardBackward:
         missing = [k for k in self._inputs if k not in feeds]
         if missing:
             raise InputError(f"missing input(s) {missing}; the model's inputs are {list(self._inputs)}")
-        return {name: check_array(name, feeds[name], self._inputs[name]) for name in self._inputs}
+        arrays = {name: check_array(name, feeds[name], self._inputs[name]) for name in self._inputs}
+        check_dims_agree({k: a.shape for k, a in arrays.items()}, self._inputs)
+        return arrays
 
     def _grad_feeds(self, grad_outputs: Any, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
         by_name = dict(zip(self.output_names, outputs))

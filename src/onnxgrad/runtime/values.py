@@ -9,7 +9,7 @@ releases speak.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,17 @@ from ..deps import C, ortvalue_from_numpy, run_with_ort_values, torch_interop
 from ..errors import InputError
 from ..model.graph import ValueInfo, dtype_name
 
-__all__ = ["C", "OrtValueLike", "check_input", "from_numpy", "from_torch", "run", "to_torch", "unwrap"]
+__all__ = [
+    "C",
+    "OrtValueLike",
+    "check_dims_agree",
+    "check_input",
+    "from_numpy",
+    "from_torch",
+    "run",
+    "to_torch",
+    "unwrap",
+]
 
 OrtValueLike = Any  # a C-level OrtValue or the onnxruntime.OrtValue wrapper around one
 _C_ORTVALUE = C.OrtValue
@@ -94,3 +104,24 @@ def check_input(name: str, dtype: str, shape: Sequence[int], info: ValueInfo) ->
             raise InputError(
                 f"input {name!r} has shape {shape}, the model expects {want} (dimension {i} must be {w})"
             )
+
+
+def check_dims_agree(shapes: Mapping[str, Sequence[int]], infos: Mapping[str, ValueInfo]) -> None:
+    """:class:`InputError` when inputs whose declared shapes share a symbolic dimension (the batch
+    ``N`` of the features and of the target) are given different sizes for it; ``shapes``: input
+    name -> the given shape, ``infos``: input name -> its declaration (ranks already checked)."""
+    seen: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+    for name, shape in shapes.items():
+        info = infos.get(name)
+        if info is None or info.shape is None or len(info.shape) != len(shape):
+            continue
+        for d, want in zip(shape, info.shape):
+            if not isinstance(want, str) or not want:
+                continue
+            if want in seen and seen[want][1] != d:
+                other, size, other_shape = seen[want]
+                raise InputError(
+                    f"inputs {other!r} and {name!r} disagree on dimension {want!r}: {other!r} has {size} "
+                    f"(shape {other_shape}), {name!r} has {d} (shape {tuple(shape)})"
+                )
+            seen.setdefault(want, (name, int(d), tuple(shape)))

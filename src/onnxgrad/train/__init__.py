@@ -4,10 +4,19 @@ optimizers and learning-rate schedules, data loading, and a trainer with callbac
 
 from .data import BatchLoader, as_feeds, load_dataset, split
 from .losses import LOSSES, add_loss, keep_outputs, remove_loss, with_parameters
-from .optim import SGD, Adam, AdamW, Optimizer
+from .optim import SGD, Adam, AdamW, Optimizer, clip_grad_norm, clip_grad_value
 from .plot import plot_curves
-from .schedules import Constant, Cosine, InverseScaling, LinearWarmup, Schedule, StepDecay
-from .trainer import OPTIMIZERS, Callback, EarlyStopping, History, Trainer, make_optimizer
+from .schedules import Constant, Cosine, InverseScaling, LinearWarmup, ReduceLROnPlateau, Schedule, StepDecay
+from .trainer import (
+    OPTIMIZERS,
+    Callback,
+    EarlyStopping,
+    History,
+    HistoryFile,
+    Trainer,
+    accuracy_metric,
+    make_optimizer,
+)
 
 __all__ = [
     "LOSSES",
@@ -21,14 +30,19 @@ __all__ = [
     "Cosine",
     "EarlyStopping",
     "History",
+    "HistoryFile",
     "InverseScaling",
     "LinearWarmup",
     "Optimizer",
+    "ReduceLROnPlateau",
     "Schedule",
     "StepDecay",
     "Trainer",
+    "accuracy_metric",
     "add_loss",
     "as_feeds",
+    "clip_grad_norm",
+    "clip_grad_value",
     "keep_outputs",
     "load_dataset",
     "make_optimizer",
@@ -37,3 +51,9 @@ __all__ = [
     "split",
     "with_parameters",
 ]
+
+# onnxcustom's 'optimal' learning rate and elastic penalty (docs/migrate_onnxcustom_optimizer.md)
+from .optim import ElasticPenalty
+from .schedules import Optimal
+
+__all__ += ["ElasticPenalty", "Optimal"]

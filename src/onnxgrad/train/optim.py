@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import InputError
 from .schedules import LearningRate, as_schedule
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "clip_grad_norm", "clip_grad_value"]
 
 
 class Optimizer:
@@ -235,3 +235,101 @@ class AdamW(Adam):
         if self.weight_decay:
             p *= 1.0 - self.lr * self.weight_decay
         self._adam(name, p, grad)
+
+
+# ---- gradient clipping -------------------------------------------------------------------------
+def clip_grad_norm(grads: dict[str, np.ndarray], max_norm: float, norm_type: float = 2.0) -> float:
+    """Scale every gradient of ``grads`` by one factor so that their global norm is at most
+    ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``; returns the global norm before clipping.
+
+    The global norm is the ``norm_type``-norm of the per-gradient norms (``inf``: the largest
+    absolute value); the factor is ``max_norm / (norm + 1e-6)`` when below 1. Arrays are scaled in
+    place (a read-only one is replaced in ``grads`` by a scaled copy). A non-finite norm raises
+    :class:`InputError`: scaling by it would turn every gradient into NaN.
+    """
+    _check_positive(max_norm=max_norm, norm_type=norm_type)
+    if not grads:
+        return 0.0
+    if math.isinf(norm_type):
+        total = max(float(np.max(np.abs(g))) if g.size else 0.0 for g in grads.values())
+    else:
+        norms = [np.linalg.norm(g.ravel().astype(np.float64), ord=norm_type) for g in grads.values()]
+        total = float(np.linalg.norm(np.asarray(norms), ord=norm_type))
+    if not math.isfinite(total):
+        raise InputError(f"the gradients' global norm is {total}: they cannot be clipped")
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for name, g in grads.items():
+            if g.flags.writeable:
+                g *= coef
+            else:
+                grads[name] = g * np.asarray(coef, dtype=g.dtype)
+    return total
+
+
+def clip_grad_value(grads: dict[str, np.ndarray], clip_value: float) -> None:
+    """Clip every gradient element to ``[-clip_value, clip_value]``, as
+    ``torch.nn.utils.clip_grad_value_`` (in place; a read-only array is replaced by a clipped copy)."""
+    _check_positive(clip_value=clip_value)
+    for name, g in grads.items():
+        if g.flags.writeable:
+            np.clip(g, -clip_value, clip_value, out=g)
+        else:
+            grads[name] = np.clip(g, -clip_value, clip_value)
+
+
+def _check_positive(**values: float) -> None:
+    for key, value in values.items():
+        if not value > 0:
+            raise InputError(f"{key} must be > 0, got {value}")
+
+
+class ElasticPenalty(Optimizer):
+    """onnxcustom's ``ElasticLearningPenalty(l1, l2)``: another optimizer whose parameters are
+    shrunk before each of its updates, ``W ← (1 - 2 l2) W - l1 sign(W)``.
+
+    As in onnxcustom, the shrinking does not depend on the learning rate, and the gradient the
+    inner optimizer applies is the data loss's alone (computed at the weights before the shrink).
+    The penalty onnxcustom added to the loss it reported, ``l1 Σ|W| + l2 Σ W²``, is
+    :meth:`penalty`. The defaults, 0.01 each, are what onnxcustom applied whatever it was given
+    (its class defaulted to 0.5 but never passed its values to the ONNX functions, whose defaults
+    were 0.01). ``optimizer``: the inner optimizer's class (:class:`SGD` by default), built
+    with ``lr`` and ``options``. For the :class:`~onnxgrad.train.Trainer`, give the class and
+    ``optimizer_options={"l1": ..., "l2": ...}``; for the scikit-learn estimators, a factory such as
+    ``functools.partial(ElasticPenalty, lr=0.01, l1=1e-4, l2=1e-4)``.
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, np.ndarray],
+        lr: LearningRate,
+        l1: float = 0.01,
+        l2: float = 0.01,
+        optimizer: type[Optimizer] = SGD,
+        **options: Any,
+    ) -> None:
+        _check_non_negative(l1=l1, l2=l2)
+        if l2 > 0.5:
+            raise InputError(f"l2 must be <= 0.5 (the shrinking factor 1 - 2 l2 would be negative), got {l2}")
+        self.inner = optimizer(params, lr=lr, **options)
+        super().__init__(self.inner.params, self.inner.schedule)
+        self.state = self.inner.state  # one state: checkpoints hold the inner optimizer's
+        self.l1, self.l2 = float(l1), float(l2)
+
+    def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
+        sign = self._buffer(name, 0)
+        np.sign(p, out=sign)
+        p *= 1.0 - 2.0 * self.l2
+        _add_scaled(p, -self.l1, sign, sign)
+        self.inner.lr, self.inner.iterations = self.lr, self.iterations
+        self.inner._update(name, p, grad)
+
+    def penalty(self, params: Mapping[str, np.ndarray] | None = None) -> float:
+        """``Σ_W l1 Σ|W| + l2 Σ W²`` over ``params`` (default: the parameters it updates)."""
+        values = self.params if params is None else params
+        return float(
+            sum(
+                self.l1 * np.abs(w).sum(dtype=np.float64) + self.l2 * np.square(w, dtype=np.float64).sum()
+                for w in values.values()
+            )
+        )

@@ -14,7 +14,16 @@ from collections.abc import Callable
 
 from ..errors import InputError
 
-__all__ = ["Constant", "Cosine", "InverseScaling", "LinearWarmup", "Schedule", "StepDecay", "as_schedule"]
+__all__ = [
+    "Constant",
+    "Cosine",
+    "InverseScaling",
+    "LinearWarmup",
+    "ReduceLROnPlateau",
+    "Schedule",
+    "StepDecay",
+    "as_schedule",
+]
 
 LearningRate = float | Callable[[int], float]
 
@@ -124,3 +133,134 @@ def as_schedule(lr: LearningRate) -> Callable[[int], float]:
     except (TypeError, ValueError):
         raise InputError(f"lr must be a number or a callable step -> lr, got {lr!r}") from None
     return Constant(value)
+
+
+class ReduceLROnPlateau(Schedule):
+    """Divide the learning rate when a metric stops improving: ``torch.optim.lr_scheduler.
+    ReduceLROnPlateau``, stepped once per epoch with the epoch's ``monitor`` value.
+
+    Unlike the other schedules this one has state: :meth:`step` takes the metric and may lower the
+    rate, ``schedule(step)`` returns the current rate whatever the step. :class:`onnxgrad.train.
+    Trainer` steps it at the end of every epoch with ``logs[monitor]`` (``"val_loss"``, or
+    ``"loss"``, or a metric) and keeps its state in checkpoints.
+
+    Semantics of torch: ``mode`` ``"min"`` or ``"max"``; a value improves on the best when below
+    ``best · (1 - threshold)`` (``threshold_mode="rel"``, ``"min"``) or ``best - threshold``
+    (``"abs"``), mirrored for ``"max"``; after more than ``patience`` epochs without improvement the
+    rate becomes ``max(lr · factor, min_lr)`` (a change smaller than ``eps`` is ignored), then
+    ``cooldown`` epochs pass before bad epochs count again.
+    """
+
+    def __init__(
+        self,
+        lr: float,
+        *,
+        monitor: str = "val_loss",
+        mode: str = "min",
+        factor: float = 0.1,
+        patience: int = 10,
+        threshold: float = 1e-4,
+        threshold_mode: str = "rel",
+        cooldown: int = 0,
+        min_lr: float = 0.0,
+        eps: float = 1e-8,
+    ) -> None:
+        _non_negative(
+            lr=lr, patience=patience, threshold=threshold, cooldown=cooldown, min_lr=min_lr, eps=eps
+        )
+        if not 0 <= factor < 1:
+            raise InputError(f"factor must be in [0, 1), got {factor}")
+        if mode not in ("min", "max"):
+            raise InputError(f"mode must be 'min' or 'max', got {mode!r}")
+        if threshold_mode not in ("rel", "abs"):
+            raise InputError(f"threshold_mode must be 'rel' or 'abs', got {threshold_mode!r}")
+        self.lr, self.monitor, self.mode, self.factor = float(lr), monitor, mode, float(factor)
+        self.patience, self.threshold, self.threshold_mode = int(patience), float(threshold), threshold_mode
+        self.cooldown, self.min_lr, self.eps = int(cooldown), float(min_lr), float(eps)
+        self.current = self.lr
+        self.best = math.inf if mode == "min" else -math.inf
+        self.num_bad_epochs, self.cooldown_counter, self.last_epoch = 0, 0, 0
+
+    def __call__(self, step: int) -> float:
+        return self.current
+
+    def is_better(self, value: float) -> bool:
+        """Whether ``value`` improves on the best one by more than the threshold."""
+        sign = 1.0 if self.mode == "min" else -1.0
+        if self.threshold_mode == "rel":
+            return sign * value < sign * self.best * (1 - sign * self.threshold)
+        return sign * value < sign * self.best - self.threshold
+
+    def step(self, value: float) -> float:
+        """Record one epoch's metric; returns the learning rate for what comes next."""
+        value = float(value)
+        self.last_epoch += 1
+        if self.is_better(value):
+            self.best, self.num_bad_epochs = value, 0
+        else:
+            self.num_bad_epochs += 1
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.num_bad_epochs = 0
+        if self.num_bad_epochs > self.patience:
+            new = max(self.current * self.factor, self.min_lr)
+            if self.current - new > self.eps:
+                self.current = new
+            self.cooldown_counter, self.num_bad_epochs = self.cooldown, 0
+        return self.current
+
+    def state_dict(self) -> dict[str, float | int]:
+        """What changes as it steps: the current rate, the best value and the counters."""
+        keys = ("current", "best", "num_bad_epochs", "cooldown_counter", "last_epoch")
+        return {k: getattr(self, k) for k in keys}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.current, self.best = float(state["current"]), float(state["best"])
+        self.num_bad_epochs, self.cooldown_counter = (
+            int(state["num_bad_epochs"]),
+            int(state["cooldown_counter"]),
+        )
+        self.last_epoch = int(state["last_epoch"])
+
+
+class Optimal(Schedule):
+    """scikit-learn's and onnxcustom's ``learning_rate='optimal'``: ``1 / (alpha (t + t0))``.
+
+    ``t0`` comes from Léon Bottou's heuristic: with ``typw = sqrt(1 / sqrt(alpha))``, the first
+    rate is ``eta_b = typw / max(1, dloss)`` and ``t0 = 1 / (alpha eta_b)``. ``dloss`` is the slope
+    of the loss at prediction ``-typw`` for target 1: by default ``2 (1 + typw)``, the squared
+    error ``(p - y)²`` as onnxcustom's ``LearningRateSGD`` computed it; scikit-learn's
+    ``SGDRegressor`` takes the signed slope of ``(p - y)² / 2``, negative, so its ``max`` is 1:
+    pass ``dloss=1`` for its rates.
+
+    ``eta0``: when given, the curve is scaled to start at ``eta0``: ``eta0 t0 / (t0 + t)``, which is
+    ``LearningRateSGD(eta0=eta0, alpha=alpha, learning_rate='optimal')``; ``None``: ``1 / (alpha
+    (t0 + t))``, scikit-learn's. ``t = step // steps_per_epoch``: onnxcustom changed the rate once
+    per epoch (``steps_per_epoch`` = batches per epoch), scikit-learn's SGD once per sample
+    (``steps_per_epoch=1`` with one sample per batch).
+    """
+
+    def __init__(
+        self,
+        alpha: float = 1e-4,
+        eta0: float | None = None,
+        dloss: float | None = None,
+        steps_per_epoch: int = 1,
+    ) -> None:
+        _positive(alpha=alpha, steps_per_epoch=steps_per_epoch)
+        if eta0 is not None:
+            _non_negative(eta0=eta0)
+        if dloss is not None:
+            _non_negative(dloss=dloss)
+        self.alpha, self.eta0, self.dloss = float(alpha), eta0, dloss
+        self.steps_per_epoch = int(steps_per_epoch)
+        typw = math.sqrt(1.0 / math.sqrt(self.alpha))
+        slope = 2.0 * (1.0 + typw) if dloss is None else float(dloss)
+        self.t0 = 1.0 / (self.alpha * (typw / max(1.0, slope)))
+
+    def __call__(self, step: int) -> float:
+        t = step // self.steps_per_epoch
+        if self.eta0 is None:
+            return 1.0 / (self.alpha * (self.t0 + t))
+        return self.eta0 * self.t0 / (self.t0 + t)

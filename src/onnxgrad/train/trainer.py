@@ -10,11 +10,13 @@ a run resumed from it continues exactly as if it had never stopped.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -29,11 +31,22 @@ from ..runtime import ForwardBackward
 from .data import BatchLoader, Data, as_feeds
 from .losses import add_loss, remove_loss
 from .onegraph import one_graph_step
-from .optim import SGD, Adam, AdamW, Optimizer
+from .optim import SGD, Adam, AdamW, Optimizer, clip_grad_norm, clip_grad_value
 from .plot import plot_curves
-from .schedules import LearningRate
+from .schedules import LearningRate, LinearWarmup, ReduceLROnPlateau
 
-__all__ = ["OPTIMIZERS", "Callback", "EarlyStopping", "History", "Trainer", "input_infos", "make_optimizer"]
+__all__ = [
+    "OPTIMIZERS",
+    "Callback",
+    "EarlyStopping",
+    "History",
+    "HistoryFile",
+    "Trainer",
+    "accuracy",
+    "accuracy_metric",
+    "input_infos",
+    "make_optimizer",
+]
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
 Metric = Callable[[Mapping[str, np.ndarray], Mapping[str, np.ndarray]], float]
@@ -109,13 +122,41 @@ class History:
         last = self.records[-1] if self.records else {}
         return f"History({len(self)} epochs, last={last})"
 
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the history, one row per epoch: CSV (``.csv``: a header of every key, empty cells
+        where an epoch lacks one) or JSON (``.json``: a list of records); returns the path."""
+        path = os.fspath(path)
+        kind = os.path.splitext(path)[1].lower()
+        if kind not in (".csv", ".json"):
+            raise InputError(f"history file {path!r}: expected a .csv or .json file")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            if kind == ".json":
+                json.dump([{k: _plain(v) for k, v in r.items()} for r in self.records], f, indent=1)
+                f.write("\n")
+            else:
+                writer = csv.DictWriter(f, fieldnames=self.keys())
+                writer.writeheader()
+                writer.writerows({k: _plain(v) for k, v in r.items()} for r in self.records)
+        os.replace(tmp, path)
+        return path
+
 
 # ---- callbacks ---------------------------------------------------------------------------------
 class Callback:
     """Hooks called by :meth:`Trainer.fit`; override the ones needed.
 
-    ``logs`` of ``on_batch_end`` has ``loss`` and ``batch_size``; ``logs`` of ``on_epoch_end`` is the
-    epoch's history record. Setting ``trainer.stop_training = True`` ends the run after the epoch.
+    ``logs`` of ``on_batch_end`` has ``loss`` and ``batch_size`` (one mini-batch); ``on_step_end``
+    comes after each optimizer update (once per ``accumulate`` batches) with ``loss`` (the mean over
+    the batches of the update), ``lr`` and, when the trainer clips by norm, ``grad_norm`` (before
+    clipping); ``logs`` of ``on_epoch_end`` is the epoch's history record. Setting
+    ``trainer.stop_training = True`` ends the run after the epoch.
+
+    This is the hook for experiment trackers: MLflow, Weights & Biases or TensorBoard need a few
+    lines, e.g. ``on_epoch_end = lambda self, t, epoch, logs: mlflow.log_metrics({k: v for k, v in
+    logs.items() if k != "epoch"}, step=epoch)`` (``wandb.log(dict(logs))``,
+    ``SummaryWriter.add_scalar``); :class:`HistoryFile` writes a CSV or JSON file.
     A callback with state (counters, best values) returns it from :meth:`state_dict` (numbers,
     strings, lists, dicts and numpy arrays) so that checkpoints carry it.
     """
@@ -125,6 +166,8 @@ class Callback:
     def on_epoch_begin(self, trainer: Trainer, epoch: int) -> None: ...
 
     def on_batch_end(self, trainer: Trainer, step: int, logs: Mapping[str, Any]) -> None: ...
+
+    def on_step_end(self, trainer: Trainer, step: int, logs: Mapping[str, Any]) -> None: ...
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, logs: Mapping[str, Any]) -> None: ...
 
@@ -145,6 +188,35 @@ class _EpochEndFunction(Callback):
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, logs: Mapping[str, Any]) -> None:
         self.fn(trainer, epoch, logs)
+
+
+class HistoryFile(Callback):
+    """Write the history to ``path`` (``.csv`` or ``.json``, one row per epoch) after every epoch,
+    so that the file is complete however the run ends (a resumed run rewrites it whole)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        if os.path.splitext(self.path)[1].lower() not in (".csv", ".json"):
+            raise InputError(f"history file {self.path!r}: expected a .csv or .json file")
+
+    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: Mapping[str, Any]) -> None:
+        trainer.history.save(self.path)
+
+
+def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
+    """Fraction of rows whose largest logit (last axis) is the label."""
+    logits, labels = np.asarray(logits), np.asarray(labels)
+    return float(np.mean(np.argmax(logits, axis=-1) == labels.reshape(logits.shape[:-1])))
+
+
+def accuracy_metric(output: str, target: str = "target") -> Metric:
+    """A metric for ``Trainer(metrics={"acc": accuracy_metric("logits")})``: the accuracy of the
+    ``output`` logits against the ``target`` class indices of the batch."""
+
+    def metric(outputs: Mapping[str, np.ndarray], batch: Mapping[str, np.ndarray]) -> float:
+        return accuracy(outputs[output], batch[target])
+
+    return metric
 
 
 class EarlyStopping(Callback):
@@ -223,6 +295,13 @@ class Trainer:
     backward and the numpy update (a debug log of ``onnxgrad.train.onegraph`` says why);
     :attr:`step_path` tells which runs.
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
+    ``accumulate``: optimizer updates every ``accumulate`` mini-batches, with the gradient of the
+    mean loss over those samples (the same update as one batch of their concatenation; the last
+    update of an epoch takes the batches left). ``clip_norm``: the gradients are scaled to this
+    global L2 norm at most (``torch.nn.utils.clip_grad_norm_``); ``clip_value``: each element is
+    clipped to ``[-clip_value, clip_value]``. The three run forward, backward and the numpy update
+    (the two-session path). A :class:`ReduceLROnPlateau` given as ``lr`` is stepped at the end of
+    every epoch with its ``monitor`` value.
     """
 
     def __init__(
@@ -247,7 +326,15 @@ class Trainer:
         eval_batch_size: int | None = None,
         one_graph: bool = True,
         recompute: Any = None,
+        accumulate: int = 1,
+        clip_norm: float | None = None,
+        clip_value: float | None = None,
     ) -> None:
+        if not (isinstance(accumulate, int) and accumulate >= 1):
+            raise InputError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+        for key, value in (("clip_norm", clip_norm), ("clip_value", clip_value)):
+            if value is not None and not value > 0:
+                raise InputError(f"{key} must be > 0, got {value}")
         if isinstance(model, ForwardBackward):
             if loss is not None:
                 raise InputError("loss= needs an ONNX model; a ForwardBackward already has its outputs")
@@ -284,10 +371,19 @@ class Trainer:
         self.stop_training = False
         self.has_validation = False
         self.inputs = input_infos(fb)
-        # recomputation saves memory between the forward and the backward session: two sessions then
+        self.accumulate, self.clip_norm, self.clip_value = accumulate, clip_norm, clip_value
+        self.plateau = _plateau(self.optimizer.schedule)
+        # recomputation saves memory between the forward and the backward session, accumulation and
+        # clipping work on the gradients between backward and update: two sessions then
+        two_sessions = recompute is not None or accumulate > 1 or clip_norm or clip_value
         self._one_graph = (
-            one_graph_step(fb, self.optimizer, loss_name) if one_graph and recompute is None else None
+            one_graph_step(fb, self.optimizer, loss_name) if one_graph and not two_sessions else None
         )
+        self.updates = 0  # optimizer updates made by this trainer's fit runs
+        # what the caller wants a checkpoint to record about the run (data file, split...): compared
+        # on resume with the rest of setup()
+        self.run_info: dict[str, Any] = {}
+        self.changed_since_checkpoint: dict[str, tuple[Any, Any]] = {}
 
     @property
     def step_path(self) -> str:
@@ -335,8 +431,20 @@ class Trainer:
         val = as_feeds(val_data, self.inputs) if val_data is not None else None
         if resume is not None:
             self.load_checkpoint(resume)
+            if self.changed_since_checkpoint:
+                changes = "; ".join(
+                    f"{k} {a!r} -> {b!r}" for k, (a, b) in self.changed_since_checkpoint.items()
+                )
+                warnings.warn(
+                    f"resuming {os.fspath(resume)!r} with settings changed since the checkpoint: {changes}",
+                    stacklevel=2,
+                )
         self.has_validation = val is not None
         self.stop_training = False
+        if self.plateau is not None and self.plateau.monitor.startswith("val_") and val is None:
+            raise InputError(
+                f"ReduceLROnPlateau monitors {self.plateau.monitor!r} but fit() got no validation data"
+            )
         loader = BatchLoader(
             train, self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last, rng=self.rng
         )
@@ -365,6 +473,8 @@ class Trainer:
         if bar is not None:
             bar.set_description(_epoch_label(epoch, epochs), refresh=False)
         total, seen = 0.0, 0
+        pending: _Pending | None = None  # gradients of the batches of the next update
+        last = len(loader) - 1
         for step, batch in enumerate(loader):
             if self._one_graph is not None:
                 loss, _applied = self._one_graph.run(batch)  # not applied when the loss is not finite
@@ -376,11 +486,17 @@ class Trainer:
                     f"the loss is {loss} at epoch {epoch}, batch {step + 1}: "
                     "lower the learning rate, or check the data for NaN and infinite values"
                 )
-            if self._one_graph is None:
+            n = len(next(iter(batch.values())))
+            if self._one_graph is not None:
+                self._updated({"loss": loss, "lr": self.optimizer.lr})
+            else:
                 # the loss alone takes a gradient, even when the model's other outputs could take one
                 seed = {self.loss_name: np.ones_like(result.outputs[self.loss_index])}
-                self.optimizer.step(result.backward(seed))
-            n = len(next(iter(batch.values())))
+                grads = result.backward(seed)
+                pending = _Pending.add(pending, grads, loss, n)
+                if pending.batches == self.accumulate or step == last:
+                    self._apply(pending)
+                    pending = None
             total, seen = total + loss * n, seen + n
             if bar is not None:
                 bar.set_postfix(loss=f"{total / seen:.4g}", refresh=False)  # the epoch's running mean
@@ -394,10 +510,34 @@ class Trainer:
         logs["seconds"] = time.perf_counter() - start
         self.epoch = epoch
         self.history.append(logs)
-        if bar is not None:
-            bar.set_postfix({k: f"{logs[k]:.4g}" for k in ("loss", "val_loss") if k in logs})
+        if bar is not None:  # the epoch's figures: losses and metrics (val_acc...)
+            bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if k not in ("epoch", "lr", "seconds")})
+        if self.plateau is not None:
+            if self.plateau.monitor not in logs:
+                raise InputError(
+                    f"ReduceLROnPlateau monitors {self.plateau.monitor!r}, "
+                    f"not in the epoch's logs {list(logs)}"
+                )
+            self.plateau.step(logs[self.plateau.monitor])
         for cb in self.callbacks:
             cb.on_epoch_end(self, epoch, logs)
+
+    def _apply(self, pending: _Pending) -> None:
+        """Clip the accumulated gradients as asked, update the parameters, tell the callbacks."""
+        grads = pending.mean()
+        logs: dict[str, Any] = {"loss": pending.loss / pending.samples}
+        if self.clip_value is not None:
+            clip_grad_value(grads, self.clip_value)
+        if self.clip_norm is not None:
+            logs["grad_norm"] = clip_grad_norm(grads, self.clip_norm)
+        self.optimizer.step(grads)
+        logs["lr"] = self.optimizer.lr
+        self._updated(logs)
+
+    def _updated(self, logs: Mapping[str, Any]) -> None:
+        self.updates += 1
+        for cb in self.callbacks:
+            cb.on_step_end(self, self.updates, logs)
 
     def _bar(self, total: int, desc: str) -> Any:
         """One tqdm bar over every batch of a ``fit`` run (its description names the epoch), or
@@ -451,6 +591,8 @@ class Trainer:
             "optimizer_type": type(self.optimizer).__name__,
             "optimizer": self.optimizer.state_dict(),
             "callbacks": [cb.state_dict() for cb in self.callbacks],
+            "schedule": self.plateau.state_dict() if self.plateau is not None else None,
+            "setup": self.setup(),
         }
         arrays: dict[str, np.ndarray] = {}
         meta = json.dumps(_pack(state, arrays))
@@ -496,9 +638,88 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         for cb, cb_state in zip(self.callbacks, state["callbacks"]):
             cb.load_state_dict(cb_state)
+        if self.plateau is not None and state.get("schedule"):
+            self.plateau.load_state_dict(state["schedule"])
         self.rng.bit_generator.state = state["rng"]
         self.history = History(state["history"])
         self.epoch = int(state["epoch"])
+        before, now = state.get("setup") or {}, self.setup()
+        self.changed_since_checkpoint = {
+            k: (before[k], now.get(k)) for k in before if _plain(before[k]) != _plain(now.get(k))
+        }
+
+    def setup(self) -> dict[str, Any]:
+        """The settings a checkpoint records so that a resumed run can say what changed: batch size,
+        accumulation, clipping, the optimizer and its learning rate (the schedule's first value)."""
+        opt = self.optimizer
+        options = {
+            k: v
+            for k, v in vars(opt).items()
+            if isinstance(v, int | float | bool | tuple) and k not in ("iterations", "lr")
+        }
+        return {
+            **self.run_info,
+            "batch_size": self.batch_size,
+            "accumulate": self.accumulate,
+            "clip_norm": self.clip_norm,
+            "clip_value": self.clip_value,
+            "optimizer": type(opt).__name__,
+            "lr": _base_lr(opt.schedule),
+            "schedule": type(opt.schedule).__name__,
+            **{f"optimizer.{k}": list(v) if isinstance(v, tuple) else v for k, v in sorted(options.items())},
+        }
+
+
+class _Pending:
+    """The gradients of the batches of one update: the batch's own for one batch, else their sum
+    weighted by batch size (divided by the number of samples when the update is made)."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, np.ndarray] = {}
+        self.samples, self.batches, self.loss = 0, 0, 0.0
+
+    @classmethod
+    def add(cls, pending: _Pending | None, grads: Mapping[str, np.ndarray], loss: float, n: int) -> _Pending:
+        """``pending`` (a new one when ``None``) with one more batch of ``n`` samples."""
+        pending = pending if pending is not None else cls()
+        if pending.batches == 0:
+            pending.grads = dict(grads)
+        else:
+            if pending.batches == 1:  # weigh the first batch now that there are several
+                pending.grads = {k: g * pending.samples for k, g in pending.grads.items()}
+            for k, g in grads.items():
+                pending.grads[k] += g * n
+        pending.samples, pending.batches = pending.samples + n, pending.batches + 1
+        pending.loss += loss * n
+        return pending
+
+    def mean(self) -> dict[str, np.ndarray]:
+        """The gradient of the mean loss over the samples of the batches."""
+        if self.batches > 1:
+            for g in self.grads.values():
+                g /= self.samples
+        return self.grads
+
+
+def _plateau(schedule: Any) -> ReduceLROnPlateau | None:
+    """The :class:`ReduceLROnPlateau` of a schedule, given as is or after a warm-up."""
+    if isinstance(schedule, LinearWarmup):
+        schedule = schedule.after
+    return schedule if isinstance(schedule, ReduceLROnPlateau) else None
+
+
+def _base_lr(schedule: Any) -> float:
+    """The learning rate a schedule starts from (after its warm-up), for comparing two setups."""
+    if isinstance(schedule, LinearWarmup):
+        schedule = schedule.after
+    return float(schedule.lr) if isinstance(getattr(schedule, "lr", None), float) else float(schedule(0))
+
+
+def _plain(value: Any) -> Any:
+    """A value as JSON or CSV writes it (numpy scalars as Python numbers, tuples as lists)."""
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def _pack(obj: Any, arrays: dict[str, np.ndarray]) -> Any:

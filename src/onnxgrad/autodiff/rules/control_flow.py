@@ -222,7 +222,8 @@ def _export_branch_values(
                 other.output.append(_type(info, dummy))
                 node.output.append(outer)
             sub.outer(g.fwd(outer))
-            prefixes[b].append(helper.make_node("Identity", [outer], [local]))
+            if outer != local:  # a branch output may carry the If output's own name (optimum)
+                prefixes[b].append(helper.make_node("Identity", [outer], [local]))
     return prefixes
 
 
