@@ -1,8 +1,8 @@
 // The package as another project gets it: `npm pack`, the tarball installed into a fresh temporary
 // project with nothing copied from this repository (no .npmrc), then onnxruntime-node from the
 // registry as its peer (ONNXRUNTIME_NODE_INSTALL=skip, as the README says: no download from
-// outside the registry), a few training steps through the package's names (consumer/usage.mjs)
-// against the Python runner's losses, and `tsc --noEmit` of consumer/usage.ts through the
+// outside the registry), a few training steps through the package's names (js/consumer/usage.mjs)
+// against the Python runner's losses, and `tsc --noEmit` of js/consumer/usage.ts through the
 // declarations of package.json `exports`. Needs the registry (or an npm cache holding
 // onnxruntime-node) and the fixture of make_fixture.py. ONNXGRAD_JS_KEEP=1 keeps the project.
 import assert from 'node:assert/strict';
@@ -16,7 +16,7 @@ import { promisify } from 'node:util';
 
 const run = promisify(execFile);
 const PACKAGE = fileURLToPath(new URL('..', import.meta.url));
-const CONSUMER = fileURLToPath(new URL('./consumer/', import.meta.url));
+const CONSUMER = fileURLToPath(new URL('../consumer/', import.meta.url));
 const FIXTURE = process.env.ONNXGRAD_JS_FIXTURE ?? fileURLToPath(new URL('./fixture/', import.meta.url));
 const TSC = join(PACKAGE, 'node_modules', 'typescript', 'bin', 'tsc');
 const ORT_VERSION = JSON.parse(readFileSync(join(PACKAGE, 'node_modules', 'onnxruntime-node', 'package.json'), 'utf8')).version;

@@ -1,5 +1,5 @@
 // A project that installed the packed onnxgrad-artifacts (and onnxruntime-node, its peer) trains
-// a few steps of the digits fixture through the package's own names (test/package.test.js runs
+// a few steps of the digits fixture through the package's own names (js/test/package.test.js runs
 // this in a fresh temporary project):  node usage.mjs FIXTURE_DIR STEPS
 // Prints one JSON line: the losses, the generic entry's first loss, the shape error's message and
 // where the package was resolved from.
