@@ -48,6 +48,10 @@ function checkedTensor(ort, spec, value, sizes) {
     if (dtype && value.type !== dtype) {
       throw new Error(`batch input ${name} has dtype ${value.type}, the model expects ${dtype} (shape ${wanted})`);
     }
+    if (!(value instanceof ort.Tensor) && value.data?.length !== product(value.dims)) {
+      const dims = `${shapeText(value.dims)} (${product(value.dims)} values)`;
+      throw new Error(`batch input ${name} has dims ${dims} but ${value.data?.length} values`);
+    }
     tensor = value instanceof ort.Tensor ? value : new ort.Tensor(value.type, value.data, value.dims);
   } else {
     if (!ArrayBuffer.isView(value) && !Array.isArray(value)) {
@@ -58,13 +62,17 @@ function checkedTensor(ort, spec, value, sizes) {
     if (Array.isArray(value)) {
       const bad = value.findIndex((v) => typeof v !== 'number' && typeof v !== 'bigint' && typeof v !== 'boolean');
       if (bad >= 0) {
-        const what = Array.isArray(value[bad]) ? 'an array (nested arrays are not read: pass a flat array or an ort.Tensor)' : `${typeof value[bad]} ${JSON.stringify(value[bad])}`;
+        const what = Array.isArray(value[bad])
+          ? 'an array (nested arrays are not read: pass a flat array or an ort.Tensor)'
+          : `${typeof value[bad]} ${JSON.stringify(value[bad])}`;
         throw new Error(`batch input ${name}: the value at index ${bad} is ${what}, not a number`);
       }
     }
     if (dtype.startsWith('int') || dtype.startsWith('uint')) {
       const bad = Array.prototype.findIndex.call(value, (v) => typeof v !== 'bigint' && !Number.isInteger(Number(v)));
-      if (bad >= 0) throw new Error(`batch input ${name}: value ${value[bad]} at index ${bad} is not an integer (the model expects ${dtype})`);
+      if (bad >= 0) {
+        throw new Error(`batch input ${name}: value ${value[bad]} at index ${bad} is not an integer (the model expects ${dtype})`);
+      }
     }
     const data = asTypedArray(value, dtype);
     const given = `has shape [${data.length}] (a flat array)`;
@@ -75,13 +83,13 @@ function checkedTensor(ort, spec, value, sizes) {
       if (free.length > 1) {
         throw new Error(`batch input ${name} ${given}, the model expects ${wanted}: pass an ort.Tensor with its dims`);
       }
-      const row = product(expected.filter(isFixed));
-      const n = free.length === 1 ? (row === 0 ? 0 : data.length / row) : row;
-      if (!Number.isInteger(n) || (free.length === 0 && data.length !== row) || (row === 0 && data.length !== 0)) {
-        const why = free.length === 1 ? `${data.length} values are not a whole number of ${row}-value rows` : `the shape holds ${row} values`;
+      const row = product(expected.filter(isFixed)); // the values of one batch row (or of the whole shape)
+      if (free.length === 1 ? row === 0 || data.length % row !== 0 : data.length !== row) {
+        const why =
+          free.length === 1 ? `${data.length} values are not a whole number of ${row}-value rows` : `the shape holds ${row} values`;
         throw new Error(`batch input ${name} ${given}, the model expects ${wanted}: ${why}`);
       }
-      tensor = new ort.Tensor(dtype, data, expected.map((d) => (isFixed(d) ? d : n)));
+      tensor = new ort.Tensor(dtype, data, expected.map((d) => (isFixed(d) ? d : data.length / row)));
     }
   }
   checkDims(name, tensor.dims, expected, sizes);
@@ -101,7 +109,8 @@ function checkDims(name, dims, expected, sizes) {
     const seen = sizes[want];
     if (!seen) sizes[want] = { size: dims[i], from: name };
     else if (seen.size !== dims[i]) {
-      throw new Error(`batch input ${name} ${given} with ${want} = ${seen.size} as in ${seen.from} (dimension ${i} is ${dims[i]})`);
+      const why = `with ${want} = ${seen.size} as in ${seen.from} (dimension ${i} is ${dims[i]})`;
+      throw new Error(`batch input ${name} ${given} ${why}`);
     }
   });
 }

@@ -49,6 +49,10 @@ const cases = {
     { pixels: [Array(64).fill(0)], target: [1] },
     'batch input pixels: the value at index 0 is an array (nested arrays are not read: pass a flat array or an ort.Tensor), not a number',
   ],
+  'a tensor-like object whose data do not fill its dims': [
+    { pixels: { type: 'float32', dims: [N, 64], data: pixels(N - 1) }, target: target(N) },
+    'batch input pixels has dims [32, 64] (2048 values) but 1984 values',
+  ],
   'a number for an input': [{ pixels: 3, target: [1] }, 'batch input pixels must be an ort.Tensor, a typed array or an array, got number'],
   'a missing target': [{ pixels: pixels(N) }, 'missing batch input target; this run takes pixels, target'],
 };
