@@ -38,3 +38,27 @@ export async function usage(dir: string, pixels: Float32Array, target: BigInt64A
   await Promise.all([session.release(), resumed.release(), generic.release()]);
   return loss + evalLoss + dims.length + predicted.size + again.length + tensor.size + wrong.length;
 }
+
+// onnxruntime-web's former training names (onnxgrad.compat.training folders)
+import { TrainingSession as OrtTrainingSession } from 'onnxgrad-artifacts/ort-training';
+import { createTrainingSession } from 'onnxgrad-artifacts/ort-training/core';
+
+export async function ortTraining(dir: string, x: ort.Tensor, y: ort.Tensor): Promise<number> {
+  const session = await OrtTrainingSession.create({
+    checkpointState: `${dir}/checkpoint`, trainModel: `${dir}/training_model.onnx`,
+    evalModel: `${dir}/eval_model.onnx`, optimizerModel: `${dir}/optimizer_model.onnx`,
+  });
+  const out = await session.runTrainStep({ input: x, labels: y });
+  const loss: ort.Tensor = out[session.trainingOutputNames[0]];
+  await session.runOptimizerStep();
+  await session.lazyResetGrad();
+  const size: number = await session.getParametersSize(true);
+  const flat: ort.Tensor = await session.getContiguousParameters(true);
+  const bytes = new Uint8Array(0);
+  const web = await createTrainingSession(ort, { checkpointState: bytes, trainModel: bytes, optimizerModel: bytes });
+  const lr: number = web.getLearningRate();
+  // @ts-expect-error: create needs the checkpoint, the training and the optimizer models
+  await OrtTrainingSession.create({ trainModel: 'a' });
+  await Promise.all([session.release(), web.release()]);
+  return loss.size + size + flat.size + lr;
+}
