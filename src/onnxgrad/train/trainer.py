@@ -223,6 +223,8 @@ class Trainer:
     backward and the numpy update (a debug log of ``onnxgrad.train.onegraph`` says why);
     :attr:`step_path` tells which runs.
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
+    ``quantized``: the gradient through quantization ops, ``"ste"``, ``"zero"`` or ``"refuse"`` (see
+    ``build_gradient``).
     """
 
     def __init__(
@@ -247,6 +249,7 @@ class Trainer:
         eval_batch_size: int | None = None,
         one_graph: bool = True,
         recompute: Any = None,
+        quantized: str = "ste",
     ) -> None:
         if isinstance(model, ForwardBackward):
             if loss is not None:
@@ -263,7 +266,12 @@ class Trainer:
                     f"the model has no output {loss_name!r} (outputs: {outputs}); pass loss= to append one"
                 )
             fb = ForwardBackward(
-                prepared, trainable=trainable, outputs=[loss_name], providers=providers, recompute=recompute
+                prepared,
+                trainable=trainable,
+                outputs=[loss_name],
+                providers=providers,
+                recompute=recompute,
+                quantized=quantized,
             )
         if loss_name not in fb.output_names or loss_name not in fb.graphs.grad_inputs:
             raise InputError(

@@ -51,16 +51,12 @@ zero("HannWindow", "HammingWindow", "BlackmanWindow", note="window functions of 
 zero("SequenceLength", "SequenceEmpty", note="a length, or a sequence made from nothing")
 zero("OptionalHasElement", note="a boolean: whether the optional holds a value")
 zero(
-    "DequantizeLinear",
-    "QuantizeLinear",
-    "DynamicQuantizeLinear",
-    "ConvInteger",
     "QLinearConv",
-    note="quantization: integer outputs, or (DequantizeLinear) integer inputs; through a rounding the "
-    "gradient is zero almost everywhere (use a straight-through estimator for quantization-aware "
-    "training)",
+    "QLinearMatMul",
+    note="quantized products with a quantized (rounded) result: no gradient (the QuantizeLinear, "
+    "DequantizeLinear, MatMulInteger and ConvInteger of QDQ and dynamically quantized models have "
+    "rules: rules/quant.py)",
 )
-zero("MatMulInteger", "QLinearMatMul", note="integer and quantized products: no floating-point gradient")
 zero("BitCast", note="reinterprets the bits: not a differentiable function of the value")
 zero("Unique", note="the unique values are a selection with integer indices and counts: not differentiated")
 zero("ImageDecoder", note="decodes encoded bytes (uint8) into pixels: no gradient")
