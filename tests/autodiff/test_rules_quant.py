@@ -30,7 +30,11 @@ F32 = np.float32
 def _dq_model(attrs: dict, x: np.ndarray, scale: np.ndarray, zp: np.ndarray) -> onnx.ModelProto:
     node = helper.make_node("DequantizeLinear", ["x", "scale", "zp"], ["y"], name="dq", **attrs)
     return make_model(
-        [node], [("x", x.dtype, list(x.shape))], [("y", F32, list(x.shape))], {"scale": scale, "zp": zp}, opset=21
+        [node],
+        [("x", x.dtype, list(x.shape))],
+        [("y", F32, list(x.shape))],
+        {"scale": scale, "zp": zp},
+        opset=21,
     )
 
 
@@ -87,7 +91,11 @@ def _qdq_model(
         helper.make_node("DequantizeLinear", ["q", "scale", "zp"], ["y"], name="dequant", **attrs),
     ]
     return make_model(
-        nodes, [("x", F32, list(x_shape))], [("y", F32, list(x_shape))], {"scale": scale, "zp": zp}, opset=opset
+        nodes,
+        [("x", F32, list(x_shape))],
+        [("y", F32, list(x_shape))],
+        {"scale": scale, "zp": zp},
+        opset=opset,
     )
 
 
@@ -207,9 +215,16 @@ def _float_mlp(r: np.random.Generator) -> onnx.ModelProto:
     return make_model(nodes, [("x", F32, ["N", 8])], [("y", F32, ["N", 4])], inits, opset=17)
 
 
-def _quantize(tmp_path: Path, model: onnx.ModelProto, how: str, calibration: list[np.ndarray]) -> onnx.ModelProto:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType
-    from onnxruntime.quantization import quantize_dynamic, quantize_static
+def _quantize(
+    tmp_path: Path, model: onnx.ModelProto, how: str, calibration: list[np.ndarray]
+) -> onnx.ModelProto:
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
 
     src, dst = tmp_path / "float.onnx", tmp_path / f"{how}.onnx"
     onnx.save(model, src)
@@ -312,7 +327,9 @@ def test_switch_ste_zero_refuse() -> None:
     np.testing.assert_array_equal(zero["w"], np.zeros(4, F32))
     np.testing.assert_allclose(zero["x"], [0.5, -1, 2, 0.3], rtol=1e-6)
 
-    with pytest.raises(GradientNotImplementedError, match=r"'quant_w' \(op 'QuantizeLinear', opset 19\) rounds"):
+    with pytest.raises(
+        GradientNotImplementedError, match=r"'quant_w' \(op 'QuantizeLinear', opset 19\) rounds"
+    ):
         onnxgrad.gradients(m, {"x": x}, wrt=["w"], quantized="refuse")
     # nothing rounds on the path of x alone, and DequantizeLinear's scale gradient is exact
     refused = build_gradient(m, trainable=[], inputs_requiring_grad=["x"], quantized="refuse")
@@ -405,3 +422,28 @@ def test_rule_without_gradient_for_a_float_input_warns() -> None:
     m = make_model(nodes, [("x", F32, [1, 1, 2, 2])], [("y", F32, [1, 1, 4, 4])], inits)
     with pytest.warns(GradientWarning, match=r"'scales' by node 'resize' \(Resize\)"):
         build_gradient(m, trainable=["scales"], inputs_requiring_grad=["x"])
+
+
+def test_conv_integer_chain_input_gradient() -> None:
+    """DynamicQuantizeLinear -> ConvInteger -> Cast -> Mul(scales), as quantize_dynamic writes a
+    Conv: dx is torch's gradient of conv2d(x, dequant(W)) (the rounding of x straight through)."""
+    r = rng()
+    w_q = r.integers(100, 156, (3, 2, 3, 3)).astype(np.uint8)
+    w_zp, w_scale = np.uint8(128), F32(0.02)
+    nodes = [
+        helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"], name="dql"),
+        helper.make_node("ConvInteger", ["xq", "w", "xz", "wz"], ["acc"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["xs", "ws"], ["s"]),
+        helper.make_node("Mul", ["accf", "s"], ["y"]),
+    ]
+    inits = {"w": w_q, "wz": np.array(w_zp), "ws": np.array(w_scale)}
+    m = make_model(nodes, [("x", F32, [2, 2, 5, 5])], [("y", F32, [2, 3, 5, 5])], inits)
+    x = r.standard_normal((2, 2, 5, 5)).astype(F32)
+    dy = r.standard_normal((2, 3, 5, 5)).astype(F32)
+    got = onnxgrad.gradients(m, {"x": x}, {"y": dy}, wrt=["x"])["x"]
+    xt = torch.tensor(x, requires_grad=True)
+    w = torch.tensor((w_q.astype(np.float32) - float(w_zp)) * w_scale)
+    torch.nn.functional.conv2d(xt, w, padding=1).backward(torch.tensor(dy))
+    want = xt.grad.numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

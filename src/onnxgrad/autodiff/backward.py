@@ -21,7 +21,6 @@ from ..model.graph import ValueInfo, node_operands
 from .builder import GradBuilder, Var
 from .registry import NodeContext, lookup
 
-
 # The quantization ops (rules/quant.py): their integer tensors stand for the real numbers
 # (q - zero_point) * scale, and the gradient flows through them as a float gradient of that real
 # number under build_gradient(quantized="ste"); "zero" makes them stop the gradient, "refuse" raises

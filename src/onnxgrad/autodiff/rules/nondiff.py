@@ -18,14 +18,12 @@ zero(
     "Size",
     "ConstantOfShape",
     "EyeLike",
-    "Range",
     note="shapes, sizes and constants: they depend on shapes or attributes, not on values",
 )
 zero(*sorted(BOOL_OPS), "NonZero", note="boolean results or indices: not differentiable")
 zero(
     "ArgMax",
     "ArgMin",
-    "OneHot",
     "NonMaxSuppression",
     "Hardmax",
     note="indices or one-hot selections: piecewise constant",
@@ -58,6 +56,5 @@ zero(
     "rules: rules/quant.py)",
 )
 zero("BitCast", note="reinterprets the bits: not a differentiable function of the value")
-zero("Unique", note="the unique values are a selection with integer indices and counts: not differentiated")
 zero("ImageDecoder", note="decodes encoded bytes (uint8) into pixels: no gradient")
 zero("MelWeightMatrix", note="a constant matrix computed from integer sizes and frequency bounds")

@@ -100,7 +100,9 @@ def _expand(g: GradBuilder, n: NodeContext, v: Var, x: Var) -> Var:
     if kind == "axis":
         return g.Reshape(v, g.const(np.array([1] * axis + [-1] + [1] * (rank - axis - 1), np.int64)))
     xs, vs = _static(n, x), _static(n, v)
-    blocks = g.Expand(g.Unsqueeze(v, [axis + 1]), g.const(np.array(vs[: axis + 1] + (block,) + vs[axis + 1 :])))
+    blocks = g.Expand(
+        g.Unsqueeze(v, [axis + 1]), g.const(np.array([*vs[: axis + 1], block, *vs[axis + 1 :]]))
+    )
     whole = g.Reshape(blocks, g.const(np.array([*vs[:axis], vs[axis] * block, *vs[axis + 1 :]], np.int64)))
     return g.Slice(whole, [0], [xs[axis]], [axis])
 
@@ -225,7 +227,11 @@ def matmul_integer(g: GradBuilder, n: NodeContext) -> Grads:
     assert a is not None and b is not None
     dy = n.dy
     return _as_product(
-        g, n, "MatMul", _centered(g, a, optional_input(n, 2), dy, -2), _centered(g, b, optional_input(n, 3), dy)
+        g,
+        n,
+        "MatMul",
+        _centered(g, a, optional_input(n, 2), dy, -2),
+        _centered(g, b, optional_input(n, 3), dy),
     )
 
 
@@ -239,4 +245,3 @@ def conv_integer(g: GradBuilder, n: NodeContext) -> Grads:
     return _as_product(
         g, n, "Conv", _centered(g, x, optional_input(n, 2), dy), _centered(g, w, optional_input(n, 3), dy, 0)
     )
-
