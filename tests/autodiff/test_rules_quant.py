@@ -400,19 +400,27 @@ def test_cut_gradient_warns_once_naming_value_and_op() -> None:
 
 
 def test_no_warning_for_shape_only_or_unused_initializers() -> None:
-    """An initializer used only for its shape (Shape -> Reshape), and one used nowhere on the path
-    to an output, are not cut: no warning."""
+    """An initializer used only for its shape (Shape -> Reshape) or its type (CastLike's target),
+    and one used nowhere on the path to an output, are not cut: no warning."""
     nodes = [
         helper.make_node("Shape", ["like"], ["s"], name="shape"),
         helper.make_node("Reshape", ["x", "s"], ["xr"], name="reshape"),
-        helper.make_node("Mul", ["xr", "w"], ["y"], name="mul"),
+        helper.make_node("CastLike", ["xr", "typed"], ["xc"], name="castlike"),
+        helper.make_node("Mul", ["xc", "w"], ["y"], name="mul"),
         helper.make_node("Neg", ["unused"], ["dead"], name="neg"),
     ]
-    inits = {"like": np.zeros((2, 3), F32), "w": np.ones((2, 3), F32), "unused": np.ones(2, F32)}
+    inits = {
+        "like": np.zeros((2, 3), F32),
+        "typed": np.zeros(1, F32),
+        "w": np.ones((2, 3), F32),
+        "unused": np.ones(2, F32),
+    }
     m = make_model(nodes, [("x", F32, [6])], [("y", F32, [2, 3])], inits)
     with warnings.catch_warnings():
         warnings.simplefilter("error", GradientWarning)
-        build_gradient(m, trainable=["like", "w", "unused"])
+        graphs = build_gradient(m, trainable=["like", "typed", "w", "unused"])
+    _, grads = run_gradients(graphs, {"x": np.arange(6, dtype=F32)})
+    assert not np.any(grads["like"]) and not np.any(grads["typed"]) and np.any(grads["w"])
 
 
 def test_rule_without_gradient_for_a_float_input_warns() -> None:

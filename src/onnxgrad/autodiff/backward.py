@@ -54,6 +54,10 @@ _VALUE_FREE = frozenset(
     }
 )
 
+# Inputs (by position) whose values do not matter, only their type, or that set a random draw:
+# CastLike's target, Dropout's ratio (no effect in inference, a random mask's rate in training).
+_VALUE_FREE_INPUTS = {"CastLike": (1,), "Dropout": (1, 2)}
+
 
 def is_quantized_op(node: onnx.NodeProto) -> bool:
     """Whether ``node`` is one of the standard-domain :data:`QUANTIZED_OPS`."""
@@ -227,7 +231,8 @@ def cut_paths(
     leads = set(grad_outs)  # values with a value-dependent path to an output
     for node in reversed(nodes):
         if node.op_type not in _VALUE_FREE and any(o in leads for o in node.output):
-            leads.update(i for i in node_operands(node) if i)
+            free = _VALUE_FREE_INPUTS.get(node.op_type, ())
+            leads.update(i for k, i in enumerate(node_operands(node)) if i and k not in free)
     stops = {(id(node), name) for node, name in stopped}
     cuts: dict[str, onnx.NodeProto] = {}
     for w in wrt:
