@@ -498,3 +498,37 @@ def test_lora_on_statically_quantized_model_trains() -> None:
     assert trainer.evaluate(data)["loss"] < 0.7 * first
     with pytest.warns(GradientWarning, match=r"by node 'q_h' \(QuantizeLinear\)"):
         Trainer(adapted, loss="mse", progress=False, quantized="zero")
+
+
+@pytest.mark.parametrize("quantized", ["ste", "zero"])
+def test_switch_inside_an_if_branch(quantized: str) -> None:
+    """A fake-quantized weight inside an If branch follows the switch of the build."""
+    branch_nodes = [
+        helper.make_node("QuantizeLinear", ["w", "scale", "zp"], ["q"], name="quant_in_branch"),
+        helper.make_node("DequantizeLinear", ["q", "scale", "zp"], ["wq"], name="dequant_in_branch"),
+    ]
+    then = helper.make_graph(
+        branch_nodes, "then", [], [helper.make_tensor_value_info("wq", TensorProto.FLOAT, [4])]
+    )
+    other = helper.make_graph(
+        [helper.make_node("Identity", ["w"], ["wi"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("wi", TensorProto.FLOAT, [4])],
+    )
+    nodes = [
+        helper.make_node("If", ["cond"], ["wb"], name="if", then_branch=then, else_branch=other),
+        helper.make_node("Mul", ["x", "wb"], ["y"], name="mul"),
+    ]
+    inits = {"w": np.array([0.5, -1, 2, 0.3], F32), "scale": np.array(0.1, F32), "zp": np.array(0, np.int8)}
+    m = make_model(nodes, [("x", F32, [4]), ("cond", np.bool_, [])], [("y", F32, [4])], inits, opset=19)
+    x = np.array([1, 2, 3, 4], F32)
+    graphs = build_gradient(m, trainable=["w", "scale"], quantized=quantized)
+    _, grads = run_gradients(graphs, {"x": x, "cond": np.array(True)})
+    w, s = inits["w"].astype(np.float64), 0.1
+    lsq = np.sum(x * (np.round(w / s) - w / s))  # torch's learnable fake-quantize, nothing clamped
+    if quantized == "ste":
+        np.testing.assert_allclose(grads["w"], x, rtol=1e-6)
+        assert abs(float(grads["scale"]) - lsq) <= 1e-4 * np.abs(x * w / s).sum()
+    else:
+        assert not np.any(grads["w"]) and not np.any(grads["scale"])
