@@ -5,7 +5,8 @@ differentiated with respect to, through ops that carry one) and those that *reac
 gradient; :func:`reverse_pass` walks the nodes backwards and, for every node with an output in both
 sets, sums the gradients of its outputs and calls the node's rule, which returns one gradient per
 input. :func:`~onnxgrad.autodiff.engine.build_gradient` runs both on the model's graph; the rules of
-If, Loop and Scan (``rules/control_flow.py``) run them on every branch and body.
+If, Loop and Scan (``rules/control_flow.py``) run them on every branch and body. After the pass,
+:func:`cut_paths` finds the trainable values whose gradient an op without one cut (the engine warns).
 """
 
 from __future__ import annotations
