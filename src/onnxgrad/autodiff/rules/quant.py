@@ -35,7 +35,7 @@ from ...errors import GradientNotImplementedError
 from ..backward import quantized_mode, version_of
 from ..builder import GradBuilder, Var, cast, where
 from ..registry import NodeContext, lookup, rule
-from .common import Grads, need_rank, nonneg_axis, optional_input
+from .common import Grads, need_rank, nonneg_axis, optional_input, refuse
 
 # The integer range of each quantized type: values rounding outside it are clamped.
 _INT_RANGES = {
@@ -56,6 +56,9 @@ _FLOAT_MAX = {
 }
 if hasattr(TensorProto, "FLOAT4E2M1"):
     _FLOAT_MAX[TensorProto.FLOAT4E2M1] = 6.0
+if hasattr(TensorProto, "INT2"):
+    _INT_RANGES[TensorProto.INT2] = (-2, 1)
+    _INT_RANGES[TensorProto.UINT2] = (0, 3)
 
 
 def _rounding(g: GradBuilder, n: NodeContext) -> bool:
@@ -165,11 +168,13 @@ def quantize_linear(g: GradBuilder, n: NodeContext) -> Grads:
     if q in _FLOAT_MAX:
         lo, hi = -_FLOAT_MAX[q], _FLOAT_MAX[q]
         r = v
-    else:
-        lo, hi = _INT_RANGES.get(q, _INT_RANGES[TensorProto.UINT8])
+    elif q in _INT_RANGES:
+        lo, hi = _INT_RANGES[q]
         r = g.Round(v)
         if zp is not None:
             r = r + _as_float(g, _expand(g, n, zp, x), x)
+    else:
+        raise refuse(n, f"the range of its output type {helper.tensor_dtype_to_string(q)} is unknown")
     kept = where(g.And(r >= float(lo), r <= float(hi)), cast(n.dy, x), 0.0)
     if n.needs[0]:
         grads[0] = kept / s
