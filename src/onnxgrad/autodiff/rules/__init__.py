@@ -16,6 +16,7 @@ from . import (  # noqa: F401
     nondiff,
     norm,
     pool,
+    quant,
     reduce,
     resample,
     rnn,
