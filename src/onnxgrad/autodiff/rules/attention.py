@@ -86,9 +86,10 @@ class _Heads:
 def _probabilities(g: GradBuilder, n: NodeContext, shape: tuple[Dim, ...] | None) -> Var:
     """The forward's softmax probabilities: its ``qk_matmul_output`` in mode 3, added if unused.
 
-    Where the model reads that output in another mode (0: scale Q K^T, 1: after softcap, 2: after
-    the mask too), a copy of the node in mode 3 gives the probabilities (the attention is computed
-    twice in the forward).
+    Where the model reads that output in another mode (0, the default: scale Q K^T; 1: after
+    softcap; 2: after the mask too), a copy of the node in mode 3 gives the probabilities (the
+    attention is computed twice in the forward). The copy keeps present_key/present_value when the
+    node has a cache (onnxruntime refuses past_key without present_key).
     """
     node = n.node
     mode = int(n.attr("qk_matmul_output_mode", 0))
@@ -98,25 +99,32 @@ def _probabilities(g: GradBuilder, n: NodeContext, shape: tuple[Dim, ...] | None
     if used and mode != _AFTER_SOFTMAX:
         y = g.new_fwd_value(f"{node.output[0]}_copy", n.y.info)
         probs_name = g.new_fwd_value(f"{node.output[0]}_probs", ValueInfo("", q.dtype, shape))
+        presents = ["", ""]
+        for slot in (1, 2):
+            out = n.outputs[slot] if len(n.outputs) > slot else None
+            if out is not None or (len(node.input) > slot + 3 and node.input[slot + 3]):
+                info = ValueInfo("", q.dtype, None)
+                presents[slot - 1] = g.new_fwd_value(f"{node.output[0]}_present{slot}", info)
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
         copy.name = g.fresh(f"{node.name or 'Attention'}_probs")
         del copy.output[:]
-        copy.output.extend([y, "", "", probs_name])
-        for a in copy.attribute:
-            if a.name == "qk_matmul_output_mode":
-                a.i = _AFTER_SOFTMAX
+        copy.output.extend([y, *presents, probs_name])
+        _set_mode(copy, _AFTER_SOFTMAX)
         g.fwd_nodes.append(copy)
         return g.fwd(probs_name)
     probs = g.extra_output(node, 3, q.dtype, shape)
-    if mode != _AFTER_SOFTMAX:
-        for a in node.attribute:
-            if a.name == "qk_matmul_output_mode":
-                a.i = _AFTER_SOFTMAX
-                break
-        else:
-            node.attribute.append(helper.make_attribute("qk_matmul_output_mode", _AFTER_SOFTMAX))
+    _set_mode(node, _AFTER_SOFTMAX)
     return probs
+
+
+def _set_mode(node: onnx.NodeProto, mode: int) -> None:
+    """Set the node's ``qk_matmul_output_mode`` (an absent attribute means mode 0)."""
+    for a in node.attribute:
+        if a.name == "qk_matmul_output_mode":
+            a.i = mode
+            return
+    node.attribute.append(helper.make_attribute("qk_matmul_output_mode", mode))
 
 
 def _scale(g: GradBuilder, n: NodeContext, q: Var, heads: _Heads) -> Var | float:
