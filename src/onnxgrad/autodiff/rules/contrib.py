@@ -1,0 +1,350 @@
+"""Gradient rules of the onnxruntime contrib ops that deployed models hold.
+
+onnxruntime's transformer optimizer (``onnxruntime.transformers.optimizer.optimize_model``) and
+onnxruntime-genai's model builder fuse the standard ops of a transformer into ``com.microsoft`` ops
+(and two onnxruntime ops of the default domain, ``SimplifiedLayerNormalization`` and the opset-1
+``LayerNormalization``). Each rule here is the standard ops' rule for the same math:
+the normalizations compose :mod:`.norm`'s standardize / normalize_backward, the activations
+:mod:`.elementwise`'s Gelu formula, the embeddings :mod:`.indexing`'s scatter-add. Their output
+types come from :mod:`onnxgrad.model.contrib_schemas` (ONNX shape inference knows none of them).
+
+Inputs that cannot carry a gradient (packed 4-bit weights, integer ids and masks) get none; a float
+input whose gradient a rule does not give is refused with the node, op, domain and input named.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from onnx import TensorProto
+
+from ...errors import GradientNotImplementedError
+from ...model.contrib_schemas import MS_DOMAIN
+from ..builder import GradBuilder, Var, erf, exp, sigmoid, tanh
+from ..registry import NodeContext, formulas, rule
+from .common import Grads, as_int64, need_rank, zeros
+from .elementwise import INV_SQRT_2PI, SQRT_2_OVER_PI
+from .norm import mean_over, normalize_backward, rms_norm, standardize
+
+INT64 = TensorProto.INT64
+_SKIP_LN_EPS = 1e-12  # onnxruntime's default epsilon of SkipLayerNormalization and EmbedLayerNormalization
+
+
+def unsupported(n: NodeContext, i: int, why: str) -> GradientNotImplementedError:
+    """The error for float input ``i`` of a contrib node whose gradient the rule does not give."""
+    name = n.node.input[i] if i < len(n.node.input) else f"#{i}"
+    return GradientNotImplementedError(
+        f"no gradient for input {i} ({name!r}) of node {n.node.name!r}: op {n.node.op_type!r}, "
+        f"domain {n.node.domain or 'ai.onnx'!r}: {why}. Mark it as not trainable."
+    )
+
+
+def _input(n: NodeContext, i: int) -> Var | None:
+    return n.inputs[i] if i < len(n.inputs) else None
+
+
+def _refuse_output_grads(n: NodeContext, slots: tuple[int, ...], what: str) -> None:
+    for k in slots:
+        if k < len(n.dout) and n.dout[k] is not None:
+            raise GradientNotImplementedError(
+                f"no gradient through output {k} ({n.node.output[k]!r}, {what}) of node {n.node.name!r}: "
+                f"op {n.node.op_type!r}, domain {n.node.domain or 'ai.onnx'!r}"
+            )
+
+
+# ---- activations ------------------------------------------------------------------------------
+def _gelu_erf_grad(x: Var) -> Var:
+    """d gelu(x) / dx = Phi(x) + x phi(x) (the erf form)."""
+    cdf = (erf(x * (1 / math.sqrt(2))) + 1) * 0.5
+    return cdf + x * exp(x * x * -0.5) * INV_SQRT_2PI
+
+
+def _gelu_tanh_grad(x: Var) -> Var:
+    """d/dx of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    t = tanh((x + x * x * x * 0.044715) * SQRT_2_OVER_PI)
+    return (t + 1) * 0.5 + x * 0.5 * (1 - t * t) * ((x * x * (3 * 0.044715) + 1) * SQRT_2_OVER_PI)
+
+
+formulas("Gelu", lambda x, dy: dy * _gelu_erf_grad(x), domain=MS_DOMAIN)
+
+
+def _quick_gelu(x: Var, dy: Var, alpha: float = 1.702) -> Var:
+    """y = x sigmoid(alpha x): dy (s + alpha x s (1 - s))."""
+    s = sigmoid(x * alpha)
+    return dy * (s + x * alpha * s * (1 - s))
+
+
+formulas("QuickGelu", _quick_gelu, domain=MS_DOMAIN)
+
+
+def _biased(g: GradBuilder, n: NodeContext, dx: Var) -> Grads:
+    """[dX, dbias] of an op of X + bias (bias optional, broadcast over the leading axes)."""
+    bias = _input(n, 1)
+    db = g.unbroadcast(dx, bias, n.y.shape) if bias is not None and n.needs[1] else None
+    return [dx if n.needs[0] else None, db][: len(n.inputs)]
+
+
+@rule("FastGelu", domain=MS_DOMAIN)
+def fast_gelu(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = gelu_tanh(X + bias): dX = dy gelu_tanh'(X + bias), dbias = dX summed over the rows."""
+    u = n.x if _input(n, 1) is None else n.x + n.inputs[1]
+    return _biased(g, n, n.dy * _gelu_tanh_grad(u))
+
+
+@rule("BiasGelu", domain=MS_DOMAIN)
+def bias_gelu(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = gelu(A + B) (erf form): dA = dy gelu'(A + B), dB = dA summed over the rows."""
+    return _biased(g, n, n.dy * _gelu_erf_grad(n.x + n.inputs[1]))
+
+
+@rule("BiasAdd", domain=MS_DOMAIN)
+def bias_add(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = X + bias + skip: dX = dskip = dy, dbias = dy summed over (N, S)."""
+    dy = n.dy
+    bias, skip = n.inputs[1], n.inputs[2]
+    return [
+        dy if n.needs[0] else None,
+        g.unbroadcast(dy, bias, n.y.shape) if n.needs[1] else None,  # type: ignore[arg-type]
+        g.unbroadcast(dy, skip, n.y.shape) if n.needs[2] else None,  # type: ignore[arg-type]
+    ]
+
+
+# ---- FusedMatMul and MatMulNBits ------------------------------------------------------------------
+def _swap_last(g: GradBuilder, x: Var) -> Var:
+    r = x.rank
+    assert r is not None
+    return g.Transpose(x, perm=[*range(r - 2), r - 1, r - 2])
+
+
+@rule("FusedMatMul", domain=MS_DOMAIN)
+def fused_matmul(g: GradBuilder, n: NodeContext) -> Grads:
+    """Y = alpha op(A) op(B), op a transpose of the last two axes where transA / transB say.
+
+    With A' = op(A), B' = op(B): dA' = alpha dY B'^T, dB' = alpha A'^T dY (summed where the batch
+    broadcast), then transposed back where op transposed. transBatchA / transBatchB are refused.
+    """
+    a, b = n.inputs[0], n.inputs[1]
+    assert a is not None and b is not None
+    for k, flag in enumerate(("transBatchA", "transBatchB")):
+        if int(n.attr(flag, 0)) and n.needs[k]:
+            raise unsupported(n, k, f"{flag}=1")
+    need_rank(n, a)
+    need_rank(n, b)
+    if a.rank < 2 or b.rank < 2:  # type: ignore[operator]
+        raise unsupported(n, 0 if a.rank < 2 else 1, "A and B must have 2 dimensions or more")  # type: ignore[operator]
+    ta, tb = int(n.attr("transA", 0)), int(n.attr("transB", 0))
+    alpha = float(n.attr("alpha", 1.0))
+    dy = n.dy * alpha if alpha != 1.0 else n.dy
+    a1 = _swap_last(g, a) if ta else a
+    b1 = _swap_last(g, b) if tb else b
+    grads: Grads = [None, None]
+    if n.needs[0]:
+        da = g.MatMul(dy, _swap_last(g, b1))
+        da = _swap_last(g, da) if ta else da
+        grads[0] = g.unbroadcast(da, a, _batched(n, a, da))
+    if n.needs[1]:
+        db = g.MatMul(_swap_last(g, a1), dy)
+        db = _swap_last(g, db) if tb else db
+        grads[1] = g.unbroadcast(db, b, _batched(n, b, db))
+    return grads
+
+
+def _batched(n: NodeContext, x: Var, d: Var) -> tuple | None:
+    """The shape of a gradient before it is summed to ``x``: the output's batch dims, x's matrix dims."""
+    if n.y.shape is None or x.shape is None:
+        return None
+    return (*n.y.shape[:-2], *x.shape[-2:])
+
+
+def _unpack(g: GradBuilder, packed: Var, bits: int, count: Var | int) -> Var:
+    """uint8 bytes (..., m) -> int32 values (..., m * 8 / bits), low bits first, cut to ``count``
+    values along the last axis (a Var: a 1-element int64)."""
+    values = g.Cast(packed, to=TensorProto.INT32)
+    if bits == 4:
+        high = values / 16  # integer division
+        low = values - high * 16
+        values = g.Reshape(g.Concat(g.Unsqueeze(low, [-1]), g.Unsqueeze(high, [-1]), axis=-1), [0, 0, -1])
+    end = g.const([count]) if isinstance(count, int) else count
+    return g.Slice(values, g.const([0]), end, g.const([-1]))
+
+
+@rule("MatMulNBits", domain=MS_DOMAIN)
+def matmul_nbits(g: GradBuilder, n: NodeContext) -> Grads:
+    """Y = A W^T + bias, W (N, K) the blockwise dequantization of the frozen packed weight B.
+
+    B is uint8 (N, n_blocks, blob_size), ``bits`` values per byte, low bits first; ``scales``
+    (N n_blocks); ``zero_points`` uint8 packed like B (N, ceil(n_blocks bits / 8)) or of the scales'
+    type (N n_blocks), absent meaning 2^(bits - 1). The backward dequantizes W with plain ops
+    (integer unpacking, (q - zero point) scale per block, the K columns kept) and gives
+    dA = dY W, dbias = dY summed over the rows. B, the scales and zero points get no gradient.
+    """
+    a, b, scales = n.inputs[0], n.inputs[1], n.inputs[2]
+    zp, g_idx, bias = _input(n, 3), _input(n, 4), _input(n, 5)
+    assert a is not None and b is not None and scales is not None
+    bits, block = int(n.attr("bits", 4)), int(n.attr("block_size"))
+    k_dim, n_dim = int(n.attr("K")), int(n.attr("N"))
+    grads: Grads = [None] * len(n.inputs)
+    for k, what in ((2, "scales"), (3, "zero points")):
+        if k < len(n.needs) and n.needs[k] and n.inputs[k] is not None and n.inputs[k].dtype == a.dtype:
+            raise unsupported(n, k, f"the {what} of the quantized weight are frozen")
+    if bias is not None and n.needs[5]:
+        grads[5] = g.unbroadcast(n.dy, bias, n.y.shape)
+    if not n.needs[0]:
+        return grads
+    if bits not in (4, 8):
+        raise unsupported(n, 0, f"bits={bits} (the rule unpacks 4 and 8)")
+    if g_idx is not None:
+        raise unsupported(n, 0, "a g_idx input (act-order) is not supported")
+    blocks = -(-k_dim // block)
+    q = g.Cast(_unpack(g, b, bits, block), to=a.dtype)  # (N, n_blocks, block)
+    if zp is None:
+        zero = g.const(float(2 ** (bits - 1)), a.dtype)
+    elif zp.dtype == TensorProto.UINT8:
+        zero = g.Reshape(
+            g.Cast(_unpack(g, g.Reshape(zp, [n_dim, 1, -1]), bits, blocks), to=a.dtype), [n_dim, blocks, 1]
+        )
+    else:
+        zero = g.Reshape(g.Cast(zp, to=a.dtype), [n_dim, blocks, 1])
+    w = (q - zero) * g.Reshape(g.Cast(scales, to=a.dtype), [n_dim, blocks, 1])
+    w = g.Slice(g.Reshape(w, [n_dim, blocks * block]), g.const([0]), g.const([k_dim]), g.const([1]))
+    grads[0] = g.MatMul(n.dy, w, shape=a.shape)  # (..., N) @ (N, K)
+    return grads
+
+
+# ---- normalizations -------------------------------------------------------------------------------
+def _skip_norm(g: GradBuilder, n: NodeContext, centered: bool) -> Grads:
+    """SkipLayerNormalization (centered) and SkipSimplifiedLayerNormalization: y = norm(s) gamma (+
+    beta) with s = input + skip (+ bias) over the last axis; output 3 is s itself.
+
+    ds = normalize_backward(dy gamma) (+ the gradient of output 3); dinput = ds, dskip and dbias =
+    ds summed to their shapes; dgamma = sum(dy xh), dbeta = sum(dy). s is the forward's output 3 (added
+    when the model leaves it unused); the statistics are recomputed from it.
+    """
+    _refuse_output_grads(n, (1, 2), "the mean / inverse standard deviation")
+    x = n.inputs[0]
+    assert x is not None
+    gamma = n.inputs[2]
+    beta = _input(n, 3) if centered else None
+    bias = _input(n, 4) if centered else _input(n, 3)
+    bias_slot = 4 if centered else 3
+    grads: Grads = [None] * len(n.inputs)
+    dy = n.dout[0]
+    d_sum = n.dout[3] if len(n.dout) > 3 else None
+    if dy is not None and beta is not None and n.needs[3]:
+        grads[3] = g.unbroadcast(dy, beta, x.shape)
+    s = g.extra_output(n.node, 3, x.dtype, x.shape)
+    mean = mean_over(g, [-1])
+    eps = float(n.attr("epsilon", _SKIP_LN_EPS))
+    ds = d_sum
+    if dy is not None and (n.needs[2] or any(n.needs[k] for k in (0, 1, bias_slot) if k < len(n.needs))):
+        xh, inv = standardize(g, s, mean, eps, centered=centered)
+        if n.needs[2]:
+            grads[2] = g.unbroadcast(dy * xh, gamma, x.shape)  # type: ignore[arg-type]
+        dn = normalize_backward(dy * gamma, xh, inv, mean, centered=centered)
+        ds = dn if ds is None else ds + dn
+    if ds is None:
+        return grads
+    if n.needs[0]:
+        grads[0] = ds
+    skip = n.inputs[1]
+    if skip is not None and n.needs[1]:
+        grads[1] = g.unbroadcast(ds, skip, x.shape)
+    if bias is not None and n.needs[bias_slot]:
+        grads[bias_slot] = g.unbroadcast(ds, bias, x.shape)
+    return grads
+
+
+@rule("SkipLayerNormalization", domain=MS_DOMAIN)
+def skip_layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
+    """LayerNormalization(input + skip + bias) gamma + beta over the last axis (see :func:`_skip_norm`)."""
+    return _skip_norm(g, n, centered=True)
+
+
+@rule("SkipSimplifiedLayerNormalization", domain=MS_DOMAIN)
+def skip_simplified_layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
+    """RMSNormalization(input + skip + bias) gamma over the last axis (see :func:`_skip_norm`)."""
+    return _skip_norm(g, n, centered=False)
+
+
+@rule("SimplifiedLayerNormalization")
+@rule("SimplifiedLayerNormalization", domain=MS_DOMAIN)
+def simplified_layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
+    """onnxruntime's RMS normalization (``axis``, ``epsilon``): the RMSNormalization rule; its
+    inv_std_var output carries no gradient here (refused where the model differentiates it)."""
+    _refuse_output_grads(n, (1,), "the inverse standard deviation")
+    if n.dy is None:
+        return [None] * len(n.inputs)
+    return rms_norm(g, n)
+
+
+@rule("EmbedLayerNormalization", domain=MS_DOMAIN)
+def embed_layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = LayerNormalization(word[ids] + position[pos] + segment[segment_ids]) gamma + beta, pos
+    the position_ids input or 0..S-1; output 2 is the sum, mask_index (output 1) is integer.
+
+    dsum = normalize_backward(dy gamma) (+ the gradient of output 2); each table's gradient is dsum
+    scatter-added at the rows it gathered (positions 0..S-1: dsum summed over the batch, padded with
+    zero rows); dgamma = sum(dy xh), dbeta = sum(dy).
+    """
+    ids, seg_ids, words, positions, segments = (_input(n, k) for k in range(5))
+    gamma, beta, pos_ids = _input(n, 5), _input(n, 6), _input(n, 8)
+    assert ids is not None and words is not None and gamma is not None
+    grads: Grads = [None] * len(n.inputs)
+    dy = n.dout[0]
+    d_sum = n.dout[2] if len(n.dout) > 2 else None
+    out_shape = n.y.shape
+    s = g.extra_output(n.node, 2, words.dtype, out_shape)
+    mean = mean_over(g, [-1])
+    ds = d_sum
+    if dy is not None:
+        if beta is not None and n.needs[6]:
+            grads[6] = g.unbroadcast(dy, beta, out_shape)
+        xh, inv = standardize(g, s, mean, float(n.attr("epsilon", _SKIP_LN_EPS)))
+        if n.needs[5]:
+            grads[5] = g.unbroadcast(dy * xh, gamma, out_shape)
+        dn = normalize_backward(dy * gamma, xh, inv, mean)
+        ds = dn if ds is None else ds + dn
+    if ds is None:
+        return grads
+    if n.needs[2]:
+        grads[2] = _scatter_rows(g, words, ids, ds)
+    if segments is not None and seg_ids is not None and n.needs[4]:
+        grads[4] = _scatter_rows(g, segments, seg_ids, ds)
+    if positions is not None and n.needs[3]:
+        if pos_ids is not None:
+            grads[3] = _scatter_rows(g, positions, pos_ids, g.Expand(ds, g.shape_of(ds)))
+        else:  # rows 0..S-1, the same for every sequence of the batch
+            per_pos = g.ReduceSum(ds, [0], keepdims=0)  # (S, hidden)
+            length = g.Gather(g.shape_of(per_pos), g.const(np.int64(0)))
+            rows = g.Range(g.const(np.int64(0)), length, g.const(np.int64(1)))
+            grads[3] = _scatter_rows(g, positions, rows, per_pos)
+    return grads
+
+
+def _scatter_rows(g: GradBuilder, table: Var, ids: Var, d: Var) -> Var:
+    """The gradient of ``table[ids]`` (rows gathered): ``d`` scatter-added into zero rows."""
+    rows = g.Unsqueeze(as_int64(g, ids), [-1])
+    dx = g.ScatterND(zeros(g, g.shape_of(table), d.dtype), rows, d, reduction="add")
+    return g.reshape(dx, table)
+
+
+# ---- RotaryEmbedding ----------------------------------------------------------------------------
+@rule("RotaryEmbedding", domain=MS_DOMAIN)
+def rotary_embedding(g: GradBuilder, n: NodeContext) -> Grads:
+    """A rotation of each pair of the head: dX is the opposite rotation, the same contrib op with the
+    sine cache negated (inputs: input, position_ids, cos_cache, sin_cache). The caches get none:
+    refused where they would need one."""
+    for k, what in ((2, "cos_cache"), (3, "sin_cache")):
+        if k < len(n.needs) and n.needs[k]:
+            raise unsupported(n, k, f"the {what} is taken as constant")
+    if not n.needs[0]:
+        return [None] * len(n.inputs)
+    pos, cos, sin = n.inputs[1], n.inputs[2], n.inputs[3]
+    attrs = {
+        a: n.attr(a)
+        for a in ("interleaved", "num_heads", "rotary_embedding_dim", "scale", "is_packed_batching")
+        if n.attr(a) is not None
+    }
+    dx = g.op("RotaryEmbedding", n.dy, pos, cos, g.Neg(sin), domain=MS_DOMAIN, shape=n.x.shape, **attrs)
+    return [dx, None, None, None][: len(n.inputs)]
