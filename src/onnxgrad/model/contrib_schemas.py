@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import onnx
 from onnx import TensorProto, helper
 
-from .graph import Dim, ValueInfo
+from .graph import ORT_DEFAULT_DOMAIN_OPS, Dim, ValueInfo
 
 MS_DOMAIN = "com.microsoft"
 
@@ -172,19 +172,14 @@ _MS_RULES: dict[str, OutputRule] = {
     "MatMulNBits": _matmul_nbits,
     "SkipLayerNormalization": _skip_norm,
     "SkipSimplifiedLayerNormalization": _skip_norm,
-    "SimplifiedLayerNormalization": _layer_norm,
-    "LayerNormalization": _layer_norm,
     "EmbedLayerNormalization": _embed_layer_norm,
     "Attention": _attention,
     "MultiHeadAttention": _multi_head_attention,
     "GroupQueryAttention": _group_query_attention,
 }
-# onnxruntime's own ops of the default domain (opset 1): ONNX has SimplifiedLayerNormalization in
-# no opset, and LayerNormalization only from 17.
-_DEFAULT_RULES: dict[str, OutputRule] = {
-    "SimplifiedLayerNormalization": _layer_norm,
-    "LayerNormalization": _layer_norm,
-}
+# onnxruntime's own ops of the default domain (opset 1), which no ONNX opset has
+_DEFAULT_RULES: dict[str, OutputRule] = {"SimplifiedLayerNormalization": _layer_norm}
+assert set(_DEFAULT_RULES) == ORT_DEFAULT_DOMAIN_OPS
 
 
 def has_output_rule(node: onnx.NodeProto) -> bool:

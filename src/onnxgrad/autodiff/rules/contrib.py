@@ -111,9 +111,8 @@ def bias_add(g: GradBuilder, n: NodeContext) -> Grads:
 
 
 # ---- FusedMatMul and MatMulNBits ------------------------------------------------------------------
-def _swap_last(g: GradBuilder, x: Var) -> Var:
-    r = x.rank
-    assert r is not None
+def _swap_last(g: GradBuilder, x: Var, r: int) -> Var:
+    """x (of rank r) with its last two axes swapped."""
     return g.Transpose(x, perm=[*range(r - 2), r - 1, r - 2])
 
 
@@ -133,24 +132,26 @@ def fused_matmul(g: GradBuilder, n: NodeContext) -> Grads:
     need_rank(n, b)
     if a.rank < 2 or b.rank < 2:  # type: ignore[operator]
         raise unsupported(n, 0 if a.rank < 2 else 1, "A and B must have 2 dimensions or more")  # type: ignore[operator]
+    ra, rb = a.rank, b.rank
+    ry = max(ra, rb)  # type: ignore[type-var]
     ta, tb = int(n.attr("transA", 0)), int(n.attr("transB", 0))
     alpha = float(n.attr("alpha", 1.0))
     dy = n.dy * alpha if alpha != 1.0 else n.dy
-    a1 = _swap_last(g, a) if ta else a
-    b1 = _swap_last(g, b) if tb else b
+    a1 = _swap_last(g, a, ra) if ta else a  # type: ignore[arg-type]
+    b1 = _swap_last(g, b, rb) if tb else b  # type: ignore[arg-type]
     grads: Grads = [None, None]
     if n.needs[0]:
-        da = g.MatMul(dy, _swap_last(g, b1))
-        da = _swap_last(g, da) if ta else da
-        grads[0] = g.unbroadcast(da, a, _batched(n, a, da))
+        da = g.MatMul(dy, _swap_last(g, b1, rb))  # type: ignore[arg-type]
+        da = _swap_last(g, da, ry) if ta else da  # type: ignore[arg-type]
+        grads[0] = g.unbroadcast(da, a, _batched(n, a))
     if n.needs[1]:
-        db = g.MatMul(_swap_last(g, a1), dy)
-        db = _swap_last(g, db) if tb else db
-        grads[1] = g.unbroadcast(db, b, _batched(n, b, db))
+        db = g.MatMul(_swap_last(g, a1, ra), dy)  # type: ignore[arg-type]
+        db = _swap_last(g, db, ry) if tb else db  # type: ignore[arg-type]
+        grads[1] = g.unbroadcast(db, b, _batched(n, b))
     return grads
 
 
-def _batched(n: NodeContext, x: Var, d: Var) -> tuple | None:
+def _batched(n: NodeContext, x: Var) -> tuple | None:
     """The shape of a gradient before it is summed to ``x``: the output's batch dims, x's matrix dims."""
     if n.y.shape is None or x.shape is None:
         return None
@@ -268,9 +269,9 @@ def skip_simplified_layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
 
 
 @rule("SimplifiedLayerNormalization")
-@rule("SimplifiedLayerNormalization", domain=MS_DOMAIN)
 def simplified_layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
-    """onnxruntime's RMS normalization (``axis``, ``epsilon``): the RMSNormalization rule; its
+    """onnxruntime's RMS normalization of the default domain (``axis``, ``epsilon``; no ONNX opset
+    has it): the RMSNormalization rule; its
     inv_std_var output carries no gradient here (refused where the model differentiates it)."""
     _refuse_output_grads(n, (1,), "the inverse standard deviation")
     if n.dy is None:

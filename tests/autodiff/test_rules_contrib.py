@@ -1,0 +1,361 @@
+"""Gradient checks of the onnxruntime contrib ops (rules/contrib.py) and their output types
+(model/contrib_schemas.py).
+
+onnxruntime runs these ops in float32 only (FastGelu, QuickGelu and FusedMatMul in float64 too), so
+each check compares with central finite differences through onnxruntime in float32 with the
+project's float32 tolerances (``check_gradients``' defaults for float32 models).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxgrad import build_gradient, supported_ops
+from onnxgrad.errors import GradientNotImplementedError
+from onnxgrad.model.graph import ir_version_for, onnx_dtype
+from onnxgrad.model.infer import infer_value_infos
+from onnxgrad.testing import check_gradients
+
+MS = "com.microsoft"
+RNG = np.random.default_rng(11)
+
+
+def rnd(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def contrib_model(
+    op: str,
+    inputs: Sequence[np.ndarray | None],
+    outputs: Sequence[str],
+    attrs: dict[str, Any] | None = None,
+    *,
+    domain: str = MS,
+    constant: Sequence[int] = (),
+    opset: int = 17,
+) -> onnx.ModelProto:
+    """One ``op`` node: float inputs are graph inputs ``in{i}`` (initializers where listed in
+    ``constant``), integer ones initializers; ``outputs`` names its outputs ('' for unused ones),
+    declared with the shapes onnxruntime gives them."""
+    names, graph_inputs, inits = [], [], []
+    for i, x in enumerate(inputs):
+        if x is None:
+            names.append("")
+            continue
+        names.append(f"in{i}")
+        if x.dtype.kind == "f" and i not in constant:
+            graph_inputs.append(helper.make_tensor_value_info(f"in{i}", onnx_dtype(x.dtype), x.shape))
+        else:
+            inits.append(numpy_helper.from_array(x, f"in{i}"))
+    node = helper.make_node(op, names, list(outputs), domain=domain or None, **(attrs or {}))
+    untyped = [  # their element types: mask_index is int32, the rest float32
+        helper.make_tensor_value_info(o, TensorProto.INT32 if o == "mask_index" else TensorProto.FLOAT, None)
+        for o in outputs
+        if o
+    ]
+    opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)]
+    graph = helper.make_graph([node], "g", graph_inputs, untyped, inits)
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = ir_version_for(model.opset_import)
+    feeds = {i.name: inputs[int(i.name[2:])] for i in graph_inputs}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    values = session.run(None, feeds)
+    del model.graph.output[:]
+    for name, value in zip([o for o in outputs if o], values):
+        model.graph.output.append(helper.make_tensor_value_info(name, onnx_dtype(value.dtype), value.shape))
+    return model
+
+
+def check(model: onnx.ModelProto, inputs: Sequence[np.ndarray | None], **tol: Any) -> None:
+    """Every float graph input against finite differences, every output with a random cotangent."""
+    feeds = {i.name: inputs[int(i.name[2:])] for i in model.graph.input}
+    result = check_gradients(model, feeds, wrt=list(feeds), **tol)
+    assert result.ok, result.report()
+
+
+def check_op(op: str, inputs: Sequence[np.ndarray | None], attrs: dict | None = None, **kw: Any) -> None:
+    n_out = kw.pop("n_outputs", 1)
+    check(contrib_model(op, inputs, [f"out{k}" for k in range(n_out)], attrs, **kw), inputs)
+
+
+# ---- activations and matrix products ------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("op", "inputs", "attrs"),
+    [
+        ("Gelu", [rnd(2, 3, 5)], {}),
+        ("QuickGelu", [rnd(2, 3, 5)], {"alpha": 1.3}),
+        ("QuickGelu", [rnd(4, 6)], {}),
+        ("FastGelu", [rnd(2, 3, 5), rnd(5)], {}),
+        ("FastGelu", [rnd(3, 5)], {}),
+        ("BiasGelu", [rnd(2, 3, 5), rnd(5)], {}),
+    ],
+    ids=["gelu", "quickgelu-alpha", "quickgelu", "fastgelu-bias", "fastgelu", "biasgelu"],
+)
+def test_activations(op: str, inputs: list, attrs: dict) -> None:
+    check_op(op, inputs, attrs)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "attrs"),
+    [
+        (rnd(2, 3, 4), rnd(4, 5), {"alpha": 0.5}),
+        (rnd(4, 3), rnd(4, 5), {"transA": 1}),
+        (rnd(2, 3, 4), rnd(2, 5, 4), {"transB": 1, "alpha": 2.0}),
+        (rnd(1, 4, 3), rnd(2, 5, 4), {"transA": 1, "transB": 1}),
+    ],
+    ids=["batched-alpha", "transA", "transB-batch", "broadcast-both-trans"],
+)
+def test_fused_matmul(a: np.ndarray, b: np.ndarray, attrs: dict) -> None:
+    check_op("FusedMatMul", [a, b], attrs)
+
+
+def test_fused_matmul_trans_batch_refused() -> None:
+    model = contrib_model("FusedMatMul", [rnd(2, 3, 4), rnd(3, 4, 5)], ["y"], {"transBatchA": 1})
+    match = r"input 0 \('in0'\) of node .*'FusedMatMul'.*transBatchA=1"
+    with pytest.raises(GradientNotImplementedError, match=match):
+        build_gradient(model, inputs_requiring_grad=["in0"])
+
+
+def test_bias_add_rule() -> None:
+    """onnxruntime's CPU provider has no BiasAdd kernel: the backward (plain ops) is run alone and
+    compared with the sums the op's definition gives."""
+    x, bias, skip = rnd(2, 3, 4), rnd(4), rnd(2, 3, 4)
+    node = helper.make_node("BiasAdd", ["x", "b", "s"], ["y"], domain=MS)
+    values = {"x": x, "b": bias, "s": skip}
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, v.shape) for n, v in values.items()]
+    out = [helper.make_tensor_value_info("y", TensorProto.FLOAT, (2, 3, 4))]
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)]
+    model = helper.make_model(helper.make_graph([node], "g", ins, out), opset_imports=opsets)
+    model.ir_version = ir_version_for(model.opset_import)
+    graphs = build_gradient(model, inputs_requiring_grad=["x", "b", "s"])
+    dy = rnd(2, 3, 4)
+    session = ort.InferenceSession(graphs.backward.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {graphs.grad_inputs["y"]: dy}
+    feeds.update({name: values[name] for name in graphs.saved})
+    names = [o.name for o in graphs.backward.graph.output]
+    got = dict(zip(names, session.run(None, feeds)))
+    np.testing.assert_allclose(got[graphs.grad_outputs["x"]], dy)
+    np.testing.assert_allclose(got[graphs.grad_outputs["s"]], dy)
+    np.testing.assert_allclose(got[graphs.grad_outputs["b"]], dy.sum((0, 1)), rtol=1e-5, atol=1e-6)
+
+
+# ---- MatMulNBits -------------------------------------------------------------------------------
+def quantize(w: np.ndarray, bits: int, block: int, zero_points: str) -> tuple[np.ndarray, ...]:
+    """w (N, K) as MatMulNBits stores it: packed q (N, n_blocks, blob), scales (N n_blocks), zero
+    points packed uint8 or float (or None: the default 2^(bits-1)); and the dequantized w."""
+    n, k = w.shape
+    blocks = -(-k // block)
+    padded = np.zeros((n, blocks * block), np.float32)
+    padded[:, :k] = w
+    wb = padded.reshape(n, blocks, block)
+    top = 2**bits - 1
+    lo, hi = wb.min(-1), wb.max(-1)
+    scales = ((hi - lo) / top).astype(np.float32)
+    scales[scales == 0] = 1.0
+    if zero_points == "none":
+        zp = np.full((n, blocks), 2 ** (bits - 1), np.float32)
+    else:
+        zp = np.clip(np.round(-lo / scales), 0, top).astype(np.float32)
+    q = np.clip(np.round(wb / scales[..., None] + zp[..., None]), 0, top).astype(np.uint8)
+    deq = ((q.astype(np.float32) - zp[..., None]) * scales[..., None]).reshape(n, -1)[:, :k]
+    if bits == 4:
+        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    else:
+        packed = q
+    zp_in: np.ndarray | None = None
+    if zero_points == "uint8":
+        zq = zp.astype(np.uint8)
+        if bits == 4:
+            if blocks % 2:
+                zq = np.concatenate([zq, np.zeros((n, 1), np.uint8)], axis=1)
+            zq = (zq[:, 0::2] | (zq[:, 1::2] << 4)).astype(np.uint8)
+        zp_in = zq.reshape(-1)
+    elif zero_points == "float":
+        zp_in = zp.reshape(-1).astype(np.float32)
+    return packed, scales.reshape(-1), zp_in, deq
+
+
+@pytest.mark.parametrize(
+    ("bits", "k", "block", "zero_points", "bias"),
+    [
+        (4, 32, 16, "none", False),
+        (4, 48, 16, "uint8", True),  # 3 blocks: an odd count of packed zero points
+        (4, 40, 16, "float", False),  # K not a multiple of the block
+        (8, 32, 16, "uint8", True),
+    ],
+)
+def test_matmul_nbits(bits: int, k: int, block: int, zero_points: str, bias: bool) -> None:
+    """dA (and dbias) against finite differences through onnxruntime's own MatMulNBits, and dA
+    against dY W with W dequantized here: the layout the rule unpacks is onnxruntime's."""
+    n = 6
+    a = rnd(2, 3, k)
+    packed, scales, zp, w = quantize(rnd(n, k), bits, block, zero_points)
+    inputs = [a, packed, scales, zp, None, rnd(n) if bias else None]
+    attrs = {"K": k, "N": n, "bits": bits, "block_size": block}
+    model = contrib_model("MatMulNBits", inputs, ["y"], attrs, constant=[2, 3])
+    check(model, inputs)
+    graphs = build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
+    from onnxgrad.testing import run_gradients
+
+    dy = rnd(2, 3, n)
+    _, grads = run_gradients(graphs, {i.name: inputs[int(i.name[2:])] for i in model.graph.input}, {"y": dy})
+    want = dy @ w
+    np.testing.assert_allclose(grads["in0"], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_matmul_nbits_scales_are_frozen() -> None:
+    packed, scales, zp, _ = quantize(rnd(4, 16), 4, 16, "float")
+    inputs = [rnd(2, 16), packed, scales, zp]
+    model = contrib_model("MatMulNBits", inputs, ["y"], {"K": 16, "N": 4, "bits": 4, "block_size": 16})
+    match = r"input 2 \('in2'\) of node .*'MatMulNBits', domain 'com.microsoft'.*frozen"
+    with pytest.raises(GradientNotImplementedError, match=match):
+        build_gradient(model, trainable=[], inputs_requiring_grad=["in0", "in2"])
+
+
+# ---- normalizations ----------------------------------------------------------------------------
+@pytest.mark.parametrize("outputs", [["y"], ["y", "", "", "sum"]], ids=["y", "y-and-sum"])
+@pytest.mark.parametrize("optional", ["all", "no-bias", "no-beta-no-bias"])
+def test_skip_layer_norm(outputs: list, optional: str) -> None:
+    h = 8
+    inputs = [rnd(2, 3, h), rnd(2, 3, h), 1 + rnd(h) * 0.3, rnd(h), rnd(h)]
+    if optional != "all":
+        inputs[4] = None
+    if optional == "no-beta-no-bias":
+        inputs = inputs[:3]
+    model = contrib_model("SkipLayerNormalization", inputs, outputs, {"epsilon": 1e-5})
+    check(model, inputs)
+
+
+def test_skip_layer_norm_skip_broadcast() -> None:
+    h = 8
+    inputs = [rnd(2, 3, h), rnd(3, h), 1 + rnd(h) * 0.3, rnd(h)]
+    check(contrib_model("SkipLayerNormalization", inputs, ["y"], {"epsilon": 1e-5}), inputs)
+
+
+@pytest.mark.parametrize("outputs", [["y"], ["y", "", "", "sum"]], ids=["y", "y-and-sum"])
+def test_skip_simplified_layer_norm(outputs: list) -> None:
+    h = 8
+    inputs = [rnd(2, 3, h), rnd(2, 3, h), 1 + rnd(h) * 0.3, rnd(h)]
+    check(contrib_model("SkipSimplifiedLayerNormalization", inputs, outputs, {"epsilon": 1e-6}), inputs)
+
+
+def test_skip_layer_norm_statistics_refused() -> None:
+    h = 8
+    inputs = [rnd(2, 3, h), rnd(2, 3, h), rnd(h)]
+    model = contrib_model("SkipLayerNormalization", inputs, ["y", "mean"], {"epsilon": 1e-5})
+    with pytest.raises(GradientNotImplementedError, match=r"output 1 \('mean'.*'SkipLayerNormalization'"):
+        build_gradient(model, inputs_requiring_grad=["in0"])
+
+
+def test_simplified_layer_norm() -> None:
+    """onnxruntime's default-domain op (onnxruntime-genai writes it), which no ONNX opset has."""
+    inputs = [rnd(2, 3, 8), 1 + rnd(8) * 0.3]
+    model = contrib_model("SimplifiedLayerNormalization", inputs, ["y"], {"epsilon": 1e-6}, domain="")
+    check(model, inputs)
+
+
+@pytest.mark.parametrize("variant", ["segments-positions", "position-ids", "words-only"])
+def test_embed_layer_norm(variant: str) -> None:
+    """Every float input: the three tables (rows gathered, repeated ids), gamma and beta; the sum
+    output too where it is used."""
+    b, s, h = 2, 4, 8
+    ids = np.array([[1, 2, 3, 1], [4, 0, 1, 2]], np.int32)
+    seg_ids = np.array([[0, 0, 1, 1], [0, 1, 1, 1]], np.int32)
+    inputs: list = [ids, seg_ids, rnd(5, h), rnd(6, h), rnd(2, h), 1 + rnd(h) * 0.3, rnd(h)]
+    outputs = ["y", "mask_index"]
+    if variant == "position-ids":
+        inputs += [None, np.array([[3, 2, 1, 0], [0, 0, 5, 1]], np.int32)]
+        outputs.append("sum")
+    elif variant == "words-only":
+        inputs[1] = inputs[4] = None
+    model = contrib_model("EmbedLayerNormalization", inputs, outputs, {"epsilon": 1e-5})
+    assert b and s
+    check(model, inputs)
+
+
+# ---- RotaryEmbedding -----------------------------------------------------------------------------
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_rotary_embedding(interleaved: int) -> None:
+    """dX only: the caches are constants (refused when they need a gradient, below)."""
+    b, s, heads, d = 2, 3, 2, 8
+    angles = RNG.random((6, d // 2)) * 3
+    inputs = [
+        rnd(b, s, heads * d),
+        np.array([[0, 1, 2], [2, 3, 4]], np.int64),
+        np.cos(angles).astype(np.float32),
+        np.sin(angles).astype(np.float32),
+    ]
+    attrs = {"num_heads": heads, "interleaved": interleaved}
+    check(contrib_model("RotaryEmbedding", inputs, ["y"], attrs, constant=[2, 3]), inputs)
+
+
+def test_rotary_embedding_caches_refused() -> None:
+    inputs = [rnd(1, 3, 16), np.array([[0, 1, 2]], np.int64), rnd(4, 4), rnd(4, 4)]
+    model = contrib_model("RotaryEmbedding", inputs, ["y"], {"num_heads": 2})
+    with pytest.raises(GradientNotImplementedError, match=r"input 2 \('in2'\).*'RotaryEmbedding'.*cos_cache"):
+        build_gradient(model, inputs_requiring_grad=["in0", "in2"])
+
+
+# ---- types, coverage, errors ------------------------------------------------------------------
+def test_output_types_are_inferred() -> None:
+    """ONNX shape inference leaves contrib outputs untyped; onnxgrad declares dtype and shape."""
+    h = 8
+    inputs = [rnd(2, 3, h), rnd(2, 3, h), rnd(h)]
+    model = contrib_model("SkipLayerNormalization", inputs, ["y", "", "", "sum"], {"epsilon": 1e-5})
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
+    model.graph.node.append(helper.make_node("MatMul", ["sum", "w"], ["z"]))
+    model.graph.initializer.append(numpy_helper.from_array(rnd(h, 5), "w"))
+    infos = infer_value_infos(model)
+    assert (infos["y"].dtype, infos["y"].shape) == (TensorProto.FLOAT, (2, 3, h))
+    assert infos["sum"].shape == (2, 3, h)
+    assert infos["z"].shape == (2, 3, 5)
+
+
+def test_supported_ops_list_the_contrib_ops() -> None:
+    ops = supported_ops()
+    for op in (
+        "FusedMatMul", "Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasAdd", "SkipLayerNormalization",
+        "SkipSimplifiedLayerNormalization", "EmbedLayerNormalization",
+        "RotaryEmbedding", "MatMulNBits",
+    ):  # fmt: skip
+        assert f"com.microsoft.{op}" in ops, op
+    assert ops["SimplifiedLayerNormalization"] == "rule"
+
+
+def test_op_without_rule_names_op_domain_node() -> None:
+    inputs = [rnd(2, 3, 8)]
+    model = contrib_model("Gelu", inputs, ["y"])
+    model.graph.node[0].op_type = "NoSuchGelu"
+    model.graph.node[0].name = "mystery"
+    with pytest.raises(
+        GradientNotImplementedError,
+        match=r"no gradient rule for node 'mystery': op 'NoSuchGelu', domain 'com.microsoft'",
+    ):
+        build_gradient(model, inputs_requiring_grad=["in0"])
+
+
+def test_unknown_rank_names_the_producer() -> None:
+    """A MatMul after an op that inference cannot type: an onnxgrad error naming the MatMul and the
+    producer (op, domain) that left the rank unknown, not a bare ValueError."""
+    inputs = [rnd(2, 3, 8)]
+    model = contrib_model("Gelu", inputs, ["h"])
+    model.graph.node[0].op_type = "NoSuchGelu"
+    model.graph.node[0].name = "mystery"
+    model.graph.node.append(helper.make_node("MatMul", ["h", "w"], ["z"], name="mm"))
+    model.graph.initializer.append(numpy_helper.from_array(rnd(8, 5), "w"))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, (2, 3, 5)))
+    with pytest.raises(
+        GradientNotImplementedError,
+        match=r"MatMul 'mm': the rank of input 'h' must be known; it is the output of node 'mystery' "
+        r"\(op 'NoSuchGelu', domain 'com.microsoft'\)",
+    ):
+        build_gradient(model, trainable=["w"])
