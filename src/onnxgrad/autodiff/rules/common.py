@@ -68,7 +68,7 @@ def need_rank(n: NodeContext, x: Var) -> int:
         producer = n.g.producers.get(x.name)
         source = (
             f"; it is the output of node {producer.name!r} (op {producer.op_type!r}, domain "
-            f"{producer.domain or 'ai.onnx'!r}), whose output shape inference could not infer"
+            f"{producer.domain or 'ai.onnx'!r}), whose output rank shape inference could not tell"
             if producer is not None
             else ""
         )
