@@ -140,6 +140,14 @@ def without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
 ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
 
 
+def import_used_domains(model: onnx.ModelProto) -> None:
+    """Import (version 1) the custom domains that nodes of the main graph use without an import, as
+    onnxruntime does: its transformer optimizer writes com.microsoft nodes unimported at opt_level 0."""
+    imported = {i.domain for i in model.opset_import}
+    for domain in sorted({n.domain for n in model.graph.node} - imported - {"", "ai.onnx"}):
+        model.opset_import.append(helper.make_opsetid(domain, 1))
+
+
 def check_model(model: onnx.ModelProto) -> None:
     """Run the ONNX checker, turning its failures into :class:`ModelError`.
 
@@ -152,9 +160,7 @@ def check_model(model: onnx.ModelProto) -> None:
     """
     skeleton = without_weights(model)
     complete_class_names(skeleton.graph)  # files that name the class by func_name only
-    imported = {i.domain for i in skeleton.opset_import}
-    for domain in sorted({n.domain for n in skeleton.graph.node} - imported - {"", "ai.onnx"}):
-        skeleton.opset_import.append(helper.make_opsetid(domain, 1))
+    import_used_domains(skeleton)
     try:
         onnx.checker.check_model(skeleton)
     except onnx.checker.ValidationError as exc:

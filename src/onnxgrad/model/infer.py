@@ -12,7 +12,14 @@ from onnx import TensorProto, helper
 
 from .contrib_schemas import contrib_output_infos, has_output_rule
 from .fold import fold_for_inference
-from .graph import ValueInfo, all_subgraphs, subgraphs, value_info_from_proto, without_weights
+from .graph import (
+    ValueInfo,
+    all_subgraphs,
+    import_used_domains,
+    subgraphs,
+    value_info_from_proto,
+    without_weights,
+)
 from .validate import safe_to_propagate_data
 
 # ai.onnx.ml ops that ONNX shape inference leaves untyped: float32 with the shape of input 0.
@@ -73,6 +80,7 @@ def infer_value_infos(model: onnx.ModelProto) -> dict[str, ValueInfo]:
     folded = -1
     for _ in range(3):
         skeleton = without_weights(model)
+        import_used_domains(skeleton)
         count = fold_for_inference(skeleton, shapes)
         if count <= folded:
             break  # nothing more is known: the previous round stands
