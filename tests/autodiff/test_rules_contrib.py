@@ -359,3 +359,27 @@ def test_unknown_rank_names_the_producer() -> None:
         r"\(op 'NoSuchGelu', domain 'com.microsoft'\)",
     ):
         build_gradient(model, trainable=["w"])
+
+
+# ---- attention ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "variant", ["plain", "bias-causal", "padding-mask", "lengths-attn-bias", "cross-presents"]
+)
+def test_multi_head_attention(variant: str) -> None:
+    b, s, t, heads, h = 2, 3, 3, 2, 4
+    if variant == "cross-presents":
+        t = 5
+    inputs: list = [rnd(b, s, heads * h), rnd(b, t, heads * h), rnd(b, t, heads * h)]
+    attrs: dict[str, Any] = {"num_heads": heads}
+    outputs = ["y"]
+    if variant == "bias-causal":
+        inputs.append(rnd(3 * heads * h))
+        attrs["unidirectional"] = 1
+    elif variant == "padding-mask":
+        inputs += [None, np.array([[1, 1, 0], [1, 1, 1]], np.int32)]
+    elif variant == "lengths-attn-bias":
+        inputs += [rnd(3 * heads * h), np.array([2, 3], np.int32), rnd(1, heads, s, t)]
+        attrs["scale"] = 0.3
+    elif variant == "cross-presents":
+        outputs = ["y", "pk", "pv"]
+    check(contrib_model("MultiHeadAttention", inputs, outputs, attrs), inputs)

@@ -349,3 +349,160 @@ def rotary_embedding(g: GradBuilder, n: NodeContext) -> Grads:
     }
     dx = g.op("RotaryEmbedding", n.dy, pos, cos, g.Neg(sin), domain=MS_DOMAIN, shape=n.x.shape, **attrs)
     return [dx, None, None, None][: len(n.inputs)]
+
+
+# ---- Attention, MultiHeadAttention, GroupQueryAttention -------------------------------------------
+def _split_heads(g: GradBuilder, x: Var, heads: int) -> Var:
+    """(B, S, N H) -> (B, N, S, H)."""
+    return g.Transpose(g.Reshape(x, [0, 0, heads, -1]), perm=[0, 2, 1, 3])
+
+
+def _merge_heads(g: GradBuilder, x: Var) -> Var:
+    """(B, N, S, H) -> (B, S, N H)."""
+    return g.Reshape(g.Transpose(x, perm=[0, 2, 1, 3]), [0, 0, -1])
+
+
+def _last_dim(n: NodeContext, x: Var, slot: int) -> int:
+    if x.shape is None or not isinstance(x.shape[-1], int):
+        raise unsupported(n, slot, "its last dimension must be known")
+    return x.shape[-1]
+
+
+def _scale_of(n: NodeContext, head_size: int) -> float:
+    scale = float(n.attr("scale", 0.0) or 0.0)
+    return scale if scale else 1.0 / math.sqrt(head_size)
+
+
+def _key_mask(g: GradBuilder, n: NodeContext, mask: Var | None, slot: int, q: Var, k: Var) -> Var | None:
+    """True where a key is masked, broadcastable to (B, N, S, T): from an integer ``mask`` (0 masks:
+    (B, T) or (B, S, T); (B,) the number of valid keys of each sequence), ``unidirectional`` adding
+    the causal mask (key j after query i + T - S)."""
+    masked = None
+    key_pos = g.Range(g.const(np.int64(0)), _dim_of(g, k, 2), g.const(np.int64(1)))  # (T,)
+    if mask is not None:
+        if mask.rank == 1:
+            valid = g.Unsqueeze(g.Cast(mask, to=INT64), [1, 2, 3])  # (B, 1, 1, 1)
+            masked = g.GreaterOrEqual(key_pos, valid)
+        elif mask.rank in (2, 3):
+            axes = [1, 2] if mask.rank == 2 else [1]
+            masked = g.Equal(g.Unsqueeze(g.Cast(mask, to=INT64), axes), g.const(np.int64(0)))
+        else:
+            raise unsupported(n, slot, f"a mask of rank {mask.rank} (the rule reads (B,), (B, T), (B, S, T))")
+    if int(n.attr("unidirectional", 0)):
+        masked = _or(g, masked, _causal(g, q, k, key_pos, None))
+    return masked
+
+
+def _dim_of(g: GradBuilder, x: Var, axis: int) -> Var:
+    """Dimension ``axis`` of x as an int64 scalar."""
+    return g.Gather(g.shape_of(x), g.const(np.int64(axis)))
+
+
+def _causal(g: GradBuilder, q: Var, k: Var, key_pos: Var, total: Var | None) -> Var:
+    """Key j after query i + total - S (total: the keys of each sequence, (B, 1, 1, 1), else T)."""
+    s = _dim_of(g, q, 2)
+    query_pos = g.Unsqueeze(g.Range(g.const(np.int64(0)), s, g.const(np.int64(1))), [1])  # (S, 1)
+    end = total if total is not None else _dim_of(g, k, 2)
+    return g.Greater(key_pos, query_pos + (end - s))
+
+
+def _or(g: GradBuilder, a: Var | None, b: Var) -> Var:
+    return b if a is None else g.Or(a, b)
+
+
+def _sdpa_backward(
+    g: GradBuilder,
+    q: Var,
+    k: Var,
+    v: Var,
+    dout: Var,
+    scale: float,
+    bias: Var | None,
+    masked: Var | None,
+    mask_value: float,
+) -> tuple[Var, Var, Var, Var]:
+    """(dQ, dK, dV, dS) of O = softmax(scale Q K^T + bias + masked mask_value) V, all (B, N, ., .).
+
+    The probabilities are recomputed: dV = P^T dO; dP = dO V^T; dS = P (dP - rowsum(dP P)) (the
+    gradient of the logits, hence of an additive bias); dQ = scale dS K; dK = scale dS^T Q.
+    """
+    s = g.MatMul(q, _swap_last(g, k, 4)) * scale
+    if bias is not None:
+        s = s + bias
+    if masked is not None:  # added, as onnxruntime adds mask_filter_value; -inf: replaced
+        fill = g.const(mask_value, s.dtype)
+        zero = g.const(0.0, s.dtype)
+        s = g.Where(masked, fill, s) if math.isinf(mask_value) else s + g.Where(masked, fill, zero)
+    p = g.Softmax(s, axis=-1)
+    dv = g.MatMul(_swap_last(g, p, 4), dout)
+    dp = g.MatMul(dout, _swap_last(g, v, 4))
+    ds = p * (dp - g.ReduceSum(dp * p, [-1], keepdims=1))
+    dq = g.MatMul(ds, k) * scale
+    dk = g.MatMul(_swap_last(g, ds, 4), q) * scale
+    return dq, dk, dv, ds
+
+
+def _refuse_inputs(n: NodeContext, slots: dict[int, str]) -> None:
+    """Refuse a node that has any of these optional inputs (slot -> what the rule does not cover)."""
+    for slot, what in slots.items():
+        if slot < len(n.node.input) and n.node.input[slot]:
+            raise GradientNotImplementedError(
+                f"no gradient for node {n.node.name!r}: op {n.node.op_type!r}, domain "
+                f"{n.node.domain or 'ai.onnx'!r}: input {slot} ({what}) is not supported"
+            )
+
+
+def _refuse_attrs(n: NodeContext, attrs: dict[str, object]) -> None:
+    """Refuse a node whose attribute differs from the value the rule covers."""
+    for name, default in attrs.items():
+        if n.attr(name, default) != default:
+            raise GradientNotImplementedError(
+                f"no gradient for node {n.node.name!r}: op {n.node.op_type!r}, domain "
+                f"{n.node.domain or 'ai.onnx'!r}: {name}={n.attr(name)!r} is not supported"
+            )
+
+
+_MASK_FILTER_VALUE = -10000.0  # onnxruntime's default mask_filter_value
+
+
+@rule("MultiHeadAttention", domain=MS_DOMAIN)
+def multi_head_attention(g: GradBuilder, n: NodeContext) -> Grads:
+    """O = softmax(scale Q K^T + attention_bias + mask) V per head, Q, K, V (B, S|T, N H) with the
+    packed ``bias`` (q, k, v biases) added first; key_padding_mask (B,) / (B, T) and
+    ``unidirectional`` add ``mask_filter_value`` at masked keys. present_key / present_value (no
+    past) are K and V split into heads: their gradients join dK, dV. See :func:`_sdpa_backward`.
+    Packed QKV or KV, 4-D keys, past caches and the qk output are refused.
+    """
+    _refuse_inputs(n, {6: "past_key", 7: "past_value", 8: "past_sequence_length", 9: "cache_indirection"})
+    _refuse_output_grads(n, (3,), "qk")
+    q, k, v = n.inputs[0], _input(n, 1), _input(n, 2)
+    assert q is not None
+    if k is None or v is None or q.rank != 3 or k.rank != 3 or v.rank != 3:
+        raise unsupported(n, 0, "query, key and value must be separate (B, S, D) tensors")
+    bias, key_mask, attn_bias = _input(n, 3), _input(n, 4), _input(n, 5)
+    heads = int(n.attr("num_heads"))
+    dq_size, dk_size, dv_size = _last_dim(n, q, 0), _last_dim(n, k, 1), _last_dim(n, v, 2)
+    if bias is not None:
+        bq, bk, bv = g.Split(bias, g.const([dq_size, dk_size, dv_size]), axis=0, outputs=3)
+        q, k, v = q + bq, k + bk, v + bv
+    q4, k4, v4 = (_split_heads(g, x, heads) for x in (q, k, v))
+    grads: Grads = [None] * len(n.inputs)
+    masked = _key_mask(g, n, key_mask, 4, q4, k4)
+    mask_value = float(n.attr("mask_filter_value", _MASK_FILTER_VALUE))
+    dout = _split_heads(g, n.dout_or_zeros(0), heads)
+    scale = _scale_of(n, dq_size // heads)
+    dq, dk, dv, ds = _sdpa_backward(g, q4, k4, v4, dout, scale, attn_bias, masked, mask_value)
+    if len(n.dout) > 1 and n.dout[1] is not None:  # present_key, present_value: K, V in heads
+        dk = dk + n.dout[1]
+    if len(n.dout) > 2 and n.dout[2] is not None:
+        dv = dv + n.dout[2]
+    dq3, dk3, dv3 = (_merge_heads(g, d) for d in (dq, dk, dv))
+    grads[0] = dq3 if n.needs[0] else None
+    grads[1] = dk3 if n.needs[1] else None
+    grads[2] = dv3 if n.needs[2] else None
+    if bias is not None and n.needs[3]:
+        parts = [g.ReduceSum(d, [0, 1], keepdims=0) for d in (dq3, dk3, dv3)]
+        grads[3] = g.Concat(*parts, axis=0)
+    if attn_bias is not None and n.needs[5]:
+        grads[5] = g.unbroadcast(ds, attn_bias, None)
+    return grads
