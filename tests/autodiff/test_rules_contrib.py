@@ -383,3 +383,29 @@ def test_multi_head_attention(variant: str) -> None:
     elif variant == "cross-presents":
         outputs = ["y", "pk", "pv"]
     check(contrib_model("MultiHeadAttention", inputs, outputs, attrs), inputs)
+
+
+@pytest.mark.parametrize(
+    "variant", ["plain", "lengths-causal", "raw-mask", "3d-mask-attn-bias", "hidden-sizes"]
+)
+def test_contrib_attention(variant: str) -> None:
+    """X, the packed weights and bias (and attention_bias) against finite differences."""
+    b, s, din, heads = 2, 3, 6, 2
+    sizes = [8, 8, 8]
+    attrs: dict[str, Any] = {"num_heads": heads}
+    mask = None
+    extra: list = []
+    if variant == "lengths-causal":
+        mask, attrs["unidirectional"] = np.array([2, 3], np.int32), 1
+    elif variant == "raw-mask":
+        mask = np.array([[1, 0, 1], [1, 1, 1]], np.int32)
+    elif variant == "3d-mask-attn-bias":
+        mask = np.array([[[1, 1, 0], [1, 1, 1], [0, 1, 1]]] * 2, np.int32)
+        extra = [None, rnd(1, heads, s, s)]
+    elif variant == "hidden-sizes":
+        sizes = [8, 8, 4]
+        attrs["qkv_hidden_sizes"] = sizes
+    inputs: list = [rnd(b, s, din), rnd(din, sum(sizes)) * 0.5, rnd(sum(sizes)), mask, *extra]
+    while inputs[-1] is None:
+        inputs.pop()
+    check(contrib_model("Attention", inputs, ["y"], attrs, constant=[]), inputs)

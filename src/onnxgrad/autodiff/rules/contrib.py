@@ -506,3 +506,50 @@ def multi_head_attention(g: GradBuilder, n: NodeContext) -> Grads:
     if attn_bias is not None and n.needs[5]:
         grads[5] = g.unbroadcast(ds, attn_bias, None)
     return grads
+
+
+@rule("Attention", domain=MS_DOMAIN)
+def contrib_attention(g: GradBuilder, n: NodeContext) -> Grads:
+    """BERT's fused self-attention: Q, K, V = split(X W + bias) (``qkv_hidden_sizes``, else thirds),
+    then :func:`multi_head_attention`'s math, mask_index (B,) / (B, T) / (B, S, T) and
+    ``unidirectional`` adding ``mask_filter_value``, attention_bias added to the logits.
+
+    dQKV = concat(dQ, dK, dV); dX = dQKV W^T, dW = X^T dQKV (rows of every batch), dbias = dQKV summed
+    over the rows. Past state, rotary and the present output's gradient are refused.
+    """
+    _refuse_inputs(n, {4: "past", 6: "past_sequence_length"})
+    _refuse_output_grads(n, (1,), "present")
+    _refuse_attrs(n, {"do_rotary": 0, "past_present_share_buffer": 0})
+    x, w, b = n.inputs[0], n.inputs[1], _input(n, 2)
+    mask, attn_bias = _input(n, 3), _input(n, 5)
+    assert x is not None and w is not None
+    if x.rank != 3:
+        raise unsupported(n, 0, "the input must be (B, S, hidden)")
+    heads = int(n.attr("num_heads"))
+    sizes = [int(v) for v in n.attr("qkv_hidden_sizes", []) or []]
+    if not sizes:
+        total = _last_dim(n, w, 1)
+        sizes = [total // 3] * 3
+    qkv = g.MatMul(x, w)
+    if b is not None:
+        qkv = qkv + b
+    q, k, v = g.Split(qkv, g.const(sizes), axis=-1, outputs=3)
+    q4, k4, v4 = (_split_heads(g, t, heads) for t in (q, k, v))
+    masked = _key_mask(g, n, mask, 3, q4, k4)
+    mask_value = float(n.attr("mask_filter_value", _MASK_FILTER_VALUE))
+    dout = _split_heads(g, n.dout_or_zeros(0), heads)
+    scale = _scale_of(n, sizes[0] // heads)
+    dq, dk, dv, ds = _sdpa_backward(g, q4, k4, v4, dout, scale, attn_bias, masked, mask_value)
+    d_qkv = g.Concat(*(_merge_heads(g, d) for d in (dq, dk, dv)), axis=-1)  # (B, S, Dq + Dk + Dv)
+    grads: Grads = [None] * len(n.inputs)
+    if n.needs[0]:
+        grads[0] = g.MatMul(d_qkv, g.Transpose(w, perm=[1, 0]), shape=x.shape)
+    if n.needs[1]:
+        rows_x = g.Reshape(x, g.const([-1, _last_dim(n, x, 0)]))
+        rows_d = g.Reshape(d_qkv, g.const([-1, sum(sizes)]))
+        grads[1] = g.Gemm(rows_x, rows_d, transA=1, shape=w.shape)
+    if b is not None and n.needs[2]:
+        grads[2] = g.ReduceSum(d_qkv, [0, 1], keepdims=0, shape=b.shape)
+    if attn_bias is not None and n.needs[5]:
+        grads[5] = g.unbroadcast(ds, attn_bias, None)
+    return grads
