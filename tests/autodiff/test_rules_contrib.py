@@ -324,7 +324,7 @@ def test_supported_ops_list_the_contrib_ops() -> None:
     for op in (
         "FusedMatMul", "Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasAdd", "SkipLayerNormalization",
         "SkipSimplifiedLayerNormalization", "EmbedLayerNormalization",
-        "RotaryEmbedding", "MatMulNBits",
+        "RotaryEmbedding", "MatMulNBits", "Attention", "MultiHeadAttention", "GroupQueryAttention",
     ):  # fmt: skip
         assert f"com.microsoft.{op}" in ops, op
     assert ops["SimplifiedLayerNormalization"] == "rule"
@@ -409,3 +409,38 @@ def test_contrib_attention(variant: str) -> None:
     while inputs[-1] is None:
         inputs.pop()
     check(contrib_model("Attention", inputs, ["y"], attrs, constant=[]), inputs)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mha-presents", "padded"])
+def test_group_query_attention(variant: str) -> None:
+    """A prompt without past state (onnxruntime's CPU kernel wants head sizes that are multiples of 8)."""
+    b, s, heads, kv_heads, h = 2, 4, 4, 2, 8
+    outputs = ["y"]
+    if variant == "mha-presents":
+        kv_heads, outputs = 4, ["y", "pk", "pv"]
+    lengths = np.array([s - 1, s - 1], np.int32)
+    if variant == "padded":
+        lengths = np.array([s - 1, s - 3], np.int32)
+    inputs: list = [
+        rnd(b, s, heads * h), rnd(b, s, kv_heads * h), rnd(b, s, kv_heads * h), None, None,
+        lengths, np.array(s, np.int32),
+    ]  # fmt: skip
+    attrs = {"num_heads": heads, "kv_num_heads": kv_heads}
+    check(contrib_model("GroupQueryAttention", inputs, outputs, attrs), inputs)
+
+
+def test_group_query_attention_rotary_refused() -> None:
+    b, s, h = 1, 2, 16
+    inputs: list = [rnd(b, s, 2 * h), rnd(b, s, h), rnd(b, s, h), None, None]
+    inputs += [np.array([s - 1], np.int32), np.array(s, np.int32), rnd(4, h // 2), rnd(4, h // 2)]
+    model = contrib_model(
+        "GroupQueryAttention",
+        inputs,
+        ["y"],
+        {"num_heads": 2, "kv_num_heads": 1, "do_rotary": 1},
+        constant=[7, 8],
+    )
+    with pytest.raises(
+        GradientNotImplementedError, match=r"'GroupQueryAttention'.*do_rotary=1 is not supported"
+    ):
+        build_gradient(model, inputs_requiring_grad=["in0"])

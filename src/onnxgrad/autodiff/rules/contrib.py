@@ -553,3 +553,62 @@ def contrib_attention(g: GradBuilder, n: NodeContext) -> Grads:
     if attn_bias is not None and n.needs[5]:
         grads[5] = g.unbroadcast(ds, attn_bias, None)
     return grads
+
+
+def _repeat_heads(g: GradBuilder, x: Var, groups: int, heads: int, size: int) -> Var:
+    """(B, Nkv, T, H) -> (B, Nkv groups, T, H): each key/value head serves ``groups`` query heads."""
+    if groups == 1:
+        return x
+    wide = g.Expand(g.Unsqueeze(x, [2]), g.const([1, 1, groups, 1, 1]))
+    return g.Reshape(wide, g.const([0, heads, -1, size]))
+
+
+def _sum_groups(g: GradBuilder, d: Var, groups: int, kv_heads: int, size: int) -> Var:
+    """The adjoint of :func:`_repeat_heads`: the gradients of each head's copies summed."""
+    if groups == 1:
+        return d
+    return g.ReduceSum(g.Reshape(d, g.const([0, kv_heads, groups, -1, size])), [2], keepdims=0)
+
+
+@rule("GroupQueryAttention", domain=MS_DOMAIN)
+def group_query_attention(g: GradBuilder, n: NodeContext) -> Grads:
+    """A prompt without past state: O = softmax(scale Q K^T + attention_bias, causal and limited to
+    the first seqlens_k + 1 keys of each sequence) V, each key/value head serving num_heads /
+    kv_num_heads consecutive query heads (their gradients summed). present_key / present_value are
+    K and V in heads: their gradients join dK, dV. Packed QKV, past state, rotary, softcap, local
+    windows, smooth softmax and head sinks are refused.
+    """
+    _refuse_inputs(n, {3: "past_key", 4: "past_value", 9: "position_ids", 11: "head_sink"})
+    _refuse_output_grads(n, (3,), "qk")
+    _refuse_attrs(n, {"do_rotary": 0, "softcap": 0.0, "local_window_size": -1, "smooth_softmax": 0})
+    q, k, v = n.inputs[0], _input(n, 1), _input(n, 2)
+    seqlens, attn_bias = _input(n, 5), _input(n, 10)
+    assert q is not None
+    if k is None or v is None:
+        raise unsupported(n, 0, "packed QKV (the rule reads separate query, key and value)")
+    heads, kv_heads = int(n.attr("num_heads")), int(n.attr("kv_num_heads"))
+    groups = heads // kv_heads
+    size = _last_dim(n, q, 0) // heads
+    q4, k4, v4 = _split_heads(g, q, heads), _split_heads(g, k, kv_heads), _split_heads(g, v, kv_heads)
+    k_rep, v_rep = _repeat_heads(g, k4, groups, heads, size), _repeat_heads(g, v4, groups, heads, size)
+    key_pos = g.Range(g.const(np.int64(0)), _dim_of(g, k4, 2), g.const(np.int64(1)))
+    query_pos = g.Unsqueeze(g.Range(g.const(np.int64(0)), _dim_of(g, q4, 2), g.const(np.int64(1))), [1])
+    masked = g.Greater(key_pos, query_pos)  # (S, T)
+    if seqlens is not None:  # keys after seqlens_k[b] (the last valid one) are padding
+        last = g.Unsqueeze(g.Cast(seqlens, to=INT64), [1, 2, 3])
+        masked = g.Or(masked, g.Greater(key_pos, last))
+    dout = _split_heads(g, n.dout_or_zeros(0), heads)
+    scale = _scale_of(n, size)
+    dq, dk, dv, ds = _sdpa_backward(g, q4, k_rep, v_rep, dout, scale, attn_bias, masked, -math.inf)
+    dk, dv = _sum_groups(g, dk, groups, kv_heads, size), _sum_groups(g, dv, groups, kv_heads, size)
+    if len(n.dout) > 1 and n.dout[1] is not None:
+        dk = dk + n.dout[1]
+    if len(n.dout) > 2 and n.dout[2] is not None:
+        dv = dv + n.dout[2]
+    grads: Grads = [None] * len(n.inputs)
+    for slot, d in ((0, dq), (1, dk), (2, dv)):
+        if n.needs[slot]:
+            grads[slot] = _merge_heads(g, d)
+    if attn_bias is not None and n.needs[10]:
+        grads[10] = g.unbroadcast(ds, attn_bias, None)
+    return grads
