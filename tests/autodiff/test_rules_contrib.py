@@ -281,26 +281,31 @@ def test_embed_layer_norm(variant: str) -> None:
 
 
 # ---- RotaryEmbedding -----------------------------------------------------------------------------
-@pytest.mark.parametrize("interleaved", [0, 1])
-def test_rotary_embedding(interleaved: int) -> None:
-    """dX only: the caches are constants (refused when they need a gradient, below)."""
+@pytest.mark.parametrize(
+    ("layout", "positions", "interleaved", "rot"),
+    [
+        ("3d", "ids", 0, 0),
+        ("3d", "ids", 1, 0),
+        ("4d", "ids", 0, 0),
+        ("3d", "offset", 0, 0),
+        ("3d", "ids", 0, 4),
+    ],
+    ids=["3d", "interleaved", "4d", "offset", "partial"],
+)
+def test_rotary_embedding(layout: str, positions: str, interleaved: int, rot: int) -> None:
+    """X and both caches (rows gathered by position, repeated positions adding up)."""
     b, s, heads, d = 2, 3, 2, 8
-    angles = RNG.random((6, d // 2)) * 3
-    inputs = [
-        rnd(b, s, heads * d),
-        np.array([[0, 1, 2], [2, 3, 4]], np.int64),
-        np.cos(angles).astype(np.float32),
-        np.sin(angles).astype(np.float32),
-    ]
-    attrs = {"num_heads": heads, "interleaved": interleaved}
-    check(contrib_model("RotaryEmbedding", inputs, ["y"], attrs, constant=[2, 3]), inputs)
-
-
-def test_rotary_embedding_caches_refused() -> None:
-    inputs = [rnd(1, 3, 16), np.array([[0, 1, 2]], np.int64), rnd(4, 4), rnd(4, 4)]
-    model = contrib_model("RotaryEmbedding", inputs, ["y"], {"num_heads": 2})
-    with pytest.raises(GradientNotImplementedError, match=r"input 2 \('in2'\).*'RotaryEmbedding'.*cos_cache"):
-        build_gradient(model, inputs_requiring_grad=["in0", "in2"])
+    half = (rot or d) // 2
+    angles = RNG.random((6, half)) * 3
+    x = rnd(b, s, heads * d) if layout == "3d" else rnd(b, heads, s, d)
+    pos = np.array([[0, 1, 2], [2, 1, 4]], np.int64) if positions == "ids" else np.array([1], np.int64)
+    inputs = [x, pos, np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
+    attrs = {"interleaved": interleaved}
+    if layout == "3d":
+        attrs["num_heads"] = heads
+    if rot:
+        attrs["rotary_embedding_dim"] = rot
+    check(contrib_model("RotaryEmbedding", inputs, ["y"], attrs), inputs)
 
 
 # ---- types, coverage, errors ------------------------------------------------------------------

@@ -23,6 +23,7 @@ from ...errors import GradientNotImplementedError
 from ...model.contrib_schemas import MS_DOMAIN
 from ..builder import GradBuilder, Var, erf, exp, sigmoid, tanh
 from ..registry import NodeContext, formulas, rule
+from .attention import rotary_cache_grads
 from .common import Grads, as_int64, need_rank, zeros
 from .elementwise import INV_SQRT_2PI, SQRT_2_OVER_PI
 from .norm import mean_over, normalize_backward, rms_norm, standardize
@@ -333,22 +334,37 @@ def _scatter_rows(g: GradBuilder, table: Var, ids: Var, d: Var) -> Var:
 # ---- RotaryEmbedding ----------------------------------------------------------------------------
 @rule("RotaryEmbedding", domain=MS_DOMAIN)
 def rotary_embedding(g: GradBuilder, n: NodeContext) -> Grads:
-    """A rotation of each pair of the head: dX is the opposite rotation, the same contrib op with the
-    sine cache negated (inputs: input, position_ids, cos_cache, sin_cache). The caches get none:
-    refused where they would need one."""
-    for k, what in ((2, "cos_cache"), (3, "sin_cache")):
-        if k < len(n.needs) and n.needs[k]:
-            raise unsupported(n, k, f"the {what} is taken as constant")
-    if not n.needs[0]:
-        return [None] * len(n.inputs)
-    pos, cos, sin = n.inputs[1], n.inputs[2], n.inputs[3]
+    """The rotation of :func:`.attention.rotary_embedding` with the contrib input order (input,
+    position_ids, cos_cache, sin_cache): dX is the same contrib op with the sine negated; the
+    caches' gradients are scatter-added at the rows position_ids gathered ((B, S), or (1,): an
+    offset, rows offset..offset + S - 1), with :func:`.attention.rotary_cache_grads`."""
+    x, pos, cos, sin = n.inputs[0], n.inputs[1], n.inputs[2], n.inputs[3]
+    assert x is not None and pos is not None and cos is not None and sin is not None
+    grads: Grads = [None] * len(n.inputs)
     attrs = {
         a: n.attr(a)
         for a in ("interleaved", "num_heads", "rotary_embedding_dim", "scale", "is_packed_batching")
         if n.attr(a) is not None
     }
-    dx = g.op("RotaryEmbedding", n.dy, pos, cos, g.Neg(sin), domain=MS_DOMAIN, shape=n.x.shape, **attrs)
-    return [dx, None, None, None][: len(n.inputs)]
+    if n.needs[0]:
+        grads[0] = g.op(
+            "RotaryEmbedding", n.dy, pos, cos, g.Neg(sin), domain=MS_DOMAIN, shape=x.shape, **attrs
+        )
+    if not (n.needs[2] or n.needs[3]):
+        return grads
+    for name, plain in (("scale", 1.0), ("is_packed_batching", 0)):
+        if n.attr(name, plain) != plain:
+            raise unsupported(n, 2 if n.needs[2] else 3, f"{name}={n.attr(name)!r} with a cache gradient")
+    rows = as_int64(g, pos)
+    if pos.rank != 2:  # an offset: positions offset .. offset + S - 1 for every sequence
+        seq_axis = 2 if x.rank == 4 else 1
+        steps = g.Range(g.const(np.int64(0)), _dim_of(g, x, seq_axis), g.const(np.int64(1)))
+        batch = g.Slice(g.shape_of(x), g.const([0]), g.const([1]))
+        rows = g.Expand(
+            g.Reshape(rows, g.const([1, 1])) + g.Unsqueeze(steps, [0]), g.Concat(batch, g.const([1]), axis=0)
+        )
+    rotary_cache_grads(g, n, x, n.dy, rows, {2: cos, 3: sin}, grads)
+    return grads
 
 
 # ---- Attention, MultiHeadAttention, GroupQueryAttention -------------------------------------------
