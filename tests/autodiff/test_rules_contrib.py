@@ -416,19 +416,30 @@ def test_contrib_attention(variant: str) -> None:
     check(contrib_model("Attention", inputs, ["y"], attrs, constant=[]), inputs)
 
 
-@pytest.mark.parametrize("variant", ["gqa", "mha-presents", "padded"])
+@pytest.mark.parametrize(
+    "variant", ["gqa", "mha-presents", "padded", "empty-past", "empty-past-padded", "past", "past-presents"]
+)
 def test_group_query_attention(variant: str) -> None:
-    """A prompt without past state (onnxruntime's CPU kernel wants head sizes that are multiples of 8)."""
+    """A prompt, with or without a past (onnxruntime's CPU kernel wants head sizes that are
+    multiples of 8); the past caches take gradients too."""
     b, s, heads, kv_heads, h = 2, 4, 4, 2, 8
     outputs = ["y"]
+    if variant in ("mha-presents", "past-presents"):
+        outputs = ["y", "pk", "pv"]
     if variant == "mha-presents":
-        kv_heads, outputs = 4, ["y", "pk", "pv"]
-    lengths = np.array([s - 1, s - 1], np.int32)
-    if variant == "padded":
+        kv_heads = 4
+    past = 2 if variant.startswith("past") else 0
+    if past:  # onnxruntime: "batch_size must be 1 when sequence_length > 1 and past context is given"
+        b = 1
+    lengths = np.array([past + s - 1] * b, np.int32)
+    if variant.endswith("padded"):
         lengths = np.array([s - 1, s - 3], np.int32)
+    caches: list = [None, None]
+    if variant.startswith(("past", "empty-past")):
+        caches = [rnd(b, kv_heads, past, h), rnd(b, kv_heads, past, h)]
     inputs: list = [
-        rnd(b, s, heads * h), rnd(b, s, kv_heads * h), rnd(b, s, kv_heads * h), None, None,
-        lengths, np.array(s, np.int32),
+        rnd(b, s, heads * h), rnd(b, s, kv_heads * h), rnd(b, s, kv_heads * h), *caches,
+        lengths, np.array(past + s, np.int32),
     ]  # fmt: skip
     attrs = {"num_heads": heads, "kv_num_heads": kv_heads}
     check(contrib_model("GroupQueryAttention", inputs, outputs, attrs), inputs)

@@ -588,43 +588,70 @@ def _sum_groups(g: GradBuilder, d: Var, groups: int, kv_heads: int, size: int) -
 
 @rule("GroupQueryAttention", domain=MS_DOMAIN)
 def group_query_attention(g: GradBuilder, n: NodeContext) -> Grads:
-    """A prompt without past state: O = softmax(scale Q K^T + attention_bias, causal and limited to
-    the first seqlens_k + 1 keys of each sequence) V, each key/value head serving num_heads /
-    kv_num_heads consecutive query heads (their gradients summed). present_key / present_value are
-    K and V in heads: their gradients join dK, dV. Packed QKV, past state, rotary, softcap, local
-    windows, smooth softmax and head sinks are refused.
+    """O = softmax(scale Q K^T + attention_bias + causal and padding masks) V over the keys K =
+    present_key (past_key then the new keys; K itself without a past), each key/value head serving
+    num_heads / kv_num_heads consecutive query heads (their gradients summed).
+
+    Sequence b has seqlens_k[b] + 1 keys: later ones are masked, and query i sees keys up to
+    i + max(seqlens_k[b] + 1 - S, 0) (bottom-right with a past; a first prompt, shorter than S
+    where padded, is causal from the top). The gradient of the keys (plus that of present_key)
+    splits between past_key (the first P) and the new keys, as a concatenation: with a past, every
+    sequence of the batch is taken to have all P past keys (onnxruntime packs a shorter one's new
+    keys after its own past length). Packed QKV, rotary, softcap, local windows, smooth softmax and
+    head sinks are refused.
     """
-    _refuse_inputs(n, {3: "past_key", 4: "past_value", 9: "position_ids", 11: "head_sink"})
+    _refuse_inputs(n, {9: "position_ids", 11: "head_sink"})
     _refuse_output_grads(n, (3,), "qk")
     _refuse_attrs(n, {"do_rotary": 0, "softcap": 0.0, "local_window_size": -1, "smooth_softmax": 0})
     q, k, v = n.inputs[0], _input(n, 1), _input(n, 2)
+    past_k, past_v = _input(n, 3), _input(n, 4)
     seqlens, attn_bias = _input(n, 5), _input(n, 10)
     assert q is not None
     if k is None or v is None:
         raise unsupported(n, 0, "packed QKV (the rule reads separate query, key and value)")
+    if (past_k is None) != (past_v is None):
+        raise unsupported(n, 3 if past_k is not None else 4, "past_key and past_value come together")
     heads, kv_heads = int(n.attr("num_heads")), int(n.attr("kv_num_heads"))
     groups = heads // kv_heads
     size = _last_dim(n, q, 0) // heads
-    q4, k4, v4 = _split_heads(g, q, heads), _split_heads(g, k, kv_heads), _split_heads(g, v, kv_heads)
+    q4 = _split_heads(g, q, heads)
+    if past_k is not None:  # the keys and values the scores saw: the present outputs
+        k4 = g.extra_output(n.node, 1, k.dtype, None)
+        v4 = g.extra_output(n.node, 2, v.dtype, None)
+    else:
+        k4, v4 = _split_heads(g, k, kv_heads), _split_heads(g, v, kv_heads)
     k_rep, v_rep = _repeat_heads(g, k4, groups, heads, size), _repeat_heads(g, v4, groups, heads, size)
     key_pos = g.Range(g.const(np.int64(0)), _dim_of(g, k4, 2), g.const(np.int64(1)))
-    query_pos = g.Unsqueeze(g.Range(g.const(np.int64(0)), _dim_of(g, q4, 2), g.const(np.int64(1))), [1])
-    masked = g.Greater(key_pos, query_pos)  # (S, T)
-    if seqlens is not None:  # keys after seqlens_k[b] (the last valid one) are padding
-        last = g.Unsqueeze(g.Cast(seqlens, to=INT64), [1, 2, 3])
-        masked = g.Or(masked, g.Greater(key_pos, last))
+    s_len = _dim_of(g, q4, 2)
+    query_pos = g.Unsqueeze(g.Range(g.const(np.int64(0)), s_len, g.const(np.int64(1))), [1])
+    if seqlens is not None:
+        total = g.Unsqueeze(g.Cast(seqlens, to=INT64), [1, 2, 3]) + g.const(np.int64(1))  # (B, 1, 1, 1)
+        offset = g.Max(total - s_len, g.const(np.int64(0)))
+        masked = g.Or(g.Greater(key_pos, query_pos + offset), g.GreaterOrEqual(key_pos, total))
+    else:
+        masked = g.Greater(key_pos, query_pos)  # (S, T)
     dout = _split_heads(g, n.dout_or_zeros(0), heads)
-    scale = _scale_of(n, size)
-    dq, dk, dv, ds = _sdpa_backward(g, q4, k_rep, v_rep, dout, scale, attn_bias, masked, -math.inf)
+    dq, dk, dv, ds = _sdpa_backward(
+        g, q4, k_rep, v_rep, dout, _scale_of(n, size), attn_bias, masked, -math.inf
+    )
     dk, dv = _sum_groups(g, dk, groups, kv_heads, size), _sum_groups(g, dv, groups, kv_heads, size)
     if len(n.dout) > 1 and n.dout[1] is not None:
         dk = dk + n.dout[1]
     if len(n.dout) > 2 and n.dout[2] is not None:
         dv = dv + n.dout[2]
     grads: Grads = [None] * len(n.inputs)
-    for slot, d in ((0, dq), (1, dk), (2, dv)):
-        if n.needs[slot]:
-            grads[slot] = _merge_heads(g, d)
+    if n.needs[0]:
+        grads[0] = _merge_heads(g, dq)
+    for new_slot, past_slot, d, past in ((1, 3, dk, past_k), (2, 4, dv, past_v)):
+        if past is None:
+            grads[new_slot] = _merge_heads(g, d) if n.needs[new_slot] else None
+            continue
+        cut = g.Slice(g.shape_of(past), g.const([2]), g.const([3]))
+        if n.needs[past_slot]:
+            grads[past_slot] = g.Slice(d, g.const([0]), cut, g.const([2]), shape=past.shape)
+        if n.needs[new_slot]:
+            end = g.const([np.iinfo(np.int64).max])
+            grads[new_slot] = _merge_heads(g, g.Slice(d, cut, end, g.const([2])))
     if attn_bias is not None and n.needs[10]:
         grads[10] = g.unbroadcast(ds, attn_bias, None)
     return grads
