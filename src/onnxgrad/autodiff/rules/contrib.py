@@ -179,7 +179,9 @@ def matmul_nbits(g: GradBuilder, n: NodeContext) -> Grads:
     (N n_blocks); ``zero_points`` uint8 packed like B (N, ceil(n_blocks bits / 8)) or of the scales'
     type (N n_blocks), absent meaning 2^(bits - 1). The backward dequantizes W with plain ops
     (integer unpacking, (q - zero point) scale per block, the K columns kept) and gives
-    dA = dY W, dbias = dY summed over the rows. B, the scales and zero points get no gradient.
+    dA = dY W, dbias = dY summed over the rows. B (integers) gets none; float scales and zero
+    points, when trained, get theirs from dW = dY^T A (rows of every batch) per block:
+    dscale = sum(dW (q - zero point)), dzero_point = -scale sum(dW).
     """
     a, b, scales = n.inputs[0], n.inputs[1], n.inputs[2]
     zp, g_idx, bias = _input(n, 3), _input(n, 4), _input(n, 5)
@@ -187,12 +189,11 @@ def matmul_nbits(g: GradBuilder, n: NodeContext) -> Grads:
     bits, block = int(n.attr("bits", 4)), int(n.attr("block_size"))
     k_dim, n_dim = int(n.attr("K")), int(n.attr("N"))
     grads: Grads = [None] * len(n.inputs)
-    for k, what in ((2, "scales"), (3, "zero points")):
-        if k < len(n.needs) and n.needs[k] and n.inputs[k] is not None and n.inputs[k].dtype == a.dtype:
-            raise unsupported(n, k, f"the {what} of the quantized weight are frozen")
     if bias is not None and n.needs[5]:
         grads[5] = g.unbroadcast(n.dy, bias, n.y.shape)
-    if not n.needs[0]:
+    need_scales = n.needs[2]
+    need_zero = zp is not None and n.needs[3] and zp.dtype != TensorProto.UINT8
+    if not (n.needs[0] or need_scales or need_zero):
         return grads
     if bits not in (4, 8):
         raise unsupported(n, 0, f"bits={bits} (the rule unpacks 4 and 8)")
@@ -208,9 +209,24 @@ def matmul_nbits(g: GradBuilder, n: NodeContext) -> Grads:
         )
     else:
         zero = g.Reshape(g.Cast(zp, to=a.dtype), [n_dim, blocks, 1])
-    w = (q - zero) * g.Reshape(g.Cast(scales, to=a.dtype), [n_dim, blocks, 1])
-    w = g.Slice(g.Reshape(w, [n_dim, blocks * block]), g.const([0]), g.const([k_dim]), g.const([1]))
-    grads[0] = g.MatMul(n.dy, w, shape=a.shape)  # (..., N) @ (N, K)
+    scale = g.Reshape(g.Cast(scales, to=a.dtype), [n_dim, blocks, 1])
+    if n.needs[0]:
+        w = (q - zero) * scale
+        w = g.Slice(g.Reshape(w, [n_dim, blocks * block]), g.const([0]), g.const([k_dim]), g.const([1]))
+        grads[0] = g.MatMul(n.dy, w, shape=a.shape)  # (..., N) @ (N, K)
+    if need_scales or need_zero:
+        rows_dy, rows_a = g.Reshape(n.dy, g.const([-1, n_dim])), g.Reshape(a, g.const([-1, k_dim]))
+        dw = g.Gemm(rows_dy, rows_a, transA=1)  # (N, K)
+        if blocks * block != k_dim:
+            dw = g.Pad(dw, g.const([0, 0, 0, blocks * block - k_dim]))
+        dw = g.Reshape(dw, g.const([n_dim, blocks, block]))
+        if need_scales:
+            grads[2] = g.Cast(
+                g.Reshape(g.ReduceSum(dw * (q - zero), [2], keepdims=0), g.shape_of(scales)), to=scales.dtype
+            )
+        if need_zero:
+            d_zero = g.ReduceSum(dw, [2], keepdims=1) * scale * -1.0
+            grads[3] = g.Cast(g.Reshape(d_zero, g.shape_of(zp)), to=zp.dtype)  # type: ignore[arg-type]
     return grads
 
 
