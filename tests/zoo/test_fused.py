@@ -150,3 +150,140 @@ def test_fused_training_follows_torch(name: str, level: int) -> None:
     assert got[-1] < got[0]
     bad = loss_errors(got, want, exact)
     assert not bad, f"{len(bad)} of {STEPS} losses leave torch's:\n" + "\n".join(bad[:5])
+
+
+# ---- a decoder layer as onnxruntime-genai's model builder writes it ----------------------------------
+def genai_layer() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """One int4 decoder layer in the builder's ops: SimplifiedLayerNormalization (default domain),
+    MatMulNBits projections, RotaryEmbedding, GroupQueryAttention over an empty past cache,
+    SkipSimplifiedLayerNormalization, a SiLU MLP. The float initializers (norm weights, quantization
+    scales, rotary caches) are what trains by default."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxgrad.model.graph import ir_version_for
+    from tests.autodiff.test_rules_contrib import quantize
+
+    rng = np.random.default_rng(5)
+    b, s, heads, kv_heads, h, ffn, block = 2, 4, 2, 1, 8, 32, 16
+    d = heads * h
+    inits: list = []
+
+    def init(name: str, value: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(value, name))
+        return name
+
+    def f32(*shape: int, scale: float = 1.0, shift: float = 0.0) -> np.ndarray:
+        return (shift + scale * rng.standard_normal(shape)).astype(np.float32)
+
+    nodes = []
+
+    def linear(name: str, x: str, k: int, n: int) -> str:
+        packed, scales, _, _ = quantize(f32(n, k, scale=0.3), 4, block, "none")
+        attrs = {"K": k, "N": n, "bits": 4, "block_size": block}
+        ins = [x, init(f"{name}.qweight", packed), init(f"{name}.scales", scales)]
+        nodes.append(helper.make_node("MatMulNBits", ins, [name], domain="com.microsoft", **attrs))
+        return name
+
+    angles = rng.random((16, h // 2)) * 3
+    init("cos", np.cos(angles).astype(np.float32))
+    init("sin", np.sin(angles).astype(np.float32))
+    init("pos", np.tile(np.arange(s, dtype=np.int64), (b, 1)))
+    init("seqlens_k", np.full(b, s - 1, np.int32))
+    init("total", np.array(s, np.int32))
+    nodes.append(
+        helper.make_node(
+            "SimplifiedLayerNormalization",
+            ["x", init("ln1", f32(d, scale=0.1, shift=1))],
+            ["h1"],
+            epsilon=1e-6,
+        )
+    )
+    q, k, v = linear("q", "h1", d, d), linear("k", "h1", d, kv_heads * h), linear("v", "h1", d, kv_heads * h)
+    for src, dst, n_heads in ((q, "q_rot", heads), (k, "k_rot", kv_heads)):
+        nodes.append(
+            helper.make_node(
+                "RotaryEmbedding",
+                [src, "pos", "cos", "sin"],
+                [dst],
+                domain="com.microsoft",
+                num_heads=n_heads,
+            )
+        )
+    gqa_in = ["q_rot", "k_rot", v, "past_k", "past_v", "seqlens_k", "total"]
+    gqa_out = ["attn", "present_k", "present_v"]
+    nodes.append(
+        helper.make_node(
+            "GroupQueryAttention",
+            gqa_in,
+            gqa_out,
+            domain="com.microsoft",
+            num_heads=heads,
+            kv_num_heads=kv_heads,
+        )
+    )
+    o = linear("o", "attn", d, d)
+    ln2 = init("ln2", f32(d, scale=0.1, shift=1))
+    nodes.append(
+        helper.make_node(
+            "SkipSimplifiedLayerNormalization",
+            [o, "x", ln2],
+            ["h2", "", "", "resid"],
+            domain="com.microsoft",
+            epsilon=1e-6,
+        )
+    )
+    up = linear("up", "h2", d, ffn)
+    nodes += [helper.make_node("Sigmoid", [up], ["sig"]), helper.make_node("Mul", [up, "sig"], ["act"])]
+    down = linear("down", "act", ffn, d)
+    nodes.append(helper.make_node("Add", [down, "resid"], ["output"]))
+    cache = [b, kv_heads, 0, h]
+    graph = helper.make_graph(
+        nodes,
+        "genai_layer",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [b, s, d]),
+            helper.make_tensor_value_info("past_k", TensorProto.FLOAT, cache),
+            helper.make_tensor_value_info("past_v", TensorProto.FLOAT, cache),
+        ],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [b, s, d])],
+        inits,
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = ir_version_for(model.opset_import)
+    feeds = {"x": f32(b, s, d), "past_k": np.zeros(cache, np.float32), "past_v": np.zeros(cache, np.float32)}
+    return model, feeds
+
+
+def test_genai_layer_gradients_match_finite_differences() -> None:
+    """Every float initializer (norm weights, quantization scales, rotary caches) and the input."""
+    from onnxgrad.testing import check_gradients
+
+    model, feeds = genai_layer()
+    result = check_gradients(
+        model,
+        feeds,
+        wrt=[*(i.name for i in model.graph.initializer if i.data_type == 1), "x"],
+        max_elements=6,
+    )
+    assert result.ok, result.report()
+
+
+def test_genai_layer_trains() -> None:
+    """STEPS SGD steps through ForwardBackward, every float initializer trained: the loss goes down."""
+    import onnxgrad
+
+    model, feeds = genai_layer()
+    fb = onnxgrad.ForwardBackward(model)
+    assert {"ln1", "ln2", "q.scales", "cos"} <= set(fb.parameters)
+    target = train_target((2, 4, 16))
+    losses = []
+    for _ in range(STEPS):
+        res = fb.forward(feeds)
+        out = res.outputs[0]
+        losses.append(float(np.mean((out.astype(np.float64) - target) ** 2)))
+        grads = res.backward({"output": (2 * (out - target) / out.size).astype(np.float32)})
+        params = fb.parameters
+        for k, g in grads.items():
+            params[k] -= 0.005 * g
+    assert losses[-1] < 0.9 * losses[0], losses
