@@ -253,6 +253,14 @@ def test_simplified_layer_norm() -> None:
     check(model, inputs)
 
 
+@pytest.mark.parametrize("outputs", [["y"], ["y", "mean", "inv_std"]], ids=["y", "y-and-statistics"])
+def test_layer_norm_before_opset_17(outputs: list) -> None:
+    """LayerNormalization in an opset-16 model: onnxruntime's own kernel, ONNX's op from 17."""
+    inputs = [rnd(2, 3, 8), 1 + rnd(8) * 0.3, rnd(8)]
+    model = contrib_model("LayerNormalization", inputs, outputs, {"epsilon": 1e-5}, domain="", opset=16)
+    check(model, inputs)
+
+
 @pytest.mark.parametrize("variant", ["segments-positions", "position-ids", "words-only"])
 def test_embed_layer_norm(variant: str) -> None:
     """Every float input: the three tables (rows gathered, repeated ids), gamma and beta; the sum

@@ -178,7 +178,10 @@ _MS_RULES: dict[str, OutputRule] = {
     "GroupQueryAttention": _group_query_attention,
 }
 # onnxruntime's own ops of the default domain (opset 1), which no ONNX opset has
-_DEFAULT_RULES: dict[str, OutputRule] = {"SimplifiedLayerNormalization": _layer_norm}
+_DEFAULT_RULES: dict[str, OutputRule] = {
+    "SimplifiedLayerNormalization": _layer_norm,
+    "LayerNormalization": _layer_norm,
+}
 assert set(_DEFAULT_RULES) == ORT_DEFAULT_DOMAIN_OPS
 
 

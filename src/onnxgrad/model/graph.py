@@ -135,9 +135,10 @@ def without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
     return skel
 
 
-# onnxruntime's own ops of the default domain (opset 1), which no ONNX opset has
-# (onnxruntime-genai's model builder writes them)
-ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+# onnxruntime's own ops of the default domain (opset 1) that the ONNX opset of a model may lack:
+# SimplifiedLayerNormalization is in none (onnxruntime-genai's model builder writes it),
+# LayerNormalization only from 17 (exporters write it at lower opsets for onnxruntime)
+ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization", "LayerNormalization"})
 
 
 def import_used_domains(model: onnx.ModelProto) -> None:

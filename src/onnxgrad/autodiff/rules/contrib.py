@@ -26,7 +26,7 @@ from ..registry import NodeContext, formulas, rule
 from .attention import rotary_cache_grads
 from .common import Grads, as_int64, need_rank, zeros
 from .elementwise import INV_SQRT_2PI, SQRT_2_OVER_PI
-from .norm import mean_over, normalize_backward, rms_norm, standardize
+from .norm import layer_norm, mean_over, normalize_backward, rms_norm, standardize
 
 INT64 = TensorProto.INT64
 _SKIP_LN_EPS = 1e-12  # onnxruntime's default epsilon of SkipLayerNormalization and EmbedLayerNormalization
@@ -294,6 +294,11 @@ def simplified_layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
     if n.dy is None:
         return [None] * len(n.inputs)
     return rms_norm(g, n)
+
+
+# onnxruntime runs LayerNormalization at any opset (its own kernel before ONNX's opset 17): the
+# same op, the same rule
+rule("LayerNormalization", since=1)(layer_norm)
 
 
 @rule("EmbedLayerNormalization", domain=MS_DOMAIN)
