@@ -238,11 +238,23 @@ def test_skip_simplified_layer_norm(outputs: list) -> None:
     check(contrib_model("SkipSimplifiedLayerNormalization", inputs, outputs, {"epsilon": 1e-6}), inputs)
 
 
-def test_skip_layer_norm_statistics_refused() -> None:
+@pytest.mark.parametrize(
+    "outputs", [["y", "mean", "inv_std", "sum"], ["y", "", "inv_std"]], ids=["all", "inv-std"]
+)
+def test_skip_layer_norm_statistics(outputs: list) -> None:
+    """The mean and inverse standard deviation outputs carry gradients too."""
+    h = 8
+    inputs = [rnd(2, 3, h), rnd(2, 3, h), 1 + rnd(h) * 0.3, rnd(h)]
+    check(contrib_model("SkipLayerNormalization", inputs, outputs, {"epsilon": 1e-5}), inputs)
+
+
+def test_skip_simplified_layer_norm_mean_refused() -> None:
     h = 8
     inputs = [rnd(2, 3, h), rnd(2, 3, h), rnd(h)]
-    model = contrib_model("SkipLayerNormalization", inputs, ["y", "mean"], {"epsilon": 1e-5})
-    with pytest.raises(GradientNotImplementedError, match=r"output 1 \('mean'.*'SkipLayerNormalization'"):
+    model = contrib_model("SkipSimplifiedLayerNormalization", inputs, ["y", "mean"], {"epsilon": 1e-5})
+    with pytest.raises(
+        GradientNotImplementedError, match=r"output 1 \('mean'.*'SkipSimplifiedLayerNormalization'"
+    ):
         build_gradient(model, inputs_requiring_grad=["in0"])
 
 

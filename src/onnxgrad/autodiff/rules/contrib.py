@@ -21,12 +21,12 @@ from onnx import TensorProto
 
 from ...errors import GradientNotImplementedError
 from ...model.contrib_schemas import MS_DOMAIN
-from ..builder import GradBuilder, Var, erf, exp, sigmoid, tanh
+from ..builder import GradBuilder, Var, cast, erf, exp, sigmoid, tanh
 from ..registry import NodeContext, formulas, rule
 from .attention import rotary_cache_grads
 from .common import Grads, as_int64, need_rank, zeros
 from .elementwise import INV_SQRT_2PI, SQRT_2_OVER_PI
-from .norm import layer_norm, mean_over, normalize_backward, rms_norm, standardize
+from .norm import layer_norm, mean_over, normalize_backward, normalized_count, rms_norm, standardize
 
 INT64 = TensorProto.INT64
 _SKIP_LN_EPS = 1e-12  # onnxruntime's default epsilon of SkipLayerNormalization and EmbedLayerNormalization
@@ -233,13 +233,16 @@ def matmul_nbits(g: GradBuilder, n: NodeContext) -> Grads:
 # ---- normalizations -------------------------------------------------------------------------------
 def _skip_norm(g: GradBuilder, n: NodeContext, centered: bool) -> Grads:
     """SkipLayerNormalization (centered) and SkipSimplifiedLayerNormalization: y = norm(s) gamma (+
-    beta) with s = input + skip (+ bias) over the last axis; output 3 is s itself.
+    beta) with s = input + skip (+ bias) over the last axis; outputs 1 and 2 are the mean (centered
+    only) and inverse standard deviation of s, output 3 s itself.
 
-    ds = normalize_backward(dy gamma) (+ the gradient of output 3); dinput = ds, dskip and dbias =
-    ds summed to their shapes; dgamma = sum(dy xh), dbeta = sum(dy). s is the forward's output 3 (added
-    when the model leaves it unused); the statistics are recomputed from it.
+    ds = normalize_backward(dy gamma) + (dmean - dinv inv^2 xh) / D (as the LayerNormalization rule)
+    + the gradient of output 3; dinput = ds, dskip and dbias = ds summed to their shapes;
+    dgamma = sum(dy xh), dbeta = sum(dy). s is the forward's output 3 (added when the model leaves
+    it unused); the statistics are recomputed from it.
     """
-    _refuse_output_grads(n, (1, 2), "the mean / inverse standard deviation")
+    if not centered:
+        _refuse_output_grads(n, (1,), "mean")
     x = n.inputs[0]
     assert x is not None
     gamma = n.inputs[2]
@@ -248,19 +251,27 @@ def _skip_norm(g: GradBuilder, n: NodeContext, centered: bool) -> Grads:
     bias_slot = 4 if centered else 3
     grads: Grads = [None] * len(n.inputs)
     dy = n.dout[0]
-    d_sum = n.dout[3] if len(n.dout) > 3 else None
+    d_mean, d_inv, d_sum = (n.dout[k] if len(n.dout) > k else None for k in (1, 2, 3))
     if dy is not None and beta is not None and n.needs[3]:
         grads[3] = g.unbroadcast(dy, beta, x.shape)
     s = g.extra_output(n.node, 3, x.dtype, x.shape)
     mean = mean_over(g, [-1])
-    eps = float(n.attr("epsilon", _SKIP_LN_EPS))
     ds = d_sum
-    if dy is not None and (n.needs[2] or any(n.needs[k] for k in (0, 1, bias_slot) if k < len(n.needs))):
-        xh, inv = standardize(g, s, mean, eps, centered=centered)
-        if n.needs[2]:
-            grads[2] = g.unbroadcast(dy * xh, gamma, x.shape)  # type: ignore[arg-type]
-        dn = normalize_backward(dy * gamma, xh, inv, mean, centered=centered)
-        ds = dn if ds is None else ds + dn
+    if dy is not None or d_mean is not None or d_inv is not None:
+        xh, inv = standardize(g, s, mean, float(n.attr("epsilon", _SKIP_LN_EPS)), centered=centered)
+        if dy is not None:
+            if n.needs[2]:
+                grads[2] = g.unbroadcast(dy * xh, gamma, x.shape)  # type: ignore[arg-type]
+            dn = normalize_backward(dy * gamma, xh, inv, mean, centered=centered)
+            ds = dn if ds is None else ds + dn
+        if d_mean is not None or d_inv is not None:  # d inv / ds = -inv^3 (s - mean) / D
+            extra = cast(d_mean, x) if d_mean is not None else None
+            if d_inv is not None:
+                term = cast(d_inv, x) * inv * inv * xh
+                extra = -term if extra is None else extra - term
+            stat = d_mean if d_mean is not None else d_inv
+            extra = extra / normalized_count(g, x, [-1], stat)  # type: ignore[operator,arg-type]
+            ds = extra if ds is None else ds + extra
     if ds is None:
         return grads
     if n.needs[0]:
