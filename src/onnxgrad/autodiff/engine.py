@@ -159,6 +159,7 @@ def build_gradient(
     g.versions = versions
     g.quantized = quantized  # type: ignore[attr-defined]  # read by rules/quant.py (quantized_mode)
     g.padding_rows = padding_rows(model, trainable_names)  # torch Embedding(padding_idx=...)
+    g.producers = {o: node for node in nodes for o in node.output if o}
     grads: dict[str, list[Var]] = {}
     grad_inputs: dict[str, str] = {}
     for out in grad_outs:
