@@ -532,3 +532,15 @@ def test_switch_inside_an_if_branch(quantized: str) -> None:
         assert abs(float(grads["scale"]) - lsq) <= 1e-4 * np.abs(x * w / s).sum()
     else:
         assert not np.any(grads["w"]) and not np.any(grads["scale"])
+
+
+def test_cast_to_integer_cuts_with_a_warning() -> None:
+    """w -> Cast(int64) -> Cast(float) -> y: the integer Cast rounds w away; a warning names it."""
+    nodes = [
+        helper.make_node("Cast", ["w"], ["wi"], name="to_int", to=TensorProto.INT64),
+        helper.make_node("Cast", ["wi"], ["wf"], name="to_float", to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["x", "wf"], ["y"], name="mul"),
+    ]
+    m = make_model(nodes, [("x", F32, [2])], [("y", F32, [2])], {"w": np.array([1.5, 2.5], F32)})
+    with pytest.warns(GradientWarning, match=r"'w' by node 'to_int' \(Cast\)"):
+        build_gradient(m, trainable=["w"])
