@@ -532,3 +532,44 @@ def test_switch_inside_an_if_branch(quantized: str) -> None:
         assert abs(float(grads["scale"]) - lsq) <= 1e-4 * np.abs(x * w / s).sum()
     else:
         assert not np.any(grads["w"]) and not np.any(grads["scale"])
+
+
+def test_cast_to_integer_cuts_with_a_warning() -> None:
+    """w -> Cast(int64) -> Cast(float) -> y: the integer Cast rounds w away; a warning names it."""
+    nodes = [
+        helper.make_node("Cast", ["w"], ["wi"], name="to_int", to=TensorProto.INT64),
+        helper.make_node("Cast", ["wi"], ["wf"], name="to_float", to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["x", "wf"], ["y"], name="mul"),
+    ]
+    m = make_model(nodes, [("x", F32, [2])], [("y", F32, [2])], {"w": np.array([1.5, 2.5], F32)})
+    with pytest.warns(GradientWarning, match=r"'w' by node 'to_int' \(Cast\)"):
+        build_gradient(m, trainable=["w"])
+
+
+def test_blocked_qdq_matches_the_straight_through_gradient() -> None:
+    """Blocked QuantizeLinear -> DequantizeLinear (blocks of 2 along the last axis, the last one
+    short): dx = dy where not clamped, d scale = LSQ summed per block, as written out in numpy."""
+    r = rng()
+    scale = r.uniform(0.02, 0.05, (3, 3)).astype(F32)
+    zp = r.integers(-4, 5, (3, 3)).astype(np.int8)
+    s_full = np.repeat(scale, 2, axis=1)[:, :5].astype(np.float64)
+    z_full = np.repeat(zp, 2, axis=1)[:, :5].astype(np.float64)
+    x = _away_from_ties((r.standard_normal((3, 5)) * 4).astype(F32), s_full.astype(F32))
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "scale", "zp"], ["q"], name="quant", axis=1, block_size=2),
+        helper.make_node(
+            "DequantizeLinear", ["q", "scale", "zp"], ["y"], name="dequant", axis=1, block_size=2
+        ),
+    ]
+    m = make_model(nodes, [("x", F32, [3, 5])], [("y", F32, [3, 5])], {"scale": scale, "zp": zp}, opset=21)
+    dy = r.standard_normal(x.shape).astype(F32)
+    graphs = build_gradient(m, trainable=["scale"], inputs_requiring_grad=["x"])
+    _, grads = run_gradients(graphs, {"x": x}, {"y": dy})
+    v = x / s_full
+    q = np.round(v) + z_full
+    kept = (q >= -128) & (q <= 127)
+    assert 0 < kept.sum() < x.size
+    np.testing.assert_allclose(grads["x"], np.where(kept, dy, 0), rtol=1e-5, atol=1e-6)
+    per = dy * np.where(kept, np.round(v) - v, np.clip(q, -128, 127) - z_full)
+    want = np.pad(per, [(0, 0), (0, 1)]).reshape(3, 3, 2).sum(axis=2)
+    np.testing.assert_allclose(grads["scale"], want, rtol=1e-4, atol=1e-4 * np.abs(dy * v).sum())

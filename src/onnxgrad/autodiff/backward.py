@@ -225,8 +225,9 @@ def cut_paths(
 
     A value is *cut* when it reaches an output (through ops whose result depends on the values of
     their inputs) and every such path crosses a zero-gradient op (``rules/nondiff.py``, the
-    :data:`QUANTIZED_OPS` under ``quantized="zero"``) or a rule that returned no gradient for a
-    floating-point input (``stopped``, from :func:`reverse_pass`). Values that only feed shape
+    :data:`QUANTIZED_OPS` under ``quantized="zero"``), an op with no floating-point result (a Cast
+    to an integer type), or a rule that returned no gradient for a floating-point input
+    (``stopped``, from :func:`reverse_pass`). Values that only feed shape
     computations, or reach no output, are not cut: they are unused.
     """
     leads = set(grad_outs)  # values with a value-dependent path to an output
@@ -241,14 +242,19 @@ def cut_paths(
             continue
         seen = {w}
         for node in nodes:
-            fed = [i for i in node_operands(node) if i in seen]
-            if not fed:
+            free = _VALUE_FREE_INPUTS.get(node.op_type, ())
+            fed = [i for k, i in enumerate(node_operands(node)) if i in seen and k not in free]
+            if not fed or node.op_type in _VALUE_FREE:
                 continue
             r = lookup(node.domain, node.op_type, version_of(versions, node.domain))
-            stopping = (r is not None and r.kind == "zero" and node.op_type not in _VALUE_FREE) or (
-                quantized == "zero" and is_quantized_op(node)
+            stopping = (
+                (r is not None and r.kind == "zero")
+                or (quantized == "zero" and is_quantized_op(node))
+                or any((id(node), i) in stops for i in fed)
+                # no output carries a gradient: integer or boolean results (a Cast to int64)
+                or not any(o in marks.requires for o in node.output)
             )
-            if stopping or any((id(node), i) in stops for i in fed):
+            if stopping:
                 if any(o in leads for o in node.output):
                     cuts[w] = node
                     break
