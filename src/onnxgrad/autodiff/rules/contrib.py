@@ -336,8 +336,11 @@ def embed_layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
     if segments is not None and seg_ids is not None and n.needs[4]:
         grads[4] = _scatter_rows(g, segments, seg_ids, ds)
     if positions is not None and n.needs[3]:
-        if pos_ids is not None:
-            grads[3] = _scatter_rows(g, positions, pos_ids, g.Expand(ds, g.shape_of(ds)))
+        if pos_ids is not None:  # (B, S), or (1, S) shared by the batch
+            shared = pos_ids.shape is not None and pos_ids.shape[0] == 1
+            grads[3] = _scatter_rows(
+                g, positions, pos_ids, g.ReduceSum(ds, [0], keepdims=1) if shared else ds
+            )
         else:  # rows 0..S-1, the same for every sequence of the batch
             per_pos = g.ReduceSum(ds, [0], keepdims=0)  # (S, hidden)
             length = g.Gather(g.shape_of(per_pos), g.const(np.int64(0)))
