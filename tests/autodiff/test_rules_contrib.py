@@ -273,7 +273,9 @@ def test_layer_norm_before_opset_17(outputs: list) -> None:
     check(model, inputs)
 
 
-@pytest.mark.parametrize("variant", ["segments-positions", "position-ids", "words-only"])
+@pytest.mark.parametrize(
+    "variant", ["segments-positions", "position-ids", "shared-position-ids", "words-only"]
+)
 def test_embed_layer_norm(variant: str) -> None:
     """Every float input: the three tables (rows gathered, repeated ids), gamma and beta; the sum
     output too where it is used."""
@@ -285,6 +287,8 @@ def test_embed_layer_norm(variant: str) -> None:
     if variant == "position-ids":
         inputs += [None, np.array([[3, 2, 1, 0], [0, 0, 5, 1]], np.int32)]
         outputs.append("sum")
+    elif variant == "shared-position-ids":
+        inputs += [None, np.array([[3, 2, 1, 3]], np.int32)]
     elif variant == "words-only":
         inputs[1] = inputs[4] = None
     model = contrib_model("EmbedLayerNormalization", inputs, outputs, {"epsilon": 1e-5})

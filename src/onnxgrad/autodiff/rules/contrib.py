@@ -5,7 +5,8 @@ onnxruntime-genai's model builder fuse the standard ops of a transformer into ``
 (and two onnxruntime ops of the default domain, ``SimplifiedLayerNormalization`` and the opset-1
 ``LayerNormalization``). Each rule here is the standard ops' rule for the same math:
 the normalizations compose :mod:`.norm`'s standardize / normalize_backward, the activations
-:mod:`.elementwise`'s Gelu formula, the embeddings :mod:`.indexing`'s scatter-add. Their output
+:mod:`.elementwise`'s Gelu derivative, the rotary caches :mod:`.attention`'s; the attention ops
+recompute their probabilities (:func:`_sdpa_backward`), as they expose none. Their output
 types come from :mod:`onnxgrad.model.contrib_schemas` (ONNX shape inference knows none of them).
 
 Inputs that cannot carry a gradient (packed 4-bit weights, integer ids and masks) get none; a float
@@ -21,11 +22,11 @@ from onnx import TensorProto
 
 from ...errors import GradientNotImplementedError
 from ...model.contrib_schemas import MS_DOMAIN
-from ..builder import GradBuilder, Var, cast, erf, exp, sigmoid, tanh
+from ..builder import GradBuilder, Var, cast, sigmoid
 from ..registry import NodeContext, formulas, rule
 from .attention import rotary_cache_grads
 from .common import Grads, as_int64, need_rank, zeros
-from .elementwise import INV_SQRT_2PI, SQRT_2_OVER_PI
+from .elementwise import _gelu as gelu_backward
 from .norm import layer_norm, mean_over, normalize_backward, normalized_count, rms_norm, standardize
 
 INT64 = TensorProto.INT64
@@ -55,19 +56,8 @@ def _refuse_output_grads(n: NodeContext, slots: tuple[int, ...], what: str) -> N
 
 
 # ---- activations ------------------------------------------------------------------------------
-def _gelu_erf_grad(x: Var) -> Var:
-    """d gelu(x) / dx = Phi(x) + x phi(x) (the erf form)."""
-    cdf = (erf(x * (1 / math.sqrt(2))) + 1) * 0.5
-    return cdf + x * exp(x * x * -0.5) * INV_SQRT_2PI
-
-
-def _gelu_tanh_grad(x: Var) -> Var:
-    """d/dx of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    t = tanh((x + x * x * x * 0.044715) * SQRT_2_OVER_PI)
-    return (t + 1) * 0.5 + x * 0.5 * (1 - t * t) * ((x * x * (3 * 0.044715) + 1) * SQRT_2_OVER_PI)
-
-
-formulas("Gelu", lambda x, dy: dy * _gelu_erf_grad(x), domain=MS_DOMAIN)
+# Gelu (erf form), FastGelu (tanh form): the derivative of the standard Gelu rule
+formulas("Gelu", lambda x, dy: gelu_backward(x, dy), domain=MS_DOMAIN)
 
 
 def _quick_gelu(x: Var, dy: Var, alpha: float = 1.702) -> Var:
@@ -90,13 +80,13 @@ def _biased(g: GradBuilder, n: NodeContext, dx: Var) -> Grads:
 def fast_gelu(g: GradBuilder, n: NodeContext) -> Grads:
     """y = gelu_tanh(X + bias): dX = dy gelu_tanh'(X + bias), dbias = dX summed over the rows."""
     u = n.x if _input(n, 1) is None else n.x + n.inputs[1]
-    return _biased(g, n, n.dy * _gelu_tanh_grad(u))
+    return _biased(g, n, gelu_backward(u, n.dy, approximate="tanh"))
 
 
 @rule("BiasGelu", domain=MS_DOMAIN)
 def bias_gelu(g: GradBuilder, n: NodeContext) -> Grads:
     """y = gelu(A + B) (erf form): dA = dy gelu'(A + B), dB = dA summed over the rows."""
-    return _biased(g, n, n.dy * _gelu_erf_grad(n.x + n.inputs[1]))
+    return _biased(g, n, gelu_backward(n.x + n.inputs[1], n.dy))
 
 
 @rule("BiasAdd", domain=MS_DOMAIN)
@@ -346,8 +336,11 @@ def embed_layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
     if segments is not None and seg_ids is not None and n.needs[4]:
         grads[4] = _scatter_rows(g, segments, seg_ids, ds)
     if positions is not None and n.needs[3]:
-        if pos_ids is not None:
-            grads[3] = _scatter_rows(g, positions, pos_ids, g.Expand(ds, g.shape_of(ds)))
+        if pos_ids is not None:  # (B, S), or (1, S) shared by the batch
+            shared = pos_ids.shape is not None and pos_ids.shape[0] == 1
+            grads[3] = _scatter_rows(
+                g, positions, pos_ids, g.ReduceSum(ds, [0], keepdims=1) if shared else ds
+            )
         else:  # rows 0..S-1, the same for every sequence of the batch
             per_pos = g.ReduceSum(ds, [0], keepdims=0)  # (S, hidden)
             length = g.Gather(g.shape_of(per_pos), g.const(np.int64(0)))
