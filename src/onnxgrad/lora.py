@@ -60,6 +60,7 @@ from onnx import helper, numpy_helper
 from .autodiff.params import TRAINABLE_KEY
 from .deps import require_onnxruntime
 from .errors import InputError
+from .model.contrib_schemas import MS_DOMAIN
 from .model.graph import FLOAT_TYPES, np_dtype, to_array, unique_name
 from .model.load import load_model
 
@@ -250,7 +251,6 @@ def _unfit(t: onnx.TensorProto, uses: list[tuple[onnx.NodeProto, int]]) -> str |
 
 # ---- quantized weights ------------------------------------------------------------------------
 _QUANT_SUFFIXES = ("_quantized", "_DQ_Q4", "_DQ_Q8", "_DQ_Q2", "_Q4", "_Q8", "_Q2")
-MS_DOMAIN = "com.microsoft"
 
 
 def _quantized_alias(name: str) -> str | None:
