@@ -228,3 +228,15 @@ def test_onnx_module_trains_only_the_adapters_of_a_4bit_model(tmp_path: Path) ->
     trained = module.to_onnx()
     uint8 = {t.name: numpy_helper.to_array(t) for t in trained.graph.initializer if t.name.endswith("_Q4")}
     assert set(uint8) == {"W1_Q4", "W2_Q4"}
+
+
+@pytest.mark.parametrize("kind", ["int4_nbits", "int8_dynamic"])
+def test_save_and_load_adapters_of_a_quantized_model(kind: str, tmp_path: Path) -> None:
+    """save_adapters / load_adapters on a quantized base: the same adapted model back."""
+    q, _ = _pair(kind, tmp_path)
+    lora.save_adapters(q, tmp_path / "adapters.safetensors")
+    base = quantized(kind, tmp_path)
+    again = lora.load_adapters(base, tmp_path / "adapters.safetensors")
+    assert lora.adapter_names(again) == lora.adapter_names(q)
+    feeds = _batch(9)
+    np.testing.assert_array_equal(_run(again, feeds), _run(q, feeds))
