@@ -240,3 +240,57 @@ def test_save_and_load_adapters_of_a_quantized_model(kind: str, tmp_path: Path) 
     assert lora.adapter_names(again) == lora.adapter_names(q)
     feeds = _batch(9)
     np.testing.assert_array_equal(_run(again, feeds), _run(q, feeds))
+
+
+def test_gemm_trans_b_behind_blocked_int4_dequantize_linear() -> None:
+    """Gemm(x, DequantizeLinear(W [out, in]), bias, transB=1, alpha=0.5), W int4 in blocks of 8 along
+    `in` (axis 1): outputs and gradients of the adapters equal the float Gemm's with the dequantized
+    weight (computed here by hand) and the same adapters."""
+    from onnx import TensorProto, helper
+
+    r = np.random.default_rng(11)
+    q = r.integers(-8, 8, size=(6, 16)).astype(np.int8)
+    scale = (r.uniform(0.01, 0.1, size=(6, 2))).astype(F32)
+    zp = r.integers(-2, 3, size=(6, 2)).astype(np.int8)
+    w = (q.astype(F32) - np.repeat(zp, 8, axis=1)) * np.repeat(scale, 8, axis=1)
+    bias = r.standard_normal(6).astype(F32)
+
+    def model(quantized: bool) -> onnx.ModelProto:
+        gemm = helper.make_node("Gemm", ["x", "Wd" if quantized else "W", "bias"], ["y"], transB=1, alpha=0.5)
+        nodes, inits = [gemm], [numpy_helper.from_array(bias, "bias")]
+        if quantized:
+            nodes.insert(
+                0, helper.make_node("DequantizeLinear", ["W_q", "W_s", "W_z"], ["Wd"], axis=1, block_size=8)
+            )
+            q4 = helper.make_tensor("W_q", TensorProto.INT4, q.shape, q.flatten().tolist())
+            zp4 = helper.make_tensor("W_z", TensorProto.INT4, zp.shape, zp.flatten().tolist())
+            inits += [q4, zp4, numpy_helper.from_array(scale, "W_s")]
+        else:
+            inits.append(numpy_helper.from_array(w, "W"))
+        graph = helper.make_graph(
+            nodes,
+            "gemm",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 16])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 6])],
+            inits,
+        )
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+        m.ir_version = 10
+        return m
+
+    q_model = lora.add_adapters(model(True), ["W_q"], rank=2, alpha=3)
+    ref = lora.add_adapters(model(False), ["W"], rank=2, alpha=3)
+    values = _random_adapters(q_model, 12)
+    q_model = lora.with_values(q_model, values)
+    ref = lora.with_values(ref, {k.replace("W_q", "W"): v for k, v in values.items()})
+    feeds = {"x": r.standard_normal((5, 16)).astype(F32)}
+    dy = r.standard_normal((5, 6)).astype(F32)
+    got = onnxgrad.ForwardBackward(q_model, session_options=lora.session_options()).forward(feeds)
+    want = onnxgrad.ForwardBackward(ref).forward(feeds)
+    assert_allclose_scaled(got.outputs[0], want.outputs[0])
+    g_got, g_want = got.backward([dy]), want.backward([dy])
+    for name, g in g_got.items():
+        assert_allclose_scaled(g, g_want[name.replace("W_q", "W")], err_msg=name)
+    with pytest.warns(UserWarning, match="written as float weights"):
+        merged = lora.merge(q_model)
+    assert_allclose_scaled(_run(merged, feeds), want.outputs[0])
