@@ -75,7 +75,7 @@ def export(path: str, hidden: int, layers: int, seq: int) -> None:
             return self.m(input_ids=ids, use_cache=False).logits
 
     ids = torch.zeros((1, seq), dtype=torch.int64)
-    proto = torch.onnx.export(Logits(), (ids,), dynamo=True, input_names=["ids"], output_names=["logits"])
+    proto = torch.onnx.export(Logits().eval(), (ids,), dynamo=True, input_names=["ids"], output_names=["logits"])
     proto = proto.model_proto
     onnx.save(proto, f"{path}-float.onnx")
     quantizer = MatMulNBitsQuantizer(proto, block_size=32, is_symmetric=True)

@@ -59,7 +59,7 @@ from onnx import helper, numpy_helper
 
 from .autodiff.params import TRAINABLE_KEY
 from .deps import require_onnxruntime
-from .errors import InputError
+from .errors import GradientWarning, InputError
 from .model.contrib_schemas import MS_DOMAIN
 from .model.graph import FLOAT_TYPES, np_dtype, to_array, unique_name
 from .model.load import load_model
@@ -339,6 +339,16 @@ def _quantized_weight(
             if len(node.input) > 4 and node.input[4]:
                 return f"MatMulNBits node {node.name!r} has a g_idx input (act-order)"
         dtype = inits[node0.input[2]].data_type
+        for node, _ in uses:
+            if int(_attr(node, "accuracy_level", 0)) >= 2:
+                warnings.warn(
+                    f"MatMulNBits node {node.name!r} has accuracy_level="
+                    f"{int(_attr(node, 'accuracy_level', 0))}: onnxruntime quantizes its input to a lower "
+                    "precision, the gradients are those of the float product (set accuracy_level to 0 "
+                    "or 1 to train what runs)",
+                    GradientWarning,
+                    stacklevel=3,
+                )
         xs = {n.output[0]: n.input[0] for n, _ in uses}
         return _Weight("nbits", shape, dtype, uses, layout="right_t", x_inputs=xs)
     if ops == {("", "MatMulInteger")} or ops == {("ai.onnx", "MatMulInteger")}:

@@ -294,3 +294,17 @@ def test_gemm_trans_b_behind_blocked_int4_dequantize_linear() -> None:
     with pytest.warns(UserWarning, match="written as float weights"):
         merged = lora.merge(q_model)
     assert_allclose_scaled(_run(merged, feeds), want.outputs[0])
+
+
+def test_matmul_nbits_at_a_low_accuracy_level_warns(tmp_path: Path) -> None:
+    """A MatMulNBits node that runs with int8 activations (accuracy_level 4) is not the float product
+    its rule differentiates: add_adapters says so."""
+    from onnxgrad.errors import GradientWarning
+
+    model = quantized("int4_nbits", tmp_path)
+    model.graph.node[0].attribute.append(onnx.helper.make_attribute("accuracy_level", 4))
+    with pytest.warns(GradientWarning, match=r"MatMulNBits node 'mm1_Q4' has accuracy_level=4"):
+        lora.add_adapters(model, ["W1", "W2"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lora.add_adapters(quantized("int4_nbits", tmp_path), ["W1", "W2"])
