@@ -16,7 +16,7 @@ Time: median and minimum of ``--steps`` steps after two warm-up steps, ``--threa
 Memory: the peak resident set of the process (``VmHWM``) above its resident set once the libraries
 are imported (before the model is loaded or built), in MiB.
 
-    python bench/qlora_step.py [--hidden 256] [--layers 4] [--steps 10] [--json out/qlora.json]
+    python bench/qlora_step.py [--hidden 256] [--layers 4] [--steps 10] [--workdir DIR] [--json F]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _config(hidden: int, layers: int) -> dict:
     }
 
 
-def export(path: str, hidden: int, layers: int, seq: int) -> None:
+def export(path: str, hidden: int, layers: int, batch: int, seq: int) -> None:
     """The float and 4-bit ONNX models, ``path``-float.onnx and ``path``-4bit.onnx."""
     import onnx
     import torch
@@ -74,8 +74,10 @@ def export(path: str, hidden: int, layers: int, seq: int) -> None:
         def forward(self, ids):
             return self.m(input_ids=ids, use_cache=False).logits
 
-    ids = torch.zeros((1, seq), dtype=torch.int64)
-    proto = torch.onnx.export(Logits().eval(), (ids,), dynamo=True, input_names=["ids"], output_names=["logits"])
+    ids = torch.zeros((batch, seq), dtype=torch.int64)
+    proto = torch.onnx.export(
+        Logits().eval(), (ids,), dynamo=True, input_names=["ids"], output_names=["logits"]
+    )
     proto = proto.model_proto
     onnx.save(proto, f"{path}-float.onnx")
     quantizer = MatMulNBitsQuantizer(proto, block_size=32, is_symmetric=True)
@@ -175,6 +177,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json")
+    parser.add_argument("--workdir", help="keep the exported models here (and reuse them)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -186,8 +189,9 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "llama")
-        export(path, *sizes, args.seq)
+        path = os.path.join(args.workdir or tmp, f"llama-{args.hidden}x{args.layers}-{args.batch}x{args.seq}")
+        if not os.path.exists(f"{path}-4bit.onnx"):
+            export(path, *sizes, args.batch, args.seq)
         for name in ("float", "4bit"):
             print(f"{name} model: {os.path.getsize(f'{path}-{name}.onnx') / 2**20:.1f} MiB")
         for contender in CONTENDERS:
@@ -196,7 +200,9 @@ def main() -> None:
                 f"--{k}={getattr(args, k)}" for k in ("hidden", "layers", "batch", "seq", "steps", "threads")
             ]
             env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if done.returncode:
+                raise SystemExit(f"{contender} failed:\n{done.stderr[-3000:]}")
             result = json.loads(done.stdout.strip().splitlines()[-1])
             results.append(result)
             print(
