@@ -114,7 +114,10 @@ def add_adapters(
     weight that ``torch.onnx.export(dynamo=True)`` renamed is also matched by its torch name,
     ``"layers.0.q.weight"``, and its adapters take that name); only
     2-D floating-point initializers read as the weight of a MatMul or Gemm (and by nothing else) are
-    adapted. A name given exactly that cannot be adapted raises :class:`InputError`; patterns skip
+    adapted, and the integer weights of quantized products (see the module's docstring: behind
+    DequantizeLinear, in MatMulNBits, in quantize_dynamic's MatMulInteger), also matched by the name
+    without the quantizer's suffix (``W_quantized``, ``W_Q4`` -> ``W``), which their adapters take.
+    A name given exactly that cannot be adapted raises :class:`InputError`; patterns skip
     what does not fit. ``alpha`` (default ``rank``) scales the update by ``alpha / rank``;
     ``dropout`` > 0 adds a Dropout on the adapter's input (active in training mode only).
     """
