@@ -14,7 +14,8 @@ onnxgrad, torch for torch), backward, SGD update of the adapters:
 
 Time: median and minimum of ``--steps`` steps after two warm-up steps, ``--threads`` threads each.
 Memory: the peak resident set of the process (``VmHWM``) above its resident set once the libraries
-are imported (before the model is loaded or built), in MiB.
+are imported (before the model is loaded or built), in MiB; ``QLORA_BENCH_ARENA=0`` turns
+onnxruntime's CPU arena off (freed tensors go back to the system: the peak follows what is alive).
 
     python bench/qlora_step.py [--hidden 256] [--layers 4] [--steps 10] [--workdir DIR] [--json F]
 """
@@ -107,6 +108,7 @@ def child(
         options = lora.session_options()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        options.enable_cpu_mem_arena = os.environ.get("QLORA_BENCH_ARENA", "1") == "1"
         fb = ForwardBackward(adapted, session_options=options)
         del adapted
         for k in range(steps + 2):
