@@ -80,16 +80,19 @@ lock:
 test-js: $(STAMP)
 	cd js && npm ci --no-audit --no-fund
 	$(PY) js/test/make_fixture.py js/test/fixture
+	$(PY) js/test/make_ort_training_fixture.py js/test/ort_training_fixture
 	cd js && node --test test/
 
 # The browser: examples/web/ trains the digits MLP and CNN with onnxruntime-web (wasm) in headless chromium
 # (installed with apt-get when missing, or CHROMIUM=/path), served from localhost; also onnxruntime-web in
-# Node. Writes examples/web/out/screenshot.png (or $$SCREENSHOT).
+# Node. Then ort_training.html: the migrated example of docs/migrate_ort_training.md with the former
+# TrainingSession names, against the Python API. Writes examples/web/out/screenshot.png (or $$SCREENSHOT).
 test-web: $(STAMP)
 	command -v chromium >/dev/null || [ -n "$${CHROMIUM:-}" ] || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 	cd examples/web && npm ci --no-audit --no-fund
 	$(PY) js/test/make_fixture.py examples/web/fixture
+	$(PY) examples/web/make_ort_training_fixture.py examples/web/fixture/ort_training
 	cd examples/web && node test-web.mjs
 
 # The layer contract (docs/architecture.md): every import looks down, no import cycle.
