@@ -32,7 +32,7 @@ from ...autodiff.compose import compose
 from ...autodiff.engine import build_gradient
 from ...autodiff.prepare import prepare
 from ...errors import InputError
-from ...model.graph import check_model, ir_version_for, unique_name
+from ...model.graph import check_model, ir_version_for, unique_name, without_weights
 from ...model.load import CheckedModel
 from ...train.losses import _Emitter, keep_outputs
 
@@ -87,7 +87,7 @@ def read_meta(model: onnx.ModelProto) -> dict | None:
 def set_outputs(model: onnx.ModelProto, names: list[str]) -> None:
     """Make ``names`` the graph outputs, in place (onnxruntime-training keeps only the loss
     outputs and the additional ones)."""
-    inferred = onnx.shape_inference.infer_shapes(model)
+    inferred = onnx.shape_inference.infer_shapes(without_weights(model))  # no 2 GB protobuf
     infos = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input)}
     missing = [n for n in names if n not in infos]
     if missing:
@@ -219,7 +219,7 @@ def inference_graph(
     g.initializer.extend(replaced)
     known = {o.name for o in g.output}
     if any(o not in known for o in outputs):  # inner values may be asked for too
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = onnx.shape_inference.infer_shapes(without_weights(model))
         infos = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output)}
         missing = [o for o in outputs if o not in infos]
         if missing:
