@@ -34,7 +34,9 @@ from ...autodiff.prepare import prepare
 from ...errors import InputError
 from ...model.graph import check_model, ir_version_for, unique_name, without_weights
 from ...model.load import CheckedModel
+from ...storage import PROTOBUF_LIMIT, _nbytes
 from ...train.losses import _Emitter, keep_outputs
+from . import checkpoint_file
 
 __all__ = [
     "META_KEY",
@@ -115,6 +117,31 @@ def _params_as_inputs(model: onnx.ModelProto, names: Iterable[str]) -> None:
     g.initializer.extend(kept)
 
 
+def _params_as_declared_inputs(model: onnx.ModelProto, params: set[str]) -> onnx.ModelProto:
+    """``model`` with the initializers ``params`` turned into graph inputs, their data not copied
+    (:func:`~onnxgrad.model.graph.without_weights`, whose other large initializers keep theirs)."""
+    skeleton = without_weights(model)
+    g = skeleton.graph
+    declared = {i.name for i in model.graph.input}
+    moved = {i.name for i in g.input} - declared
+    inits = {i.name: i for i in model.graph.initializer}
+    kept = [i for i in g.initializer if i.name not in params]
+    small = [i for i in g.initializer if i.name in params]  # small parameters: inputs too
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    g.initializer.extend(inits[n] for n in moved if n not in params and n in inits)  # constants
+    inputs = [i for i in g.input if i.name in declared or i.name in params]
+    del g.input[:]
+    g.input.extend(inputs)
+    g.input.extend(
+        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+        for t in small
+        if t.name not in declared
+    )
+    skeleton.metadata_props.extend(model.metadata_props)
+    return skeleton
+
+
 def _finish(model: onnx.ModelProto) -> onnx.ModelProto:
     """Checked, at the lowest IR version its opsets allow (what older runtimes load)."""
     model.ir_version = ir_version_for(model.opset_import)
@@ -133,21 +160,40 @@ def training_graph(
     unknown = [n for n in [*trainable, *frozen] if n not in known]
     if unknown:
         raise InputError(f"{unknown} are not initializers of the model")
-    # frozen parameters become inputs before anything folds them: their values are fed per call
-    overridable = onnx.ModelProto()
-    overridable.CopyFrom(loss_model)
-    declared = {i.name for i in overridable.graph.input}
-    inits = {i.name: i for i in overridable.graph.initializer}
-    overridable.graph.input.extend(
-        helper.make_tensor_value_info(n, inits[n].data_type, list(inits[n].dims))
-        for n in frozen
-        if n in inits and n not in declared
-    )
+    params = [i.name for i in loss_model.graph.initializer if i.name in set(trainable) | set(frozen)]
+    sizes = {i.name: _nbytes(i) for i in loss_model.graph.initializer}
+    big = sum(sizes[p] for p in params) >= checkpoint_file.EXTERNAL_DATA_THRESHOLD
+    if big:
+        # a model over 2 GB: every parameter an input from the start, its data never copied nor
+        # serialized (the checkpoint holds it); the trained ones are differentiated as inputs
+        overridable = _params_as_declared_inputs(loss_model, set(params))
+        rest = sum(v for k, v in sizes.items() if k not in set(params))
+        if rest >= PROTOBUF_LIMIT:
+            raise InputError(
+                f"the initializers that are neither trained nor frozen hold {rest} bytes, more than one "
+                "protobuf can (2 GB): list the large ones in frozen_params, so that the checkpoint holds them"
+            )
+    else:
+        # frozen parameters become inputs before anything folds them: their values are fed per call
+        overridable = onnx.ModelProto()
+        overridable.CopyFrom(loss_model)
+        declared = {i.name for i in overridable.graph.input}
+        inits = {i.name: i for i in overridable.graph.initializer}
+        overridable.graph.input.extend(
+            helper.make_tensor_value_info(n, inits[n].data_type, list(inits[n].dims))
+            for n in frozen
+            if n in inits and n not in declared
+        )
     prepared = prepare(overridable)
     train = prepared.training.proto
     stats = {s: o for s, o in prepared.running_stats.items() if s in set(frozen)}
     loss = loss_outputs[0]
-    graphs = build_gradient(prepared.training, trainable=trainable, outputs=[loss])
+    if big:
+        graphs = build_gradient(
+            prepared.training, trainable=[], inputs_requiring_grad=trainable, outputs=[loss]
+        )
+    else:
+        graphs = build_gradient(prepared.training, trainable=trainable, outputs=[loss])
     model = compose(graphs, name="training_model")
     g = model.graph
     seed = graphs.grad_inputs[loss]
@@ -175,13 +221,18 @@ def training_graph(
     by_name = {o.name: o for o in g.output}
     del g.output[:]
     g.output.extend(by_name[n] for n in wanted if n in order)
-    # trainable values were fed by compose as initializers: every parameter becomes an input
-    params = [i.name for i in loss_model.graph.initializer if i.name in set(trainable) | set(frozen)]
-    for name in params:
-        if name not in {i.name for i in g.initializer}:  # compose dropped it: put it back
-            src = next(i for i in loss_model.graph.initializer if i.name == name)
-            g.initializer.append(src)
-    _params_as_inputs(model, params)
+    if big:  # the parameters are inputs already: after the user inputs, in initializer order
+        by_name = {i.name: i for i in g.input}
+        ordered = [i for i in g.input if i.name not in set(params)] + [by_name[p] for p in params]
+        del g.input[:]
+        g.input.extend(ordered)
+    else:
+        # trainable values were fed by compose as initializers: every parameter becomes an input
+        for name in params:
+            if name not in {i.name for i in g.initializer}:  # compose dropped it: put it back
+                src = next(i for i in loss_model.graph.initializer if i.name == name)
+                g.initializer.append(src)
+        _params_as_inputs(model, params)
     user_inputs = [i.name for i in g.input if i.name not in set(params)]
     result = TrainingGraph(
         model,
