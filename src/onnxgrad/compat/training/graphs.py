@@ -117,6 +117,23 @@ def _params_as_inputs(model: onnx.ModelProto, names: Iterable[str]) -> None:
     g.initializer.extend(kept)
 
 
+def _is_big(model: onnx.ModelProto, params: list[str]) -> bool:
+    """Whether the parameters ``params`` of ``model`` reach the external-data threshold: the graphs
+    are then built with them as inputs from the start (see :func:`training_graph`)."""
+    chosen = set(params)
+    total = sum(_nbytes(i) for i in model.graph.initializer if i.name in chosen)
+    return total >= checkpoint_file.EXTERNAL_DATA_THRESHOLD
+
+
+def _inputs_last(model: onnx.ModelProto, names: list[str]) -> None:
+    """Move the graph inputs ``names`` after the others, in the order given, in place."""
+    g = model.graph
+    by_name = {i.name: i for i in g.input}
+    ordered = [i for i in g.input if i.name not in set(names)] + [by_name[n] for n in names]
+    del g.input[:]
+    g.input.extend(ordered)
+
+
 def _params_as_declared_inputs(model: onnx.ModelProto, params: set[str]) -> onnx.ModelProto:
     """``model`` with the initializers ``params`` turned into graph inputs, their data not copied
     (:func:`~onnxgrad.model.graph.without_weights`, whose other large initializers keep theirs)."""
@@ -161,13 +178,12 @@ def training_graph(
     if unknown:
         raise InputError(f"{unknown} are not initializers of the model")
     params = [i.name for i in loss_model.graph.initializer if i.name in set(trainable) | set(frozen)]
-    sizes = {i.name: _nbytes(i) for i in loss_model.graph.initializer}
-    big = sum(sizes[p] for p in params) >= checkpoint_file.EXTERNAL_DATA_THRESHOLD
+    big = _is_big(loss_model, params)
     if big:
         # a model over 2 GB: every parameter an input from the start, its data never copied nor
         # serialized (the checkpoint holds it); the trained ones are differentiated as inputs
         overridable = _params_as_declared_inputs(loss_model, set(params))
-        rest = sum(v for k, v in sizes.items() if k not in set(params))
+        rest = sum(_nbytes(i) for i in loss_model.graph.initializer if i.name not in set(params))
         if rest >= PROTOBUF_LIMIT:
             raise InputError(
                 f"the initializers that are neither trained nor frozen hold {rest} bytes, more than one "
@@ -222,10 +238,7 @@ def training_graph(
     del g.output[:]
     g.output.extend(by_name[n] for n in wanted if n in order)
     if big:  # the parameters are inputs already: after the user inputs, in initializer order
-        by_name = {i.name: i for i in g.input}
-        ordered = [i for i in g.input if i.name not in set(params)] + [by_name[p] for p in params]
-        del g.input[:]
-        g.input.extend(ordered)
+        _inputs_last(model, params)
     else:
         # trainable values were fed by compose as initializers: every parameter becomes an input
         for name in params:
@@ -249,6 +262,14 @@ def training_graph(
 
 def eval_graph(loss_model: onnx.ModelProto, params: list[str], loss_outputs: list[str]) -> onnx.ModelProto:
     """The forward and loss in inference mode, the parameters ``params`` as inputs."""
+    known = {i.name for i in loss_model.graph.initializer}
+    present = [p for p in params if p in known]
+    if _is_big(loss_model, present):
+        model = keep_outputs(
+            prepare(_params_as_declared_inputs(loss_model, set(present))).given_inference, loss_outputs
+        )
+        _inputs_last(model, [p for p in present if p in {i.name for i in model.graph.input}])
+        return _finish(model)
     prepared = prepare(loss_model)
     model = keep_outputs(prepared.given_inference, loss_outputs)
     _params_as_inputs(model, [p for p in params if p in {i.name for i in model.graph.initializer}])
@@ -258,7 +279,9 @@ def eval_graph(loss_model: onnx.ModelProto, params: list[str], loss_outputs: lis
 def inference_graph(
     loss_model: onnx.ModelProto, values: Mapping[str, np.ndarray], outputs: list[str]
 ) -> onnx.ModelProto:
-    """The model in inference mode computing ``outputs`` from the parameter ``values``."""
+    """The model in inference mode computing ``outputs`` from the parameter ``values``: they
+    replace the initializers of those names, and become initializers where ``loss_model`` takes
+    them as inputs (a model over 2 GB: nothing is copied before the graph is cut down)."""
     model = onnx.ModelProto()
     model.CopyFrom(prepare(loss_model).given_inference.proto)
     g = model.graph
@@ -276,7 +299,15 @@ def inference_graph(
         if missing:
             raise InputError(f"the model has no value named {missing} to output")
         g.output.extend(infos[o] for o in outputs if o not in known)
-    return _finish(keep_outputs(CheckedModel(model), outputs))
+    model = keep_outputs(CheckedModel(model), outputs)
+    g = model.graph
+    fed = [i.name for i in g.input if i.name in values]
+    if fed:
+        kept = [i for i in g.input if i.name not in values]
+        del g.input[:]
+        g.input.extend(kept)
+        g.initializer.extend(numpy_helper.from_array(np.asarray(values[n]), n) for n in fed)
+    return _finish(model)
 
 
 def loss_model_from_eval(eval_model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:

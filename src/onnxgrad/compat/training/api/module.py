@@ -12,7 +12,7 @@ from onnx.external_data_helper import _get_all_tensors, load_external_data_for_m
 
 from ....errors import InputError
 from ....model.graph import check_model
-from ....runtime.runner import make_session
+from ....runtime.runner import copy_options, default_options, make_session
 from ....runtime.session import resolve_providers
 from .. import checkpoint_file, graphs
 from .checkpoint_state import CheckpointState
@@ -71,6 +71,11 @@ class Module:
         self.training = True
         self._state = state
         self._providers = resolve_providers("cpu" if device.startswith("cpu") else device)
+        values = state._values()
+        self._big = sum(v.nbytes for v in values.values()) >= checkpoint_file.EXTERNAL_DATA_THRESHOLD
+        if self._big:  # onnxruntime's arena would keep a buffer of every gradient and update per session
+            session_options = copy_options(session_options or default_options())
+            session_options.enable_cpu_mem_arena = False
         self._options = session_options
         train, train_path = _load(train_model_uri, "training model")
         self._eval_file, self._eval_path = (
@@ -259,6 +264,8 @@ class Module:
         checkpoint_file.save_onnx(model, inference_model_uri)  # big weights: external data beside it
 
     def _loss_model_for_export(self) -> onnx.ModelProto:
+        if self._big:  # the training model as it is: its parameters are inputs, fed by inference_graph
+            return self._graph.model
         if self._eval_file is not None:
             return self._loss_model()
         # onnxgrad's own training model: its forward half, parameters fed back as initializers
