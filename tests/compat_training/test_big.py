@@ -5,12 +5,14 @@ external data (``<file>.data`` beside it; the checkpoint's in ``<checkpoint>.dat
 The external-data path is proven on a small model with the threshold lowered to 1 MB
 (``checkpoint_file.EXTERNAL_DATA_THRESHOLD``): every step gives exactly the numbers of the same
 model kept in one file. ``ONNXGRAD_BIG=1`` also runs a synthetic model of 2.1 GB (random weights,
-external data) through the same steps: it needs about 12 GB of memory and 7 GB of temporary disk.
+external data) through the same steps, SGD: measured on 2 shared cores, 430 s, 8.0 GiB of temporary
+files (removed at the end) and 10.9 GB of peak memory, too much for CI.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import numpy as np
@@ -239,16 +241,42 @@ def test_model_over_2gb(tmp_path):
     # 8 weights of [8192, 8192] float32 (256 MB each) and two thin ones: 2.1 GB of random weights
     width, layers = 8192, 9
     started = time.perf_counter()
-    model = wide_mlp(width, layers)
-    assert sum(4 * np.prod(i.dims) for i in model.graph.initializer) > 2**31
-    path = _save_external(model, str(tmp_path / "big.onnx"))
-    del model
-    result = _pipeline(
-        path, str(tmp_path / "work"), og.artifacts.OptimType.SGD, layers, steps=2, keep_params=False
-    )
-    assert result["losses"][-1] < result["losses"][0]
-    assert result["resumed_loss"] == result["next_loss"]
-    assert os.path.getsize(os.path.join(result["folder"], "checkpoint.data")) > 2**31
-    assert os.path.getsize(result["inference"] + ".data") > 2**31
-    disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path) for f in fs)
-    print(f"model over 2 GB: {time.perf_counter() - started:.0f} s, {disk / 2**30:.1f} GiB of files")
+    try:
+        model = wide_mlp(width, layers)
+        assert sum(4 * np.prod(i.dims) for i in model.graph.initializer) > 2**31
+        path = _save_external(model, str(tmp_path / "big.onnx"))
+        del model
+        result = _pipeline(
+            path, str(tmp_path / "work"), og.artifacts.OptimType.SGD, layers, steps=2, keep_params=False
+        )
+        assert result["losses"][-1] < result["losses"][0]
+        assert result["resumed_loss"] == result["next_loss"]
+        assert os.path.getsize(os.path.join(result["folder"], "checkpoint.data")) > 2**31
+        assert os.path.getsize(os.path.join(result["folder"], "checkpoint")) < 64 * 1024
+        assert os.path.getsize(result["inference"] + ".data") > 2**31
+        disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path) for f in fs)
+        print(f"model over 2 GB: {time.perf_counter() - started:.0f} s, {disk / 2**30:.1f} GiB of files")
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)  # 8 GiB: not left for pytest's rotation
+
+
+def test_model_given_in_memory_takes_the_same_path(tmp_path, low_threshold):
+    path = _save_external(wide_mlp(600, 2), str(tmp_path / "model.onnx"))  # onnx.save moves its data out
+    model = wide_mlp(600, 2)  # the same, its weights in memory
+    runs = {}
+    for name, given in (("path", path), ("proto", model)):
+        folder = str(tmp_path / name)
+        og.artifacts.generate_artifacts(
+            given,
+            requires_grad=["w0", "w1", "w2"],
+            loss=og.artifacts.LossType.MSELoss,
+            artifact_directory=folder,
+        )
+        assert os.path.exists(os.path.join(folder, "checkpoint.data"))
+        state = og.api.CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+        module = og.api.Module(os.path.join(folder, "training_model.onnx"), state)
+        runs[name] = float(module(*_data()))
+    assert runs["proto"] == runs["path"]
+    assert (
+        len(model.graph.initializer) == 3 and model.graph.initializer[0].raw_data
+    )  # the caller's model kept

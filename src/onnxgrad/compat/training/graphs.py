@@ -16,6 +16,11 @@ parameter an initializer. From it:
 A folder written by onnxruntime-training 1.19.2 holds the same loss model as its
 ``eval_model.onnx`` (parameters as inputs, fed from the checkpoint): :func:`loss_model_from_eval`
 puts them back as initializers.
+
+A model whose parameters reach ``checkpoint_file.EXTERNAL_DATA_THRESHOLD`` (1800 MB: a model over
+2 GB) is built with every parameter a graph input from the start (trained ones differentiated as
+inputs): its weights are never copied nor serialized, as no protobuf can hold them. The graphs are
+the same (``tests/compat_training/test_big.py`` compares the numbers).
 """
 
 from __future__ import annotations
