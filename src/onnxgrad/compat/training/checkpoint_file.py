@@ -346,16 +346,13 @@ def dumps(data: CheckpointData, external=None) -> bytes:
 
 def save(path: str | os.PathLike, data: CheckpointData) -> str:
     """Write ``data`` as a checkpoint file at ``path``, its tensors in ``<path>.data`` when they
-    reach :data:`EXTERNAL_DATA_THRESHOLD` (a stale ``<path>.data`` is removed otherwise); returns
-    the path."""
+    reach :data:`EXTERNAL_DATA_THRESHOLD`; returns the path. (A ``<path>.data`` left by an
+    earlier save is not removed: the new file does not read it.)"""
     path = os.fspath(path)
-    extra = data_path(path)
     if _nbytes(data) < EXTERNAL_DATA_THRESHOLD:
         buf = dumps(data)
-        if os.path.exists(extra):
-            os.remove(extra)
     else:
-        with open(extra, "wb") as external:
+        with open(data_path(path), "wb") as external:
             buf = dumps(data, external)
     with open(path, "wb") as f:
         f.write(buf)
