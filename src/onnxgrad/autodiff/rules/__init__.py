@@ -17,6 +17,7 @@ from . import (  # noqa: F401
     nondiff,
     norm,
     pool,
+    quant,
     reduce,
     resample,
     rnn,
