@@ -166,3 +166,110 @@ def test_coverage_page_is_what_the_command_prints():
         cwd=ROOT,
     )
     assert page == f"{intro}\n{done.stdout}", "docs/coverage.md is stale: run `make docs-coverage`"
+
+
+# The public API as /work/shared/API.md fixes it (names users, docs and outside checks call), with the
+# members it names; every other public module is covered through its ``__all__`` (or its public
+# functions and classes when it has none).
+API_NAMES = [
+    "onnxgrad.build_gradient",
+    "onnxgrad.GradientGraphs",
+    "onnxgrad.GradientGraphs.forward",
+    "onnxgrad.GradientGraphs.backward",
+    "onnxgrad.GradientGraphs.trainable",
+    "onnxgrad.GradientGraphs.saved",
+    "onnxgrad.GradientGraphs.save",
+    "onnxgrad.gradients",
+    "onnxgrad.supported_ops",
+    "onnxgrad.ForwardBackward",
+    "onnxgrad.ForwardBackward.forward",
+    "onnxgrad.ForwardBackward.parameters",
+    "onnxgrad.ForwardBackward.set_parameters",
+    "onnxgrad.ForwardBackward.to_onnx",
+    "onnxgrad.torch.OnnxModule",
+    "onnxgrad.torch.OnnxModule.forward",
+    "onnxgrad.torch.OnnxModule.to_onnx",
+    "onnxgrad.export",
+    "onnxgrad.register_function",
+    "onnxgrad.compat.OrtGradientForwardBackward",
+    "onnxgrad.compat.OrtGradientForwardBackwardFunction",
+]
+REFERENCE_MODULES = [
+    "onnxgrad",
+    "onnxgrad.torch",
+    "onnxgrad.train",
+    "onnxgrad.sklearn",
+    "onnxgrad.lora",
+    "onnxgrad.artifacts",
+    "onnxgrad.compat",
+    "onnxgrad.testing",
+    "onnxgrad.errors",
+]
+
+
+def public_names(module_name: str) -> list[str]:
+    """Dotted public names of a module: its ``__all__``, else the functions and classes it defines."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(module_name)
+    names = getattr(module, "__all__", None)
+    if names is None:
+        names = [
+            n
+            for n, obj in vars(module).items()
+            if not n.startswith("_")
+            and (inspect.isfunction(obj) or inspect.isclass(obj))
+            and obj.__module__ == module_name
+        ]
+    return [f"{module_name}.{n}" for n in names if not n.startswith("__")]
+
+
+def reference_ids(name: str) -> set[str]:
+    """The anchors that document ``name``: its dotted public path, the same object in another public
+    module (``onnxgrad.register_function`` is ``onnxgrad.torch.register_function``), or where it is
+    defined, seen from any package above its module (``onnxgrad.export`` is
+    ``onnxgrad.torch.export.export``)."""
+    import importlib
+
+    parts = name.split(".")
+    obj: Any = importlib.import_module(parts[0])
+    for part in parts[1:]:
+        obj = getattr(obj, part, None)  # None: a dataclass field, documented under its own name
+    ids = {name}
+    if obj is not None:
+        short = parts[-1]
+        ids |= {
+            f"{m}.{short}"
+            for m in REFERENCE_MODULES
+            if getattr(importlib.import_module(m), short, None) is obj
+        }
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        packages = module.split(".")
+        ids |= {".".join([*packages[:i], qualname]) for i in range(1, len(packages) + 1)}
+    return ids
+
+
+def test_reference_has_a_page_per_public_module():
+    """docs/reference/ has one page per public module, each in the site's navigation."""
+    pages = {p.stem for p in (DOCS / "reference").glob("*.md")} - {"index"}
+    assert {p if p == "onnxgrad" else f"onnxgrad.{p}" for p in pages} == set(REFERENCE_MODULES)
+    nav = (ROOT / "mkdocs.yml").read_text()
+    assert all(f"reference/{p}.md" in nav for p in [*pages, "index"])
+
+
+def test_api_reference_builds_and_lists_every_public_name(tmp_path):
+    """``mkdocs build --strict`` (what ``make docs`` runs) succeeds, and the built reference holds an
+    anchor for every public name: those of the API page and every public module's."""
+    pytest.importorskip("mkdocstrings_handlers.python", reason="the docs extra is not installed")
+    site = tmp_path / "site"
+    build = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml")]
+    done = _run([*build, "-d", str(site)], ROOT, dict(os.environ))
+    assert done.returncode == 0, f"mkdocs build --strict:\n{done.stdout[-3000:]}\n{done.stderr[-4000:]}"
+    anchors = set()
+    for page in (site / "reference").rglob("*.html"):
+        anchors |= set(re.findall(r'id="(onnxgrad[\w.]*)"', page.read_text()))
+    names = API_NAMES + [n for module in REFERENCE_MODULES for n in [module, *public_names(module)]]
+    missing = [n for n in names if not reference_ids(n) & anchors]
+    assert not missing, f"the API reference (docs/reference/) does not document {missing}"
