@@ -100,3 +100,20 @@ def test_mypy_sees_onnxgrad_types(tmp_path):
     wrong = r'^user\.py:9: error: Argument "feeds" to "gradients" has incompatible type "int"'
     assert re.search(wrong, out, re.M), out
     assert done.returncode == 1, out  # the one error above, nothing else
+
+
+def test_readme_supported_releases_are_the_declared_bounds():
+    """The README's "Supported releases" line says what pyproject.toml declares (pyproject is the
+    truth), for every dependency and torch."""
+    import tomllib
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    line = re.search(r"Supported releases: (.*?)\(the `torch` extra\)", readme)
+    assert line, "the README no longer says which releases it supports"
+    claimed = dict(re.findall(r"([\w-]+) >= ([\d.]+)", line.group(1)))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {}
+    for req in [*project["dependencies"], *project["optional-dependencies"]["torch"]]:
+        name, bound = re.fullmatch(r"([\w-]+)>=([\d.]+)", req).groups()
+        declared[name] = bound
+    assert claimed == declared
