@@ -451,3 +451,17 @@ def test_readme_says_how_to_install():
     for extra in ("torch", "sklearn", "train"):
         assert extra in extras and f"`{extra}`" in section, f"the extra {extra} is not explained"
     assert "docs/reference/" in section
+
+
+def test_reference_shows_sphinx_roles_as_code():
+    """The API reference's griffe extension (tools/griffe_sphinx_roles.py) turns the docstrings'
+    Sphinx roles into code spans and ``::`` literal markers into ``:``."""
+    pytest.importorskip("griffe", reason="the docs extra is not installed")
+    path = ROOT / "tools" / "griffe_sphinx_roles.py"
+    spec = importlib.util.spec_from_file_location("griffe_sphinx_roles", path)
+    roles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(roles)
+    text = "Uses :func:`~onnxgrad.autodiff.engine.build_gradient` and :class:`ValueError`::\n\n    x = 1\n"
+    assert roles.markdown(text) == "Uses `build_gradient` and `ValueError`:\n\n    x = 1\n"
+    field = ":param x: a :py:meth:`Runner.step`, not a::b"
+    assert roles.markdown(field) == ":param x: a `Runner.step`, not a::b"
