@@ -465,3 +465,18 @@ def test_reference_shows_sphinx_roles_as_code():
     assert roles.markdown(text) == "Uses `build_gradient` and `ValueError`:\n\n    x = 1\n"
     field = ":param x: a :py:meth:`Runner.step`, not a::b"
     assert roles.markdown(field) == ":param x: a `Runner.step`, not a::b"
+
+
+def test_ci_builds_the_reference():
+    """CI has a docs leg, and ``make docs`` installs the docs extra from the lock and builds strictly
+    (mkdocs.yml also sets ``strict``, so a plain ``mkdocs build`` fails on warnings too)."""
+    assert re.search(r"^leg docs make docs$", (ROOT / ".ci" / "run").read_text(), re.M)
+    target = re.search(r"^docs: .*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
+    assert target, "the Makefile has no docs target"
+    assert '-c $(LOCK) -e ".[docs]"' in target.group(1) and "mkdocs build --strict" in target.group(1)
+    assert re.search(r"^strict: true$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    extras = pyproject()["project"]["optional-dependencies"]
+    lock = (ROOT / "requirements" / "lock.txt").read_text().splitlines()
+    locked = {requirement_name(line) for line in lock}
+    for requirement in [*extras["docs"], "mypy"]:
+        assert requirement_name(requirement) in locked, f"{requirement} is not in requirements/lock.txt"
