@@ -83,10 +83,12 @@ lock:
 
 # The JavaScript runner (js/) on onnxruntime-node against the Python runner: the fixture (the digits
 # MLP's training folder and the Python losses) is written by js/test/make_fixture.py.
+# js/test/package.test.js packs the package and installs it into a fresh project (npm registry).
+# ONNXRUNTIME_NODE_INSTALL=skip: onnxruntime-node's postinstall downloads CUDA binaries from NuGet
 test-js: $(STAMP)
-	cd js && npm ci --no-audit --no-fund
+	cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci --no-audit --no-fund
 	$(PY) js/test/make_fixture.py js/test/fixture
-	cd js && node --test test/
+	cd js && node --test test/*.test.js
 
 # The browser: examples/web/ trains the digits MLP and CNN with onnxruntime-web (wasm) in headless chromium
 # (installed with apt-get when missing, or CHROMIUM=/path), served from localhost; also onnxruntime-web in

@@ -16,7 +16,7 @@ from bench import anchors  # noqa: E402
 
 import onnxgrad  # noqa: E402
 from onnxgrad.model.graph import to_array  # noqa: E402
-from onnxgrad.testing import run_gradients  # noqa: E402
+from onnxgrad.testing import assert_allclose_scaled, run_gradients  # noqa: E402
 
 # Small batches keep the suite fast; the architectures are exactly the anchors'.
 CASES = {
@@ -88,7 +88,7 @@ def test_anchor_float64_matches_torch(name):
 
     def check(got, want, names):
         scale = max(np.abs(want).max(), 1e-4)  # exact zeros (e.g. attention key bias) compare absolutely
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * scale, err_msg=str(names))
+        assert_allclose_scaled(got, want, rtol=1e-6, scale=scale, err_msg=str(names))
 
     _grouped_compare(model, grads, module, _torch_grads(module, x, cot), check)
 

@@ -311,9 +311,26 @@ def _probe_torch(interop: TorchInterop) -> None:
 def function_apply_observed(observe: Callable[[type, Any], None]) -> Any:
     """Within the block, ``observe(cls, outputs)`` runs after every ``torch.autograd.Function.apply``.
 
+    ``observe`` may raise to stop the call. See :func:`function_apply_wrapped`.
+    """
+
+    def wrap(cls: type, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        out = call(*args, **kwargs)
+        observe(cls, out)
+        return out
+
+    with function_apply_wrapped(wrap):
+        yield
+
+
+@contextlib.contextmanager
+def function_apply_wrapped(wrap: Callable[..., Any]) -> Any:
+    """Within the block, ``Function.apply(*args)`` of every class ``cls`` is ``wrap(cls, call, *args)``,
+    where ``call(*args)`` is the original ``apply`` bound to ``cls``.
+
     torch <= 2.13 defines ``Function.apply`` as a Python classmethod, torch 2.14 as a C
     ``classmethod_descriptor``; both are bound with ``__get__(None, cls)``, so one wrapper serves
-    either. The original is put back on exit. ``observe`` may raise to stop the call.
+    either. The original is put back on exit.
     """
     torch = require_torch()
     function = torch.autograd.Function
@@ -322,12 +339,77 @@ def function_apply_observed(observe: Callable[[type, Any], None]) -> Any:
         raise _missing("torch", torch.__version__, "torch.autograd.Function.apply as a class method")
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        out = original.__get__(None, cls)(*args, **kwargs)
-        observe(cls, out)
-        return out
+        return wrap(cls, original.__get__(None, cls), *args, **kwargs)
 
     function.apply = classmethod(apply)
     try:
         yield
     finally:
         function.apply = original
+
+
+# ---- writing into an onnxruntime OrtValueVector --------------------------------------------------
+_COPY_SESSIONS: dict[tuple[int, ...], Any] = {}
+
+
+def _copy_session(types: tuple[int, ...]) -> Any:
+    """A CPU session of Identity nodes ``x{i} -> y{i}``, one per element type in ``types``."""
+    sess = _COPY_SESSIONS.get(types)
+    if sess is None:
+        from onnx import helper
+
+        graph = helper.make_graph(
+            [helper.make_node("Identity", [f"x{i}"], [f"y{i}"]) for i in range(len(types))],
+            "copy_into",
+            [helper.make_tensor_value_info(f"x{i}", t, None) for i, t in enumerate(types)],
+            [helper.make_tensor_value_info(f"y{i}", t, None) for i, t in enumerate(types)],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        options = ort.SessionOptions()
+        options.log_severity_level = 4
+        sess = ort.InferenceSession(
+            model.SerializeToString(),
+            options,
+            providers=["CPUExecutionProvider"],
+        )
+        _COPY_SESSIONS[types] = sess
+    return sess
+
+
+def copy_into_ortvaluevector(values: Sequence[Any], target: Any) -> bool:
+    """Overwrite the values a ``C.OrtValueVector`` holds with ``values`` (C-level OrtValues), in
+    place, as onnxruntime-training's agents filled a caller's vector: their buffers receive the new
+    data, so ``target`` reads the new values from Python and from C++ alike.
+
+    The C++ vector cannot be emptied or resized from Python: this works when ``target`` holds as
+    many CPU tensors as ``values``, with the same element types and shapes (onnxruntime writes the
+    outputs of an Identity graph into them as pre-allocated outputs). Returns ``False``, writing
+    nothing, otherwise.
+    """
+    n = len(values)
+    if len(target) != n or not hasattr(C.InferenceSession, "run_with_ortvaluevector"):
+        return False
+    old = [target[i] for i in range(n)]
+    for a, b in zip(old, values):
+        if not (a.is_tensor() and b.is_tensor()):
+            return False
+        if a.device_name().lower() != "cpu" or b.device_name().lower() != "cpu":
+            return False
+        if a.element_type() != b.element_type() or list(a.shape()) != list(b.shape()):
+            return False
+    if n == 0:
+        return True
+    feeds = C.OrtValueVector()
+    for v in values:
+        feeds.push_back(v)
+    sess = _copy_session(tuple(int(v.element_type()) for v in values))
+    sess._sess.run_with_ortvaluevector(
+        ort.RunOptions(),
+        [f"x{i}" for i in range(n)],
+        feeds,
+        [f"y{i}" for i in range(n)],
+        target,
+        [CPU] * n,
+    )
+    return True

@@ -7,18 +7,29 @@ model, converted with skl2onnx on the first ``fit`` — and fit it further with
 ``Pipeline``, ``GridSearchCV`` and ``cross_val_score``. The trained model is available as ONNX
 (:meth:`to_onnx`, the converted model's outputs and the trained weights).
 
+Training stops as scikit-learn's ``MLPRegressor`` / ``MLPClassifier`` stop: after ``max_iter``
+epochs (with a :class:`~sklearn.exceptions.ConvergenceWarning`), or earlier when the training loss
+(or, with ``early_stopping``, the score on ``validation_fraction`` of the data) has not improved by
+``tol`` for more than ``n_iter_no_change`` epochs in a row.
+
 Needs scikit-learn, and skl2onnx to convert scikit-learn models.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import onnx
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.metrics import accuracy_score, r2_score
+from sklearn.model_selection import train_test_split
 from sklearn.utils.validation import check_array, check_is_fitted
 
 from .autodiff.params import select_parameters
@@ -26,9 +37,10 @@ from .errors import InputError
 from .model.graph import np_dtype, unique_name
 from .model.infer import infer_value_infos
 from .model.load import CheckedModel, load_checked
-from .runtime.runner import make_session
+from .runtime.runner import default_options, make_session
 from .train.losses import add_loss, keep_outputs, with_parameters
-from .train.trainer import History, Trainer
+from .train.optim import Optimizer
+from .train.trainer import Callback, History, Trainer
 
 __all__ = ["OnnxClassifier", "OnnxRegressor", "to_onnx_model"]
 
@@ -94,10 +106,15 @@ class _OnnxEstimator(BaseEstimator):
         model: Any = None,
         *,
         output: str | None = None,
-        optimizer: str = "adam",
+        optimizer: str | Callable[[dict[str, np.ndarray]], Optimizer] = "adam",
         lr: float = 1e-3,
-        epochs: int = 10,
-        batch_size: int = 32,
+        max_iter: int = 200,
+        tol: float = 1e-4,
+        n_iter_no_change: int = 10,
+        early_stopping: bool = False,
+        validation_fraction: float = 0.1,
+        epochs: int | None = None,
+        batch_size: int | str = "auto",
         l1: float = 0.0,
         l2: float = 0.0,
         trainable: Iterable[str] | None = None,
@@ -110,6 +127,11 @@ class _OnnxEstimator(BaseEstimator):
         self.output = output
         self.optimizer = optimizer
         self.lr = lr
+        self.max_iter = max_iter
+        self.tol = tol
+        self.n_iter_no_change = n_iter_no_change
+        self.early_stopping = early_stopping
+        self.validation_fraction = validation_fraction
         self.epochs = epochs
         self.batch_size = batch_size
         self.l1 = l1
@@ -129,8 +151,10 @@ class _OnnxEstimator(BaseEstimator):
 
     # ---- fitting -------------------------------------------------------------------------------
     def fit(self, X: Any, y: Any, sample_weight: Any = None) -> _OnnxEstimator:
-        """Train for ``epochs`` epochs: from the wrapped model, or, with ``warm_start`` and after a
-        previous fit, from the weights that fit reached."""
+        """Train from the wrapped model, or, with ``warm_start`` and after a previous fit, from the
+        weights that fit reached: until convergence or ``max_iter`` epochs (exactly ``epochs``
+        epochs when that is set)."""
+        self._check_stopping_params()
         warm = self.warm_start and hasattr(self, "onnx_model_")  # the attribute fit sets, not another
         X, y = self._check_X(X, reset=not warm), np.asarray(y)
         if not warm:
@@ -141,9 +165,100 @@ class _OnnxEstimator(BaseEstimator):
         else:
             start = self.onnx_model_  # the previous fit's weights
             self._check_targets(y)
-        self.trainer_ = self._make_trainer(start, resume=warm)
-        self._train(X, y, sample_weight, epochs=self.epochs)
+        self.trainer_ = self._make_trainer(start, resume=warm, n_samples=len(X))
+        if self.epochs is not None:  # a fixed number of epochs: no convergence test
+            self._train(X, y, sample_weight, epochs=self.epochs)
+            self._without_validation()
+        else:
+            self._fit_until_converged(X, y, sample_weight)
         return self
+
+    def _check_stopping_params(self) -> None:
+        """:class:`InputError` for stopping parameters scikit-learn would refuse."""
+        checks = [
+            (
+                "max_iter",
+                self.max_iter,
+                _integer(self.max_iter) and self.max_iter >= 1,
+                ">= 1",
+            ),
+            ("tol", self.tol, isinstance(self.tol, numbers.Real) and self.tol >= 0, ">= 0"),
+            (
+                "n_iter_no_change",
+                self.n_iter_no_change,
+                _integer(self.n_iter_no_change) and self.n_iter_no_change >= 1,
+                ">= 1",
+            ),
+            (
+                "validation_fraction",
+                self.validation_fraction,
+                isinstance(self.validation_fraction, numbers.Real) and 0 < self.validation_fraction < 1,
+                "in (0, 1)",
+            ),
+            (
+                "epochs",
+                self.epochs,
+                self.epochs is None or (_integer(self.epochs) and self.epochs >= 1),
+                "None or >= 1",
+            ),
+            (
+                "batch_size",
+                self.batch_size,
+                self.batch_size == "auto" or (_integer(self.batch_size) and self.batch_size >= 1),
+                "'auto' or >= 1",
+            ),
+        ]
+        for name, value, ok, expected in checks:
+            if not ok:
+                raise InputError(f"{name} must be {expected}, got {value!r}")
+
+    def _fit_until_converged(self, X: np.ndarray, y: np.ndarray, sample_weight: Any) -> None:
+        """MLPRegressor's loop: epochs until the loss (or the validation score) stops improving by
+        ``tol`` for more than ``n_iter_no_change`` epochs, or ``max_iter`` epochs."""
+        val = None
+        # with warm_start, the records go on from the previous fit, as scikit-learn's do
+        warm = self.warm_start and hasattr(self, "onnx_model_")
+        scores = getattr(self, "validation_scores_", None) if warm else None
+        best_score = getattr(self, "best_validation_score_", None) if warm else None
+        best_loss = getattr(self, "best_loss_", None) if warm else None
+        if self.early_stopping:
+            X, y, sample_weight, val = self._split_validation(X, y, sample_weight)
+            self.validation_scores_ = list(scores or [])
+            self.best_validation_score_ = -math.inf if best_score is None else best_score
+            self.best_loss_ = None
+        else:
+            self.best_loss_ = math.inf if best_loss is None else best_loss
+            self.validation_scores_ = self.best_validation_score_ = None
+        monitor = _Convergence(self, val)
+        self.trainer_.callbacks.append(monitor)
+        try:
+            self._train(X, y, sample_weight, epochs=self.max_iter)
+        finally:
+            self.trainer_.callbacks.remove(monitor)
+        if val is not None and monitor.best_params is not None:  # as scikit-learn: the best epoch's
+            self.trainer_.set_parameters(monitor.best_params)
+            self._publish(self.trainer_)
+        if not monitor.converged:
+            warnings.warn(
+                f"Stochastic Optimizer: Maximum iterations ({self.max_iter}) reached and the "
+                "optimization hasn't converged yet.",
+                ConvergenceWarning,
+                stacklevel=3,
+            )
+
+    def _split_validation(
+        self, X: np.ndarray, y: np.ndarray, sample_weight: Any
+    ) -> tuple[np.ndarray, np.ndarray, Any, tuple[np.ndarray, np.ndarray, Any]]:
+        """``validation_fraction`` of the samples set aside (stratified for a classifier), as
+        scikit-learn's early stopping does."""
+        stratify = y if isinstance(self, ClassifierMixin) else None
+        parts = [X, y] if sample_weight is None else [X, y, np.asarray(sample_weight)]
+        split = train_test_split(
+            *parts, test_size=self.validation_fraction, random_state=self.random_state, stratify=stratify
+        )
+        X_tr, X_val, y_tr, y_val = split[:4]
+        w_tr, w_val = (split[4], split[5]) if sample_weight is not None else (None, None)
+        return X_tr, y_tr, w_tr, (X_val, y_val, w_val)
 
     def partial_fit(self, X: Any, y: Any, sample_weight: Any = None, **kwargs: Any) -> _OnnxEstimator:
         """One epoch over ``X``, continuing the optimizer's state from the previous call."""
@@ -153,13 +268,19 @@ class _OnnxEstimator(BaseEstimator):
             base = _checked_model(self.model, X, classifier=isinstance(self, ClassifierMixin))
             self._base_ = base.proto
             self._prepare(base, y, **kwargs)
-            self.trainer_ = self._make_trainer(self._base_)
+            self.trainer_ = self._make_trainer(self._base_, n_samples=len(X))
         else:
             self._check_targets(y)
             if getattr(self, "trainer_", None) is None:  # unpickled: rebuild from the trained model
                 self.trainer_ = self._make_trainer(self.onnx_model_, resume=True)
         self._train(X, y, sample_weight, epochs=1)
+        self._without_validation()
         return self
+
+    def _without_validation(self) -> None:
+        """The stopping attributes of a run that watched nothing: the best loss of the curve."""
+        self.best_loss_ = min(self.loss_curve_)
+        self.validation_scores_ = self.best_validation_score_ = None
 
     def _check_X(self, X: Any, reset: bool) -> np.ndarray:
         X = check_array(X, dtype=None, ensure_2d=True)
@@ -197,7 +318,9 @@ class _OnnxEstimator(BaseEstimator):
         self._train_model_ = keep_outputs(CheckedModel(model), [loss])
         self._names_ = (self.input_name_, target, weight)
 
-    def _make_trainer(self, start: onnx.ModelProto, resume: bool = False) -> Trainer:
+    def _make_trainer(
+        self, start: onnx.ModelProto, resume: bool = False, n_samples: int | None = None
+    ) -> Trainer:
         """A trainer on the training model, its weights taken from ``start``; with ``resume``, its
         history (``loss_curve_``, ``n_iter_``) continues the previous fit's, as scikit-learn's
         warm starts do."""
@@ -213,8 +336,8 @@ class _OnnxEstimator(BaseEstimator):
         trainer = Trainer(
             CheckedModel(with_parameters(CheckedModel(self._train_model_), weights)),
             optimizer=self.optimizer,
-            lr=self.lr,
-            batch_size=self.batch_size,
+            lr=None if _is_factory(self.optimizer) else self.lr,  # a factory sets its own
+            batch_size=self._batch_size(n_samples),
             shuffle=self.shuffle,
             seed=self.random_state,
             progress=bool(self.verbose),
@@ -225,6 +348,12 @@ class _OnnxEstimator(BaseEstimator):
             trainer.history, trainer.epoch = History(self.history_.records), self.n_iter_
         return trainer
 
+    def _batch_size(self, n_samples: int | None) -> int:
+        """``batch_size``; ``"auto"`` is ``min(200, n_samples)`` as in scikit-learn's MLPs."""
+        if self.batch_size == "auto":
+            return 200 if n_samples is None else max(1, min(200, n_samples))
+        return int(self.batch_size)
+
     def _train(self, X: np.ndarray, y: np.ndarray, sample_weight: Any, epochs: int) -> None:
         x_name, t_name, w_name = self._names_
         w = np.ones(len(X)) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
@@ -233,14 +362,37 @@ class _OnnxEstimator(BaseEstimator):
         data = {x_name: X, t_name: self._encode_targets(y), w_name: w}
         trainer = self.trainer_
         trainer.fit(data, epochs=trainer.epoch + epochs)
+        self._publish(trainer)
+
+    def _publish(self, trainer: Trainer) -> None:
+        """The fitted attributes from the trainer's history and weights."""
         self.history_ = trainer.history
         self.loss_curve_ = list(trainer.history["loss"])
         self.n_iter_ = len(self.loss_curve_)
-        params = dict(trainer.parameters)
-        for tie in trainer.fb.graphs.ties:  # tied copies, computed from their parameter
-            params[tie.name] = tie.compute(params[tie.source])
-        self.onnx_model_ = with_parameters(CheckedModel(self._base_), params)
+        self.onnx_model_ = with_parameters(CheckedModel(self._base_), _weights(trainer))
         self._session_ = None
+
+    def _validation_score(self, trainer: Trainer, X: np.ndarray, y: np.ndarray, w: Any) -> float:
+        """:meth:`score` of the trainer's current weights on ``(X, y)``, without rebuilding a
+        session each epoch: one session whose trained initializers are also inputs."""
+        session = getattr(self, "_val_session_", None)
+        if session is None or self._val_session_key_ is not trainer:
+            model = keep_outputs(CheckedModel(self._base_), [self._output_])
+            inits = {i.name: i for i in model.graph.initializer}
+            overridden = [name for name in _weights(trainer) if name in inits]
+            for name in overridden:  # an input of the same name overrides the initializer
+                init = inits[name]
+                info = onnx.helper.make_tensor_value_info(name, init.data_type, list(init.dims))
+                model.graph.input.append(info)
+            options = default_options()
+            options.log_severity_level = 3  # not the warning that these initializers are inputs
+            self._val_session_ = session = make_session(model, ["CPUExecutionProvider"], options)
+            self._val_session_key_ = trainer
+            self._val_inputs_ = set(overridden)
+        feeds = {k: v for k, v in _weights(trainer).items() if k in self._val_inputs_}
+        feeds[self.input_name_] = X.astype(np_dtype(self._input_dtype_), copy=False)
+        scores = session.run(None, feeds)[0]
+        return float(self._score_predictions(y, self._predict_scores(scores), w))
 
     # ---- prediction ----------------------------------------------------------------------------
     def to_onnx(self) -> onnx.ModelProto:
@@ -264,6 +416,8 @@ class _OnnxEstimator(BaseEstimator):
         state = super().__getstate__()
         state.pop("trainer_", None)
         state["_session_"] = None
+        state.pop("_val_session_", None)
+        state.pop("_val_session_key_", None)
         return state
 
 
@@ -274,8 +428,22 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
     model output to train (default: the first floating-point one). ``l1`` / ``l2``: penalties on
     the initializers of rank >= 2 (skl2onnx stores MLP intercepts as ``(1, n)`` matrices: they are
     penalized too). ``trainable``: initializer names (default: the model's parameters,
-    see :mod:`onnxgrad.autodiff.params`). Fitted attributes: ``onnx_model_``, ``loss_curve_``, ``history_``,
-    ``n_iter_`` (epochs), ``n_features_in_``.
+    see :mod:`onnxgrad.autodiff.params`).
+
+    Stopping, with the meaning of ``MLPRegressor``'s parameters of the same names: at most
+    ``max_iter`` epochs (a :class:`~sklearn.exceptions.ConvergenceWarning` when reached), fewer
+    when the training loss has not improved by ``tol`` for more than ``n_iter_no_change``
+    consecutive epochs; with ``early_stopping``, ``validation_fraction`` of the samples are set
+    aside and their R² is watched instead, and the weights of the best epoch are kept. ``epochs``:
+    exactly that many epochs per ``fit``, no convergence test (what earlier versions did).
+    ``batch_size="auto"`` is ``min(200, n_samples)``. ``optimizer``: ``"adam"``, ``"sgd"``,
+    ``"adamw"``, or a factory ``params -> Optimizer`` that sets its own learning rate (``lr`` is then
+    unused), such as ``functools.partial(onnxgrad.train.ElasticPenalty, lr=0.01, l1=1e-4, l2=1e-4)``.
+
+    Fitted attributes: ``onnx_model_``, ``loss_curve_`` (the training loss of each epoch: the mean
+    squared error for ``"mse"``, where MLPRegressor records half of it), ``best_loss_`` (``None``
+    with early stopping), ``validation_scores_`` and ``best_validation_score_`` (early stopping
+    only, else ``None``), ``history_``, ``n_iter_`` (epochs), ``n_features_in_``.
     """
 
     def __init__(
@@ -284,10 +452,15 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
         *,
         loss: str = "mse",
         output: str | None = None,
-        optimizer: str = "adam",
+        optimizer: str | Callable[[dict[str, np.ndarray]], Optimizer] = "adam",
         lr: float = 1e-3,
-        epochs: int = 10,
-        batch_size: int = 32,
+        max_iter: int = 200,
+        tol: float = 1e-4,
+        n_iter_no_change: int = 10,
+        early_stopping: bool = False,
+        validation_fraction: float = 0.1,
+        epochs: int | None = None,
+        batch_size: int | str = "auto",
         l1: float = 0.0,
         l2: float = 0.0,
         trainable: Iterable[str] | None = None,
@@ -301,6 +474,11 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
             output=output,
             optimizer=optimizer,
             lr=lr,
+            max_iter=max_iter,
+            tol=tol,
+            n_iter_no_change=n_iter_no_change,
+            early_stopping=early_stopping,
+            validation_fraction=validation_fraction,
             epochs=epochs,
             batch_size=batch_size,
             l1=l1,
@@ -331,8 +509,13 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
 
     def predict(self, X: Any) -> np.ndarray:
         """Predictions, shape ``(n,)`` for a single-target model, else ``(n, targets)``."""
-        pred = self._run(X)
+        return self._predict_scores(self._run(X))
+
+    def _predict_scores(self, pred: np.ndarray) -> np.ndarray:
         return pred.reshape(len(pred)) if pred.ndim == 2 and pred.shape[1] == 1 else pred
+
+    def _score_predictions(self, y: np.ndarray, pred: np.ndarray, w: Any) -> float:
+        return float(r2_score(y, pred, sample_weight=w))
 
 
 class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
@@ -344,8 +527,10 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
     output holds, ``"logits"``, ``"probabilities"`` or ``"auto"`` (probabilities when a Softmax
     makes it or when the model also outputs integer labels, as skl2onnx's converters do).
     The loss is the cross-entropy: on the logits before the Softmax when there is one (the stable
-    form), else the negative log-likelihood of the probabilities. Fitted attributes: ``classes_``
-    and those of :class:`OnnxRegressor`.
+    form), else the negative log-likelihood of the probabilities. Stopping as
+    :class:`OnnxRegressor` (early stopping watches the accuracy, on a stratified split, as
+    ``MLPClassifier``). Fitted attributes: ``classes_`` and those of :class:`OnnxRegressor`
+    (``loss_curve_``: the mean cross-entropy of each epoch).
     """
 
     def __init__(
@@ -354,10 +539,15 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
         *,
         output: str | None = None,
         scores: str = "auto",
-        optimizer: str = "adam",
+        optimizer: str | Callable[[dict[str, np.ndarray]], Optimizer] = "adam",
         lr: float = 1e-3,
-        epochs: int = 10,
-        batch_size: int = 32,
+        max_iter: int = 200,
+        tol: float = 1e-4,
+        n_iter_no_change: int = 10,
+        early_stopping: bool = False,
+        validation_fraction: float = 0.1,
+        epochs: int | None = None,
+        batch_size: int | str = "auto",
         l1: float = 0.0,
         l2: float = 0.0,
         trainable: Iterable[str] | None = None,
@@ -371,6 +561,11 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
             output=output,
             optimizer=optimizer,
             lr=lr,
+            max_iter=max_iter,
+            tol=tol,
+            n_iter_no_change=n_iter_no_change,
+            early_stopping=early_stopping,
+            validation_fraction=validation_fraction,
             epochs=epochs,
             batch_size=batch_size,
             l1=l1,
@@ -442,7 +637,59 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
 
     def predict(self, X: Any) -> np.ndarray:
         """The most probable class of each sample."""
-        return self.classes_[np.argmax(self._run(X), axis=1)]
+        return self._predict_scores(self._run(X))
+
+    def _predict_scores(self, scores: np.ndarray) -> np.ndarray:
+        return self.classes_[np.argmax(scores, axis=1)]
+
+    def _score_predictions(self, y: np.ndarray, pred: np.ndarray, w: Any) -> float:
+        return float(accuracy_score(y, pred, sample_weight=w))
+
+
+def _is_factory(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a factory ``params -> Optimizer`` (not a name, not a class)."""
+    return callable(optimizer) and not isinstance(optimizer, str | type)
+
+
+def _integer(value: Any) -> bool:
+    """An integer that is not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _weights(trainer: Trainer) -> dict[str, np.ndarray]:
+    """The trainer's parameters, and the tied copies computed from them."""
+    params = dict(trainer.parameters)
+    for tie in trainer.fb.graphs.ties:
+        params[tie.name] = tie.compute(params[tie.source])
+    return params
+
+
+class _Convergence(Callback):
+    """scikit-learn's ``_update_no_improvement_count`` at the end of each epoch: counts the epochs
+    whose training loss is not below ``best_loss_ - tol`` (or, with validation data, whose score
+    is not above ``best_validation_score_ + tol``) and stops the trainer when the count exceeds
+    ``n_iter_no_change``. With validation data, keeps a copy of the best epoch's weights."""
+
+    def __init__(self, estimator: _OnnxEstimator, val: tuple[np.ndarray, np.ndarray, Any] | None) -> None:
+        self.estimator, self.val = estimator, val
+        self.count, self.converged = 0, False
+        self.best_params: dict[str, np.ndarray] | None = None
+
+    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: Mapping[str, Any]) -> None:
+        est = self.estimator
+        if self.val is not None:
+            score = est._validation_score(trainer, *self.val)
+            est.validation_scores_.append(score)
+            self.count = self.count + 1 if score < est.best_validation_score_ + est.tol else 0
+            if score > est.best_validation_score_:
+                est.best_validation_score_ = score
+                self.best_params = {k: v.copy() for k, v in trainer.parameters.items()}
+        else:
+            loss = float(logs["loss"])
+            self.count = self.count + 1 if loss > est.best_loss_ - est.tol else 0
+            est.best_loss_ = min(est.best_loss_, loss)
+        if self.count > est.n_iter_no_change:
+            self.converged = trainer.stop_training = True
 
 
 def _softmax_input(model: onnx.ModelProto, value: str) -> str | None:

@@ -5,7 +5,8 @@ forward graph, in float64, through onnxruntime or ``onnx.reference`` (for ops on
 float64 kernel for). :func:`node_model` and :func:`check_op` make one-node models so each rule is
 checked in isolation, at any shape; :func:`check_nodes` checks every node of a model that way, at the
 values the model computes. The command ``onnxgrad check`` is :func:`check_nodes` and
-:func:`check_gradients` on random inputs.
+:func:`check_gradients` on random inputs. :func:`assert_allclose_scaled` compares two float32
+results of one computation done in different orders, with a bound that scales with their magnitude.
 """
 
 from __future__ import annotations
@@ -545,3 +546,53 @@ def _declare_output_shapes(model: onnx.ModelProto, values: Sequence[np.ndarray |
             tensor.shape.SetInParent()
             for d in np.shape(value):
                 tensor.shape.dim.add().dim_value = d
+
+
+# ---- float32 results computed in different orders ---------------------------------------------
+def assert_allclose_scaled(
+    actual: Any,
+    expected: Any,
+    *,
+    rtol: float = 1e-5,
+    scale: float | None = None,
+    err_msg: str = "",
+) -> None:
+    """Assert that two results of the same computation, done in different orders, agree to rounding.
+
+    The rule: every element satisfies ``|actual - expected| <= rtol * scale``, where ``scale`` is
+    ``max |expected|`` over the tensor's finite elements unless given. Shapes must be equal, NaNs
+    and infinities at the same places.
+
+    Use it where float32 values are computed in another order: merged against unmerged weights,
+    ONNX against torch, fused against unfused kernels, one graph against two, and onnxruntime on a
+    CPU with other kernels (AVX2 against AVX-512). Reordering a float32 sum moves each element by
+    a few units in the last place of the terms summed into it, and those terms have the magnitude
+    of the tensor, not of the element: an element that cancels to near zero carries an error of
+    the size of its neighbours, and a large tensor carries a large absolute error. So the bound
+    scales with the tensor's magnitude: neither absolute (breaks on values of magnitude 100) nor
+    per element (breaks on the elements near zero). A reorder costs about 1e-7 to 1e-6 relative
+    per float32 reduction and grows with depth; a wrong formula (a missed factor, a wrong
+    gradient) is off by 1e-2 or more: pick ``rtol`` between the two. Comparisons against float64
+    finite differences have their own rule (:func:`check_gradients`).
+
+    ``actual`` and ``expected``: arrays, scalars or torch tensors (detached here). ``scale``: the
+    magnitude the error is measured against, when it is not that of ``expected`` (e.g. a
+    gradient whose exact value is zero). Raises ``AssertionError`` naming the worst element.
+    """
+    got, want = _as_float64(actual), _as_float64(expected)
+    if got.shape != want.shape:
+        raise AssertionError(f"{err_msg}: shapes differ: {got.shape} against {want.shape}".lstrip(": "))
+    if scale is None:
+        finite = np.abs(want[np.isfinite(want)])
+        scale = float(finite.max()) if finite.size else 0.0
+    bound = rtol * scale
+    note = f"bound {rtol:g} x max|expected| {scale:.4g} = {bound:.3g}"
+    np.testing.assert_allclose(got, want, rtol=0, atol=bound, err_msg=f"{err_msg} ({note})".lstrip())
+
+
+def _as_float64(value: Any) -> np.ndarray:
+    """``value`` as a float64 (or complex128) array; torch tensors are detached and moved to the CPU."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    return arr.astype(np.complex128 if arr.dtype.kind == "c" else np.float64)

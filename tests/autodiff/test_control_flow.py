@@ -17,9 +17,9 @@ import onnxgrad.autodiff.rules.sequence
 from onnxgrad.autodiff.engine import check_graphs
 from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.testing import check_gradients, run_model
+from tests.autodiff.random_data import rng  # one generator per test (conftest.py)
 from tests.models import make_model
 
-RNG = np.random.default_rng(0)
 F64, I64, BOOL = TensorProto.DOUBLE, TensorProto.INT64, TensorProto.BOOL
 
 
@@ -182,8 +182,8 @@ def rnn_loop(extra_use_of_x: bool = False) -> onnx.ModelProto:
         [vi("cout", BOOL, []), vi("hn", F64, [4]), vi("sq", F64, [4])],
     )
     inits = {
-        "W": RNG.standard_normal((4, 4)) * 0.5,
-        "U": RNG.standard_normal((3, 4)),
+        "W": rng().standard_normal((4, 4)) * 0.5,
+        "U": rng().standard_normal((3, 4)),
         "b": np.array([0.1, 0.2, 0.3, -0.1]),
     }
     return make_model(
@@ -200,7 +200,7 @@ def rnn_loop(extra_use_of_x: bool = False) -> onnx.ModelProto:
 @pytest.mark.parametrize("trips", [4, 2, 0])
 def test_loop_rnn_over_time(trips):
     # 4 rows of x, read as x[t] for t < trips: the other rows get zero gradients
-    feeds = {"x": RNG.standard_normal((4, 3)), "h0": RNG.standard_normal(4), "M": np.array(trips)}
+    feeds = {"x": rng().standard_normal((4, 3)), "h0": rng().standard_normal(4), "M": np.array(trips)}
     graphs = check(rnn_loop(), feeds)
     # x[t] is gathered again by the backward, not taped; h_t and tanh are
     taped = [o.name for o in graphs.forward.graph.output if "_tape" in o.name]
@@ -208,7 +208,7 @@ def test_loop_rnn_over_time(trips):
 
 
 def test_loop_capture_read_whole_is_accumulated():
-    feeds = {"x": RNG.standard_normal((3, 3)), "h0": RNG.standard_normal(4), "M": np.array(3)}
+    feeds = {"x": rng().standard_normal((3, 3)), "h0": rng().standard_normal(4), "M": np.array(3)}
     check(rnn_loop(extra_use_of_x=True), feeds)
 
 
@@ -216,8 +216,8 @@ def test_zero_iterations_pass_carried_gradients_through():
     graphs = onnxgrad.build_gradient(
         rnn_loop(), trainable=["W"], inputs_requiring_grad=["h0"], outputs=["hT"]
     )
-    dh = RNG.standard_normal(4)
-    feeds = {"x": RNG.standard_normal((2, 3)), "h0": RNG.standard_normal(4), "M": np.array(0)}
+    dh = rng().standard_normal(4)
+    feeds = {"x": rng().standard_normal((2, 3)), "h0": rng().standard_normal(4), "M": np.array(0)}
     out, grads = onnxgrad.testing.run_gradients(graphs, feeds, {"hT": dh})
     np.testing.assert_array_equal(out["hT"], feeds["h0"])
     np.testing.assert_array_equal(grads["h0"], dh)
@@ -312,7 +312,7 @@ def scan_model(
         [scan],
         [("x", np.float64, xs), ("z", np.float64, [steps, 2, 4]), ("s0", np.float64, [2, 4])],
         [("sT", np.float64, [2, 4]), ("y", np.float64, ys)],
-        {"W": RNG.standard_normal((4, 4)) * 0.5, "U": RNG.standard_normal((3, 4))},
+        {"W": rng().standard_normal((4, 4)) * 0.5, "U": rng().standard_normal((3, 4))},
     )
 
 
@@ -322,9 +322,9 @@ def test_scan_axes_directions_and_empty_sequences(axes, steps):
     xs = [2, 3]
     xs.insert(axes[0] % 3, steps)
     feeds = {
-        "x": RNG.standard_normal(xs),
-        "z": RNG.standard_normal((steps, 2, 4)),
-        "s0": RNG.standard_normal((2, 4)),
+        "x": rng().standard_normal(xs),
+        "z": rng().standard_normal((steps, 2, 4)),
+        "s0": rng().standard_normal((2, 4)),
     }
     # onnxruntime fails on the model itself over an empty sequence: the forward guards the Scan
     graphs = check(scan_model(*axes), feeds, same_forward=steps > 0)
@@ -340,9 +340,9 @@ def test_scan_of_static_length_is_not_guarded():
     graphs = check(
         scan_model(0, 0, 0, 0, steps=3),
         {
-            "x": RNG.standard_normal((3, 2, 3)),
-            "z": RNG.standard_normal((3, 2, 4)),
-            "s0": RNG.standard_normal((2, 4)),
+            "x": rng().standard_normal((3, 2, 3)),
+            "z": rng().standard_normal((3, 2, 4)),
+            "s0": rng().standard_normal((2, 4)),
         },
     )
     assert [n.op_type for n in graphs.forward.graph.node] == ["Scan"]
@@ -422,8 +422,8 @@ def nested_loops() -> onnx.ModelProto:
 @pytest.mark.parametrize(("outer", "inner"), [(3, 2), (2, 0), (0, 2)])
 def test_loop_inside_loop(outer, inner):
     feeds = {
-        "h0": RNG.standard_normal(3),
-        "x": RNG.standard_normal((max(outer, 1), 3)),
+        "h0": rng().standard_normal(3),
+        "x": rng().standard_normal((max(outer, 1), 3)),
         "M": np.array(outer),
         "K": np.array(inner),
     }
@@ -574,7 +574,7 @@ def scan8_model(directions: list[int], states: bool = True) -> onnx.ModelProto:
             ("z", np.float64, [2, 5, 3]),
         ],
         [*([("hT", np.float64, [2, 3])] if states else []), ("ys", np.float64, [2, 5, 3])],
-        initializers={"W": RNG.standard_normal((4, 3)) * 0.5, "U": RNG.standard_normal((3, 3)) * 0.5},
+        initializers={"W": rng().standard_normal((4, 3)) * 0.5, "U": rng().standard_normal((3, 3)) * 0.5},
         opset=8,
     )
 
@@ -587,9 +587,9 @@ def test_scan_8_batch_axis_form(directions: list[int], states: bool, lengths: li
     """Scan-8 (batch axis 0, scan axis 1, reversed inputs, sequence_lens) runs as Loops over the
     batch and the steps, with the values of onnxruntime's Scan-8, and differentiates as Loops."""
     model = scan8_model(directions, states)
-    feeds = {"x": RNG.standard_normal((2, 5, 4)), "z": RNG.standard_normal((2, 5, 3))}
+    feeds = {"x": rng().standard_normal((2, 5, 4)), "z": rng().standard_normal((2, 5, 3))}
     if states:
-        feeds["h0"] = RNG.standard_normal((2, 3))
+        feeds["h0"] = rng().standard_normal((2, 3))
     if lengths is not None:
         model.graph.node[0].input[0] = "lens"
         model.graph.input.append(vi("lens", TensorProto.INT64, [2]))

@@ -23,19 +23,15 @@ import onnxgrad.autodiff.rules.attention  # noqa: F401  (registers the rules unt
 from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.model.graph import ir_version_for
-from onnxgrad.testing import check_gradients, node_model
+from onnxgrad.testing import assert_allclose_scaled, check_gradients, node_model
 from tests.autodiff.conftest import ensure_output_shape
+from tests.autodiff.random_data import reseed, rnd, rng  # one generator per test (conftest.py)
 from tests.models import ort_loads_opset
 
 from .test_rules_linalg import torch_grads
 
-RNG = np.random.default_rng(5)
 F32 = np.float32
 REF = "reference"
-
-
-def rnd(*shape: int) -> np.ndarray:
-    return RNG.standard_normal(shape)
 
 
 def check(
@@ -68,6 +64,7 @@ def qkv3(b: int, hq: int, hkv: int, sq: int, skv: int, d: int = 5, dv: int = 7) 
     return [rnd(b, sq, hq * d), rnd(b, skv, hkv * d), rnd(b, skv, hkv * dv)]
 
 
+reseed("test_rules_attention.py cases")  # the cases below draw at import: from a generator of their own
 ATTENTION_CASES = [
     # (id, inputs, attrs, number of outputs)
     ("mha-cross", qkv(2, 3, 3, 4, 6), {}, 1),
@@ -76,7 +73,7 @@ ATTENTION_CASES = [
     ("3d-gqa", qkv3(2, 4, 2, 4, 6), {"q_num_heads": 4, "kv_num_heads": 2}, 1),
     ("causal", qkv(2, 2, 2, 4, 4), {"is_causal": 1}, 1),
     ("causal-bottom-right", qkv(1, 2, 2, 3, 6), {"is_causal": 1}, 1),
-    ("bool-mask", [*qkv(2, 3, 3, 4, 6), RNG.random((4, 6)) > 0.3], {}, 1),
+    ("bool-mask", [*qkv(2, 3, 3, 4, 6), rng().random((4, 6)) > 0.3], {}, 1),
     ("float-mask-broadcast", [*qkv(2, 3, 3, 4, 6), rnd(2, 1, 4, 6)], {"scale": 0.3}, 1),
     ("float-mask-heads", [*qkv(2, 4, 2, 4, 6), rnd(4, 4, 6)], {}, 1),
     ("past-present", [*qkv(2, 2, 2, 3, 3), None, rnd(2, 2, 2, 5), rnd(2, 2, 2, 7)], {"is_causal": 1}, 3),
@@ -151,7 +148,7 @@ def sdpa(mask: bool = False, **kw: Any) -> Any:
         (qkv(2, 4, 2, 4, 6), {"scale": 0.25}, sdpa(scale=0.25, enable_gqa=True)),
         (qkv(2, 2, 2, 5, 5), {"is_causal": 1}, sdpa(is_causal=True)),
         ([*qkv(2, 3, 3, 4, 6), rnd(2, 1, 4, 6)], {}, sdpa(mask=True)),
-        ([*qkv(2, 3, 3, 4, 6), RNG.random((4, 6)) > 0.3], {}, sdpa(mask=True)),
+        ([*qkv(2, 3, 3, 4, 6), rng().random((4, 6)) > 0.3], {}, sdpa(mask=True)),
     ],
     ids=["mha", "gqa-scale", "causal", "float-mask", "bool-mask"],
 )
@@ -246,7 +243,7 @@ def rope_case(three_d: bool, positions: bool, rot: int = 0, interleaved: int = 0
     half = (rot or d) // 2
     x = rnd(b, s, h * d) if three_d else rnd(b, h, s, d)
     if positions:
-        caches = [rnd(10, half), rnd(10, half), RNG.integers(0, 10, (b, s))]
+        caches = [rnd(10, half), rnd(10, half), rng().integers(0, 10, (b, s))]
     else:
         caches = [rnd(b, s, half), rnd(b, s, half)]
     attrs: dict[str, Any] = {"interleaved": interleaved}
@@ -412,8 +409,8 @@ def test_linear_attention_versus_torch(
     ts = [None if x is None else torch.tensor(x, requires_grad=True) for x in inputs]
     ts += [None] * (6 - len(ts))
     y, state = torch_linear_attention(*ts, hq, hkv)  # type: ignore[arg-type]
-    np.testing.assert_allclose(fwd["out0"], y.detach().numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(fwd["out1"], state.detach().numpy(), rtol=1e-5, atol=1e-5)
+    assert_allclose_scaled(fwd["out0"], y.detach().numpy(), rtol=1e-5)
+    assert_allclose_scaled(fwd["out1"], state.detach().numpy(), rtol=1e-5)
     loss = sum((t * torch.tensor(cot[o])).sum() for o, t in (("out0", y), ("out1", state)) if o in cot)
     loss.backward()  # type: ignore[union-attr]
     for i, t in enumerate(ts):

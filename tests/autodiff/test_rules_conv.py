@@ -21,7 +21,7 @@ import onnxgrad.autodiff.rules.conv  # noqa: F401  (registers the rules until ru
 from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.errors import GradientNotImplementedError
-from onnxgrad.testing import check_gradients, check_op, node_model
+from onnxgrad.testing import assert_allclose_scaled, check_gradients, check_op, node_model
 from tests.autodiff.conftest import (
     F32,
     check,
@@ -113,9 +113,9 @@ def test_conv_transpose_output_shape(attrs: dict, torch_fn: Any) -> None:
     ty.backward(torch.tensor(cot))
     feeds = {"in0": x.astype(F32), "in1": w.astype(F32)}
     out, grads = testing.run_gradients(graphs, feeds, {"out0": cot.astype(F32)})
-    np.testing.assert_allclose(out["out0"], ty.detach().numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(grads["in0"], tx.grad.numpy(), rtol=1e-4, atol=1e-5)  # type: ignore[union-attr]
-    np.testing.assert_allclose(grads["in1"], tw.grad.numpy(), rtol=1e-4, atol=1e-5)  # type: ignore[union-attr]
+    assert_allclose_scaled(out["out0"], ty.detach().numpy(), rtol=1e-4)
+    assert_allclose_scaled(grads["in0"], tx.grad.numpy(), rtol=1e-4)  # type: ignore[union-attr]
+    assert_allclose_scaled(grads["in1"], tw.grad.numpy(), rtol=1e-4)  # type: ignore[union-attr]
 
 
 def test_conv_transpose_versus_torch() -> None:

@@ -19,19 +19,18 @@ from onnx import TensorProto
 
 import onnxgrad
 from onnxgrad.testing import check_gradients, check_op, node_model, run_gradients
-from tests.autodiff.random_data import rnd  # one generator per test (conftest.py)
+from tests.autodiff.random_data import rnd, rng  # one generator per test (conftest.py)
 
-RNG = np.random.default_rng(0)
 REF = "reference"
 ORT = "onnxruntime"
 
 
 def rand(*shape: int) -> np.ndarray:
-    return RNG.standard_normal(shape)
+    return rng().standard_normal(shape)
 
 
 def uniform(lo: float, hi: float) -> Callable[..., np.ndarray]:
-    return lambda *shape: RNG.uniform(lo, hi, shape)
+    return lambda *shape: rng().uniform(lo, hi, shape)
 
 
 def away_from(x: np.ndarray, points: list[float], gap: float = 0.1) -> np.ndarray:
@@ -49,7 +48,7 @@ def normal(scale: float = 1.0, kinks: tuple[float, ...] = ()) -> Callable[..., n
 
 def magnitude(lo: float, hi: float) -> Callable[..., np.ndarray]:
     """Values with |x| in [lo, hi] and random signs."""
-    return lambda *shape: RNG.uniform(lo, hi, shape) * RNG.choice([-1.0, 1.0], shape)
+    return lambda *shape: rng().uniform(lo, hi, shape) * rng().choice([-1.0, 1.0], shape)
 
 
 # ---- unary -------------------------------------------------------------------------------------
@@ -300,7 +299,7 @@ def assert_same(op, inputs, fn, attrs=None, opset=18, backend=ORT, reshape_torch
     torch_inputs = [
         x if r is None else x.reshape(r) for x, r in zip(inputs, reshape_torch or [None] * len(inputs))
     ]
-    cot = RNG.standard_normal(np.broadcast_shapes(*(np.shape(x) for x in inputs)))
+    cot = rng().standard_normal(np.broadcast_shapes(*(np.shape(x) for x in inputs)))
     a = ours(op, inputs, cot, attrs, opset, backend)
     b = theirs(fn, torch_inputs, cot)
     for i, (ga, gb) in enumerate(zip(a, b)):
@@ -424,7 +423,7 @@ def test_dropout_inference_is_identity(opset: int) -> None:
     [((2, 3), (2, 3), (2, 3)), ((2, 3), (3,), (2, 1)), ((4, 1, 3), (1, 2, 1), ())],
 )
 def test_where(cshape, ashape, bshape, dynamic):
-    cond = RNG.random(cshape) > 0.5
+    cond = rng().random(cshape) > 0.5
     check_op("Where", [cond, rand(*ashape), rand(*bshape)], dynamic=dynamic)
 
 

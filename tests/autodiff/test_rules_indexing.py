@@ -29,13 +29,9 @@ from tests.autodiff.conftest import (
     runtime_inputs,
     untyped_outputs_ranked,
 )
+from tests.autodiff.random_data import rnd, rng  # one generator per test (conftest.py)
 
-RNG = np.random.default_rng(7)
 F32 = np.float32
-
-
-def rnd(*shape: int) -> np.ndarray:
-    return RNG.standard_normal(shape)
 
 
 def versus_torch(
@@ -69,7 +65,7 @@ ELEMENTS_OPSETS = [(11, "none"), (13, "none"), (16, "add"), (16, "mul"), (18, "m
 def scatter_reduction_inputs(reduction: str, shape: tuple[int, ...], upd_shape: tuple[int, ...]):
     """Data and updates: with zeros among the factors for mul, with no ties for max/min (kinks)."""
     if reduction in ("max", "min"):
-        values = RNG.permutation(np.prod(shape) + np.prod(upd_shape)).astype(np.float64) * 0.1
+        values = rng().permutation(np.prod(shape) + np.prod(upd_shape)).astype(np.float64) * 0.1
         return values[: np.prod(shape)].reshape(shape), values[np.prod(shape) :].reshape(upd_shape)
     data, upd = rnd(*shape), rnd(*upd_shape)
     if reduction == "mul":
@@ -197,7 +193,7 @@ def test_tensor_scatter(mode: str, with_indices: bool) -> None:
 
 # ---- TopK -----------------------------------------------------------------------------------------
 def topk_input(*shape: int) -> np.ndarray:
-    return RNG.permutation(int(np.prod(shape))).reshape(shape) * 0.25 - 1.0  # distinct values
+    return rng().permutation(int(np.prod(shape))).reshape(shape) * 0.25 - 1.0  # distinct values
 
 
 def values_only(model: onnx.ModelProto) -> onnx.ModelProto:

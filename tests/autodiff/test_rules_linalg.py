@@ -20,13 +20,9 @@ from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import Backend, check_gradients, check_op, node_model, run_model
 from tests.autodiff.conftest import ensure_output_shape
+from tests.autodiff.random_data import rnd, rng  # one generator per test (conftest.py)
 
-RNG = np.random.default_rng(7)
 F32 = np.float32
-
-
-def rnd(*shape: int) -> np.ndarray:
-    return RNG.standard_normal(shape)
 
 
 def torch_grads(
@@ -53,7 +49,7 @@ def torch_grads(
     graphs = build_gradient(model, trainable=[], inputs_requiring_grad=names)
     out = run_model(graphs.forward, backend)(feeds)
     y = out["out0"]
-    cot = RNG.standard_normal(y.shape).astype(y.dtype)
+    cot = rng().standard_normal(y.shape).astype(y.dtype)
     bfeeds = {s: out[s] if s in out else feeds[s] for s in graphs.saved}
     bfeeds[graphs.grad_inputs["out0"]] = cot
     res = run_model(graphs.backward, backend)(bfeeds)

@@ -14,13 +14,15 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from onnx import TensorProto
+from onnx import TensorProto, helper, numpy_helper
 from onnx.reference.op_run import OpRun
 
 import onnxgrad.autodiff.rules.norm  # noqa: F401  (registers the rules until rules/__init__ does)
 from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.errors import GradientNotImplementedError
+from onnxgrad.model.graph import ir_version_for, onnx_dtype
+from onnxgrad.model.infer import infer_value_infos
 from onnxgrad.testing import check_op, node_model
 from tests.autodiff.conftest import F32, check_model, f32, grads, versus_torch
 from tests.autodiff.random_data import pos, rnd  # one generator per test (conftest.py)
@@ -284,6 +286,68 @@ def test_layer_norm_versus_torch() -> None:
         backend="reference",
         opset=17,
     )
+
+
+def unranked_model(
+    op: str, inputs: list[np.ndarray], attrs: dict[str, Any], n_outputs: int = 1
+) -> onnx.ModelProto:
+    """``op`` on ``x = Reshape(in0, in{k})``, the target shape a graph input of unknown length: x's
+    rank is unknown when the gradient graph is built (the rules build the axes at run time). Each
+    output is reshaped to its static shape, as the ONNX checker wants graph outputs with a shape;
+    the other inputs become ``in1``, ``in2``...; the last input ``in{k}`` takes ``x.shape``."""
+    x, k = inputs[0], len(inputs)
+    graph_inputs = [
+        helper.make_tensor_value_info(f"in{i}", onnx_dtype(a.dtype), a.shape) for i, a in enumerate(inputs)
+    ]
+    graph_inputs.append(helper.make_tensor_value_info(f"in{k}", TensorProto.INT64, ["rank"]))
+    axis = int(attrs.get("axis", -1)) % x.ndim
+    shapes = [x.shape, *[x.shape[:axis] + (1,) * (x.ndim - axis)] * 2][:n_outputs]
+    dtypes = [onnx_dtype(x.dtype), TensorProto.FLOAT, TensorProto.FLOAT]  # statistics in stash_type
+    inner = ["y", "mean", "inv_std"][:n_outputs]
+    nodes = [
+        helper.make_node("Reshape", ["in0", f"in{k}"], ["x"]),
+        helper.make_node(op, ["x", *[f"in{i}" for i in range(1, k)]], inner, **attrs),
+    ]
+    nodes += [helper.make_node("Reshape", [v, f"shape{j}"], [f"out{j}"]) for j, v in enumerate(inner)]
+    outs = [helper.make_tensor_value_info(f"out{j}", dtypes[j], shapes[j]) for j in range(n_outputs)]
+    inits = [numpy_helper.from_array(np.array(sh, np.int64), f"shape{j}") for j, sh in enumerate(shapes)]
+    graph = helper.make_graph(nodes, f"unranked_{op}", graph_inputs, outs, initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = ir_version_for(model.opset_import)
+    assert infer_value_infos(model)["x"].rank is None  # what the tests below are about
+    return model
+
+
+UNRANKED_CASES = [
+    ((2, 3, 4), -1, (4,)),
+    ((2, 3, 4), -2, (3, 4)),
+    ((2, 2, 3, 4), -3, (2, 3, 4)),
+    ((5, 3), -2, (5, 3)),
+]
+
+
+@pytest.mark.parametrize(("xs", "axis", "ps"), UNRANKED_CASES)
+def test_layer_and_rms_norm_of_unknown_rank(xs: tuple, axis: int, ps: tuple) -> None:
+    """x of unknown rank and a negative axis: the normalized axes are [axis, 0). Gradients of x,
+    scale and bias, and of x through the Mean and InvStdDev outputs too (their normalized count
+    taken from x's run-time shape), against finite differences."""
+    x, scale, bias = rnd(*xs), rnd(*ps), rnd(*ps)
+    shape = np.array(xs, np.int64)
+    attrs = {"axis": axis, "epsilon": 1e-3}
+    for args, backend in (([x, scale, bias], "reference"), (f32(x, scale, bias), "onnxruntime")):
+        check_model(unranked_model("LayerNormalization", args, attrs), [*args, shape], backend=backend)
+    stats = unranked_model("LayerNormalization", [x, scale], attrs, n_outputs=3)
+    check_model(stats, [x, scale, shape], backend="reference")
+    for args in ([x, scale], f32(x, scale)):
+        check_model(unranked_model("RMSNormalization", args, attrs), [*args, shape])
+
+
+@pytest.mark.parametrize("op", ["LayerNormalization", "RMSNormalization"])
+def test_norm_of_unknown_rank_with_a_positive_axis_is_refused(op: str) -> None:
+    """axis=1 of an input of unknown rank: which axes are normalized is not known."""
+    model = unranked_model(op, [rnd(2, 3, 4), rnd(3, 4)], {"axis": 1})
+    with pytest.raises(GradientNotImplementedError, match="the rank of its input must be known"):
+        build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
 
 
 BATCHNORM_SHAPES = [(4, 3), (2, 3, 5), (2, 3, 4, 3), (1, 2, 3, 2, 2)]

@@ -25,14 +25,17 @@ from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.autodiff.rules import resample  # noqa: F401  (registers the rules until rules/__init__ does)
 from onnxgrad.errors import GradientNotImplementedError
-from onnxgrad.testing import check_gradients, check_op, node_model, run_gradients, run_model
+from onnxgrad.testing import (
+    assert_allclose_scaled,
+    check_gradients,
+    check_op,
+    node_model,
+    run_gradients,
+    run_model,
+)
+from tests.autodiff.random_data import rnd, rng  # one generator per test (conftest.py)
 
-RNG = np.random.default_rng(11)
 F32 = np.float32
-
-
-def rnd(*shape: int, dtype: Any = np.float64) -> np.ndarray:
-    return RNG.standard_normal(shape).astype(dtype)
 
 
 def f32(*values: float) -> np.ndarray:
@@ -77,10 +80,10 @@ def check_adjoint(model: onnx.ModelProto, x: np.ndarray, extra: dict[str, np.nda
     feeds = {"in0": basis, **(extra or {})}
     out = run_model(graphs.forward)(feeds)["out0"]
     jac = out.reshape(size, -1).T.astype(np.float64)  # (outputs of one item, inputs of one item)
-    cot = RNG.standard_normal(out.shape).astype(x.dtype)
+    cot = rng().standard_normal(out.shape).astype(x.dtype)
     _, res = testing.run_gradients(graphs, feeds, {"out0": cot})
     expected = cot.reshape(size, -1).astype(np.float64) @ jac
-    np.testing.assert_allclose(res["in0"].reshape(size, -1), expected, rtol=1e-5, atol=1e-5)
+    assert_allclose_scaled(res["in0"].reshape(size, -1), expected, rtol=1e-5)
 
 
 def gradients(
@@ -89,7 +92,7 @@ def gradients(
     """Output 0, a random cotangent and the gradients of every input."""
     graphs = build_gradient(model, trainable=[], inputs_requiring_grad=list(feeds))
     out = run_model(graphs.forward, backend)(feeds)["out0"]
-    cot = RNG.standard_normal(out.shape)
+    cot = rng().standard_normal(out.shape)
     _, res = testing.run_gradients(graphs, feeds, {"out0": cot}, backend)
     return out, cot, res
 
@@ -359,6 +362,49 @@ def test_resize_run_time_other_forms_match_onnxruntime() -> None:
     check_run_time(run_time(resize_model(x, crop, 18, roi=ROI, scales=f32(1, 1, 1, 2))), x)
 
 
+TF_NN_SCALES = [f32(1, 1, 1.5, 0.7), f32(1, 1, 0.6, 2.5), f32(1, 1, 1.7, 1), f32(1, 1, 1, 0.5)]
+
+
+@pytest.mark.parametrize("opset", [11, 13])
+@pytest.mark.parametrize("nearest_mode", ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"])
+def test_resize_run_time_tf_half_pixel_for_nn_matches_onnxruntime(opset: int, nearest_mode: str) -> None:
+    """tf_half_pixel_for_nn ((i + 1/2) / scale, then the nearest mode) with scales then sizes fed at
+    run time, static and symbolic dims; scales of 1 on one resized axis (onnxruntime copies it)."""
+    x = rnd(2, 1, 5, 4, dtype=F32)
+    attrs = {"coordinate_transformation_mode": "tf_half_pixel_for_nn", "nearest_mode": nearest_mode}
+    for dynamic in (False, True):
+        for scales in TF_NN_SCALES:
+            check_run_time(run_time(resize_model(x, attrs, opset, scales=scales), dynamic), x)
+        for sizes in (i64(20, 1, 7, 3), i64(20, 1, 3, 10)):  # check_adjoint's batch: 1 * 5 * 4
+            check_run_time(run_time(resize_model(x, attrs, opset, sizes=sizes), dynamic), x)
+
+
+def test_resize_computed_scales_tf_half_pixel_for_nn_matches_onnxruntime() -> None:
+    """Scales computed in the graph, Concat(ones, hw) with hw a graph input: the rule reads them at
+    run time too."""
+    x = rnd(2, 1, 5, 4, dtype=F32)
+    vi = helper.make_tensor_value_info
+    nodes = [
+        helper.make_node("Constant", [], ["ones"], value=onnx.numpy_helper.from_array(f32(1, 1), "ones")),
+        helper.make_node("Concat", ["ones", "hw"], ["scales"], axis=0),
+        helper.make_node(
+            "Resize",
+            ["in0", "", "scales"],
+            ["out0"],
+            mode="nearest",
+            coordinate_transformation_mode="tf_half_pixel_for_nn",
+        ),
+    ]
+    inputs = [vi("in0", onnx.TensorProto.FLOAT, list(x.shape)), vi("hw", onnx.TensorProto.FLOAT, [2])]
+    graph = helper.make_graph(
+        nodes, "computed", inputs, [vi("out0", onnx.TensorProto.FLOAT, ["n", 1, "h", "w"])]
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = testing.ir_version_for(model.opset_import)
+    for hw in (f32(1.5, 0.7), f32(0.6, 2.5), f32(1.7, 1)):
+        check_adjoint(model, x, {"hw": hw})
+
+
 def test_resize_constant_scales_symbolic_resized_dims() -> None:
     """Constant scales, resized dims unknown when building: the taps come at run time."""
     x = rnd(2, 1, 5, 4, dtype=F32)
@@ -473,7 +519,7 @@ def grid_inputs(n_spatial: int, dtype: Any = np.float64) -> tuple[np.ndarray, np
     """X (2, 2, 4, 5[, 3]) and a grid reaching past the borders (for the padding modes)."""
     x = rnd(2, 2, 4, 5, 3, dtype=dtype)[..., : 3 if n_spatial == 3 else 1]
     x = x[..., 0] if n_spatial == 2 else x
-    grid = RNG.uniform(-1.4, 1.4, (2, 3, 2, *(() if n_spatial == 2 else (2,)), n_spatial)).astype(dtype)
+    grid = rng().uniform(-1.4, 1.4, (2, 3, 2, *(() if n_spatial == 2 else (2,)), n_spatial)).astype(dtype)
     return np.ascontiguousarray(x), grid
 
 

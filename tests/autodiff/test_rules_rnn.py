@@ -24,9 +24,9 @@ from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient, check_graphs
 from onnxgrad.autodiff.rules import rnn as _rnn_rules  # noqa: F401  (registers the rules)
 from onnxgrad.errors import GradientNotImplementedError
-from onnxgrad.testing import check_gradients, node_model, run_gradients, run_model
+from onnxgrad.testing import assert_allclose_scaled, check_gradients, node_model, run_gradients, run_model
+from tests.autodiff.random_data import rng  # one generator per test (conftest.py)
 
-RNG = np.random.default_rng(7)
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 T, B, N_IN, H = 3, 2, 3, 4  # steps, batch, input, hidden: tiny, the reference backend is slow
 
@@ -169,7 +169,7 @@ def make_inputs(
     d, n = (2 if direction == "bidirectional" else 1), GATES[op] * H
 
     def rnd(*shape: int, scale: float = 1.0) -> np.ndarray:
-        return (RNG.standard_normal(shape) * scale).astype(dtype)
+        return (rng().standard_normal(shape) * scale).astype(dtype)
 
     state = (d, B, H) if layout == 0 else (B, d, H)
     x = rnd(T, B, N_IN) if layout == 0 else rnd(B, T, N_IN)
@@ -234,7 +234,7 @@ def test_numpy_kernels_match_onnxruntime(op: str, direction: str, attrs: dict) -
     got = run_model(model)(feeds_of(model, inputs))
     want = np_recurrent(op, *inputs, direction=direction, **attrs)
     for g, w in zip(got.values(), want):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+        assert_allclose_scaled(g, w, rtol=1e-4)
 
 
 # ---- float64 gradients against finite differences --------------------------------------------
@@ -272,7 +272,7 @@ def test_batch_major_layout_on_onnxruntime(op: str, outputs: tuple[int, ...] | N
     want = np_recurrent(op, *inputs, direction="bidirectional", layout=1)
     for k, o in enumerate(model.graph.node[0].output):
         if o:
-            np.testing.assert_allclose(out[o], want[k], rtol=1e-4, atol=1e-5)
+            assert_allclose_scaled(out[o], want[k], rtol=1e-4)
     result = check_gradients(model, feeds, wrt=list(feeds), graphs=graphs, rtol=2e-2, atol=2e-3, eps=1e-2)
     assert result.ok, result.report()
     # the time-major model on transposed inputs has the transposed gradients
@@ -281,7 +281,7 @@ def test_batch_major_layout_on_onnxruntime(op: str, outputs: tuple[int, ...] | N
         if slot < len(moved) and moved[slot] is not None:
             moved[slot] = np.ascontiguousarray(moved[slot].transpose(1, 0, 2))
     model0 = make_model(op, moved, outputs=outputs, direction="bidirectional")
-    cot = {o: RNG.standard_normal(out[o].shape).astype(np.float32) for o in graphs.grad_inputs}
+    cot = {o: rng().standard_normal(out[o].shape).astype(np.float32) for o in graphs.grad_inputs}
     perms = {0: (1, 2, 0, 3), 1: (1, 0, 2), 2: (1, 0, 2)}  # batch-major cotangents to time-major
     names = list(model.graph.node[0].output)
     cot0 = {o: np.ascontiguousarray(c.transpose(perms[names.index(o)])) for o, c in cot.items()}
@@ -291,7 +291,7 @@ def test_batch_major_layout_on_onnxruntime(op: str, outputs: tuple[int, ...] | N
     for name, g in grads.items():
         slot = int(name[2:])
         g0 = grads0[name].transpose(1, 0, 2) if slot in (0, 5, 6) else grads0[name]
-        np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-6, err_msg=name)
+        assert_allclose_scaled(g, g0, rtol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("op", list(GATES))
@@ -429,7 +429,7 @@ def test_onnxruntime_float32(op: str, direction: str, attrs: dict, dynamic: bool
         }
         grads.append(run_gradients(graphs, feeds, cot, backend)[1])
     for name, g64 in grads[0].items():
-        np.testing.assert_allclose(grads[1][name], g64, rtol=2e-4, atol=2e-5, err_msg=name)
+        assert_allclose_scaled(grads[1][name], g64, rtol=2e-4, err_msg=name)
 
 
 # ---- against torch ---------------------------------------------------------------------------
@@ -469,7 +469,7 @@ def test_versus_torch(op: str, kw: dict) -> None:
     states = out[1] if op == "LSTM" else (out[1],)
     sum(o.sum() for o in (out[0], *states)).backward()
     for name, leaf in zip(names, leaves):
-        np.testing.assert_allclose(ours[name], leaf.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+        assert_allclose_scaled(ours[name], leaf.grad.numpy(), rtol=1e-4, err_msg=name)
 
     params = dict(layer.named_parameters())
     n = GATES[op] * hid
@@ -484,9 +484,7 @@ def test_versus_torch(op: str, kw: dict) -> None:
         ],
     }
     for shape, per_dir in expected.items():
-        np.testing.assert_allclose(
-            ours[by_shape[shape]], np.stack(per_dir), rtol=1e-4, atol=1e-5, err_msg=str(shape)
-        )
+        assert_allclose_scaled(ours[by_shape[shape]], np.stack(per_dir), rtol=1e-4, err_msg=str(shape))
 
 
 # ---- what is not supported -------------------------------------------------------------------

@@ -13,13 +13,12 @@ from onnx import helper
 import onnxgrad
 from onnxgrad.testing import check_gradients, check_op, node_model
 from tests.autodiff.conftest import assert_ok, model
+from tests.autodiff.random_data import rng  # one generator per test (conftest.py)
 from tests.models import ort_loads_opset
-
-RNG = np.random.default_rng(0)
 
 
 def rand(*shape: int) -> np.ndarray:
-    return RNG.standard_normal(shape)
+    return rng().standard_normal(shape)
 
 
 def i64(*values: int) -> np.ndarray:

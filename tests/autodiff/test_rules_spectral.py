@@ -10,13 +10,7 @@ import onnxgrad.autodiff.rules.spectral  # noqa: F401  (registers the rules unti
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.testing import check_op, node_model, run_gradients
-
-RNG = np.random.default_rng(0)
-
-
-def rnd(*shape: int) -> np.ndarray:
-    return RNG.standard_normal(shape)
-
+from tests.autodiff.random_data import rnd  # one generator per test (conftest.py)
 
 # (input shape, dft_length, onesided, inverse, axis)
 DFT_CASES = [

@@ -18,13 +18,9 @@ from onnxgrad.autodiff.compose import compose
 from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import check_gradients, run_gradients, run_model
+from tests.autodiff.random_data import rnd, rng  # one generator per test (conftest.py)
 
 D = TensorProto.DOUBLE
-RNG = np.random.default_rng(0)
-
-
-def rnd(*shape: int) -> np.ndarray:
-    return RNG.standard_normal(shape)
 
 
 def make(
@@ -135,7 +131,7 @@ def batch_norm() -> tuple[onnx.ModelProto, dict]:
         helper.make_node("Tanh", ["n"], ["y"]),
     ]
     x = rnd(2, 3, 2, 2)
-    weights = {"scale": rnd(3), "bias": rnd(3), "mean": rnd(3), "var": RNG.uniform(0.5, 1.5, 3)}
+    weights = {"scale": rnd(3), "bias": rnd(3), "mean": rnd(3), "var": rng().uniform(0.5, 1.5, 3)}
     return make(nodes, {"x": x}, weights, [2, 3, 2, 2]), {"x": x}
 
 

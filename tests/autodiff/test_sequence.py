@@ -12,9 +12,9 @@ import onnxgrad.autodiff.rules.control_flow  # registers the rules (until rules/
 import onnxgrad.autodiff.rules.sequence
 from onnxgrad.autodiff.engine import check_graphs
 from onnxgrad.testing import check_gradients, run_model
+from tests.autodiff.random_data import rnd, rng  # one generator per test (conftest.py)
 from tests.models import make_model
 
-RNG = np.random.default_rng(0)
 F64 = TensorProto.DOUBLE
 
 
@@ -52,7 +52,7 @@ def test_construct_then_concat(dynamic):
         [("a", np.float64, [2, 3]), ("b", np.float64, b_shape)],
         [("y", np.float64, [2, None])],
     )
-    graphs = check(model, {"a": RNG.standard_normal((2, 3)), "b": RNG.standard_normal((2, 3))})
+    graphs = check(model, {"a": rng().standard_normal((2, 3)), "b": rng().standard_normal((2, 3))})
     assert any("shapes" in s for s in graphs.saved) == dynamic
 
 
@@ -66,7 +66,7 @@ def test_construct_then_stack():
         [("a", np.float64, [2, 3]), ("b", np.float64, [2, 3])],
         [("z", np.float64, [2, 3, 2])],
     )
-    check(model, {"a": RNG.standard_normal((2, 3)), "b": RNG.standard_normal((2, 3))})
+    check(model, {"a": rng().standard_normal((2, 3)), "b": rng().standard_normal((2, 3))})
 
 
 @pytest.mark.parametrize("opset", [15, 18])
@@ -86,7 +86,7 @@ def test_split_then_sequence_at(opset):
         {"sizes": ints([1, 2, 3]), "one": ints(1), "last": ints(-1)},
         opset=opset,
     )
-    graphs = check(model, {"x": RNG.standard_normal((2, 6))})
+    graphs = check(model, {"x": rng().standard_normal((2, 6))})
     assert all(imp.version == opset for imp in graphs.forward.opset_import)
 
 
@@ -105,7 +105,7 @@ def test_split_insert_erase_stack():
         [("y", np.float64, [None, 4])],
         {"before_last": ints(-1), "first": ints(0)},
     )
-    check(model, {"x": RNG.standard_normal((3, 4)), "t": RNG.standard_normal(4)})
+    check(model, {"x": rng().standard_normal((3, 4)), "t": rng().standard_normal(4)})
 
 
 def test_sequence_position_from_data():
@@ -123,7 +123,7 @@ def test_sequence_position_from_data():
         [("y", np.float64, [1, 2])],
         {"zero": np.array(0, np.int32)},
     )
-    check(model, {"x": RNG.standard_normal((3, 2))})
+    check(model, {"x": rng().standard_normal((3, 2))})
 
 
 def test_sequence_read_inside_a_loop():
@@ -157,7 +157,7 @@ def test_sequence_read_inside_a_loop():
     )
     check(
         model,
-        {"x": RNG.standard_normal((4, 3)), "W": RNG.standard_normal(3), "acc0": RNG.standard_normal((1, 3))},
+        {"x": rnd(4, 3), "W": rnd(3), "acc0": rnd(1, 3)},
     )
 
 
@@ -172,7 +172,7 @@ def test_sequence_length_stops_the_gradient():
         [("x", np.float64, [3, 2])],
         [("y", np.float64, [3, 2])],
     )
-    x = RNG.standard_normal((3, 2))
+    x = rng().standard_normal((3, 2))
     got = onnxgrad.gradients(model, {"x": x}, wrt=["x"])
     np.testing.assert_array_equal(got["x"], np.full((3, 2), 3.0))
     assert onnxgrad.supported_ops()["SequenceLength"] == "zero"

@@ -26,7 +26,7 @@ from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.autodiff.modes import ModeSwitch, set_training_mode
 from onnxgrad.errors import GradientNotImplementedError, ModelError
 from onnxgrad.model.graph import ir_version_for
-from onnxgrad.testing import check_gradients, node_model, run_gradients
+from onnxgrad.testing import assert_allclose_scaled, check_gradients, node_model, run_gradients
 from tests.autodiff.random_data import pos, rnd
 
 
@@ -307,7 +307,7 @@ def test_training_export_switched_to_inference(net: Net) -> None:
     net.eval()
     with torch.no_grad():
         expected = net(torch.tensor(x)).numpy()
-    np.testing.assert_allclose(run(model, {"x": x})["y"], expected, rtol=1e-5, atol=1e-5)
+    assert_allclose_scaled(run(model, {"x": x})["y"], expected, rtol=1e-5)
 
 
 def torch_train_step(net: Net, x: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -340,14 +340,15 @@ def test_inference_export_switched_to_training(net: Net) -> None:
     res = fb.forward({"x": x})
     ours = res.backward({"y": np.ones((5, 2), np.float32)})
     y, expected = torch_train_step(net, x)
-    np.testing.assert_allclose(res.outputs[0], y, rtol=1e-4, atol=1e-5)
+    assert_allclose_scaled(res.outputs[0], y, rtol=1e-4)
+    # conv.bias's gradient is 0 up to rounding (the batch statistics remove any bias): measured
+    # against the magnitude of all the gradients, which the rounding errors come from
+    scale = max(float(np.abs(g).max()) for g in expected.values())
     for name, grad in expected.items():
-        np.testing.assert_allclose(ours[name], grad, rtol=1e-4, atol=1e-5, err_msg=name)
+        assert_allclose_scaled(ours[name], grad, rtol=1e-4, scale=scale, err_msg=name)
     # the new running mean is torch's; the running variance uses the biased batch variance
     new = dict(zip(fb.output_names, res.outputs))
-    np.testing.assert_allclose(
-        new[stats["bn.running_mean"]], net.bn.running_mean.numpy(), rtol=1e-5, atol=1e-6
-    )
+    assert_allclose_scaled(new[stats["bn.running_mean"]], net.bn.running_mean.numpy(), rtol=1e-5)
     net.load_state_dict(state)
 
 
@@ -365,7 +366,7 @@ def test_running_statistics_written_back(net: Net) -> None:
         out = dict(zip(names, sess.run(None, {"x": x, **current})))
         current = {k: out[v] for k, v in stats.items()}
         torch_train_step(net, x)
-    np.testing.assert_allclose(current["bn.running_mean"], net.bn.running_mean.numpy(), rtol=1e-5, atol=1e-6)
+    assert_allclose_scaled(current["bn.running_mean"], net.bn.running_mean.numpy(), rtol=1e-5)
     net.load_state_dict(state)
 
 

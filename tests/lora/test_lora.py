@@ -10,6 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxgrad
 from onnxgrad import lora
 from onnxgrad.errors import InputError
+from onnxgrad.testing import assert_allclose_scaled
 
 torch = pytest.importorskip("torch")
 
@@ -76,14 +77,14 @@ def test_adapters_start_equal_and_merge(layout: str) -> None:
     base = _mlp(layout)
     x = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
     adapted = lora.add_adapters(base, ["w1", "w2"], rank=2, alpha=4)
-    np.testing.assert_allclose(_run(adapted, x), _run(base, x), rtol=1e-6, atol=1e-6)
+    assert_allclose_scaled(_run(adapted, x), _run(base, x), rtol=1e-6)
     changed = _randomize_b(adapted)
     assert not np.allclose(_run(changed, x), _run(base, x))
     merged = lora.merge(changed)
     onnx.checker.check_model(merged)
     assert {t.name for t in merged.graph.initializer} == {t.name for t in base.graph.initializer}
     assert not any(p.key.startswith("onnxgrad.") for p in merged.metadata_props)
-    np.testing.assert_allclose(_run(merged, x), _run(changed, x), rtol=1e-5, atol=1e-5)
+    assert_allclose_scaled(_run(merged, x), _run(changed, x), rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["matmul", "gemm", "left"])
@@ -115,10 +116,54 @@ def test_gradients_match_torch_lora(layout: str) -> None:
     else:
         ht = torch.relu(t["w1"] @ xt.T + s * t["w1.lora_B"] @ (t["w1.lora_A"] @ xt.T) + t["b1"])
         y = (t["w2"] @ ht + s * t["w2.lora_B"] @ (t["w2.lora_A"] @ ht)).T + t["b2"]
-    np.testing.assert_allclose(res.outputs[0], y.detach().numpy(), rtol=1e-5, atol=1e-5)
+    assert_allclose_scaled(res.outputs[0], y, rtol=1e-5)
     y.backward(torch.tensor(dy, dtype=torch.float64))
     for name in lora.adapter_names(adapted):
-        np.testing.assert_allclose(grads[name], t[name].grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+        assert_allclose_scaled(grads[name], t[name].grad, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize(("trans_a", "trans_b"), [(0, 0), (0, 1), (1, 0), (1, 1)])
+def test_gemm_alpha_beta_and_transposes(trans_a: int, trans_b: int) -> None:
+    """Gemm(x, W, C) = alpha op(x) op(W) + beta C: the adapter adds alpha op(x) (s A B), s = the LoRA
+    alpha / rank, the update of op(W) (an adapter ignoring Gemm's alpha, or transA, is off by the
+    adapter's whole output); merging gives the same model; A and B get torch's gradients."""
+    rng = np.random.default_rng(4)
+    alpha, beta, rank, lora_alpha = 2.5, 0.5, 2, 6.0
+    x = rng.normal(size=(6, 4) if trans_a else (4, 6)).astype(np.float32)
+    w = rng.normal(size=(3, 6) if trans_b else (6, 3)).astype(np.float32)
+    c = rng.normal(size=3).astype(np.float32)
+    node = helper.make_node(
+        "Gemm", ["x", "w", "c"], ["y"], alpha=alpha, beta=beta, transA=trans_a, transB=trans_b
+    )
+    graph = helper.make_graph(
+        [node],
+        "gemm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(c, "c")],
+    )
+    base = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    adapted = _randomize_b(lora.add_adapters(base, ["w"], rank=rank, alpha=lora_alpha))
+    inits = {t.name: numpy_helper.to_array(t) for t in adapted.graph.initializer}
+    t = {
+        k: torch.tensor(v, dtype=torch.float64, requires_grad=k.startswith("w.lora"))
+        for k, v in inits.items()
+    }
+    xt = torch.tensor(x.T if trans_a else x, dtype=torch.float64)
+    wt = t["w"].T if trans_b else t["w"]
+    y = alpha * xt @ (wt + lora_alpha / rank * t["w.lora_A"] @ t["w.lora_B"]) + beta * t["c"]
+    base_y = (alpha * xt @ wt + beta * t["c"]).detach().numpy()
+    assert np.abs(y.detach().numpy() - base_y).min() > 1e-2  # the adapter moves every output
+
+    res = onnxgrad.ForwardBackward(adapted).forward({"x": x})
+    dy = rng.normal(size=(4, 3)).astype(np.float32)
+    grads = res.backward([dy])
+    assert_allclose_scaled(res.outputs[0], y, rtol=1e-5)
+    assert_allclose_scaled(_run(adapted, x), y, rtol=1e-5)
+    assert_allclose_scaled(_run(lora.merge(adapted), x), y, rtol=1e-5)
+    y.backward(torch.tensor(dy, dtype=torch.float64))
+    for name in ("w.lora_A", "w.lora_B"):
+        assert_allclose_scaled(grads[name], t[name].grad, rtol=1e-5, err_msg=name)
 
 
 def test_default_trainable_everywhere(tmp_path) -> None:
@@ -202,8 +247,8 @@ def test_dropout_on_the_adapter_input() -> None:
     infer = fb.forward({"x": x}, training=False).outputs[0]
     train = fb.forward({"x": x}).outputs[0]
     assert not np.allclose(train, infer)  # dropped in training
-    np.testing.assert_allclose(infer, _run(lora.merge(adapted), x), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(_run(fb.to_onnx(), x), infer, rtol=1e-6, atol=1e-6)
+    assert_allclose_scaled(infer, _run(lora.merge(adapted), x), rtol=1e-5)
+    assert_allclose_scaled(_run(fb.to_onnx(), x), infer, rtol=1e-6)
 
 
 def test_dynamo_renamed_linear_weights() -> None:
@@ -236,7 +281,7 @@ def test_dynamo_renamed_linear_weights() -> None:
         s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
         return s.run(None, {s.get_inputs()[0].name: x.numpy()})[0]
 
-    np.testing.assert_allclose(run(lora.merge(changed)), run(changed), rtol=1e-5, atol=1e-5)
+    assert_allclose_scaled(run(lora.merge(changed)), run(changed), rtol=1e-5)
 
 
 def test_trainer_trains_only_the_adapters() -> None:

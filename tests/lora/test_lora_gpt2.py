@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("onnxscript")
 
 from onnxgrad import lora  # noqa: E402
+from onnxgrad.testing import assert_allclose_scaled  # noqa: E402
 from onnxgrad.torch import OnnxModule  # noqa: E402
 
 TEXT = "the quick brown fox jumps over the lazy dog"
@@ -84,8 +85,13 @@ def test_lora_gpt2_overfits_and_merges(tmp_path) -> None:
         sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
         return sess.run(None, {"ids": x.numpy()})[0]
 
-    np.testing.assert_allclose(run(merged), run(trained_model), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(run(trained_model), module(x).detach().numpy(), rtol=1e-5, atol=1e-5)
+    # merging, and onnxruntime's kernels (which depend on the CPU), change the float32 summation
+    # order: a bound scaled by the logits' magnitude (2e-6 of it measured; a merge that lost the
+    # adapters' scale would be off by the adapters' whole effect, checked to be far larger)
+    unmerged = run(trained_model)
+    assert np.abs(unmerged - run(base)).max() > 1e-2 * np.abs(unmerged).max()
+    assert_allclose_scaled(run(merged), unmerged, rtol=1e-5)
+    assert_allclose_scaled(unmerged, module(x), rtol=1e-5)
     # the adapters alone, saved and put back on the base, give the same model
     lora.save_adapters(trained_model, tmp_path / "adapters.safetensors")
     again = lora.load_adapters(base, tmp_path / "adapters.safetensors")
@@ -109,4 +115,4 @@ def test_recompute_layers_on_dynamo_gpt2(tmp_path) -> None:
     # not bitwise here: onnxruntime fuses the forward session's ops (attention, GELU) differently
     # from their copies in the backward graph; float32 rounding apart
     for k in g0:
-        np.testing.assert_allclose(g1[k], g0[k], rtol=1e-4, atol=1e-5, err_msg=k)
+        assert_allclose_scaled(g1[k], g0[k], rtol=1e-5, err_msg=k)

@@ -8,9 +8,17 @@ import pytest
 
 import onnxgrad
 from onnxgrad.errors import InputError, OnnxGradRuntimeError
+from tests.autodiff.random_data import seeded
 from tests.models import mlp, numpy_mlp_grads
 
-RNG = np.random.default_rng(1)
+RNG = seeded("")  # replaced before each test by a generator seeded from the test's id
+
+
+@pytest.fixture(autouse=True)
+def fresh_random_data(request: pytest.FixtureRequest) -> None:
+    """Each test draws from its own generator: the same data whatever ran before it."""
+    global RNG
+    RNG = seeded(request.node.nodeid)
 
 
 def test_forward_matches_plain_onnxruntime_and_backward_matches_numpy():

@@ -13,6 +13,7 @@ from onnx import helper
 
 from onnxgrad.demo import build_cnn, build_mlp
 from onnxgrad.errors import OnnxGradRuntimeError
+from onnxgrad.testing import assert_allclose_scaled
 from onnxgrad.train import Adam, Callback, Cosine, Trainer
 
 RNG = np.random.default_rng(0)
@@ -58,16 +59,16 @@ def test_one_graph_matches_two_sessions(optimizer, options, lr):
     l1, l2 = _losses(one), _losses(two)
     one.fit({"pixels": X, "target": Y}, epochs=4)  # 24 steps
     two.fit({"pixels": X, "target": Y}, epochs=4)
-    np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-7)
+    assert_allclose_scaled(l1, l2, rtol=1e-5)
     for name, p in two.parameters.items():
         assert one.parameters[name] is params_before[name]
-        np.testing.assert_allclose(one.parameters[name], p, rtol=1e-5, atol=1e-6, err_msg=name)
+        assert_allclose_scaled(one.parameters[name], p, rtol=1e-5, err_msg=name)
     s1, s2 = one.optimizer.state_dict(), two.optimizer.state_dict()
     assert s1["iterations"] == s2["iterations"] == 24
     for name, state in s2["state"].items():
         assert set(s1["state"][name]) == set(state)
         for key, value in state.items():
-            np.testing.assert_allclose(s1["state"][name][key], value, rtol=1e-5, atol=1e-6)
+            assert_allclose_scaled(s1["state"][name][key], value, rtol=1e-5)
     assert one.history["lr"] == two.history["lr"]
 
 
@@ -80,19 +81,20 @@ def test_checkpoint_of_one_path_resumes_in_the_other(tmp_path):
     second = _trainer(False)
     second.fit(data, epochs=4, resume=tmp_path / "ck.npz")
     for name, p in full.parameters.items():
-        np.testing.assert_allclose(second.parameters[name], p, rtol=1e-5, atol=1e-6)
+        assert_allclose_scaled(second.parameters[name], p, rtol=1e-5)
 
 
 def test_cnn_takes_the_one_graph_path():
-    x = RNG.random((48, 1, 8, 8), dtype=np.float32)
-    y = RNG.integers(0, 10, 48)
+    rng = np.random.default_rng(1)  # its own generator: the same data whichever tests ran before
+    x = rng.random((48, 1, 8, 8), dtype=np.float32)
+    y = rng.integers(0, 10, 48)
     one = _trainer(True, model=build_cnn(np.random.default_rng(0)))
     two = _trainer(False, model=build_cnn(np.random.default_rng(0)))
     assert one.step_path == "one graph"
     one.fit({"pixels": x, "target": y}, epochs=2)
     two.fit({"pixels": x, "target": y}, epochs=2)
     for name, p in two.parameters.items():
-        np.testing.assert_allclose(one.parameters[name], p, rtol=1e-4, atol=1e-6, err_msg=name)
+        assert_allclose_scaled(one.parameters[name], p, rtol=1e-4, err_msg=name)
 
 
 def test_a_non_finite_loss_stops_before_any_update():

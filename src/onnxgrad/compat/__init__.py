@@ -20,6 +20,10 @@ Differences with the original:
   is checked for availability and anything else is a :class:`ValueError`;
 * ``graph_builder_config`` (an onnxruntime-training object) and ``run_options`` are accepted and
   ignored; pickling keeps the usual ``SessionOptions`` settings but not its config entries;
+* ``enable_logging`` logs on logger ``onnxgrad.compat`` (the original's was ``onnxcustom``);
+* a bare onnxruntime ``OrtValueVector`` given as an output cache is overwritten in place only when
+  the new values have the shapes of the old (the C++ vector cannot be emptied from Python); a list
+  or an :class:`OrtValueVector` takes any values;
 * errors are onnxgrad's: :class:`~onnxgrad.errors.InputError` (a ``ValueError``) for bad
   arguments, :class:`~onnxgrad.errors.OnnxGradRuntimeError` (a ``RuntimeError``) for the protocol.
 """

@@ -21,7 +21,7 @@ from ..model.graph import ValueInfo, np_dtype
 from ..runtime.runner import Runner
 from ..runtime.values import contiguous
 from .devices import parse_device
-from .values import OrtValueVector, check_value, fill
+from .values import OrtValueVector, c_value, check_value, fill
 
 
 @dataclass
@@ -79,26 +79,28 @@ class OrtGradientForwardBackwardFunction:
         """
         if isinstance(tensors, OrtValueVector) and not debug:
             return tensors  # as the original: a vector is already converted
-        values: list[ort.OrtValue] = []
+        values: list[Any] = []
+        keep: list[Any] = []  # the arrays the values borrow: the vector keeps them alive
         devices = list(devices or [None])
         for i, t in enumerate(tensors):
             device = devices[min(i, len(devices) - 1)]
             if t is None:
                 raise InputError(f"value {i} is None: every input and gradient must be given")
-            if isinstance(t, ort.OrtValue):
-                values.append(t)
-            elif isinstance(t, C.OrtValue):
-                values.append(ort.OrtValue(t))
+            if isinstance(t, ort.OrtValue | C.OrtValue):
+                keep.append(t)
+                values.append(c_value(t))
             else:
                 kind, index = parse_device(device)
                 arr = contiguous(t)
-                values.append(ort.OrtValue.ortvalue_from_numpy(arr, kind, index))
+                wrapper = ort.OrtValue.ortvalue_from_numpy(arr, kind, index)
+                keep.append(wrapper)  # it holds ``arr`` when the value borrows its buffer
+                values.append(wrapper._ortvalue)
             if debug and parse_device(values[-1])[0] != parse_device(device)[0]:
                 raise InputError(
                     f"value {i} is on {values[-1].device_name()!r}, expected "
                     f"{OrtGradientForwardBackwardFunction.device_name(device)!r}"
                 )
-        return OrtValueVector(values)
+        return OrtValueVector(values, keep=keep)
 
     def save_for_backward(self, inputs: Iterable[Any]) -> None:
         """Keep ``inputs`` (a shallow copy of the list) for :attr:`saved_tensors`."""
@@ -118,8 +120,10 @@ class OrtGradientForwardBackwardFunction:
     ) -> OrtValueVector | list[ort.OrtValue]:
         """Run the model on ``inputs``: the features (``_input_names``) then the weights
         (``_weights_to_train``), as numpy arrays or OrtValues. Returns one OrtValue per output
-        (``.numpy()`` gives the array) in an :class:`OrtValueVector`, as the original did, or in
-        ``forward_outputs_cache`` when one is given (a list or an ``OrtValueVector``).
+        (``C.OrtValue``; ``.numpy()`` gives the array) in an :class:`OrtValueVector`, as the
+        original did, or in ``forward_outputs_cache`` when one is given (a list or an
+        ``OrtValueVector``), which is overwritten as the original overwrote it (see
+        :func:`~onnxgrad.compat.values.fill`).
 
         With ``training``, what the backward needs is pushed on this instance's stack.
         """
@@ -148,8 +152,9 @@ class OrtGradientForwardBackwardFunction:
         self, grad_outputs: Sequence[Any], backward_outputs_cache: Any = None
     ) -> OrtValueVector | list[ort.OrtValue | None]:
         """Gradients for the latest pending training forward (LIFO), given one gradient per
-        output (``None`` counts as zeros). Returns an :class:`OrtValueVector` (as the original
-        did; or ``backward_outputs_cache`` filled) with one OrtValue per forward input: the
+        output (``None`` counts as zeros; a gradient with the output's number of values in another
+        shape is reshaped, as the original did). Returns an :class:`OrtValueVector` (as the
+        original did; or ``backward_outputs_cache`` overwritten) with one OrtValue per forward input: the
         features first, then the weights (``None`` for a non-float feature).
         """
         cls = type(self)
@@ -168,6 +173,8 @@ class OrtGradientForwardBackwardFunction:
         for i, (g, info, shape) in enumerate(zip(grads, cls._output_specs, pending.shapes)):
             if g is None:
                 grads[i] = np.zeros(shape, dtype=np_dtype(info.dtype))
+            else:
+                grads[i] = _as_output_shape(g, shape)
         values = cls.input_to_ort(grads, cls._bw_outputs_device_info, cls._debug)
         for i, (info, shape, value) in enumerate(zip(cls._output_specs, pending.shapes, values)):
             check_value("gradient", i, ValueInfo(info.name, info.dtype, shape), value)
@@ -210,3 +217,18 @@ class OrtGradientForwardBackwardFunction:
             onnx.save(model, path)
             saved[attr] = path
         return saved
+
+
+def _as_output_shape(grad: Any, shape: tuple[int, ...]) -> Any:
+    """``grad`` with the shape of its output when it has the same number of elements in another
+    shape, as the original accepted ((1, N) for an (N, 1) output: its agent reshaped the gradient);
+    anything else is returned as given, for :func:`check_value` to judge. A CPU OrtValue is read
+    back into numpy (a copy) to be reshaped."""
+    if isinstance(grad, ort.OrtValue | C.OrtValue):
+        got = tuple(grad.shape())
+        if got == shape or int(np.prod(got)) != int(np.prod(shape)) or parse_device(grad)[0] != "cpu":
+            return grad
+        return np.ascontiguousarray(grad.numpy()).reshape(shape)
+    if isinstance(grad, np.ndarray) and grad.shape != shape and grad.size == int(np.prod(shape)):
+        return grad.reshape(shape)
+    return grad

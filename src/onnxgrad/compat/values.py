@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto
 
-from ..deps import C
+from ..deps import C, copy_into_ortvaluevector
 from ..errors import InputError
 from ..model.graph import ValueInfo
 
@@ -19,7 +19,7 @@ def ort_type(dtype: int) -> str:
     return f"tensor({TensorProto.DataType.Name(dtype).lower()})"
 
 
-def check_value(kind: str, position: int, info: ValueInfo | None, value: ort.OrtValue) -> None:
+def check_value(kind: str, position: int, info: ValueInfo | None, value: Any) -> None:
     """Raise :class:`InputError` when ``value`` does not have ``info``'s type and shape."""
     if info is None:  # the model does not declare its type: onnxruntime will judge
         return
@@ -37,6 +37,16 @@ def check_value(kind: str, position: int, info: ValueInfo | None, value: ort.Ort
         raise InputError(f"{kind} {position} ({info.name!r}) has shape {shape}, expected {expected}")
 
 
+def c_value(value: Any) -> Any:
+    """The ``C.OrtValue`` (``onnxruntime.capi._pybind_state.OrtValue``) of a public
+    ``onnxruntime.OrtValue`` or of a C-level one."""
+    if isinstance(value, C.OrtValue):
+        return value
+    if isinstance(value, ort.OrtValue):
+        return value._ortvalue
+    raise TypeError(f"an OrtValueVector holds OrtValues, not {type(value).__name__}")
+
+
 class OrtValueVector(C.OrtValueVector):
     """onnxruntime's ``OrtValueVector``, what the original ``forward``, ``backward`` and
     ``input_to_ort`` returned, that also behaves like the Python list earlier onnxgrad versions
@@ -44,31 +54,78 @@ class OrtValueVector(C.OrtValueVector):
 
     It is a real ``C.OrtValueVector`` (``isinstance`` holds; ``push_back``, ``to_dlpacks``,
     ``dlpack_at``, ``element_type_at`` work), and on the Python side: ``len``, iteration,
-    unpacking, negative indices and slices (a slice is a ``list``). Items read back are the
-    public ``onnxruntime.OrtValue``; each keeps the buffer it borrows (a numpy array given to
-    :meth:`~OrtGradientForwardBackwardFunction.input_to_ort`) alive, which the bare C++ vector
-    does not. ``None`` (the gradient of a non-float feature) is stored in the C++ vector as an
-    empty float tensor and reads back as ``None``.
+    unpacking, negative indices and slices (a slice is a ``list``). Items read back are what the
+    original's vector gave: ``onnxruntime.capi._pybind_state.OrtValue`` (the C object that
+    ``C.SessionIOBinding.bind_ortvalue_input`` and the other C-level functions take; ``.numpy()``,
+    ``.shape()``, ``.data_type()`` work as on the public ``onnxruntime.OrtValue``). The vector keeps
+    alive the buffers its values borrow (a numpy array given to
+    :meth:`~OrtGradientForwardBackwardFunction.input_to_ort`), which the bare C++ vector does not.
+    ``None`` (the gradient of a non-float feature) is stored in the C++ vector as an empty float
+    tensor and reads back as ``None``.
     """
 
-    def __init__(self, values: Iterable[Any] = ()) -> None:
+    def __init__(self, values: Iterable[Any] = (), keep: Iterable[Any] = ()) -> None:
         super().__init__()
-        self._items: list[ort.OrtValue | None] = []
+        self._items: list[Any] = []
+        self._keep: list[Any] = list(keep)  # owners of the buffers the values borrow
+        self._native = True  # whether the C++ storage holds what ``_items`` holds
         for v in values:
             self.append(v)
 
     def append(self, value: Any) -> None:
         """Add an ``OrtValue`` (public or ``C.OrtValue``) or ``None``."""
         if value is None:
-            self.push_back(empty_placeholder())
-        elif isinstance(value, ort.OrtValue):
-            self.push_back(value._ortvalue)
-        elif isinstance(value, C.OrtValue):
-            self.push_back(value)
-            value = ort.OrtValue(value)
+            self._push(empty_placeholder())
         else:
-            raise TypeError(f"an OrtValueVector holds OrtValues, not {type(value).__name__}")
+            if isinstance(value, ort.OrtValue):
+                self._keep.append(value)  # it may hold the numpy array it borrows
+            value = c_value(value)
+            self._push(value)
         self._items.append(value)
+
+    def _push(self, value: Any) -> None:
+        if self._native:
+            self.push_back(value)
+
+    def assign(self, values: list[Any]) -> None:
+        """Replace the content by ``values``, as the original's agents overwrote an output cache.
+
+        The C++ storage is rewritten in place when it holds as many CPU tensors of the same types
+        and shapes (:func:`onnxgrad.deps.copy_into_ortvaluevector`: the buffers receive the new
+        data). Otherwise (the last, smaller batch of an epoch) only the Python side can change:
+        ``len``, indexing, iteration and the DLPack methods then read the new values, and the C++
+        storage, which no Python call can empty, is no longer used by them.
+        """
+        new = [None if v is None else c_value(v) for v in values]
+        keep = [v for v in values if isinstance(v, ort.OrtValue)]
+        stored = [empty_placeholder() if v is None else v for v in new]
+        if self._native and copy_into_ortvaluevector(stored, self):
+            new = [None if v is None else C.OrtValueVector.__getitem__(self, i) for i, v in enumerate(new)]
+        elif self._native and len(self._items) == 0:
+            for v in stored:
+                self.push_back(v)
+        else:
+            self._native = False
+        self._items = new
+        self._keep = keep
+
+    def to_dlpacks(self, to_tensor: Any) -> list[Any]:
+        """Each value as a DLPack capsule passed through ``to_tensor`` (as onnxruntime's)."""
+        if self._native:
+            return super().to_dlpacks(to_tensor)
+        return [to_tensor(self._stored(i).to_dlpack()) for i in range(len(self))]
+
+    def dlpack_at(self, index: int) -> Any:
+        """Value ``index`` as a DLPack capsule."""
+        return super().dlpack_at(index) if self._native else self._stored(index).to_dlpack()
+
+    def element_type_at(self, index: int) -> int:
+        """The ONNX element type of value ``index``."""
+        return super().element_type_at(index) if self._native else int(self._stored(index).element_type())
+
+    def _stored(self, index: int) -> Any:
+        value = self._items[index]
+        return empty_placeholder() if value is None else value
 
     def __len__(self) -> int:
         return len(self._items)
@@ -96,21 +153,40 @@ def empty_placeholder() -> Any:
 
 
 def fill(cache: Any, values: list[Any]) -> Any:
-    """Put ``values`` into a caller's cache (list or OrtValueVector) and return it; without a
-    cache, a new :class:`OrtValueVector`."""
+    """Put ``values`` into a caller's cache and return it, replacing what it held, as the original
+    overwrote ``forward_outputs_cache`` / ``backward_outputs_cache``; without a cache, a new
+    :class:`OrtValueVector`.
+
+    A ``list`` gets the values; an :class:`OrtValueVector` is rewritten (:meth:`~OrtValueVector.assign`);
+    an onnxruntime ``C.OrtValueVector`` (what onnxcustom's own loop passed) is filled when empty,
+    and overwritten in place when it holds as many tensors of the same types and shapes (the
+    original's agents wrote into it the same way). Any other C vector cannot be rewritten from
+    Python: :class:`~onnxgrad.errors.InputError` says so. Written in place, the old values' buffers
+    receive the new data: arrays read from them before with ``.numpy()`` (which share them) change
+    too, as they did with the original; copy them to keep them.
+    """
     if cache is None:
         return OrtValueVector(values)
     if isinstance(cache, OrtValueVector):
-        for v in values:
-            cache.append(v)
+        cache.assign(values)
         return cache
     if isinstance(cache, list):
-        cache[:] = values
+        cache[:] = [None if v is None else c_value(v) for v in values]
         return cache
-    if hasattr(cache, "push_back"):  # an (empty) C.OrtValueVector, as the original used
-        for v in values:
-            if v is None:  # no gradient (a non-float feature): the empty placeholder
-                v = empty_placeholder()
-            cache.push_back(v._ortvalue if isinstance(v, ort.OrtValue) else v)
-        return cache
+    if isinstance(cache, C.OrtValueVector):  # a bare onnxruntime vector, as the original used
+        stored = [empty_placeholder() if v is None else c_value(v) for v in values]
+        if len(cache) == 0:
+            for v in stored:
+                cache.push_back(v)
+            return cache
+        if copy_into_ortvaluevector(stored, cache):
+            return cache
+        old = [(cache[i].data_type(), tuple(cache[i].shape())) for i in range(len(cache))]
+        new = [(v.data_type(), tuple(v.shape())) for v in stored]
+        raise InputError(
+            f"the output cache, an onnxruntime OrtValueVector holding {old}, cannot receive {new}: "
+            "onnxruntime's vector cannot be emptied or resized from Python, only rewritten in place "
+            "with values of the same types and shapes. Pass an empty vector, a list or an "
+            "onnxgrad.compat.OrtValueVector (which any values may overwrite) as the cache"
+        )
     raise TypeError(f"an output cache must be a list or an OrtValueVector, not {type(cache)}")

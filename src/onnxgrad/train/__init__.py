@@ -51,3 +51,9 @@ __all__ = [
     "split",
     "with_parameters",
 ]
+
+# onnxcustom's 'optimal' learning rate and elastic penalty (docs/migrate_onnxcustom_optimizer.md)
+from .optim import ElasticPenalty
+from .schedules import Optimal
+
+__all__ += ["ElasticPenalty", "Optimal"]

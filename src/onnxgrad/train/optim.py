@@ -282,3 +282,54 @@ def _check_positive(**values: float) -> None:
     for key, value in values.items():
         if not value > 0:
             raise InputError(f"{key} must be > 0, got {value}")
+
+
+class ElasticPenalty(Optimizer):
+    """onnxcustom's ``ElasticLearningPenalty(l1, l2)``: another optimizer whose parameters are
+    shrunk before each of its updates, ``W ← (1 - 2 l2) W - l1 sign(W)``.
+
+    As in onnxcustom, the shrinking does not depend on the learning rate, and the gradient the
+    inner optimizer applies is the data loss's alone (computed at the weights before the shrink).
+    The penalty onnxcustom added to the loss it reported, ``l1 Σ|W| + l2 Σ W²``, is
+    :meth:`penalty`. The defaults, 0.01 each, are what onnxcustom applied whatever it was given
+    (its class defaulted to 0.5 but never passed its values to the ONNX functions, whose defaults
+    were 0.01). ``optimizer``: the inner optimizer's class (:class:`SGD` by default), built
+    with ``lr`` and ``options``. For the :class:`~onnxgrad.train.Trainer`, give the class and
+    ``optimizer_options={"l1": ..., "l2": ...}``; for the scikit-learn estimators, a factory such as
+    ``functools.partial(ElasticPenalty, lr=0.01, l1=1e-4, l2=1e-4)``.
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, np.ndarray],
+        lr: LearningRate,
+        l1: float = 0.01,
+        l2: float = 0.01,
+        optimizer: type[Optimizer] = SGD,
+        **options: Any,
+    ) -> None:
+        _check_non_negative(l1=l1, l2=l2)
+        if l2 > 0.5:
+            raise InputError(f"l2 must be <= 0.5 (the shrinking factor 1 - 2 l2 would be negative), got {l2}")
+        self.inner = optimizer(params, lr=lr, **options)
+        super().__init__(self.inner.params, self.inner.schedule)
+        self.state = self.inner.state  # one state: checkpoints hold the inner optimizer's
+        self.l1, self.l2 = float(l1), float(l2)
+
+    def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
+        sign = self._buffer(name, 0)
+        np.sign(p, out=sign)
+        p *= 1.0 - 2.0 * self.l2
+        _add_scaled(p, -self.l1, sign, sign)
+        self.inner.lr, self.inner.iterations = self.lr, self.iterations
+        self.inner._update(name, p, grad)
+
+    def penalty(self, params: Mapping[str, np.ndarray] | None = None) -> float:
+        """``Σ_W l1 Σ|W| + l2 Σ W²`` over ``params`` (default: the parameters it updates)."""
+        values = self.params if params is None else params
+        return float(
+            sum(
+                self.l1 * np.abs(w).sum(dtype=np.float64) + self.l2 * np.square(w, dtype=np.float64).sum()
+                for w in values.values()
+            )
+        )

@@ -222,3 +222,45 @@ class ReduceLROnPlateau(Schedule):
             int(state["cooldown_counter"]),
         )
         self.last_epoch = int(state["last_epoch"])
+
+
+class Optimal(Schedule):
+    """scikit-learn's and onnxcustom's ``learning_rate='optimal'``: ``1 / (alpha (t + t0))``.
+
+    ``t0`` comes from Léon Bottou's heuristic: with ``typw = sqrt(1 / sqrt(alpha))``, the first
+    rate is ``eta_b = typw / max(1, dloss)`` and ``t0 = 1 / (alpha eta_b)``. ``dloss`` is the slope
+    of the loss at prediction ``-typw`` for target 1: by default ``2 (1 + typw)``, the squared
+    error ``(p - y)²`` as onnxcustom's ``LearningRateSGD`` computed it; scikit-learn's
+    ``SGDRegressor`` takes the signed slope of ``(p - y)² / 2``, negative, so its ``max`` is 1:
+    pass ``dloss=1`` for its rates.
+
+    ``eta0``: when given, the curve is scaled to start at ``eta0``: ``eta0 t0 / (t0 + t)``, which is
+    ``LearningRateSGD(eta0=eta0, alpha=alpha, learning_rate='optimal')``; ``None``: ``1 / (alpha
+    (t0 + t))``, scikit-learn's. ``t = step // steps_per_epoch``: onnxcustom changed the rate once
+    per epoch (``steps_per_epoch`` = batches per epoch), scikit-learn's SGD once per sample
+    (``steps_per_epoch=1`` with one sample per batch).
+    """
+
+    def __init__(
+        self,
+        alpha: float = 1e-4,
+        eta0: float | None = None,
+        dloss: float | None = None,
+        steps_per_epoch: int = 1,
+    ) -> None:
+        _positive(alpha=alpha, steps_per_epoch=steps_per_epoch)
+        if eta0 is not None:
+            _non_negative(eta0=eta0)
+        if dloss is not None:
+            _non_negative(dloss=dloss)
+        self.alpha, self.eta0, self.dloss = float(alpha), eta0, dloss
+        self.steps_per_epoch = int(steps_per_epoch)
+        typw = math.sqrt(1.0 / math.sqrt(self.alpha))
+        slope = 2.0 * (1.0 + typw) if dloss is None else float(dloss)
+        self.t0 = 1.0 / (self.alpha * (typw / max(1.0, slope)))
+
+    def __call__(self, step: int) -> float:
+        t = step // self.steps_per_epoch
+        if self.eta0 is None:
+            return 1.0 / (self.alpha * (self.t0 + t))
+        return self.eta0 * self.t0 / (self.t0 + t)
