@@ -488,3 +488,10 @@ def test_ci_builds_the_reference():
     locked = {requirement_name(line) for line in lock}
     for requirement in [*extras["docs"], "mypy"]:
         assert requirement_name(requirement) in locked, f"{requirement} is not in requirements/lock.txt"
+
+
+def test_zoo_pages_are_recognised():
+    """The pages that need the zoo extra are found by their imports (skipped where it is missing)."""
+    assert zoo_modules() == {"transformers", "onnxscript"}
+    assert "transformers" in imported_modules(DOCS / "finetune_big.md")
+    assert not zoo_modules() & imported_modules(DOCS / "finetune.md")
