@@ -144,6 +144,7 @@ def build_gradient(
     g = GradBuilder(infos, consts, taken, max(opset, MIN_BACKWARD_OPSET))
     g.versions = versions
     g.padding_rows = padding_rows(model, trainable_names)  # torch Embedding(padding_idx=...)
+    g.producers = {o: node for node in nodes for o in node.output if o}
     grads: dict[str, list[Var]] = {}
     grad_inputs: dict[str, str] = {}
     for out in grad_outs:

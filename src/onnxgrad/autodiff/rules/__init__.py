@@ -6,6 +6,7 @@
 
 from . import (  # noqa: F401
     attention,
+    contrib,
     control_flow,
     conv,
     elementwise,
