@@ -302,6 +302,8 @@ class Trainer:
     clipped to ``[-clip_value, clip_value]``. The three run forward, backward and the numpy update
     (the two-session path). A :class:`ReduceLROnPlateau` given as ``lr`` is stepped at the end of
     every epoch with its ``monitor`` value.
+    ``quantized``: the gradient through quantization ops, ``"ste"``, ``"zero"`` or ``"refuse"`` (see
+    ``build_gradient``).
     """
 
     def __init__(
@@ -329,6 +331,7 @@ class Trainer:
         accumulate: int = 1,
         clip_norm: float | None = None,
         clip_value: float | None = None,
+        quantized: str = "ste",
     ) -> None:
         if not (isinstance(accumulate, int) and accumulate >= 1):
             raise InputError(f"accumulate must be an integer >= 1, got {accumulate!r}")
@@ -350,7 +353,12 @@ class Trainer:
                     f"the model has no output {loss_name!r} (outputs: {outputs}); pass loss= to append one"
                 )
             fb = ForwardBackward(
-                prepared, trainable=trainable, outputs=[loss_name], providers=providers, recompute=recompute
+                prepared,
+                trainable=trainable,
+                outputs=[loss_name],
+                providers=providers,
+                recompute=recompute,
+                quantized=quantized,
             )
         if loss_name not in fb.output_names or loss_name not in fb.graphs.grad_inputs:
             raise InputError(
