@@ -12,6 +12,7 @@ import { trainingSessionOf } from './ort_training.js';
 export {
   OrtTrainingSession,
   createTrainingSession,
+  fetchBytes,
   onnxMetadata,
   readCheckpoint,
   trainingSessionOf,
