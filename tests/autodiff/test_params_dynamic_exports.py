@@ -19,7 +19,9 @@ F = TensorProto.FLOAT
 
 
 def _model(nodes, inputs, outputs, inits):
-    graph = helper.make_graph(nodes, "g", inputs, outputs, [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    graph = helper.make_graph(
+        nodes, "g", inputs, outputs, [numpy_helper.from_array(v, k) for k, v in inits.items()]
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
@@ -83,3 +85,39 @@ def test_rotary_inverse_frequencies_are_not_trained():
     assert parameter_reasons(_rope(inv_freq))["freqs"] == "rotary inverse frequencies"
     # not a geometric sequence from 1: a weight
     assert parameter_reasons(_rope(np.array([1.0, 0.5, 0.3, 0.1])))["freqs"] is None
+
+
+def test_uses_inside_if_branches_are_followed():
+    """optimum's merged decoder: the initializers are in the main graph, every read is in a branch
+    of an If; a branch's values are followed as the main graph's are (Expand, Cast, then And)."""
+    then = helper.make_graph(
+        [
+            helper.make_node("Expand", ["one", "shape"], ["ones"]),
+            helper.make_node("Cast", ["ones"], ["ones_b"], to=TensorProto.BOOL),
+            helper.make_node("And", ["ones_b", "keep"], ["mask"]),
+            helper.make_node("Where", ["mask", "x", "w"], ["y"]),
+        ],
+        "then",
+        [],
+        [helper.make_tensor_value_info("y", F, ["s"])],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Mul", ["x", "w"], ["y"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("y", F, ["s"])],
+    )
+    model = _model(
+        [helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)],
+        [
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, [1]),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [1]),
+            helper.make_tensor_value_info("keep", TensorProto.BOOL, ["s"]),
+            helper.make_tensor_value_info("x", F, ["s"]),
+        ],
+        [helper.make_tensor_value_info("y", F, ["s"])],
+        {"one": np.array(1.0, np.float32), "w": np.array([0.5, 0.25], np.float32)},
+    )
+    reasons = parameter_reasons(model)
+    assert reasons["one"] == "read as a boolean"
+    assert reasons["w"] is None

@@ -55,7 +55,9 @@ class _Decoder(torch.nn.Module):
         cache = DynamicCache()
         for i in range(self.layers if past else 0):
             cache.update(past[2 * i], past[2 * i + 1], i)
-        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        out = self.lm(
+            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True
+        )
         present = []
         for layer in out.past_key_values.layers:
             present += [layer.keys, layer.values]

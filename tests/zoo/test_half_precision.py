@@ -106,7 +106,10 @@ def test_float16_bert_gradients_are_exact_to_the_precision():
     assert match.sources
     cot = cotangent(output_shape("bert"))
     grads = onnxgrad.gradients(
-        model, feeds_of(model, inputs), {model.graph.output[0].name: cot.astype(np.float16)}, wrt=list(match.sources)
+        model,
+        feeds_of(model, inputs),
+        {model.graph.output[0].name: cot.astype(np.float16)},
+        wrt=list(match.sources),
     )
     assert {g.dtype for g in grads.values()} == {np.dtype(np.float16)}
     got, _ = match.gather(grads)

@@ -238,9 +238,9 @@ def _uses(graph: onnx.GraphProto, names: set[str]) -> dict[str, list[tuple[onnx.
                 if i in visible:
                     uses[i].append((node, k))
             for sub in subgraphs(node):
-                local = {i.name for i in sub.input} | {i.name for i in sub.initializer}
-                local |= {o for n in sub.node for o in n.output}
-                walk(sub, visible - local)
+                made = {o for n in sub.node for o in n.output}
+                local = {i.name for i in sub.input} | {i.name for i in sub.initializer} | made
+                walk(sub, (visible - local) | (made & names))  # its own values, when asked for
 
     walk(graph, set(names))
     return uses
@@ -251,6 +251,14 @@ def _uses(graph: onnx.GraphProto, names: set[str]) -> dict[str, list[tuple[onnx.
 _TRANSPARENT = {
     "Identity", "Cast", "CastLike", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Transpose",
 }  # fmt: skip
+
+
+def _all_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
+    """The nodes of ``graph`` and of its subgraphs, at any depth."""
+    for node in graph.node:
+        yield node
+        for sub in subgraphs(node):
+            yield from _all_nodes(sub)
 
 
 def _through(
@@ -284,10 +292,11 @@ def parameter_reasons(model: onnx.ModelProto) -> dict[str, str | None]:
     default trainable set), else why not (see the module's documentation for the rules)."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    values = set(inits) | {o for n in graph.node for o in n.output if o}
+    nodes = list(_all_nodes(graph))  # an If's branches read the main graph's initializers too
+    values = set(inits) | {o for n in nodes for o in n.output if o}
     consumers = _uses(graph, values)
     uses = {n: _through(consumers, n, set()) for n in inits}
-    producer = {o: n for n in graph.node for o in n.output}
+    producer = {o: n for n in nodes for o in n.output}
     infos: dict | None = None
     reasons: dict[str, str | None] = {}
     declared = declared_trainable(model)

@@ -57,3 +57,8 @@ from .optim import ElasticPenalty
 from .schedules import Optimal
 
 __all__ += ["ElasticPenalty", "Optimal"]
+
+# mixed precision for float16 / bfloat16 models (docs/finetune_deployed.md)
+from .amp import LossScaler, MixedPrecision
+
+__all__ += ["LossScaler", "MixedPrecision"]
