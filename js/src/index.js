@@ -23,6 +23,98 @@ function asTypedArray(values, type) {
   return Cls.from(values, (v) => Number(v));
 }
 
+/** A shape as text, `[N, 64]`; `?` for a dimension without a size or a name. */
+function shapeText(dims) {
+  return `[${dims.map((d) => (d === null || d === undefined ? '?' : String(d))).join(', ')}]`;
+}
+
+/** A fixed size in a manifest shape (a named or unknown dimension is not). */
+function isFixed(d) {
+  return Number.isInteger(d) && d >= 0;
+}
+
+/**
+ * `value` (an ort.Tensor, a tensor-like {type, data, dims}, a TypedArray or an array) as an
+ * ort.Tensor of the manifest entry `spec` ({name, dtype, shape}), or an Error naming the input
+ * with the expected and the given dtype or shape. `sizes` (named dimension -> {size, from}) makes
+ * a named dimension (the batch `N`) take one size across the inputs of a run.
+ */
+function checkedTensor(ort, spec, value, sizes) {
+  const { name, dtype } = spec;
+  const expected = spec.shape ?? null;
+  const wanted = expected ? shapeText(expected) : 'any shape';
+  let tensor;
+  if (value instanceof ort.Tensor || (value.dims && value.type)) {
+    if (dtype && value.type !== dtype) {
+      throw new Error(`batch input ${name} has dtype ${value.type}, the model expects ${dtype} (shape ${wanted})`);
+    }
+    if (!(value instanceof ort.Tensor) && value.data?.length !== product(value.dims)) {
+      const dims = `${shapeText(value.dims)} (${product(value.dims)} values)`;
+      throw new Error(`batch input ${name} has dims ${dims} but ${value.data?.length} values`);
+    }
+    tensor = value instanceof ort.Tensor ? value : new ort.Tensor(value.type, value.data, value.dims);
+  } else {
+    if (!ArrayBuffer.isView(value) && !Array.isArray(value)) {
+      const kind = typeof value === 'object' ? (value.constructor?.name ?? 'object') : typeof value;
+      throw new Error(`batch input ${name} must be an ort.Tensor, a typed array or an array, got ${kind}`);
+    }
+    if (!dtype) throw new Error(`batch input ${name}: the manifest gives no dtype; pass an ort.Tensor`);
+    if (Array.isArray(value)) {
+      const bad = value.findIndex((v) => typeof v !== 'number' && typeof v !== 'bigint' && typeof v !== 'boolean');
+      if (bad >= 0) {
+        const what = Array.isArray(value[bad])
+          ? 'an array (nested arrays are not read: pass a flat array or an ort.Tensor)'
+          : `${typeof value[bad]} ${JSON.stringify(value[bad])}`;
+        throw new Error(`batch input ${name}: the value at index ${bad} is ${what}, not a number`);
+      }
+    }
+    if (dtype.startsWith('int') || dtype.startsWith('uint')) {
+      const bad = Array.prototype.findIndex.call(value, (v) => typeof v !== 'bigint' && !Number.isInteger(Number(v)));
+      if (bad >= 0) {
+        throw new Error(`batch input ${name}: value ${value[bad]} at index ${bad} is not an integer (the model expects ${dtype})`);
+      }
+    }
+    const data = asTypedArray(value, dtype);
+    const given = `has shape [${data.length}] (a flat array)`;
+    if (!expected) {
+      tensor = new ort.Tensor(dtype, data, [data.length]);
+    } else {
+      const free = expected.filter((d) => !isFixed(d));
+      if (free.length > 1) {
+        throw new Error(`batch input ${name} ${given}, the model expects ${wanted}: pass an ort.Tensor with its dims`);
+      }
+      const row = product(expected.filter(isFixed)); // the values of one batch row (or of the whole shape)
+      if (free.length === 1 ? row === 0 || data.length % row !== 0 : data.length !== row) {
+        const why =
+          free.length === 1 ? `${data.length} values are not a whole number of ${row}-value rows` : `the shape holds ${row} values`;
+        throw new Error(`batch input ${name} ${given}, the model expects ${wanted}: ${why}`);
+      }
+      tensor = new ort.Tensor(dtype, data, expected.map((d) => (isFixed(d) ? d : data.length / row)));
+    }
+  }
+  checkDims(name, tensor.dims, expected, sizes);
+  return tensor;
+}
+
+/** An Error unless `dims` (of input `name`) fit the manifest shape `expected` and the named sizes so far. */
+function checkDims(name, dims, expected, sizes) {
+  if (!expected) return;
+  const given = `has shape ${shapeText(dims)}, the model expects ${shapeText(expected)}`;
+  if (dims.length !== expected.length) throw new Error(`batch input ${name} ${given} (rank ${expected.length})`);
+  expected.forEach((want, i) => {
+    if (isFixed(want) && dims[i] !== want) throw new Error(`batch input ${name} ${given} (dimension ${i} must be ${want})`);
+  });
+  expected.forEach((want, i) => {
+    if (typeof want !== 'string' || !want) return;
+    const seen = sizes[want];
+    if (!seen) sizes[want] = { size: dims[i], from: name };
+    else if (seen.size !== dims[i]) {
+      const why = `with ${want} = ${seen.size} as in ${seen.from} (dimension ${i} is ${dims[i]})`;
+      throw new Error(`batch input ${name} ${given} ${why}`);
+    }
+  });
+}
+
 /** Training from an artifacts folder: one session run per step, parameters kept as tensors. */
 export class TrainingSession {
   /**
@@ -57,6 +149,9 @@ export class TrainingSession {
     this.feedback = manifest.train_step.feedback; // output name -> input name at the next step
     this.lossName = manifest.loss.name;
     this.batchSpecs = Object.fromEntries(manifest.batch.map((s) => [s.name, s]));
+    // every input the batch may feed: the train step's, the eval step's and inference.onnx's
+    const specs = [...(manifest.inference?.inputs ?? []), ...(manifest.eval_step?.inputs ?? []), ...manifest.batch];
+    this._inputSpecs = Object.fromEntries(specs.map((s) => [s.name, s]));
     this.carried = {};
     for (const name of Object.values(this.feedback)) {
       const t = state.tensors[name];
@@ -65,23 +160,22 @@ export class TrainingSession {
     }
   }
 
-  /** The batch as ort tensors; values may be ort.Tensor, TypedArray or arrays. */
+  /**
+   * The batch as ort tensors; values may be ort.Tensor, TypedArray or arrays. Each is checked
+   * against the manifest (dtype, rank, fixed dimensions, one size per named dimension such as the
+   * batch's `N`): a mismatch is an Error naming the input, the expected and the given shape.
+   */
   _batch(batch, names) {
+    if (batch === null || typeof batch !== 'object') {
+      throw new Error(`the batch must be an object {input name: values} with ${names.join(', ')}, got ${batch}`);
+    }
     const feeds = {};
+    const sizes = {}; // named dimension -> {size, from: the input that set it}
     for (const name of names) {
-      const spec = this.batchSpecs[name];
+      const spec = this._inputSpecs[name] ?? { name, dtype: undefined, shape: null };
       const value = batch[name];
-      if (value === undefined) throw new Error(`missing batch input ${name}; the step takes ${Object.keys(this.batchSpecs)}`);
-      if (value instanceof this.ort.Tensor || (value.dims && value.type)) {
-        feeds[name] = value instanceof this.ort.Tensor ? value : new this.ort.Tensor(value.type, value.data, value.dims);
-        continue;
-      }
-      const data = asTypedArray(value, spec.dtype);
-      const known = (spec.shape ?? [data.length]).map((d) => (typeof d === 'number' && d > 0 ? d : null));
-      const free = known.filter((d) => d === null).length;
-      if (free > 1) throw new Error(`batch input ${name}: pass an ort.Tensor (shape ${JSON.stringify(spec.shape)})`);
-      const dims = known.map((d) => (d === null ? data.length / product(known.filter((k) => k !== null)) : d));
-      feeds[name] = new this.ort.Tensor(spec.dtype, data, dims);
+      if (value === undefined || value === null) throw new Error(`missing batch input ${name}; this run takes ${names.join(', ')}`);
+      feeds[name] = checkedTensor(this.ort, spec, value, sizes);
     }
     return feeds;
   }

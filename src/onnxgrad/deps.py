@@ -311,9 +311,26 @@ def _probe_torch(interop: TorchInterop) -> None:
 def function_apply_observed(observe: Callable[[type, Any], None]) -> Any:
     """Within the block, ``observe(cls, outputs)`` runs after every ``torch.autograd.Function.apply``.
 
+    ``observe`` may raise to stop the call. See :func:`function_apply_wrapped`.
+    """
+
+    def wrap(cls: type, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        out = call(*args, **kwargs)
+        observe(cls, out)
+        return out
+
+    with function_apply_wrapped(wrap):
+        yield
+
+
+@contextlib.contextmanager
+def function_apply_wrapped(wrap: Callable[..., Any]) -> Any:
+    """Within the block, ``Function.apply(*args)`` of every class ``cls`` is ``wrap(cls, call, *args)``,
+    where ``call(*args)`` is the original ``apply`` bound to ``cls``.
+
     torch <= 2.13 defines ``Function.apply`` as a Python classmethod, torch 2.14 as a C
     ``classmethod_descriptor``; both are bound with ``__get__(None, cls)``, so one wrapper serves
-    either. The original is put back on exit. ``observe`` may raise to stop the call.
+    either. The original is put back on exit.
     """
     torch = require_torch()
     function = torch.autograd.Function
@@ -322,9 +339,7 @@ def function_apply_observed(observe: Callable[[type, Any], None]) -> Any:
         raise _missing("torch", torch.__version__, "torch.autograd.Function.apply as a class method")
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        out = original.__get__(None, cls)(*args, **kwargs)
-        observe(cls, out)
-        return out
+        return wrap(cls, original.__get__(None, cls), *args, **kwargs)
 
     function.apply = classmethod(apply)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "DependencyError",
     "GradientNotImplementedError",
+    "GradientWarning",
     "InputError",
     "ModelError",
     "OnnxGradError",
@@ -44,3 +45,9 @@ class OnnxGradRuntimeError(OnnxGradError, RuntimeError):
 
 class DependencyError(OnnxGradError, ImportError):
     """An installed onnxruntime or torch is outside the supported range, or lacks an API onnxgrad needs."""
+
+
+class GradientWarning(UserWarning):
+    """A gradient onnxgrad computed is not what the caller may expect: a trainable value whose every
+    path to the outputs is cut by an op without a gradient (it gets zeros), or a gradient that an
+    estimator stands in for."""

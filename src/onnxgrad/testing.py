@@ -539,13 +539,22 @@ def _check_node(
 
 def _declare_output_shapes(model: onnx.ModelProto, values: Sequence[np.ndarray | None]) -> None:
     """Give the outputs that shape inference left without a shape (ai.onnx.ml ops) the shapes the
-    whole model computed: the ONNX checker rejects graph outputs without one."""
+    whole model computed, or, for outputs the model leaves unused (the statistics of a contrib
+    normalization), those onnxgrad infers: the ONNX checker rejects graph outputs without one."""
+    typed: dict[str, Any] | None = None
     for out, value in zip(model.graph.output, values):
         tensor = out.type.tensor_type
-        if value is not None and not tensor.HasField("shape"):
-            tensor.shape.SetInParent()
-            for d in np.shape(value):
-                tensor.shape.dim.add().dim_value = d
+        if tensor.HasField("shape"):
+            continue
+        if value is None:
+            typed = typed if typed is not None else infer_value_infos(model)
+            info = typed.get(out.name)
+            if info is not None and info.shape is not None:
+                out.type.CopyFrom(info.to_proto().type)
+            continue
+        tensor.shape.SetInParent()
+        for d in np.shape(value):
+            tensor.shape.dim.add().dim_value = d
 
 
 # ---- float32 results computed in different orders ---------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 
 
 class Cube(torch.autograd.Function):
@@ -243,3 +244,88 @@ class Tagged(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g, None
+
+
+# ---- collectives (Megatron-style tensor parallelism; ORTModule's Reduce*MarkDirty) ----------------
+class AllReduceSum(torch.autograd.Function):
+    """Megatron's 'reduce from the model-parallel region': all-reduce in forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.clone()
+        dist.all_reduce(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class CopyToParallel(torch.autograd.Function):
+    """Megatron's 'copy to the model-parallel region': identity forward, all-reduce in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g)
+        return g
+
+
+class ReduceMarkDirty(torch.autograd.Function):
+    """All-reduces its input in place and says so (ORTModule's ReduceWithMarkDirty)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class ReduceNoMarkDirty(torch.autograd.Function):
+    """All-reduces its input in place without mark_dirty (ORTModule's ReduceWithoutMarkDirty)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class TensorParallel(torch.nn.Module):
+    """Linear -> CopyToParallel -> tanh -> Linear -> AllReduceSum -> + bias."""
+
+    def __init__(self, n: int = 6, hidden: int = 8) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(n, hidden)
+        self.b = torch.nn.Linear(hidden, n, bias=False)
+        self.bias = torch.nn.Parameter(torch.linspace(-0.5, 0.5, n))
+        self.copy, self.reduce = CopyToParallel.apply, AllReduceSum.apply  # bound before export
+
+    def forward(self, x):
+        return self.reduce(self.b(torch.tanh(self.copy(self.a(x))))) + self.bias
+
+
+class ReduceModel(torch.nn.Module):
+    """ORTModule's Reduce*MarkDirtyModel: x = input + bias; x is reduced, then read again."""
+
+    def __init__(self, fn, n: int = 5) -> None:
+        super().__init__()
+        self.fn = fn
+        self.bias = torch.nn.Parameter(torch.linspace(0.1, 0.5, n))
+
+    def forward(self, inp):
+        x = inp + self.bias
+        y1 = self.fn(x)
+        y2 = x.add(self.bias)
+        return x + y1 + y2

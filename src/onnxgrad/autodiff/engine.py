@@ -18,13 +18,14 @@ run on their branches and bodies.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import onnx
 from onnx import helper
 
-from ..errors import ModelError
+from ..errors import GradientWarning, InputError, ModelError
 from ..model.fold import known_tensors
 from ..model.graph import (
     MIN_BACKWARD_OPSET,
@@ -41,7 +42,7 @@ from ..model.graph import (
 from ..model.infer import infer_value_infos
 from ..model.load import CheckedModel, load_model
 from ..model.pythonop_spec import complete_class_names
-from .backward import mark, reverse_pass
+from .backward import QUANTIZED_MODES, cut_message, cut_paths, mark, reverse_pass
 from .builder import GradBuilder, Var
 from .params import Tie, checked_names, padding_rows, select_parameters
 from .recompute import MARK as RECOMPUTE_MARK
@@ -69,6 +70,7 @@ class GradientGraphs:
     grad_outputs: dict[str, str] = field(default_factory=dict)  # wrt name -> backward output
     # initializers computed from a trainable one (tied weights, see autodiff/params.py)
     ties: list[Tie] = field(default_factory=list)
+    quantized: str = "ste"  # the build_gradient(quantized=) choice these graphs were built with
 
     @property
     def wrt(self) -> list[str]:
@@ -103,6 +105,7 @@ def build_gradient(
     outputs: Iterable[str] | None = None,
     tie_weights: bool = True,
     recompute: Recompute = None,
+    quantized: str = "ste",
 ) -> GradientGraphs:
     """Build the forward and backward graphs of ``model``.
 
@@ -114,7 +117,18 @@ def build_gradient(
     ``inputs_requiring_grad``: graph inputs whose gradients the backward also returns.
     ``outputs``: outputs that take a gradient (``None``: every floating-point output); the others
     are treated as having a zero gradient.
+    ``quantized``: the gradient through quantization ops (QuantizeLinear, DynamicQuantizeLinear and
+    the integer products they feed; see ``docs/quantized.md``): ``"ste"`` (default) the
+    straight-through estimator of quantization-aware training, ``"zero"`` none (they stop the
+    gradient), ``"refuse"`` a :class:`~onnxgrad.errors.GradientNotImplementedError` where a gradient
+    would cross a rounding. DequantizeLinear's gradient in its scale is exact in every mode but
+    ``"zero"``.
+
+    A trainable value whose every path to the outputs is cut by an op without a gradient gets
+    zeros and a :class:`~onnxgrad.errors.GradientWarning` naming it and the op.
     """
+    if quantized not in QUANTIZED_MODES:
+        raise InputError(f"quantized must be one of {list(QUANTIZED_MODES)}, got {quantized!r}")
     selection = select_parameters(_prepare(load_model(model)), trainable, tie_weights=tie_weights)
     model = selection.model
     graph = model.graph
@@ -132,7 +146,7 @@ def build_gradient(
     wrt = trainable_names + input_names
 
     # 1. which values require grad, which reach an output with a gradient
-    marks = mark(nodes, wrt, grad_outs, infos, versions)
+    marks = mark(nodes, wrt, grad_outs, infos, versions, quantized)
 
     # 2. reverse pass
     # Known tensors are copied into the backward rather than saved; an initializer that is also a
@@ -143,14 +157,21 @@ def build_gradient(
     taken = set(infos) | all_names(graph)
     g = GradBuilder(infos, consts, taken, max(opset, MIN_BACKWARD_OPSET))
     g.versions = versions
+    g.quantized = quantized  # type: ignore[attr-defined]  # read by rules/quant.py (quantized_mode)
     g.padding_rows = padding_rows(model, trainable_names)  # torch Embedding(padding_idx=...)
+    g.producers = {o: node for node in nodes for o in node.output if o}
     grads: dict[str, list[Var]] = {}
     grad_inputs: dict[str, str] = {}
     for out in grad_outs:
         info = infos[out]
         grad_inputs[out] = g.reserve(f"{out}_grad")
         grads.setdefault(out, []).append(Var(g, grad_inputs[out], info.dtype, info.shape))
-    reverse_pass(g, nodes, marks, grads, grad_outs)
+    stopped: list[tuple[onnx.NodeProto, str]] = []
+    reverse_pass(g, nodes, marks, grads, grad_outs, stopped)
+    ungraded = [w for w in trainable_names if not grads.get(w)]
+    cuts = cut_paths(nodes, ungraded, grad_outs, marks, stopped, versions, quantized) if ungraded else {}
+    if cuts:
+        warnings.warn(cut_message(cuts, quantized), GradientWarning, stacklevel=2)
 
     grad_outputs: dict[str, str] = {}
     final: list[tuple[str, Var]] = []
@@ -182,6 +203,7 @@ def build_gradient(
         grad_inputs=grad_inputs,
         grad_outputs=grad_outputs,
         ties=selection.ties,
+        quantized=quantized,
     )
 
 

@@ -114,7 +114,7 @@ class PreparedModel:
     def gradient_graphs(self, *, outputs: Iterable[str] | None = None, **options: Any) -> GradientGraphs:
         """The gradient graphs of the training variant: ``options`` are the keywords of
         ``build_gradient`` (``trainable``, ``inputs_requiring_grad``, ``tie_weights``,
-        ``recompute``). ``outputs=None``: the floating-point outputs of the model as given (not
+        ``recompute``, ``quantized``). ``outputs=None``: the floating-point outputs of the model as given (not
         the running statistics)."""
         if outputs is None and self.follows_training:
             given = float_outputs(self.checked.proto)
@@ -134,6 +134,7 @@ class PreparedModel:
             trainable=trainable,
             outputs=list(graphs.grad_inputs),
             tie_weights=bool(graphs.ties),
+            quantized=graphs.quantized,
         )
 
 

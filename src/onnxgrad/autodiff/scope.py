@@ -120,6 +120,7 @@ class Scope(Generic[V]):
         self.versions: dict[str, int] = {}  # opset of each domain of the model ("" for ai.onnx)
         # Gather output -> table row that gets no gradient (torch Embedding's padding_idx)
         self.padding_rows: dict[str, int] = {}
+        self.producers: dict[str, onnx.NodeProto] = {}  # forward value -> its node (for errors)
         self.parent: Scope[V] | None = None
         self.local: set[str] = set()  # forward values this scope defines (for a child scope)
         self._fwd_values: dict[str, V] = {}
@@ -139,6 +140,7 @@ class Scope(Generic[V]):
         """
         sub = type(self)(self.infos, {**self.consts, **(consts or {})}, (), self.opset)
         sub.names, sub.versions, sub.parent, sub.local = self.names, self.versions, self, set(local)
+        sub.producers = self.producers
         return sub
 
     def outer(self, var: Value) -> V:

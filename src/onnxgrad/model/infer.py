@@ -1,7 +1,8 @@
 """Types and shapes of every value of a model: ONNX shape inference, helped where it gives up.
 
 Constants and static shapes are folded first (:mod:`.fold`), ai.onnx.ml outputs and If/Loop/Scan
-outputs are typed from a small table and from their subgraphs, and inference runs again.
+outputs are typed from a small table and from their subgraphs, the outputs of onnxruntime's contrib
+ops (fused models) from :mod:`.contrib_schemas`, and inference runs again.
 """
 
 from __future__ import annotations
@@ -9,8 +10,16 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from .contrib_schemas import contrib_output_infos, has_output_rule
 from .fold import fold_for_inference
-from .graph import ValueInfo, all_subgraphs, subgraphs, value_info_from_proto, without_weights
+from .graph import (
+    ValueInfo,
+    all_subgraphs,
+    import_used_domains,
+    subgraphs,
+    value_info_from_proto,
+    without_weights,
+)
 from .validate import safe_to_propagate_data
 
 # ai.onnx.ml ops that ONNX shape inference leaves untyped: float32 with the shape of input 0.
@@ -71,6 +80,7 @@ def infer_value_infos(model: onnx.ModelProto) -> dict[str, ValueInfo]:
     folded = -1
     for _ in range(3):
         skeleton = without_weights(model)
+        import_used_domains(skeleton)
         count = fold_for_inference(skeleton, shapes)
         if count <= folded:
             break  # nothing more is known: the previous round stands
@@ -78,7 +88,11 @@ def infer_value_infos(model: onnx.ModelProto) -> dict[str, ValueInfo]:
         inferred = _infer(skeleton)
         declared: set[str] = set()
         for _ in range(len(model.graph.node)):
-            retyped = _type_ml_outputs(inferred) or _type_control_flow_outputs(inferred, declared)
+            retyped = (
+                _type_ml_outputs(inferred)
+                or _type_control_flow_outputs(inferred, declared)
+                or _type_contrib_outputs(inferred, declared)
+            )
             if retyped is None:
                 break
             inferred = _infer(retyped)
@@ -90,9 +104,9 @@ def infer_value_infos(model: onnx.ModelProto) -> dict[str, ValueInfo]:
 
 
 def _unknown_ranks(graph: onnx.GraphProto, infos: dict[str, ValueInfo]) -> bool:
-    """Whether a standard-domain node of ``graph`` has an output of unknown rank."""
+    """Whether a standard-domain or contrib node of ``graph`` has an output of unknown rank."""
     for node in graph.node:
-        if node.domain in ("", "ai.onnx"):
+        if node.domain in ("", "ai.onnx") or has_output_rule(node):
             for out in node.output:
                 if out and (out not in infos or infos[out].shape is None):
                     return True
@@ -119,6 +133,31 @@ def _collect_infos(graph: onnx.GraphProto) -> dict[str, ValueInfo]:
                         t = attr.t
                         infos[node.output[0]] = ValueInfo(node.output[0], t.data_type, tuple(t.dims))
     return infos
+
+
+def _type_contrib_outputs(model: onnx.ModelProto, declared: set[str]) -> onnx.ModelProto | None:
+    """A copy of ``model`` declaring the outputs of onnxruntime contrib ops that shape inference left
+    untyped (see :mod:`.contrib_schemas`), or None if there are none. Each name is declared once."""
+    infos = _collect_infos(model.graph)
+    added = []
+    for node in model.graph.node:
+        if not has_output_rule(node):
+            continue
+        for info in contrib_output_infos(node, infos):
+            if info is None or info.name in declared:
+                continue
+            old = infos.get(info.name)
+            if old is not None and old.shape is not None:
+                continue
+            declared.add(info.name)
+            infos[info.name] = info
+            added.append(info.to_proto())
+    if not added:
+        return None
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    copy.graph.value_info.extend(added)
+    return copy
 
 
 def _type_control_flow_outputs(model: onnx.ModelProto, declared: set[str]) -> onnx.ModelProto | None:

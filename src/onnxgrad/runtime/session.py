@@ -100,6 +100,8 @@ class ForwardBackward:
     :class:`GradientGraphs` of one.
     Several forwards may be alive at once, and forwards/backwards may run from several threads.
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
+    ``quantized``: the gradient through quantization ops, ``"ste"``, ``"zero"`` or ``"refuse"`` (see
+    ``build_gradient``).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class ForwardBackward:
         session_options: ort.SessionOptions | None = None,
         tie_weights: bool = True,
         recompute: Any = None,
+        quantized: str = "ste",
     ) -> None:
         # Dropout / BatchNormalization follow `training`: the model's training and inference variants
         self._prepared: PreparedModel | None = None
@@ -129,6 +132,7 @@ class ForwardBackward:
                 outputs=outputs,
                 tie_weights=tie_weights,
                 recompute=recompute,
+                quantized=quantized,
             )
             if prepared.follows_training:
                 self._prepared = prepared
@@ -374,12 +378,14 @@ def gradients(
     *,
     wrt: Iterable[str] | None = None,
     providers: str | Sequence[Any] | None = None,
+    quantized: str = "ste",
 ) -> dict[str, np.ndarray]:
     """Gradients of the model's outputs at ``feeds``, in one call.
 
     ``grad_outputs``: output name -> array (``None``: ones for every floating-point output).
     ``wrt``: initializer and/or input names (``None``: the default trainable set, tied weights
-    as one; named initializers each get their own gradient).
+    as one; named initializers each get their own gradient). ``quantized``: the gradient through
+    quantization ops (see ``build_gradient``).
     """
     prepared = prepare(model, modes=False)  # the one validation of this model
     proto = prepared.checked.proto
@@ -396,7 +402,11 @@ def gradients(
         req = [w for w in wrt if w in inputs]
     outputs = None if grad_outputs is None else list(grad_outputs)
     graphs = prepared.gradient_graphs(
-        trainable=trainable, inputs_requiring_grad=req, outputs=outputs, tie_weights=wrt is None
+        trainable=trainable,
+        inputs_requiring_grad=req,
+        outputs=outputs,
+        tie_weights=wrt is None,
+        quantized=quantized,
     )
     fb = ForwardBackward(graphs, providers=providers)
     result = fb.forward(feeds, training=True)

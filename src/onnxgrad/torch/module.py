@@ -21,6 +21,7 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
+from ..autodiff.backward import QUANTIZED_MODES
 from ..autodiff.engine import build_gradient
 from ..autodiff.params import untie
 from ..autodiff.prepare import float_outputs, prepare
@@ -62,6 +63,7 @@ class _Variant:
         providers: list[Any],
         options: ort.SessionOptions | None,
         recompute: Any = None,
+        quantized: str = "ste",
     ) -> None:
         # Floating-point initializers that are not differentiated here are fed at each call (their
         # live values are buffers, or parameters with requires_grad=False): make them inputs.
@@ -86,6 +88,7 @@ class _Variant:
             outputs=outputs,
             tie_weights=False,
             recompute=recompute,
+            quantized=quantized,
         )
         self.runner = make_runner(self.graphs, providers, options)
         # model inputs then initializers, the order of the tensors a call hands to _OnnxFunction
@@ -167,6 +170,8 @@ class OnnxModule(nn.Module):
     or a cast, such as GPT-2's embedding and its folded transposed copy) become one ``nn.Parameter``,
     the others computed from it in the graph (``tied``); ``False`` keeps them apart.
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
+    ``quantized``: the gradient through quantization ops, ``"ste"``, ``"zero"`` or ``"refuse"`` (see
+    ``build_gradient``).
     ``forward(*tensors)`` takes the model inputs in order and returns a tensor (one output) or a
     tuple.
     """
@@ -180,9 +185,13 @@ class OnnxModule(nn.Module):
         session_options: ort.SessionOptions | None = None,
         tie_weights: bool = True,
         recompute: Any = None,
+        quantized: str = "ste",
     ) -> None:
         super().__init__()
         self._recompute = recompute  # build_gradient(recompute=): activations rebuilt in the backward
+        if quantized not in QUANTIZED_MODES:
+            raise InputError(f"quantized must be one of {list(QUANTIZED_MODES)}, got {quantized!r}")
+        self._quantized = quantized  # build_gradient(quantized=): the gradient through quantization
         # the one validation; the parameters are chosen (and tied) before the modes are switched
         prepared = prepare(model).select(trainable, tie_weights=tie_weights)
         selection = prepared.selection
@@ -269,6 +278,7 @@ class OnnxModule(nn.Module):
                     resolve_providers(self._providers),
                     self._session_options,
                     getattr(self, "_recompute", None),
+                    getattr(self, "_quantized", "ste"),
                 )
                 self._variants[key] = variant
         return variant

@@ -303,6 +303,8 @@ class Trainer:
     clipped to ``[-clip_value, clip_value]``. The three run forward, backward and the numpy update
     (the two-session path). A :class:`ReduceLROnPlateau` given as ``lr`` is stepped at the end of
     every epoch with its ``monitor`` value.
+    ``quantized``: the gradient through quantization ops, ``"ste"``, ``"zero"`` or ``"refuse"`` (see
+    ``build_gradient``).
     ``master_weights`` / ``loss_scale``: mixed precision for float16 and bfloat16 models
     (:mod:`onnxgrad.train.amp`): the optimizer updates float32 copies of the half-precision
     parameters, rounded into the model after each step; the backward is seeded with a dynamic loss
@@ -338,6 +340,7 @@ class Trainer:
         accumulate: int = 1,
         clip_norm: float | None = None,
         clip_value: float | None = None,
+        quantized: str = "ste",
         master_weights: bool | str = "auto",
         loss_scale: str | float | LossScaler | None = "auto",
     ) -> None:
@@ -361,7 +364,12 @@ class Trainer:
                     f"the model has no output {loss_name!r} (outputs: {outputs}); pass loss= to append one"
                 )
             fb = ForwardBackward(
-                prepared, trainable=trainable, outputs=[loss_name], providers=providers, recompute=recompute
+                prepared,
+                trainable=trainable,
+                outputs=[loss_name],
+                providers=providers,
+                recompute=recompute,
+                quantized=quantized,
             )
         if loss_name not in fb.output_names or loss_name not in fb.graphs.grad_inputs:
             raise InputError(

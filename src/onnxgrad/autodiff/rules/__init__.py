@@ -6,6 +6,7 @@
 
 from . import (  # noqa: F401
     attention,
+    contrib,
     control_flow,
     conv,
     elementwise,
@@ -16,6 +17,7 @@ from . import (  # noqa: F401
     nondiff,
     norm,
     pool,
+    quant,
     reduce,
     resample,
     rnn,

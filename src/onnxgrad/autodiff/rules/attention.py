@@ -86,9 +86,10 @@ class _Heads:
 def _probabilities(g: GradBuilder, n: NodeContext, shape: tuple[Dim, ...] | None) -> Var:
     """The forward's softmax probabilities: its ``qk_matmul_output`` in mode 3, added if unused.
 
-    Where the model reads that output in another mode (0: scale Q K^T, 1: after softcap, 2: after
-    the mask too), a copy of the node in mode 3 gives the probabilities (the attention is computed
-    twice in the forward).
+    Where the model reads that output in another mode (0, the default: scale Q K^T; 1: after
+    softcap; 2: after the mask too), a copy of the node in mode 3 gives the probabilities (the
+    attention is computed twice in the forward). The copy keeps present_key/present_value when the
+    node has a cache (onnxruntime refuses past_key without present_key).
     """
     node = n.node
     mode = int(n.attr("qk_matmul_output_mode", 0))
@@ -98,25 +99,32 @@ def _probabilities(g: GradBuilder, n: NodeContext, shape: tuple[Dim, ...] | None
     if used and mode != _AFTER_SOFTMAX:
         y = g.new_fwd_value(f"{node.output[0]}_copy", n.y.info)
         probs_name = g.new_fwd_value(f"{node.output[0]}_probs", ValueInfo("", q.dtype, shape))
+        presents = ["", ""]
+        for slot in (1, 2):
+            out = n.outputs[slot] if len(n.outputs) > slot else None
+            if out is not None or (len(node.input) > slot + 3 and node.input[slot + 3]):
+                info = ValueInfo("", q.dtype, None)
+                presents[slot - 1] = g.new_fwd_value(f"{node.output[0]}_present{slot}", info)
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
         copy.name = g.fresh(f"{node.name or 'Attention'}_probs")
         del copy.output[:]
-        copy.output.extend([y, "", "", probs_name])
-        for a in copy.attribute:
-            if a.name == "qk_matmul_output_mode":
-                a.i = _AFTER_SOFTMAX
+        copy.output.extend([y, *presents, probs_name])
+        _set_mode(copy, _AFTER_SOFTMAX)
         g.fwd_nodes.append(copy)
         return g.fwd(probs_name)
     probs = g.extra_output(node, 3, q.dtype, shape)
-    if mode != _AFTER_SOFTMAX:
-        for a in node.attribute:
-            if a.name == "qk_matmul_output_mode":
-                a.i = _AFTER_SOFTMAX
-                break
-        else:
-            node.attribute.append(helper.make_attribute("qk_matmul_output_mode", _AFTER_SOFTMAX))
+    _set_mode(node, _AFTER_SOFTMAX)
     return probs
+
+
+def _set_mode(node: onnx.NodeProto, mode: int) -> None:
+    """Set the node's ``qk_matmul_output_mode`` (an absent attribute means mode 0)."""
+    for a in node.attribute:
+        if a.name == "qk_matmul_output_mode":
+            a.i = mode
+            return
+    node.attribute.append(helper.make_attribute("qk_matmul_output_mode", mode))
 
 
 def _scale(g: GradBuilder, n: NodeContext, q: Var, heads: _Heads) -> Var | float:
@@ -269,29 +277,38 @@ def rotary_embedding(g: GradBuilder, n: NodeContext) -> Grads:
     }
     if n.needs[0]:
         grads[0] = g.RotaryEmbedding(dy, cos, g.Neg(sin), pos, shape=x.shape, **attrs)
-    if not (n.needs[1] or n.needs[2]):
-        return grads
+    rotary_cache_grads(g, n, x, dy, pos, {1: cos, 2: sin}, grads)
+    return grads
+
+
+def rotary_cache_grads(
+    g: GradBuilder, n: NodeContext, x: Var, dy: Var, rows: Var | None, caches: dict[int, Var], grads: Grads
+) -> None:
+    """The gradients of the cos and sin caches of a rotary embedding (input slots: the keys of
+    ``caches``, cos first), into ``grads``: dcos = sum over heads of dy1 x1 + dy2 x2, dsin = sum over
+    heads of dy2 x1 - dy1 x2, per (batch, position), scatter-added at ``rows`` (B, S) when the caches
+    were gathered by position (else they are (B, S, rot / 2) themselves). Shared with the contrib
+    RotaryEmbedding (``rules/contrib.py``)."""
+    if not any(n.needs[slot] for slot in caches):
+        return
     if x.rank not in (3, 4):
         raise GradientNotImplementedError(f"{node_label(n)}: the rank of X (3 or 4) must be known")
-    x1, x2 = _rotated_pairs(g, n, x)
-    dy1, dy2 = _rotated_pairs(g, n, dy)
-    for slot, value in ((1, dy1 * x1 + dy2 * x2), (2, dy2 * x1 - dy1 * x2)):
+    x1, x2 = rotated_pairs(g, n, x)
+    dy1, dy2 = rotated_pairs(g, n, dy)
+    for (slot, cache), value in zip(caches.items(), (dy1 * x1 + dy2 * x2, dy2 * x1 - dy1 * x2)):
         if not n.needs[slot]:
             continue
         per_position = g.ReduceSum(value, [2], keepdims=0)  # (B, S, rot / 2): summed over heads
-        cache = n.inputs[slot]
-        assert cache is not None
-        if pos is None:
+        if rows is None:
             grads[slot] = per_position
         else:
             zero = helper.make_tensor("", cache.dtype, [1], [0.0])
             zeros = g.op("ConstantOfShape", g.shape_of(cache), value=zero, dtype=cache.dtype)
-            rows = g.Unsqueeze(pos, [-1])
-            grads[slot] = g.ScatterND(zeros, rows, per_position, reduction="add", shape=cache.shape)
-    return grads
+            index = g.Unsqueeze(rows, [-1])
+            grads[slot] = g.ScatterND(zeros, index, per_position, reduction="add", shape=cache.shape)
 
 
-def _rotated_pairs(g: GradBuilder, n: NodeContext, x: Var) -> tuple[Var, Var]:
+def rotated_pairs(g: GradBuilder, n: NodeContext, x: Var) -> tuple[Var, Var]:
     """(x1, x2), each (B, S, H, rot / 2): the two members of every rotated pair of x."""
     if x.rank == 4:  # (B, H, S, D)
         x = g.Transpose(x, perm=[0, 2, 1, 3])

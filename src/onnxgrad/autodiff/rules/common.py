@@ -59,10 +59,21 @@ def nonneg_axis(n: NodeContext, axis: int, rank: int | None) -> int:
 
 
 def need_rank(n: NodeContext, x: Var) -> int:
-    """The rank of ``x``, which the rule of ``n`` cannot do without."""
+    """The rank of ``x``, which the rule of ``n`` cannot do without.
+
+    Unknown, the error names the node and the producer (op, domain) whose output type inference
+    could not tell: an op that ONNX shape inference does not know, usually.
+    """
     if x.rank is None:
+        producer = n.g.producers.get(x.name)
+        source = (
+            f"; it is the output of node {producer.name!r} (op {producer.op_type!r}, domain "
+            f"{producer.domain or 'ai.onnx'!r}), whose output rank shape inference could not tell"
+            if producer is not None
+            else ""
+        )
         raise GradientNotImplementedError(
-            f"{n.node.op_type} {n.node.name!r}: the rank of input {x.name!r} must be known"
+            f"{n.node.op_type} {n.node.name!r}: the rank of input {x.name!r} must be known{source}"
         )
     return x.rank
 

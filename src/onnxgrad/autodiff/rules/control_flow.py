@@ -46,7 +46,7 @@ from ...model.graph import (
     node_operands,
     sort_nodes,
 )
-from ..backward import mark, reverse_pass
+from ..backward import mark, quantized_mode, reverse_pass
 from ..builder import BOOL, INT64, GradBuilder, Var
 from ..registry import NodeContext, rule
 from .common import Grads, flip
@@ -74,7 +74,7 @@ def _reverse_body(
     """
     nodes = list(graph.node)
     outs = [name for name, _ in seeds]
-    marks = mark(nodes, requires, outs, sub.infos, sub.versions)
+    marks = mark(nodes, requires, outs, sub.infos, sub.versions, quantized_mode(sub))
     grads: dict[str, list[Var]] = {}
     for name, grad in seeds:
         grads.setdefault(name, []).append(grad)
@@ -441,7 +441,14 @@ def _carried_with_gradient(
     active = {c.k for c in floats if n.needs[c.index]}
     nodes = list(spec.body.node)
     while True:
-        marks = mark(nodes, seeds | {c.body_in for c in floats if c.k in active}, [], g.infos, g.versions)
+        marks = mark(
+            nodes,
+            seeds | {c.body_in for c in floats if c.k in active},
+            [],
+            g.infos,
+            g.versions,
+            quantized_mode(g),
+        )
         more = {c.k for c in floats if c.k not in active and c.body_out in marks.requires}
         if not more:
             return [c for c in floats if c.k in active]

@@ -189,9 +189,10 @@ def max_min(g: GradBuilder, n: NodeContext) -> Grads:
 # ---- casts, selection, clamping --------------------------------------------------------------
 @rule("Cast", "CastLike")
 def cast_(g: GradBuilder, n: NodeContext) -> Grads:
-    """A change of element type: dx = dy cast back to x's type (none for integer x)."""
+    """A change of element type: dx = dy cast back to x's type. An integer x needs a gradient only
+    when it stands for a real number (a quantized tensor, rules/quant.py): dx = dy, kept float."""
     if n.x.dtype not in FLOAT_TYPES:
-        return first_only(n, None)
+        return first_only(n, n.dy)
     return first_only(n, cast(n.dy, n.x))
 
 

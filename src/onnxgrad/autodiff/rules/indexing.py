@@ -324,3 +324,34 @@ def trilu(g: GradBuilder, n: NodeContext) -> Grads:
     k = n.inputs[1] if len(n.inputs) > 1 else None
     dx = g.Trilu(n.dy, k, upper=int(n.attr("upper", 1)), shape=n.x.shape)
     return first_only(n, dx)
+
+
+@rule("OneHot", since=9)
+def one_hot(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = values[1] at the hot positions, values[0] elsewhere: d values = [sum of dy off the hot
+    positions, sum of dy on them]; the indices and the depth only choose positions (none)."""
+    grads: Grads = [None] * len(n.inputs)
+    if n.needs[2]:
+        dy = n.dy
+        hot = g.OneHot(n.inputs[0], n.inputs[1], g.const(np.array([0, 1]), dy.dtype), axis=n.attr("axis", -1))
+        total, on = g.ReduceSum(dy, keepdims=0), g.ReduceSum(dy * hot, keepdims=0)
+        grads[2] = cast(g.Concat(g.Reshape(total - on, [1]), g.Reshape(on, [1]), axis=0), n.inputs[2])
+    return grads
+
+
+@rule("Unique", since=11)
+def unique(g: GradBuilder, n: NodeContext) -> Grads:
+    """Y = the distinct elements (slices along ``axis``) of x, each a copy of its first occurrence
+    (output ``indices``), which takes its gradient; later copies of a repeated value get none."""
+    if not n.needs[0]:
+        return first_only(n, None)
+    x, dy = n.x, n.dy
+    first = g.extra_output(n.node, 1, INT64, None)
+    axis = n.attr("axis")
+    if axis is None:  # flattened x: indices are flat positions
+        return first_only(n, scatter_positions(g, x, first, dy, accumulate=False))
+    rank = need_rank(n, x)
+    axis = nonneg_axis(n, int(axis), rank)
+    along = g.Reshape(first, [1] * axis + [-1] + [1] * (rank - axis - 1))
+    index = g.Expand(along, g.Shape(dy))
+    return first_only(n, g.ScatterElements(g.zeros_like(x), index, dy, axis=axis, shape=x.shape))

@@ -1,5 +1,6 @@
 """Matrix products: MatMul (batched, broadcast, 1-D), Gemm (every transA/transB/alpha/beta), Einsum
-(any equation) and Det; MatMulInteger and QLinearMatMul carry no gradient (:mod:`.nondiff`).
+(any equation) and Det; MatMulInteger is in :mod:`.quant`, QLinearMatMul carries no gradient
+(:mod:`.nondiff`).
 
 Gradients are written as Gemm with transposes where the operands are matrices: onnxruntime runs
 that as one kernel, where Transpose + MatMul would cost a copy.
@@ -17,7 +18,7 @@ from onnx import TensorProto, helper
 from ...errors import GradientNotImplementedError
 from ..builder import GradBuilder, Var
 from ..registry import NodeContext, rule
-from .common import Grads, node_label
+from .common import Grads, need_rank, node_label
 
 
 def _swap_last(g: GradBuilder, x: Var, rank: int) -> Var:
@@ -38,8 +39,8 @@ def _rows_of(g: GradBuilder, b: Var, axis: int) -> Var:
 def matmul(g: GradBuilder, n: NodeContext) -> Grads:
     a, b = n.inputs
     dy = n.dy
-    if a.rank is None or b.rank is None:
-        raise ValueError(f"MatMul {n.node.name!r}: the ranks of its inputs must be known")
+    need_rank(n, a)
+    need_rank(n, b)
     da = db = None
     if a.rank == 2 and b.rank == 2:
         if n.needs[0]:

@@ -18,14 +18,12 @@ zero(
     "Size",
     "ConstantOfShape",
     "EyeLike",
-    "Range",
     note="shapes, sizes and constants: they depend on shapes or attributes, not on values",
 )
 zero(*sorted(BOOL_OPS), "NonZero", note="boolean results or indices: not differentiable")
 zero(
     "ArgMax",
     "ArgMin",
-    "OneHot",
     "NonMaxSuppression",
     "Hardmax",
     note="indices or one-hot selections: piecewise constant",
@@ -51,17 +49,12 @@ zero("HannWindow", "HammingWindow", "BlackmanWindow", note="window functions of 
 zero("SequenceLength", "SequenceEmpty", note="a length, or a sequence made from nothing")
 zero("OptionalHasElement", note="a boolean: whether the optional holds a value")
 zero(
-    "DequantizeLinear",
-    "QuantizeLinear",
-    "DynamicQuantizeLinear",
-    "ConvInteger",
     "QLinearConv",
-    note="quantization: integer outputs, or (DequantizeLinear) integer inputs; through a rounding the "
-    "gradient is zero almost everywhere (use a straight-through estimator for quantization-aware "
-    "training)",
+    "QLinearMatMul",
+    note="quantized products with a quantized (rounded) result: no gradient (the QuantizeLinear, "
+    "DequantizeLinear, MatMulInteger and ConvInteger of QDQ and dynamically quantized models have "
+    "rules: rules/quant.py)",
 )
-zero("MatMulInteger", "QLinearMatMul", note="integer and quantized products: no floating-point gradient")
 zero("BitCast", note="reinterprets the bits: not a differentiable function of the value")
-zero("Unique", note="the unique values are a selection with integer indices and counts: not differentiated")
 zero("ImageDecoder", note="decodes encoded bytes (uint8) into pixels: no gradient")
 zero("MelWeightMatrix", note="a constant matrix computed from integer sizes and frequency bounds")

@@ -254,3 +254,17 @@ def center_crop_pad(g: GradBuilder, n: NodeContext) -> Grads:
         rank = x.rank if any(a < 0 for a in axes) else None
         shape = g.Gather(shape, [nonneg_axis(n, int(a), rank) for a in axes], dtype=INT64)
     return first_only(n, g.CenterCropPad(n.dy, shape, axes=axes, shape=x.shape))
+
+
+@rule("Range", since=11)
+def range_(g: GradBuilder, n: NodeContext) -> Grads:
+    """y[i] = start + i delta for i < max(ceil((limit - start) / delta), 0): d start = sum dy,
+    d delta = sum i dy; the limit only sets the length (none). Integer ranges (shapes) carry none."""
+    dy = n.dy
+    grads: Grads = [None, None, None]
+    if n.needs[0]:
+        grads[0] = sum_to_scalar(g, dy, n.inputs[0])
+    if n.needs[2]:
+        i = g.Cast(g.Range(g.const(np.int64(0)), g.Size(dy), g.const(np.int64(1))), to=dy.dtype)
+        grads[2] = sum_to_scalar(g, dy * i, n.inputs[2])
+    return grads

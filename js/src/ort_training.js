@@ -1,0 +1,324 @@
+// onnxruntime-web's former training API (ort.TrainingSession, dropped after 1.19) over a folder
+// written by onnxgrad.compat.training.artifacts.generate_artifacts: training_model.onnx (forward,
+// loss and backward, plain ONNX), eval_model.onnx, optimizer_model.onnx and checkpoint
+// (onnxruntime-training's FlatBuffer). The `ort` module is injected, so the same code runs on
+// onnxruntime-node and onnxruntime-web:
+//
+//   const session = await createTrainingSession(ort, {checkpointState, trainModel, evalModel, optimizerModel});
+//   const {[session.trainingOutputNames[0]]: loss} = await session.runTrainStep({input: x, labels: y});
+//   await session.runOptimizerStep(); await session.lazyResetGrad();
+//
+// Each file is a Uint8Array or ArrayBuffer (the Node entry point also takes paths). Folders
+// written by onnxruntime-training itself hold com.microsoft training kernels: regenerate them with
+// onnxgrad (Python) first.
+import { arrayClassOf } from './safetensors.js';
+
+const META_KEY = 'onnxgrad.compat.training';
+const ONNX_TYPES = { 1: 'float32', 2: 'uint8', 3: 'int8', 6: 'int32', 7: 'int64', 9: 'bool', 10: 'float16', 11: 'float64' };
+
+function u8(bytes) {
+  return ArrayBuffer.isView(bytes) ? new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength) : new Uint8Array(bytes);
+}
+
+/** The metadata_props of an ONNX model (ModelProto field 14), read from its protobuf bytes. */
+export function onnxMetadata(bytes) {
+  const b = u8(bytes);
+  let pos = 0;
+  const varint = () => {
+    let value = 0;
+    let shift = 1;
+    for (;;) {
+      if (pos >= b.length) throw new Error('not an ONNX model: truncated protobuf');
+      const byte = b[pos++];
+      value += (byte & 0x7f) * shift;
+      if (byte < 0x80) return value;
+      shift *= 128;
+    }
+  };
+  const fields = (start, end, visit) => {
+    pos = start;
+    while (pos < end) {
+      const key = varint();
+      const field = Math.floor(key / 8);
+      const wire = key % 8;
+      if (wire === 0) varint();
+      else if (wire === 1) pos += 8;
+      else if (wire === 5) pos += 4;
+      else if (wire === 2) {
+        const n = varint();
+        const at = pos;
+        pos += n;
+        visit(field, at, at + n);
+      } else throw new Error(`not an ONNX model: protobuf wire type ${wire}`);
+    }
+  };
+  const text = (s, e) => new TextDecoder().decode(b.subarray(s, e));
+  const meta = {};
+  fields(0, b.length, (field, s, e) => {
+    if (field !== 14) return;
+    const after = pos;
+    const entry = {};
+    fields(s, e, (f, s2, e2) => {
+      entry[f] = text(s2, e2);
+    });
+    pos = after;
+    meta[entry[1] ?? ''] = entry[2] ?? '';
+  });
+  return meta;
+}
+
+/** Parse onnxruntime-training's checkpoint (FlatBuffer 'ODTC'): {trainable, frozen, nominal, group, properties}. */
+export function readCheckpoint(bytes) {
+  const b = u8(bytes);
+  const view = new DataView(b.buffer, b.byteOffset, b.byteLength);
+  if (b.length < 8 || new TextDecoder().decode(b.subarray(4, 8)) !== 'ODTC') {
+    throw new Error('not an onnxruntime training checkpoint (no ODTC file identifier)');
+  }
+  const field = (table, slot) => {
+    const vtable = table - view.getInt32(table, true);
+    const at = 4 + 2 * slot;
+    if (at >= view.getUint16(vtable, true)) return 0;
+    const off = view.getUint16(vtable + at, true);
+    return off ? table + off : 0;
+  };
+  const deref = (p) => p + view.getUint32(p, true);
+  const sub = (table, slot) => (field(table, slot) ? deref(field(table, slot)) : 0);
+  const vector = (table, slot) => {
+    const p = sub(table, slot);
+    return p ? { start: p + 4, length: view.getUint32(p, true) } : { start: 0, length: 0 };
+  };
+  const tables = (table, slot) => {
+    const { start, length } = vector(table, slot);
+    return Array.from({ length }, (_, j) => deref(start + 4 * j));
+  };
+  const string = (table, slot) => {
+    const p = sub(table, slot);
+    return p ? new TextDecoder().decode(b.subarray(p + 4, p + 4 + view.getUint32(p, true))) : '';
+  };
+  const scalar = (table, slot, get, fallback) => (field(table, slot) ? get(field(table, slot)) : fallback);
+  const tensor = (t) => {
+    const dims = [];
+    const d = vector(t, 2);
+    for (let j = 0; j < d.length; j++) dims.push(Number(view.getBigInt64(d.start + 8 * j, true)));
+    const type = ONNX_TYPES[scalar(t, 3, (p) => view.getInt32(p, true), 0)];
+    if (!type) throw new Error(`checkpoint tensor ${string(t, 0)}: unsupported data type`);
+    const Cls = arrayClassOf(type);
+    const size = dims.reduce((a, c) => a * c, 1);
+    const raw = vector(t, 4);
+    const data = new Cls(size);
+    if (raw.length) new Uint8Array(data.buffer).set(b.subarray(raw.start, raw.start + raw.length));
+    return [string(t, 0), { type, dims, data }];
+  };
+  const root = deref(0);
+  const module = sub(root, 1);
+  const groups = tables(root, 2).map((g) => ({
+    name: string(g, 0),
+    step: Number(scalar(g, 1, (p) => view.getBigInt64(p, true), 0n)),
+    initialLr: scalar(g, 2, (p) => view.getFloat32(p, true), 0),
+    states: Object.fromEntries(tables(g, 3).map((s) => [string(s, 0), Object.fromEntries(tables(s, 1).map(tensor))])),
+  }));
+  const properties = {};
+  const bag = sub(root, 3);
+  if (bag) {
+    for (const p of tables(bag, 0)) properties[string(p, 0)] = Number(scalar(p, 1, (q) => view.getBigInt64(q, true), 0n));
+    for (const p of tables(bag, 1)) properties[string(p, 0)] = scalar(p, 1, (q) => view.getFloat32(q, true), 0);
+    for (const p of tables(bag, 2)) properties[string(p, 0)] = string(p, 1);
+  }
+  return {
+    trainable: Object.fromEntries(module ? tables(module, 0).map(tensor) : []),
+    frozen: Object.fromEntries(module ? tables(module, 1).map(tensor) : []),
+    nominal: module ? scalar(module, 2, (p) => view.getUint8(p) !== 0, false) : false,
+    group: groups[0] ?? null,
+    properties,
+  };
+}
+
+function metaOf(bytes, file) {
+  const text = onnxMetadata(bytes)[META_KEY];
+  if (!text) {
+    throw new Error(
+      `${file} was not written by onnxgrad.compat.training (onnxruntime-training's files hold com.microsoft ` +
+        'training kernels): regenerate the folder with onnxgrad.compat.training.artifacts.generate_artifacts',
+    );
+  }
+  return JSON.parse(text);
+}
+
+/** The training session of onnxruntime-web 1.19, on stock onnxruntime: see the file's header. */
+export class OrtTrainingSession {
+  constructor(ort, files, sessions, sessionOptions) {
+    this.ort = ort;
+    this._files = files;
+    this._sessionOptions = sessionOptions;
+    [this._train, this._optimizer] = sessions;
+    this._eval = null;
+    this._meta = metaOf(files.trainModel, 'training_model.onnx');
+    const state = readCheckpoint(files.checkpointState);
+    this._trainable = state.trainable;
+    this._values = { ...state.frozen, ...state.trainable };
+    this.properties = state.properties;
+    const group = state.group ?? { step: 0, initialLr: 1e-3, states: {} };
+    this._step = group.step;
+    this._lr = group.initialLr;
+    this._moments = group.states;
+    this._grads = {};
+    this._reset = true;
+    for (const p of this._meta.parameters) {
+      if (!this._values[p]) throw new Error(`the checkpoint lacks the parameter ${p}`);
+    }
+  }
+
+  get trainingInputNames() {
+    return [...this._meta.user_inputs];
+  }
+
+  get trainingOutputNames() {
+    return [...this._meta.loss_outputs];
+  }
+
+  get evalInputNames() {
+    return [...this._meta.user_inputs];
+  }
+
+  get evalOutputNames() {
+    return [...this._meta.loss_outputs];
+  }
+
+  _tensor(name) {
+    const v = this._values[name];
+    return new this.ort.Tensor(v.type, v.data, v.dims);
+  }
+
+  _feeds(feeds, inputNames) {
+    const out = {};
+    for (const name of inputNames) {
+      if (name in this._values) out[name] = this._tensor(name);
+      else if (feeds[name] === undefined) throw new Error(`missing input ${name}; the model takes ${this._meta.user_inputs}`);
+      else out[name] = feeds[name];
+    }
+    return out;
+  }
+
+  /** Forward, loss and backward; the gradients accumulate until lazyResetGrad(). Resolves to {loss output: Tensor}. */
+  async runTrainStep(feeds) {
+    const m = this._meta;
+    const results = await this._train.run(this._feeds(feeds, this._train.inputNames));
+    for (const [param, out] of Object.entries(m.grads)) {
+      const g = results[out].data;
+      if (this._reset || !this._grads[param]) this._grads[param] = Float32Array.from(g);
+      else {
+        const acc = this._grads[param];
+        for (let i = 0; i < acc.length; i++) acc[i] += g[i];
+      }
+    }
+    this._reset = false;
+    for (const [stat, out] of Object.entries(m.stats)) {
+      const t = results[out];
+      this._values[stat] = { type: t.type, dims: [...t.dims], data: t.data.slice() };
+    }
+    return Object.fromEntries(m.loss_outputs.map((n) => [n, results[n]]));
+  }
+
+  /** The eval model (inference mode) on `feeds`: {loss output: Tensor}. */
+  async runEvalStep(feeds) {
+    if (!this._eval) this._eval = await this.ort.InferenceSession.create(u8(this._files.evalModel), this._sessionOptions);
+    return this._eval.run(this._feeds(feeds, this._eval.inputNames));
+  }
+
+  /** One update of the trainable parameters from the accumulated gradients. */
+  async runOptimizerStep() {
+    const T = this.ort.Tensor;
+    const feeds = {
+      learning_rate: new T('float32', Float32Array.of(this._lr), []),
+      step: new T('int64', BigInt64Array.of(BigInt(this._step)), []),
+    };
+    const adamw = this._optimizer.inputNames.some((n) => n.endsWith('/momentum0'));
+    const params = Object.keys(this._meta.grads);
+    for (const p of params) {
+      const v = this._values[p];
+      feeds[p] = this._tensor(p);
+      feeds[`${p}/grad`] = new T('float32', this._grads[p] ?? new Float32Array(v.data.length), v.dims);
+      if (adamw) {
+        const moments = (this._moments[p] ??= {});
+        for (const k of ['momentum0', 'momentum1']) {
+          moments[k] ??= { type: 'float32', dims: v.dims, data: new Float32Array(v.data.length) };
+          feeds[`${p}/${k}`] = new T('float32', moments[k].data, v.dims);
+        }
+      }
+    }
+    const results = await this._optimizer.run(feeds);
+    for (const p of params) {
+      this._values[p] = { ...this._values[p], data: results[`new/${p}`].data.slice() };
+      if (adamw) {
+        for (const k of ['momentum0', 'momentum1']) this._moments[p][k].data = results[`new/${p}/${k}`].data.slice();
+      }
+    }
+    this._step += 1;
+  }
+
+  /** The next training step overwrites the gradients instead of adding to them. */
+  async lazyResetGrad() {
+    this._reset = true;
+  }
+
+  setLearningRate(lr) {
+    if (!(lr >= 0)) throw new Error(`the learning rate must be >= 0, got ${lr}`);
+    this._lr = lr;
+  }
+
+  getLearningRate() {
+    return Math.fround(this._lr);
+  }
+
+  _bufferNames(trainableOnly) {
+    return this._meta.parameters.filter((p) => !trainableOnly || p in this._trainable);
+  }
+
+  /** The number of elements of the (trainable) parameters. */
+  async getParametersSize(trainableOnly = true) {
+    return this._bufferNames(trainableOnly).reduce((n, p) => n + this._values[p].data.length, 0);
+  }
+
+  /** The (trainable) parameters in one float32 tensor, in the training model's input order. */
+  async getContiguousParameters(trainableOnly = true) {
+    const size = await this.getParametersSize(trainableOnly);
+    const out = new Float32Array(size);
+    let at = 0;
+    for (const p of this._bufferNames(trainableOnly)) {
+      out.set(this._values[p].data, at);
+      at += this._values[p].data.length;
+    }
+    return new this.ort.Tensor('float32', out, [size]);
+  }
+
+  /** Load parameters from the bytes of a float32 buffer laid out as getContiguousParameters. */
+  async loadParametersBuffer(buffer, trainableOnly = true) {
+    const b = u8(buffer);
+    const size = await this.getParametersSize(trainableOnly);
+    if (b.byteLength !== 4 * size) throw new Error(`the buffer has ${b.byteLength} bytes, the parameters ${4 * size}`);
+    const flat = new Float32Array(b.slice().buffer);
+    let at = 0;
+    for (const p of this._bufferNames(trainableOnly)) {
+      const n = this._values[p].data.length;
+      this._values[p] = { ...this._values[p], data: flat.slice(at, at + n) };
+      at += n;
+    }
+  }
+
+  async release() {
+    for (const s of [this._train, this._eval, this._optimizer]) if (s) await s.release();
+  }
+}
+
+/** onnxruntime-web's TrainingSession.create({checkpointState, trainModel, evalModel, optimizerModel}, sessionOptions). */
+export async function createTrainingSession(ort, options, sessionOptions = {}) {
+  const files = {};
+  for (const key of ['checkpointState', 'trainModel', 'evalModel', 'optimizerModel']) {
+    const value = options[key];
+    if (value === undefined && key !== 'evalModel') throw new Error(`TrainingSession.create needs ${key}`);
+    if (value !== undefined) files[key] = u8(value);
+  }
+  const train = await ort.InferenceSession.create(files.trainModel, sessionOptions);
+  const optimizer = await ort.InferenceSession.create(files.optimizerModel, sessionOptions);
+  return new OrtTrainingSession(ort, files, [train, optimizer], sessionOptions);
+}

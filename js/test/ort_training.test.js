@@ -1,0 +1,83 @@
+// onnxruntime-web's former training API (TrainingSession: runTrainStep, runOptimizerStep,
+// runEvalStep, lazyResetGrad, getParametersSize, getContiguousParameters, loadParametersBuffer)
+// on onnxruntime-node, over a folder of onnxgrad.compat.training: the numbers of the Python API.
+// Fixture: make_ort_training_fixture.py, in $ONNXGRAD_ORT_TRAINING_FIXTURE or
+// test/ort_training_fixture (tests/compat_training/test_js.py writes it and runs this file).
+import assert from 'node:assert/strict';
+import { existsSync } from 'node:fs';
+import { readFile } from 'node:fs/promises';
+import { join } from 'node:path';
+import { test } from 'node:test';
+import { fileURLToPath } from 'node:url';
+import { readSafetensors } from '../src/node.js';
+import { TrainingSession, ort, readCheckpoint } from '../src/ort_training_node.js';
+
+const ROOT = process.env.ONNXGRAD_ORT_TRAINING_FIXTURE ?? fileURLToPath(new URL('./ort_training_fixture/', import.meta.url));
+const MISSING = !existsSync(join(ROOT, 'expected.json'));
+const SKIP = MISSING && `no fixture in ${ROOT}: run python js/test/make_ort_training_fixture.py`;
+
+function assertClose(actual, expected, what, rtol = 1e-4) {
+  const scale = Math.max(...expected.map(Math.abs), 1e-3);
+  assert.equal(actual.length, expected.length, what);
+  actual.forEach((a, i) => assert.ok(Math.abs(a - expected[i]) <= rtol * scale, `${what}[${i}]: ${a} vs ${expected[i]}`));
+}
+
+async function setup() {
+  const expected = JSON.parse(await readFile(join(ROOT, 'expected.json'), 'utf8'));
+  const { tensors } = readSafetensors(await readFile(join(ROOT, 'data.safetensors')));
+  const dir = join(ROOT, 'artifacts');
+  const session = await TrainingSession.create({
+    checkpointState: join(dir, 'checkpoint'),
+    trainModel: join(dir, 'training_model.onnx'),
+    evalModel: join(dir, 'eval_model.onnx'),
+    optimizerModel: join(dir, 'optimizer_model.onnx'),
+  });
+  const rows = (start, n) => ({
+    input: new ort.Tensor('float32', tensors.input.data.slice(start * 4, (start + n) * 4), [n, 4]),
+    labels: new ort.Tensor('int64', tensors.labels.data.slice(start, start + n), [n]),
+  });
+  return { expected, session, rows, total: tensors.labels.dims[0] };
+}
+
+test('training steps give the Python API numbers', { skip: SKIP }, async () => {
+  const { expected, session, rows, total } = await setup();
+  assert.deepEqual(session.trainingInputNames, expected.input_names);
+  assert.deepEqual(session.trainingOutputNames, expected.output_names);
+  assert.equal(await session.getParametersSize(), expected.size);
+  assert.equal(await session.getParametersSize(false), expected.size_all);
+  session.setLearningRate(expected.lr);
+  const losses = [];
+  for (let k = 0; k < expected.updates; k++) {
+    for (let h = 0; h < 2; h++) {
+      const out = await session.runTrainStep(rows((2 * k + h) * expected.half, expected.half));
+      losses.push(Number(out[session.trainingOutputNames[0]].data[0]));
+    }
+    await session.runOptimizerStep();
+    await session.lazyResetGrad();
+  }
+  assertClose(losses, expected.losses, 'losses');
+  const evalOut = await session.runEvalStep(rows(0, total));
+  assertClose([Number(evalOut[session.evalOutputNames[0]].data[0])], [expected.eval_loss], 'eval loss');
+  const params = await session.getContiguousParameters();
+  assertClose(Array.from(params.data), expected.contiguous, 'parameters');
+  await session.release();
+});
+
+test('loadParametersBuffer writes the parameters back', { skip: SKIP }, async () => {
+  const { expected, session, rows } = await setup();
+  const trained = Float32Array.from(expected.contiguous);
+  await session.loadParametersBuffer(new Uint8Array(trained.buffer));
+  assertClose(Array.from((await session.getContiguousParameters()).data), expected.contiguous, 'loaded');
+  await assert.rejects(session.loadParametersBuffer(new Uint8Array(8)), /the buffer has 8 bytes/);
+  const out = await session.runEvalStep(rows(0, 8));
+  assert.ok(Number.isFinite(Number(out[session.evalOutputNames[0]].data[0])));
+  await session.release();
+});
+
+test('the checkpoint reader reads the folder checkpoint', { skip: SKIP }, async () => {
+  const state = readCheckpoint(await readFile(join(ROOT, 'artifacts', 'checkpoint')));
+  assert.deepEqual(Object.keys(state.trainable), ['fc1.weight', 'fc1.bias', 'fc2.weight', 'fc2.bias']);
+  assert.deepEqual(state.trainable['fc1.weight'].dims, [4, 8]);
+  assert.equal(state.nominal, false);
+  assert.throws(() => readCheckpoint(new Uint8Array(16)), /no ODTC file identifier/);
+});

@@ -1,0 +1,323 @@
+"""The plain-ONNX graphs behind ``onnxgrad.compat.training``.
+
+Everything starts from a *loss model*: the user's model with the loss appended (onnxblock), every
+parameter an initializer. From it:
+
+* :func:`training_graph`: forward, loss and backward in one graph. Inputs: the user inputs (the
+  model's, then the targets), then every checkpoint parameter (trainable and frozen, in initializer
+  order). Outputs: the loss outputs, the gradient of each trainable parameter and the updated
+  running statistics of BatchNormalization (frozen parameters updated after each step, as
+  onnxruntime-training does: momentum and the biased batch variance, ONNX's formula). Gradients
+  are accumulated by :class:`~onnxgrad.compat.training.api.Module`, not in the graph.
+* :func:`eval_graph`: the forward and loss in inference mode, parameters as inputs.
+* :func:`optimizer_graph`: one update of every trainable parameter by onnxruntime-training's
+  formulas (``AdamWOptimizer`` with ``adam_mode=1``, ``SGDOptimizerV2``).
+
+A folder written by onnxruntime-training 1.19.2 holds the same loss model as its
+``eval_model.onnx`` (parameters as inputs, fed from the checkpoint): :func:`loss_model_from_eval`
+puts them back as initializers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ...autodiff.compose import compose
+from ...autodiff.engine import build_gradient
+from ...autodiff.prepare import prepare
+from ...errors import InputError
+from ...model.graph import check_model, ir_version_for, unique_name
+from ...model.load import CheckedModel
+from ...train.losses import _Emitter, keep_outputs
+
+__all__ = [
+    "META_KEY",
+    "TrainingGraph",
+    "eval_graph",
+    "inference_graph",
+    "loss_model_from_eval",
+    "mark",
+    "optimizer_graph",
+    "read_meta",
+    "set_outputs",
+    "training_graph",
+]
+
+META_KEY = "onnxgrad.compat.training"  # metadata_props entry of the files onnxgrad writes
+
+
+@dataclass
+class TrainingGraph:
+    """A training graph and what its inputs and outputs mean."""
+
+    model: onnx.ModelProto
+    user_inputs: list[str]
+    parameters: list[str]  # every parameter input, in graph order
+    loss_outputs: list[str]  # what Module.__call__ returns
+    grads: dict[str, str] = field(default_factory=dict)  # trainable parameter -> gradient output
+    stats: dict[str, str] = field(default_factory=dict)  # running statistic -> updated value
+
+    def meta(self) -> dict:
+        """What :func:`mark` stores in the file: everything but the model."""
+        return {k: v for k, v in vars(self).items() if k != "model"}
+
+
+def mark(model: onnx.ModelProto, meta: Mapping) -> None:
+    """Store ``meta`` (JSON) in the model's metadata: the file is onnxgrad's."""
+    kept = [p for p in model.metadata_props if p.key != META_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key=META_KEY, value=json.dumps(dict(meta)))
+
+
+def read_meta(model: onnx.ModelProto) -> dict | None:
+    """The onnxgrad metadata of a file this package wrote, ``None`` for any other file."""
+    for p in model.metadata_props:
+        if p.key == META_KEY:
+            return json.loads(p.value)
+    return None
+
+
+def set_outputs(model: onnx.ModelProto, names: list[str]) -> None:
+    """Make ``names`` the graph outputs, in place (onnxruntime-training keeps only the loss
+    outputs and the additional ones)."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    infos = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input)}
+    missing = [n for n in names if n not in infos]
+    if missing:
+        raise InputError(f"no value named {missing} in the model to output (a loss returns value names)")
+    del model.graph.output[:]
+    model.graph.output.extend(infos[n] for n in names)
+
+
+def _params_as_inputs(model: onnx.ModelProto, names: Iterable[str]) -> None:
+    """Turn the initializers ``names`` into graph inputs (in the order given), in place."""
+    g = model.graph
+    names = list(names)
+    inits = {i.name: i for i in g.initializer}
+    missing = [n for n in names if n not in inits]
+    if missing:
+        raise InputError(f"{missing} are not initializers of the model")
+    declared = {i.name for i in g.input}
+    g.input.extend(
+        helper.make_tensor_value_info(n, inits[n].data_type, list(inits[n].dims))
+        for n in names
+        if n not in declared
+    )
+    kept = [i for i in g.initializer if i.name not in set(names)]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+
+
+def _finish(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Checked, at the lowest IR version its opsets allow (what older runtimes load)."""
+    model.ir_version = ir_version_for(model.opset_import)
+    check_model(model)
+    return model
+
+
+def training_graph(
+    loss_model: onnx.ModelProto, trainable: list[str], frozen: list[str], loss_outputs: list[str]
+) -> TrainingGraph:
+    """Forward, loss and backward of ``loss_model`` (see the module docstring). Gradients start
+    from the first of ``loss_outputs`` (onnxruntime-training's rule)."""
+    if not trainable:
+        raise InputError("nothing to train: pass the parameters to train as requires_grad")
+    known = {i.name for i in loss_model.graph.initializer}
+    unknown = [n for n in [*trainable, *frozen] if n not in known]
+    if unknown:
+        raise InputError(f"{unknown} are not initializers of the model")
+    # frozen parameters become inputs before anything folds them: their values are fed per call
+    overridable = onnx.ModelProto()
+    overridable.CopyFrom(loss_model)
+    declared = {i.name for i in overridable.graph.input}
+    inits = {i.name: i for i in overridable.graph.initializer}
+    overridable.graph.input.extend(
+        helper.make_tensor_value_info(n, inits[n].data_type, list(inits[n].dims))
+        for n in frozen
+        if n in inits and n not in declared
+    )
+    prepared = prepare(overridable)
+    train = prepared.training.proto
+    stats = {s: o for s, o in prepared.running_stats.items() if s in set(frozen)}
+    loss = loss_outputs[0]
+    graphs = build_gradient(prepared.training, trainable=trainable, outputs=[loss])
+    model = compose(graphs, name="training_model")
+    g = model.graph
+    seed = graphs.grad_inputs[loss]
+    infos = {o.name: o for o in train.graph.output}
+    # the gradient seed: ones shaped like the loss (a [1]-shaped custom loss included)
+    inputs = [i for i in g.input if i.name != seed]
+    del g.input[:]
+    g.input.extend(inputs)
+    taken = {n.name for n in g.node} | {o for n in g.node for o in n.output}
+    shape = unique_name(f"{loss}/shape", taken)
+    elem = infos[loss].type.tensor_type.elem_type
+    one = numpy_helper.from_array(np.ones(1, helper.tensor_dtype_to_np_dtype(elem)))
+    seed_nodes = [
+        helper.make_node("Shape", [loss], [shape], name=unique_name("seed/shape", taken)),
+        helper.make_node("ConstantOfShape", [shape], [seed], name=unique_name("seed", taken), value=one),
+    ]
+    nodes = list(g.node)
+    at = next(k for k, n in enumerate(nodes) if loss in n.output) + 1  # right after the loss
+    del g.node[:]
+    g.node.extend([*nodes[:at], *seed_nodes, *nodes[at:]])
+    declared = {o.name for o in g.output}
+    g.output.extend(infos[o] for o in [*loss_outputs[1:], *stats.values()] if o not in declared)
+    order = [o.name for o in g.output]
+    wanted = [*loss_outputs, *(graphs.grad_outputs[p] for p in trainable), *stats.values()]
+    by_name = {o.name: o for o in g.output}
+    del g.output[:]
+    g.output.extend(by_name[n] for n in wanted if n in order)
+    # trainable values were fed by compose as initializers: every parameter becomes an input
+    params = [i.name for i in loss_model.graph.initializer if i.name in set(trainable) | set(frozen)]
+    for name in params:
+        if name not in {i.name for i in g.initializer}:  # compose dropped it: put it back
+            src = next(i for i in loss_model.graph.initializer if i.name == name)
+            g.initializer.append(src)
+    _params_as_inputs(model, params)
+    user_inputs = [i.name for i in g.input if i.name not in set(params)]
+    result = TrainingGraph(
+        model,
+        user_inputs,
+        params,
+        list(loss_outputs),
+        {p: graphs.grad_outputs[p] for p in trainable},
+        stats,
+    )
+    mark(model, result.meta())
+    _finish(model)
+    return result
+
+
+def eval_graph(loss_model: onnx.ModelProto, params: list[str], loss_outputs: list[str]) -> onnx.ModelProto:
+    """The forward and loss in inference mode, the parameters ``params`` as inputs."""
+    prepared = prepare(loss_model)
+    model = keep_outputs(prepared.given_inference, loss_outputs)
+    _params_as_inputs(model, [p for p in params if p in {i.name for i in model.graph.initializer}])
+    return _finish(model)
+
+
+def inference_graph(
+    loss_model: onnx.ModelProto, values: Mapping[str, np.ndarray], outputs: list[str]
+) -> onnx.ModelProto:
+    """The model in inference mode computing ``outputs`` from the parameter ``values``."""
+    model = onnx.ModelProto()
+    model.CopyFrom(prepare(loss_model).given_inference.proto)
+    g = model.graph
+    replaced = [
+        numpy_helper.from_array(np.asarray(values[i.name]), i.name) if i.name in values else i
+        for i in g.initializer
+    ]
+    del g.initializer[:]
+    g.initializer.extend(replaced)
+    known = {o.name for o in g.output}
+    if any(o not in known for o in outputs):  # inner values may be asked for too
+        inferred = onnx.shape_inference.infer_shapes(model)
+        infos = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output)}
+        missing = [o for o in outputs if o not in infos]
+        if missing:
+            raise InputError(f"the model has no value named {missing} to output")
+        g.output.extend(infos[o] for o in outputs if o not in known)
+    return _finish(keep_outputs(CheckedModel(model), outputs))
+
+
+def loss_model_from_eval(eval_model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """An eval model whose parameter inputs are fed (``values``) turned back into the loss model."""
+    model = onnx.ModelProto()
+    model.CopyFrom(eval_model)
+    g = model.graph
+    inputs = [i for i in g.input if i.name not in values]
+    fed = [i.name for i in g.input if i.name in values]
+    del g.input[:]
+    g.input.extend(inputs)
+    old = [i for i in g.initializer if i.name not in values]
+    del g.initializer[:]
+    g.initializer.extend(numpy_helper.from_array(np.asarray(values[n]), n) for n in fed)
+    g.initializer.extend(old)
+    return model
+
+
+# ---- optimizers ------------------------------------------------------------------------------------
+ADAMW, SGD = "AdamWOptimizer", "SGDOptimizerV2"
+
+
+def optimizer_graph(
+    kind: str, attrs: Mapping, params: Mapping[str, tuple[int, list[int]]]
+) -> onnx.ModelProto:
+    """One update of every parameter of ``params`` (name -> (ONNX type, shape)).
+
+    Inputs: ``learning_rate`` (float32 scalar), ``step`` (int64 scalar: the updates already made),
+    then per parameter ``p``, ``p/grad`` and for AdamW ``p/momentum0``, ``p/momentum1``. Outputs
+    ``new/<input>`` for the parameter and moments. AdamW (``adam_mode=1``, Hugging Face)::
+
+        m = alpha m + (1 - alpha) g;   v = beta v + (1 - beta) g²
+        lr_t = lr sqrt(1 - beta^t) / (1 - alpha^t)  (t = step + 1, when correct_bias)
+        p = p - lr_t m / (sqrt(v) + epsilon);   p = p - lr weight_decay p  (when weight_decay > 0)
+
+    SGD: ``p = p - lr g``.
+    """
+    if kind not in (ADAMW, SGD):
+        raise InputError(f"unsupported optimizer {kind!r}; onnxgrad runs AdamW and SGD")
+    if kind == ADAMW and int(attrs.get("adam_mode", 0)) != 1:
+        raise InputError(
+            "AdamWOptimizer with adam_mode=0 (torch's variant) is not supported; 1.19.2 writes 1"
+        )
+    graph = helper.make_graph([], "optimizer", [], [])
+    e = _Emitter(graph, 17, TensorProto.FLOAT, "opt")
+    lr = helper.make_tensor_value_info("learning_rate", TensorProto.FLOAT, [])
+    step = helper.make_tensor_value_info("step", TensorProto.INT64, [])
+    graph.input.extend([lr, step])
+    e.taken |= {"learning_rate", "step"}
+    inputs, outputs = [], []
+    scalars: dict[str, str] = {}
+    if kind == ADAMW:
+        alpha, beta = float(attrs.get("alpha", 0.9)), float(attrs.get("beta", 0.999))
+        eps, wd = float(attrs.get("epsilon", 1e-8)), float(attrs.get("weight_decay", 0.0))
+        lr_t = "learning_rate"
+        if int(attrs.get("correct_bias", 1)):
+            t = e.op("Cast", e.op("Add", "step", e.const(1, TensorProto.INT64)), to=TensorProto.FLOAT)
+            bc1 = e.op("Sub", e.const(1.0), e.op("Pow", e.const(alpha), t))
+            bc2 = e.op("Sub", e.const(1.0), e.op("Pow", e.const(beta), t))
+            lr_t = e.op("Div", e.op("Mul", "learning_rate", e.op("Sqrt", bc2)), bc1)
+        scalars = {"lr_t": lr_t}
+        if wd > 0:
+            scalars["decay"] = e.op("Mul", "learning_rate", e.const(wd))
+    for name, (elem, shape) in params.items():
+        if elem != TensorProto.FLOAT:
+            raise InputError(f"parameter {name!r}: the optimizer updates float32 parameters only")
+        names = [name, f"{name}/grad"] + ([f"{name}/momentum0", f"{name}/momentum1"] if kind == ADAMW else [])
+        for n in names:
+            inputs.append(helper.make_tensor_value_info(n, elem, shape))
+        e.taken |= set(names)
+        p, grad = names[0], names[1]
+        if kind == SGD:
+            news = {p: e.op("Sub", p, e.op("Mul", "learning_rate", grad))}
+        else:
+            m = e.op("Add", e.op("Mul", e.const(alpha), names[2]), e.op("Mul", e.const(1.0 - alpha), grad))
+            v = e.op(
+                "Add",
+                e.op("Mul", e.const(beta), names[3]),
+                e.op("Mul", e.const(1.0 - beta), e.op("Mul", grad, grad)),
+            )
+            denom = e.op("Add", e.op("Sqrt", v), e.const(eps))
+            new_p = e.op("Sub", p, e.op("Mul", scalars["lr_t"], e.op("Div", m, denom)))
+            if "decay" in scalars:
+                new_p = e.op("Sub", new_p, e.op("Mul", scalars["decay"], new_p))
+            news = {p: new_p, names[2]: m, names[3]: v}
+        for src, value in news.items():
+            out = f"new/{src}"
+            graph.node.append(helper.make_node("Identity", [value], [out], name=e.fresh("out")))
+            outputs.append(helper.make_tensor_value_info(out, elem, shape))
+    graph.input.extend(inputs)
+    graph.output.extend(outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    mark(model, {"optimizer": kind, "attributes": dict(attrs)})
+    check_model(model)
+    return model

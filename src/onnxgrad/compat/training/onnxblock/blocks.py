@@ -1,0 +1,241 @@
+"""Building blocks of custom losses, as in ``onnxruntime.training.onnxblock.blocks``.
+
+A :class:`Block` subclass composes other blocks in its ``build`` method; each block appends nodes
+to the model of the enclosing ``with onnxblock.base(model):`` and returns the name of the value it
+made. Besides onnxruntime-training's blocks (Add, Sub, Mul, Div, Pow, ReduceMean, ReduceSum,
+Sigmoid, Log, Neg, Abs, Constant, Clip, Cast, PassThrough, InputLike), the same pattern gives
+ReduceMin, ReduceMax, Exp, Sqrt, Relu, Tanh and Softmax, whose gradients onnxgrad has.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from typing import Any
+
+import onnx
+from onnx import TensorProto, helper
+
+from ....errors import InputError
+from . import _accessor
+from ._accessor import generate_graph_name
+
+__all__ = [
+    "Abs", "Add", "Block", "Cast", "Clip", "Constant", "Div", "Exp", "InputLike", "Log", "Mul",
+    "Neg", "PassThrough", "Pow", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceSum", "Relu",
+    "Sigmoid", "Softmax", "Sqrt", "Sub", "Tanh",
+]  # fmt: skip
+
+
+class Block(ABC):
+    """Base class of every block: subclasses implement ``build`` and are called like functions.
+
+    ``self.base`` is the model being built (set when the block is called); ``build`` appends nodes
+    to it and returns the output name(s).
+    """
+
+    def __init__(self, temp_file_name: str = "temp.onnx") -> None:
+        self.base: onnx.ModelProto | None = None
+
+    @abstractmethod
+    def build(self, *args: Any, **kwargs: Any) -> Any:
+        """Append this block's nodes to ``self.base``; return the name(s) of its output(s)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Build on the current base model and check that it is still a valid ONNX model."""
+        self.base = _accessor.current().model
+        output = self.build(*args, **kwargs)
+        try:
+            onnx.checker.check_model(self.base)
+        except onnx.checker.ValidationError as exc:
+            raise InputError(f"block {type(self).__name__} made an invalid model: {exc}") from exc
+        return output
+
+    def infer_shapes_on_base(self) -> onnx.ModelProto:
+        """The base model with its shapes inferred."""
+        return onnx.shape_inference.infer_shapes(_accessor.current().model)
+
+
+def _node(model: onnx.ModelProto, op: str, inputs: list[str], **attrs: Any) -> str:
+    out = generate_graph_name(f"{op.lower()}_output")
+    model.graph.node.append(helper.make_node(op, inputs, [out], name=generate_graph_name(op), **attrs))
+    return out
+
+
+def _float_initializer(model: onnx.ModelProto, hint: str, value: float) -> str:
+    name = generate_graph_name(hint)
+    model.graph.initializer.append(helper.make_tensor(name, TensorProto.FLOAT, [1], [value]))
+    return name
+
+
+class _BinaryOp(Block):
+    def __init__(self, op_name: str) -> None:
+        super().__init__()
+        self._op_name = op_name
+
+    def build(self, input_name1: str, input_name2: str) -> str:
+        return _node(self.base, self._op_name, [input_name1, input_name2])
+
+
+class Add(_BinaryOp):
+    """``a + b``."""
+
+    def __init__(self) -> None:
+        super().__init__("Add")
+
+
+class Sub(_BinaryOp):
+    """``a - b``."""
+
+    def __init__(self) -> None:
+        super().__init__("Sub")
+
+
+class Mul(_BinaryOp):
+    """``a * b``."""
+
+    def __init__(self) -> None:
+        super().__init__("Mul")
+
+
+class Div(_BinaryOp):
+    """``a / b``."""
+
+    def __init__(self) -> None:
+        super().__init__("Div")
+
+
+class Pow(Block):
+    """``x ** exponent`` (the exponent a float constant)."""
+
+    def __init__(self, exponent: float) -> None:
+        super().__init__()
+        self._exponent = exponent
+
+    def build(self, pow_input_name: str) -> str:
+        exponent = _float_initializer(self.base, "pow_exponent", self._exponent)
+        return _node(self.base, "Pow", [pow_input_name, exponent])
+
+
+class _UnaryOp(Block):
+    def __init__(self, op_name: str, **attributes: Any) -> None:
+        super().__init__()
+        self._op_name = op_name
+        self._attributes = attributes
+
+    def build(self, input_name: str) -> str:
+        return _node(self.base, self._op_name, [input_name], **self._attributes)
+
+
+def _unary(name: str, doc: str, **fixed: Any) -> type[_UnaryOp]:
+    def __init__(self, **attributes: Any) -> None:
+        _UnaryOp.__init__(self, name, **{**fixed, **attributes})
+
+    return type(name, (_UnaryOp,), {"__init__": __init__, "__doc__": doc})
+
+
+class _Reduce(_UnaryOp):
+    """A reduction over every axis."""
+
+    def __init__(self, keepdims: bool = True) -> None:
+        super().__init__(type(self).__name__, keepdims=int(keepdims))
+
+
+class ReduceMean(_Reduce):
+    """The mean of every element."""
+
+
+class ReduceSum(_Reduce):
+    """The sum of every element."""
+
+
+class ReduceMin(_Reduce):
+    """The smallest element (its gradient goes to the smallest elements)."""
+
+
+class ReduceMax(_Reduce):
+    """The largest element (its gradient goes to the largest elements)."""
+
+
+Sigmoid = _unary("Sigmoid", "``1 / (1 + exp(-x))``.")
+Log = _unary("Log", "The natural logarithm.")
+Neg = _unary("Neg", "``-x``.")
+Abs = _unary("Abs", "``|x|``.")
+Exp = _unary("Exp", "``exp(x)``.")
+Sqrt = _unary("Sqrt", "The square root.")
+Relu = _unary("Relu", "``max(x, 0)``.")
+Tanh = _unary("Tanh", "The hyperbolic tangent.")
+Softmax = _unary("Softmax", "Softmax along ``axis`` (default -1).", axis=-1)
+
+
+class Constant(Block):
+    """A float constant of shape ``[1]``, as onnxruntime-training writes it."""
+
+    def __init__(self, value_float: float) -> None:
+        super().__init__()
+        self._value = value_float
+
+    def build(self) -> str:
+        return _float_initializer(self.base, "initializer", self._value)
+
+
+class Clip(Block):
+    """``x`` clipped to ``[clip_min, clip_max]`` (either may be ``None``)."""
+
+    def __init__(self, clip_min: float | None = None, clip_max: float | None = None) -> None:
+        super().__init__()
+        self._min, self._max = clip_min, clip_max
+
+    def build(self, clip_input_name: str) -> str:
+        low = "" if self._min is None else _float_initializer(self.base, "clip_min", self._min)
+        high = "" if self._max is None else _float_initializer(self.base, "clip_max", self._max)
+        return _node(self.base, "Clip", [clip_input_name, low, high])
+
+
+class Cast(Block):
+    """``x`` cast to the ONNX element type ``to``."""
+
+    def __init__(self, to: int) -> None:
+        super().__init__()
+        self._to = to
+
+    def build(self, cast_input_name: str) -> str:
+        return _node(self.base, "Cast", [cast_input_name], to=self._to)
+
+
+class PassThrough(Block):
+    """Returns its inputs unchanged (no loss: the model computes it)."""
+
+    def build(self, *input_names: str) -> tuple[str, ...]:
+        return input_names
+
+
+def _find_value(model: onnx.ModelProto, name: str) -> onnx.ValueInfoProto | None:
+    for vi in (*model.graph.input, *model.graph.output):
+        if vi.name == name:
+            return vi
+    return None
+
+
+class InputLike(Block):
+    """A new graph input with the type and shape of the graph input or output ``like``."""
+
+    def __init__(self, like: str) -> None:
+        super().__init__()
+        self._like = like
+
+    def build(self, input_name: str | None = None) -> str:
+        found = _find_value(self.base, self._like)
+        if found is None:
+            raise InputError(f"InputLike: the model has no graph input or output named {self._like!r}")
+        cloned = copy.deepcopy(found)
+        cloned.name = input_name or generate_graph_name("input")
+        self.base.graph.input.append(cloned)
+        return cloned.name
+
+
+def node_arg_exists(model: onnx.ModelProto, name: str) -> bool:
+    """Whether ``name`` is a graph input, output, initializer or node output of ``model``."""
+    g = model.graph
+    names = {v.name for v in (*g.input, *g.output, *g.initializer)} | {o for n in g.node for o in n.output}
+    return name in names

@@ -1,0 +1,44 @@
+"""onnxruntime-web's former training API in js/ (src/ort_training.js) on onnxruntime-node: the
+numbers of the Python API on the same folder. Skipped when node or npm is missing, or when js/'s
+dependencies cannot be installed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+JS = Path(__file__).resolve().parents[2] / "js"
+
+
+def test_js_training_session_matches_python(tmp_path):
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("node and npm are needed for the JavaScript tests")
+    if not (JS / "node_modules" / "onnxruntime-node").is_dir():
+        done = subprocess.run(
+            [npm, "ci", "--no-audit", "--no-fund"], cwd=JS, capture_output=True, text=True, timeout=600
+        )
+        if done.returncode != 0:
+            pytest.skip(f"npm ci failed in js/ (offline?): {done.stderr[-500:]}")
+    fixture = tmp_path / "fixture"
+    subprocess.run(
+        [sys.executable, str(JS / "test" / "make_ort_training_fixture.py"), str(fixture)],
+        check=True,
+        timeout=300,
+    )
+    env = {**os.environ, "ONNXGRAD_ORT_TRAINING_FIXTURE": str(fixture)}
+    done = subprocess.run(
+        [node, "--test", "test/ort_training.test.js"],
+        cwd=JS,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "# pass 3" in done.stdout and "# fail 0" in done.stdout
