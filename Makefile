@@ -13,7 +13,7 @@ TORCH := torch==2.13.0
 # the locked venv also holds the zoo extra (transformers, onnxscript): make test runs tests/zoo
 EXTRAS := dev,zoo
 
-.PHONY: demo test test-latest test-oldest test-wheel test-js test-web lint bench fuzz lock clean docs-coverage
+.PHONY: demo test test-latest test-oldest test-wheel test-js test-web lint bench fuzz lock clean docs-coverage docs
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,11 +66,17 @@ docs-coverage: $(STAMP)
 	$(PY) -m onnxgrad coverage --markdown >> docs/coverage.md.new
 	mv docs/coverage.md.new docs/coverage.md
 
-# Refresh the lock: resolve the dev and zoo extras afresh in a throwaway venv and freeze it.
+# The documentation site with the API reference from the docstrings (mkdocs.yml; docs/reference/):
+# the docs extra from the lock, then a strict build (any warning, broken link or anchor fails) into out/site.
+docs: $(STAMP)
+	$(PY) -m pip install $(PIP_QUIET) -c $(LOCK) -e ".[docs]"
+	$(PY) -m mkdocs build --strict
+
+# Refresh the lock: resolve the dev, zoo and docs extras afresh in a throwaway venv and freeze it.
 lock:
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
 	.venv-lock/bin/python -m pip install $(PIP_QUIET) $(TORCH)
-	.venv-lock/bin/python -m pip install $(PIP_QUIET) ".[$(EXTRAS)]"
+	.venv-lock/bin/python -m pip install $(PIP_QUIET) ".[$(EXTRAS),docs]"
 	(echo "# pip constraints for make test / make demo; refresh with: make lock"; \
 	 .venv-lock/bin/python -m pip freeze --disable-pip-version-check --exclude onnxgrad) > $(LOCK)
 	rm -rf .venv-lock
@@ -82,16 +88,19 @@ lock:
 test-js: $(STAMP)
 	cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci --no-audit --no-fund
 	$(PY) js/test/make_fixture.py js/test/fixture
+	$(PY) js/test/make_ort_training_fixture.py js/test/ort_training_fixture
 	cd js && node --test test/*.test.js
 
 # The browser: examples/web/ trains the digits MLP and CNN with onnxruntime-web (wasm) in headless chromium
 # (installed with apt-get when missing, or CHROMIUM=/path), served from localhost; also onnxruntime-web in
-# Node. Writes examples/web/out/screenshot.png (or $$SCREENSHOT).
+# Node. Then ort_training.html: the migrated example of docs/migrate_ort_training.md with the former
+# TrainingSession names, against the Python API. Writes examples/web/out/screenshot.png (or $$SCREENSHOT).
 test-web: $(STAMP)
 	command -v chromium >/dev/null || [ -n "$${CHROMIUM:-}" ] || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 	cd examples/web && npm ci --no-audit --no-fund
 	$(PY) js/test/make_fixture.py examples/web/fixture
+	$(PY) examples/web/make_ort_training_fixture.py examples/web/fixture/ort_training
 	cd examples/web && node test-web.mjs
 
 # The layer contract (docs/architecture.md): every import looks down, no import cycle.

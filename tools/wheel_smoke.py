@@ -1,8 +1,9 @@
 """Smoke test of an installed onnxgrad wheel, run by ``make test-wheel`` in a clean venv.
 
 It runs from outside the repository, so it sees only what the wheel installed: ``import onnxgrad``
-without torch, ForwardBackward against a numpy formula, OnnxModule against torch, a PythonOp round
-trip through a custom backward, ``onnxgrad --version`` and ``onnxgrad demo``. Exits non-zero on the
+without torch, the ``py.typed`` marker (PEP 561: type checkers read onnxgrad's annotations),
+ForwardBackward against a numpy formula, OnnxModule against torch, a PythonOp round trip through a
+custom backward, ``onnxgrad --version`` and ``onnxgrad demo``. Exits non-zero on the
 first failure and prints ``N passed, 0 failed`` at the end.
 """
 
@@ -37,6 +38,18 @@ def import_does_not_load_torch() -> None:
     code = "import sys, onnxgrad; onnxgrad.supported_ops(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+@check
+def ships_py_typed() -> None:
+    from importlib.metadata import files
+
+    import onnxgrad
+
+    marker = Path(onnxgrad.__file__).with_name("py.typed")
+    assert marker.is_file(), f"{marker} is missing: mypy and IDEs would see onnxgrad as untyped"
+    recorded = {str(f) for f in files("onnxgrad") or []}
+    assert "onnxgrad/py.typed" in recorded, "py.typed is not in the wheel's RECORD"
 
 
 @check

@@ -15,27 +15,73 @@ const fetchBytes = async (path) => {
   return new Uint8Array(await response.arrayBuffer());
 };
 
+// The model each fixture trains (expected.json's "model", written by js/test/make_fixture.py).
+const MODEL_NAMES = { mlp: 'Digits MLP', cnn: 'Digits CNN (LeNet-style)' };
+
+// A round step between ticks: 1, 2 or 5 times a power of ten, about span / count.
+function tickStep(span, count) {
+  const raw = span / count;
+  const power = 10 ** Math.floor(Math.log10(raw));
+  return [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw);
+}
+
 function drawCurve(losses, expected) {
   const c = document.getElementById('curve').getContext('2d');
   const { width, height } = c.canvas;
+  const plot = { left: 48, right: width - 10, top: 22, bottom: height - 34 }; // room for the tick labels
   const top = Math.max(...expected);
+  const steps = expected.length - 1;
+  const xOf = (i) => plot.left + (i / steps) * (plot.right - plot.left);
+  const yOf = (v) => plot.bottom - (v / top) * (plot.bottom - plot.top);
   c.clearRect(0, 0, width, height);
+  // axes, ticks and their labels: loss on the left, step below
+  c.strokeStyle = '#888';
+  c.lineWidth = 1;
+  c.fillStyle = '#444';
+  c.font = '11px system-ui, sans-serif';
+  c.beginPath();
+  c.moveTo(plot.left, plot.top);
+  c.lineTo(plot.left, plot.bottom);
+  c.lineTo(plot.right, plot.bottom);
+  const dy = tickStep(top, 4);
+  c.textAlign = 'right';
+  c.textBaseline = 'middle';
+  for (let v = 0; v <= top + 1e-9; v += dy) {
+    c.moveTo(plot.left - 4, yOf(v));
+    c.lineTo(plot.left, yOf(v));
+    c.fillText(Number(v.toPrecision(6)).toString(), plot.left - 6, yOf(v));
+  }
+  const dx = tickStep(steps, 6);
+  c.textAlign = 'center';
+  c.textBaseline = 'top';
+  for (let i = 0; i <= steps; i += dx) {
+    c.moveTo(xOf(i), plot.bottom);
+    c.lineTo(xOf(i), plot.bottom + 4);
+    c.fillText(String(i), xOf(i), plot.bottom + 6);
+  }
+  c.stroke();
+  c.fillText('step', (plot.left + plot.right) / 2, plot.bottom + 20);
+  c.save();
+  c.translate(12, (plot.top + plot.bottom) / 2);
+  c.rotate(-Math.PI / 2);
+  c.fillText('loss', 0, -6);
+  c.restore();
   const line = (values, color, widthPx) => {
     c.strokeStyle = color;
     c.lineWidth = widthPx;
     c.beginPath();
     values.forEach((v, i) => {
-      const x = 30 + (i / (expected.length - 1)) * (width - 40);
-      const y = height - 20 - (v / top) * (height - 30);
-      if (i === 0) c.moveTo(x, y);
-      else c.lineTo(x, y);
+      if (i === 0) c.moveTo(xOf(i), yOf(v));
+      else c.lineTo(xOf(i), yOf(v));
     });
     c.stroke();
   };
   line(expected, '#bbb', 5); // the Python runner's losses, under the browser's
   line(losses, '#d33', 1.5);
   c.fillStyle = '#222';
-  c.fillText(`loss (red: browser, grey: Python), ${losses.length} steps`, 35, 14);
+  c.textAlign = 'left';
+  c.textBaseline = 'alphabetic';
+  c.fillText(`loss (red: browser, grey: Python), ${losses.length} steps`, plot.left + 6, 14);
 }
 
 function drawDigits(pixels, labels, predicted, count) {
@@ -59,6 +105,9 @@ function drawDigits(pixels, labels, predicted, count) {
 
 async function main() {
   const expected = JSON.parse(new TextDecoder().decode(await fetchBytes('expected.json')));
+  const model = expected.model ?? 'mlp';
+  document.getElementById('heading').textContent =
+    `${MODEL_NAMES[model] ?? model} trained with onnxruntime-web (wasm)`;
   const { tensors } = readSafetensors(await fetchBytes('digits.safetensors'));
   const [rows, ...sample] = tensors.pixels.dims; // [64] for the MLP, [1, 8, 8] for the CNN
   const width = sample.reduce((a, b) => a * b, 1);

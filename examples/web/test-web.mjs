@@ -108,3 +108,63 @@ for (const [model, sub] of Object.entries(FIXTURES)) {
   const shot = model === 'mlp' ? screenshot : screenshot.replace(/(\.png)?$/, `-${model}.png`);
   await inBrowser(expected, sub, shot);
 }
+
+// The migrated example of docs/migrate_ort_training.md with onnxruntime-web's former TrainingSession
+// names (ort_training.html): its losses, eval loss and parameter count against the Python API's
+// (make_ort_training_fixture.py writes fixture/ort_training/), in Node and in chromium.
+const ORT_TRAINING_RTOL = 1e-5;
+
+function checkOrtTraining(result, where) {
+  const { expected } = result;
+  if (result.size !== expected.size) throw new Error(`${where}: ${result.size} parameters, Python ${expected.size}`);
+  const all = [...result.losses, result.evalLoss, result.restoredLoss];
+  const want = [...expected.losses, expected.eval_loss, expected.losses[0]];
+  if (all.length !== want.length) throw new Error(`${where}: ${result.losses.length} losses, expected ${expected.losses.length}`);
+  all.forEach((l, i) => {
+    if (!(Math.abs(l - want[i]) <= ORT_TRAINING_RTOL * Math.abs(want[i]))) {
+      throw new Error(`${where}: value ${i} (of ${expected.steps} losses, the eval loss, the reloaded loss) ${l}, Python ${want[i]}`);
+    }
+  });
+  console.log(
+    `${where}: ${result.losses.length} losses, the eval loss and the reloaded parameters' loss within ` +
+      `${ORT_TRAINING_RTOL} of Python's (${result.losses[0].toFixed(4)} -> ${result.losses.at(-1).toFixed(4)})`,
+  );
+}
+
+async function ortTrainingInNode(fixture) {
+  const ort = await import('onnxruntime-web');
+  ort.env.wasm.numThreads = 1;
+  const { trainMigratedExample } = await import('./ort_training_example.js');
+  const result = await trainMigratedExample(ort, (path) => readFile(join(fixture, path)));
+  checkOrtTraining(result, 'TrainingSession: onnxruntime-web (wasm) in Node');
+}
+
+async function ortTrainingInBrowser(sub, shot) {
+  const executablePath = findChromium();
+  if (!executablePath) throw new Error('no chromium: apt-get install -y chromium, or set CHROMIUM');
+  const puppeteer = (await import('puppeteer-core')).default;
+  const server = await serve();
+  const url = `http://127.0.0.1:${server.address().port}/examples/web/ort_training.html?fixture=${sub}`;
+  const browser = await puppeteer.launch({ executablePath, headless: true, args: ['--no-sandbox', '--disable-gpu'] });
+  try {
+    const page = await browser.newPage();
+    page.on('console', (msg) => console.log(`  [page] ${msg.text()}`));
+    await page.goto(url);
+    await page.waitForFunction(() => window.__result?.done, { timeout: 240_000, polling: 500 });
+    const result = await page.evaluate(() => window.__result);
+    await mkdir(dirname(shot), { recursive: true });
+    await page.screenshot({ path: shot, fullPage: true });
+    console.log(`screenshot: ${shot}`);
+    if (result.error) throw new Error(`ort_training.html failed: ${result.error}`);
+    checkOrtTraining(result, 'TrainingSession: chromium, onnxruntime-web (wasm)');
+  } finally {
+    await browser.close();
+    server.close();
+  }
+}
+
+{
+  const sub = 'fixture/ort_training/';
+  await ortTrainingInNode(join(here, sub));
+  await ortTrainingInBrowser(sub, screenshot.replace(/(\.png)?$/, '-ort-training.png'));
+}

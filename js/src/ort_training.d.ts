@@ -51,3 +51,20 @@ export function createTrainingSession<M extends { Tensor: abstract new (...args:
   options: TrainingFiles,
   sessionOptions?: object,
 ): Promise<OrtTrainingSession<InstanceType<M['Tensor']>>>;
+
+/** The bytes at `url`, fetched (the browser, or Node >= 18). */
+export function fetchBytes(url: string): Promise<Uint8Array>;
+
+/**
+ * onnxruntime-web's `TrainingSession` over the `ort` module given: `create` takes each file as
+ * bytes or as a string that `load` reads (default: `fetchBytes`, URLs in the browser).
+ */
+export function trainingSessionOf<M extends { Tensor: abstract new (...args: never[]) => unknown }>(
+  ort: M,
+  load?: (path: string) => Promise<FileBytes>,
+): {
+  create(
+    options: TrainingFiles<string | FileBytes>,
+    sessionOptions?: object,
+  ): Promise<OrtTrainingSession<InstanceType<M['Tensor']>>>;
+};

@@ -104,6 +104,12 @@ export function readCheckpoint(bytes) {
     if (!type) throw new Error(`checkpoint tensor ${string(t, 0)}: unsupported data type`);
     const Cls = arrayClassOf(type);
     const size = dims.reduce((a, c) => a * c, 1);
+    if (scalar(t, 6, (p) => Number(view.getBigInt64(p, true)), -1) !== -1) {
+      throw new Error(
+        `checkpoint tensor ${string(t, 0)} keeps its data in the checkpoint's external file (<checkpoint>.data, ` +
+          'written for checkpoints too big for one FlatBuffer), which the JavaScript reader does not read',
+      );
+    }
     const raw = vector(t, 4);
     const data = new Cls(size);
     if (raw.length) new Uint8Array(data.buffer).set(b.subarray(raw.start, raw.start + raw.length));
@@ -308,6 +314,31 @@ export class OrtTrainingSession {
   async release() {
     for (const s of [this._train, this._eval, this._optimizer]) if (s) await s.release();
   }
+}
+
+/** The bytes at `url` (fetch: the browser, or Node >= 18). */
+export async function fetchBytes(url) {
+  const response = await fetch(url);
+  if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
+  return new Uint8Array(await response.arrayBuffer());
+}
+
+/**
+ * onnxruntime-web's `TrainingSession` over an injected `ort`: `create(options, sessionOptions)`
+ * takes the four files as Uint8Arrays, ArrayBuffers or strings, which `load` reads (by default
+ * fetched: URLs in the browser):
+ *
+ *   const TrainingSession = trainingSessionOf(ort);
+ *   const session = await TrainingSession.create({checkpointState: 'data/checkpoint', trainModel: ...});
+ */
+export function trainingSessionOf(ort, load = fetchBytes) {
+  return {
+    async create(options, sessionOptions = {}) {
+      const files = {};
+      for (const [key, value] of Object.entries(options ?? {})) files[key] = typeof value === 'string' ? await load(value) : value;
+      return createTrainingSession(ort, files, sessionOptions);
+    },
+  };
 }
 
 /** onnxruntime-web's TrainingSession.create({checkpointState, trainModel, evalModel, optimizerModel}, sessionOptions). */

@@ -7,16 +7,17 @@
 //   });
 import { readFile } from 'node:fs/promises';
 import * as ort from 'onnxruntime-node';
-import { createTrainingSession } from './ort_training.js';
+import { trainingSessionOf } from './ort_training.js';
 
-export { OrtTrainingSession, createTrainingSession, onnxMetadata, readCheckpoint } from './ort_training.js';
+export {
+  OrtTrainingSession,
+  createTrainingSession,
+  fetchBytes,
+  onnxMetadata,
+  readCheckpoint,
+  trainingSessionOf,
+} from './ort_training.js';
 export { ort };
 
-export const TrainingSession = {
-  /** Files as paths, Uint8Arrays or ArrayBuffers. */
-  async create(options, sessionOptions = {}) {
-    const files = {};
-    for (const [key, value] of Object.entries(options)) files[key] = typeof value === 'string' ? await readFile(value) : value;
-    return createTrainingSession(ort, files, sessionOptions);
-  },
-};
+/** `TrainingSession.create(options, sessionOptions)`: files as paths, Uint8Arrays or ArrayBuffers. */
+export const TrainingSession = trainingSessionOf(ort, readFile);

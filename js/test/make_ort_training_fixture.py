@@ -5,7 +5,8 @@ of tests/compat_training/scenarios.py, cross-entropy, AdamW) and what the Python
 
 DIR/artifacts/ is the folder, DIR/data.safetensors holds the inputs and labels, DIR/expected.json
 the losses of 6 updates (each from two half batches: the gradients accumulate), the eval loss, the
-contiguous parameters after training and the parameter sizes.
+contiguous parameters after training and the parameter sizes; DIR/external/checkpoint the trained
+state with its tensors in checkpoint.data (the layout of checkpoints over 2 GB).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(ROOT / "tests" / "compat_training"))
 import scenarios  # noqa: E402
 
 import onnxgrad.compat.training as og  # noqa: E402
+from onnxgrad.compat.training import checkpoint_file  # noqa: E402
 from onnxgrad.artifacts import tensors  # noqa: E402
 
 UPDATES, HALF, LR = 6, 4, 0.01
@@ -57,6 +59,15 @@ def main(out: str) -> None:
         "output_names": module.output_names(),
     }
     tensors.save(os.path.join(out, "data.safetensors"), {"input": x, "labels": y})
+    # the checkpoint as a model over 2 GB writes it (tensors in checkpoint.data): the JS reader refuses it
+    external = os.path.join(out, "external")
+    os.makedirs(external, exist_ok=True)
+    threshold = checkpoint_file.EXTERNAL_DATA_THRESHOLD
+    checkpoint_file.EXTERNAL_DATA_THRESHOLD = 0
+    try:
+        og.api.CheckpointState.save_checkpoint(state, os.path.join(external, "checkpoint"))
+    finally:
+        checkpoint_file.EXTERNAL_DATA_THRESHOLD = threshold
     with open(os.path.join(out, "expected.json"), "w") as f:
         json.dump(expected, f)
     print("wrote", out)

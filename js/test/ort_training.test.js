@@ -81,3 +81,8 @@ test('the checkpoint reader reads the folder checkpoint', { skip: SKIP }, async 
   assert.equal(state.nominal, false);
   assert.throws(() => readCheckpoint(new Uint8Array(16)), /no ODTC file identifier/);
 });
+
+test('a checkpoint with external data (over 2 GB) is refused, not read as zeros', { skip: SKIP }, async () => {
+  const bytes = await readFile(join(ROOT, 'external', 'checkpoint'));
+  assert.throws(() => readCheckpoint(bytes), /checkpoint tensor fc1\.weight keeps its data in the checkpoint's external file/);
+});

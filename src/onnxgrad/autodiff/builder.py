@@ -49,6 +49,11 @@ _SEQUENCE_OPS = {
     "SplitToSequence",
     "SequenceMap",
 }
+# scatters whose reduction onnxruntime's CPU provider has no float16 / bfloat16 kernel for
+# ("MLFloat16 data type is not supported with ScatterND ... when reduction is 'add'"): they run in
+# float32 between two Casts (exact for max / min, one rounding instead of one per addition for add)
+_HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+_FLOAT32_REDUCTIONS = {"ScatterND", "ScatterElements"}
 
 
 class Var(Value):
@@ -159,6 +164,12 @@ class GradBuilder(Scope[Var], ShapeHelpers[Var]):
         """Emit one backward node; returns its output Var (or a tuple when ``outputs > 1``)."""
         like = next((x for x in inputs if isinstance(x, Var)), None)
         ins = [self._operand(x, like) for x in inputs]
+        if op_type in _FLOAT32_REDUCTIONS and attrs.get("reduction") not in (None, "none"):
+            half = ins[0].dtype if ins[0] is not None else None
+            if half in _HALF:
+                data, upd = (self.op("Cast", ins[i], to=TensorProto.FLOAT) for i in (0, 2))
+                y = self.op(op_type, data, ins[1], upd, shape=shape, **attrs)
+                return self.op("Cast", y, to=half, shape=shape)
         names = [self.read(x) if x is not None else "" for x in ins]
         out_dtype = dtype if dtype is not None else _result_dtype(op_type, ins, attrs)
         outs = [self.fresh(op_type.lower()) for _ in range(outputs)]

@@ -23,10 +23,16 @@ when (first rule that applies):
    -1e4, or -inf) added to scores (``"additive mask"``), or only 0 and 1 multiplied
    (``"0/1 mask"``); or it is only multiplied and is a rotary position table that the exporter
    folded from a buffer (RoPE's cos and sin: values in [-1, 1], the row of position 0, along
-   axis -2, all ones or all zeros): ``"rotary position table"``;
+   axis -2, all ones or all zeros): ``"rotary position table"``; or it holds RoPE's inverse
+   frequencies unfolded (a model exported with dynamic positions: ``1, r, r^2...`` with
+   ``0 < r < 1``, multiplied by positions cast from integers): ``"rotary inverse frequencies"``;
 6. it has one value and every elementwise op that reads it broadcasts it along a last dimension
-   longer than 1 (a scale or offset, ``x * 0.5``): ``"scalar constant"``. One value against a last
-   dimension of 1 or unknown is kept: that is the bias of a one-output linear layer.
+   longer than 1 (a scale or offset, ``x * 0.5``), or along a symbolic one (a sequence length)
+   where another op reads it along a static one longer than 1 (the attention scale of a key
+   transposed to (..., head size, past + sequence)): ``"scalar constant"``. One value against a
+   last dimension of 1 or unknown is kept: that is the bias of a one-output linear layer. Boolean
+   ops (a value cast to bool, then And-ed) take no gradient and do not count; a value read by
+   them alone is ``"read as a boolean"``.
 
 An initializer no node reads stays in the set (its gradient is zero).
 
@@ -132,6 +138,7 @@ for _op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "
     CONSTANT_SLOTS[_op] = {1: "axes"}
 
 # ops whose operands are combined elementwise (with broadcasting): usage leaves them ambiguous
+_BOOLEAN_OPS = {"And", "Or", "Xor", "Not"}  # their inputs are bool: no gradient reaches a float there
 ELEMENTWISE = {
     "Add", "Sub", "Mul", "Div", "Max", "Min", "Mean", "Sum", "Where", "Equal", "Less", "Greater",
     "LessOrEqual", "GreaterOrEqual", "Mod", "Pow",
@@ -231,9 +238,9 @@ def _uses(graph: onnx.GraphProto, names: set[str]) -> dict[str, list[tuple[onnx.
                 if i in visible:
                     uses[i].append((node, k))
             for sub in subgraphs(node):
-                local = {i.name for i in sub.input} | {i.name for i in sub.initializer}
-                local |= {o for n in sub.node for o in n.output}
-                walk(sub, visible - local)
+                made = {o for n in sub.node for o in n.output}
+                local = {i.name for i in sub.input} | {i.name for i in sub.initializer} | made
+                walk(sub, (visible - local) | (made & names))  # its own values, when asked for
 
     walk(graph, set(names))
     return uses
@@ -244,6 +251,14 @@ def _uses(graph: onnx.GraphProto, names: set[str]) -> dict[str, list[tuple[onnx.
 _TRANSPARENT = {
     "Identity", "Cast", "CastLike", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Transpose",
 }  # fmt: skip
+
+
+def _all_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
+    """The nodes of ``graph`` and of its subgraphs, at any depth."""
+    for node in graph.node:
+        yield node
+        for sub in subgraphs(node):
+            yield from _all_nodes(sub)
 
 
 def _through(
@@ -277,10 +292,11 @@ def parameter_reasons(model: onnx.ModelProto) -> dict[str, str | None]:
     default trainable set), else why not (see the module's documentation for the rules)."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    values = set(inits) | {o for n in graph.node for o in n.output if o}
+    nodes = list(_all_nodes(graph))  # an If's branches read the main graph's initializers too
+    values = set(inits) | {o for n in nodes for o in n.output if o}
     consumers = _uses(graph, values)
     uses = {n: _through(consumers, n, set()) for n in inits}
-    producer = {o: n for n in graph.node for o in n.output}
+    producer = {o: n for n in nodes for o in n.output}
     infos: dict | None = None
     reasons: dict[str, str | None] = {}
     declared = declared_trainable(model)
@@ -301,18 +317,23 @@ def parameter_reasons(model: onnx.ModelProto) -> dict[str, str | None]:
         # so one read as a weight makes a parameter
         slots = [_slot_reason(n, k) for n, k in uses[name]]
         reason = slots[0] if slots and all(slots) else None
-        if reason is None and uses[name]:
-            ambiguous = all(n.domain in ("", "ai.onnx") and n.op_type in ELEMENTWISE for n, _ in uses[name])
+        used = [(n, k) for n, k in uses[name] if n.op_type not in _BOOLEAN_OPS]
+        if reason is None and uses[name] and not used:
+            reason = "read as a boolean"
+        if reason is None and used:
+            reason = _inverse_frequencies(t, used, producer)
+        if reason is None and used:
+            ambiguous = all(n.domain in ("", "ai.onnx") and n.op_type in ELEMENTWISE for n, _ in used)
             size = int(np.prod(t.dims, dtype=np.int64))
             if ambiguous:
-                if size == 1 and _is_epsilon(name, uses[name], producer):
+                if size == 1 and _is_epsilon(name, used, producer):
                     reason = "epsilon"
                 else:
-                    reason = _mask(t, uses[name]) or _rotary(t, uses[name])
+                    reason = _mask(t, used) or _rotary(t, used)
                 if reason is None and size == 1:
                     if infos is None:
                         infos = infer_value_infos(model)
-                    if _broadcast(name, t, uses[name], infos):
+                    if _broadcast(name, t, used, infos):
                         reason = "scalar constant"
         reasons[name] = reason
     return reasons
@@ -389,10 +410,30 @@ def _rotary(t: TensorProto, uses: list[tuple[onnx.NodeProto, int]]) -> str | Non
     return None
 
 
+def _inverse_frequencies(
+    t: TensorProto, uses: list[tuple[onnx.NodeProto, int]], producer: dict
+) -> str | None:
+    """RoPE's inverse frequencies (``base ** (-2i / d)``: 1, then a constant ratio below 1), every
+    read a MatMul or Mul by positions cast from integers."""
+    for node, k in uses:
+        if node.op_type not in ("MatMul", "Mul") or len(node.input) != 2:
+            return None
+        other = producer.get(node.input[1 - k])
+        if other is None or other.op_type != "Cast":
+            return None
+    value = to_array(t).astype(np.float64).ravel()
+    if value.size < 2 or value[0] != 1 or not ((value > 0) & (value < 1))[1:].all():
+        return None
+    ratios = value[1:] / value[:-1]
+    return "rotary inverse frequencies" if np.allclose(ratios, ratios[0], rtol=1e-4) else None
+
+
 def _broadcast(name: str, t: TensorProto, uses: list[tuple[onnx.NodeProto, int]], infos: dict) -> bool:
-    """Whether every elementwise use spreads the one value of ``t`` along a last dim longer than 1."""
+    """Whether every elementwise use spreads the one value of ``t`` along a last dim longer than 1,
+    or along a symbolic one when some use has a static one longer than 1."""
     if len(t.dims) == 0:
         return True
+    static = False
     for node, k in uses:
         others = [i for j, i in enumerate(node.input) if j != k and i]
         if node.op_type == "Where":
@@ -402,9 +443,11 @@ def _broadcast(name: str, t: TensorProto, uses: list[tuple[onnx.NodeProto, int]]
             info = infos.get(o)
             if info is not None and info.shape:
                 last.append(info.shape[-1])
-        if not any(isinstance(d, int) and d > 1 for d in last):
+        if any(isinstance(d, int) and d > 1 for d in last):
+            static = True
+        elif not any(isinstance(d, str) for d in last):
             return False
-    return True
+    return static
 
 
 def default_trainable(model: onnx.ModelProto) -> list[str]:

@@ -2,6 +2,7 @@
 optimizers and learning-rate schedules, data loading, and a trainer with callbacks and checkpoints.
 """
 
+from .amp import LossScaler, MixedPrecision
 from .data import BatchLoader, as_feeds, load_dataset, split
 from .losses import LOSSES, add_loss, keep_outputs, remove_loss, with_parameters
 from .optim import SGD, Adam, AdamW, Optimizer, clip_grad_norm, clip_grad_value
@@ -57,3 +58,6 @@ from .optim import ElasticPenalty
 from .schedules import Optimal
 
 __all__ += ["ElasticPenalty", "Optimal"]
+
+# mixed precision for float16 / bfloat16 models (docs/finetune_deployed.md)
+__all__ += ["LossScaler", "MixedPrecision"]

@@ -28,6 +28,7 @@ from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import ValueInfo, value_info_from_proto
 from ..model.load import CheckedModel
 from ..runtime import ForwardBackward
+from .amp import LossScaler, mixed_precision
 from .data import BatchLoader, Data, as_feeds
 from .losses import add_loss, remove_loss
 from .onegraph import one_graph_step
@@ -304,6 +305,14 @@ class Trainer:
     every epoch with its ``monitor`` value.
     ``quantized``: the gradient through quantization ops, ``"ste"``, ``"zero"`` or ``"refuse"`` (see
     ``build_gradient``).
+    ``master_weights`` / ``loss_scale``: mixed precision for float16 and bfloat16 models
+    (:mod:`onnxgrad.train.amp`): the optimizer updates float32 copies of the half-precision
+    parameters, rounded into the model after each step; the backward is seeded with a dynamic loss
+    scale (``torch.amp.GradScaler``: a step with inf / NaN gradients is skipped and the scale halved,
+    it doubles after 2000 good steps). ``"auto"`` (the defaults): master weights when a parameter is
+    float16 or bfloat16, dynamic scaling when one is float16; ``loss_scale`` also takes a number (a
+    static scale), a :class:`~onnxgrad.train.amp.LossScaler` or ``None``. Either runs the two-session
+    path.
     """
 
     def __init__(
@@ -332,6 +341,8 @@ class Trainer:
         clip_norm: float | None = None,
         clip_value: float | None = None,
         quantized: str = "ste",
+        master_weights: bool | str = "auto",
+        loss_scale: str | float | LossScaler | None = "auto",
     ) -> None:
         if not (isinstance(accumulate, int) and accumulate >= 1):
             raise InputError(f"accumulate must be an integer >= 1, got {accumulate!r}")
@@ -367,7 +378,9 @@ class Trainer:
             )
         self.fb, self.loss_name, self.added_loss = fb, loss_name, loss is not None
         self.loss_index = fb.output_names.index(loss_name)
-        self.optimizer = make_optimizer(optimizer, fb.parameters, lr, optimizer_options)
+        self.amp = mixed_precision(fb.parameters, master_weights, loss_scale)
+        params = self.amp.params if self.amp is not None else fb.parameters  # float32 masters
+        self.optimizer = make_optimizer(optimizer, params, lr, optimizer_options)
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
         self.eval_batch_size = eval_batch_size or max(batch_size, 256)
         self.callbacks = [c if isinstance(c, Callback) else _EpochEndFunction(c) for c in callbacks]
@@ -384,6 +397,7 @@ class Trainer:
         # recomputation saves memory between the forward and the backward session, accumulation and
         # clipping work on the gradients between backward and update: two sessions then
         two_sessions = recompute is not None or accumulate > 1 or clip_norm or clip_value
+        two_sessions = two_sessions or self.amp is not None
         self._one_graph = (
             one_graph_step(fb, self.optimizer, loss_name) if one_graph and not two_sessions else None
         )
@@ -414,6 +428,8 @@ class Trainer:
             if value.shape != params[name].shape:
                 raise InputError(f"parameter {name!r} has shape {params[name].shape}, got {value.shape}")
             np.copyto(params[name], value)
+        if self.amp is not None and self.amp.weights is not None:  # the float32 masters follow
+            self.amp.weights.load({k: v for k, v in values.items() if k in params})
 
     def to_onnx(self) -> onnx.ModelProto:
         """The model with the trained parameters, without the loss when the trainer appended it."""
@@ -500,7 +516,11 @@ class Trainer:
             else:
                 # the loss alone takes a gradient, even when the model's other outputs could take one
                 seed = {self.loss_name: np.ones_like(result.outputs[self.loss_index])}
-                grads = result.backward(seed)
+                if self.amp is not None:  # the scaled loss's gradient, then float32 and unscaled
+                    seed = {k: self.amp.seed(v) for k, v in seed.items()}
+                    grads = self.amp.unscale(result.backward(seed))
+                else:
+                    grads = result.backward(seed)
                 pending = _Pending.add(pending, grads, loss, n)
                 if pending.batches == self.accumulate or step == last:
                     self._apply(pending)
@@ -538,7 +558,12 @@ class Trainer:
             clip_grad_value(grads, self.clip_value)
         if self.clip_norm is not None:
             logs["grad_norm"] = clip_grad_norm(grads, self.clip_norm)
-        self.optimizer.step(grads)
+        if self.amp is not None:  # skipped when a gradient holds inf / NaN
+            self.amp.step(self.optimizer, grads)
+            if self.amp.scaler is not None:
+                logs["loss_scale"] = self.amp.scaler.scale
+        else:
+            self.optimizer.step(grads)
         logs["lr"] = self.optimizer.lr
         self._updated(logs)
 
@@ -601,6 +626,7 @@ class Trainer:
             "callbacks": [cb.state_dict() for cb in self.callbacks],
             "schedule": self.plateau.state_dict() if self.plateau is not None else None,
             "setup": self.setup(),
+            "amp": self.amp.state_dict() if self.amp is not None else None,
         }
         arrays: dict[str, np.ndarray] = {}
         meta = json.dumps(_pack(state, arrays))
@@ -644,6 +670,8 @@ class Trainer:
             )
         self.set_parameters(state["params"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.amp is not None and state.get("amp"):
+            self.amp.load_state_dict(state["amp"])
         for cb, cb_state in zip(self.callbacks, state["callbacks"]):
             cb.load_state_dict(cb_state)
         if self.plateau is not None and state.get("schedule"):

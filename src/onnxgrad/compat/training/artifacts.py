@@ -17,7 +17,7 @@ import onnx
 
 from ...errors import InputError
 from ...model.graph import FLOAT_TYPES
-from . import onnxblock
+from . import checkpoint_file, onnxblock
 
 __all__ = ["LossType", "OptimType", "generate_artifacts"]
 
@@ -156,12 +156,15 @@ def generate_artifacts(
 
     directory = pathlib.Path(artifact_directory if artifact_directory is not None else os.getcwd())
     directory.mkdir(parents=True, exist_ok=True)
-    onnx.save(training, directory / f"{prefix}training_model.onnx")
-    onnx.save(evaluation, directory / f"{prefix}eval_model.onnx")
+    # weights over the threshold go to external data beside each file (checkpoint_file's docstring)
+    checkpoint_file.save_onnx(training, directory / f"{prefix}training_model.onnx")
+    checkpoint_file.save_onnx(evaluation, directory / f"{prefix}eval_model.onnx")
     onnxblock.save_checkpoint(block.parameters(), directory / f"{prefix}checkpoint")
     if nominal_checkpoint:
         onnxblock.save_checkpoint(block.parameters(), directory / f"{prefix}nominal_checkpoint", True)
     if optimizer_block is not None:
         with onnxblock.empty_base():
             optimizer_block(block.parameters())
-        onnx.save(optimizer_block.to_model_proto(), directory / f"{prefix}optimizer_model.onnx")
+        checkpoint_file.save_onnx(
+            optimizer_block.to_model_proto(), directory / f"{prefix}optimizer_model.onnx"
+        )

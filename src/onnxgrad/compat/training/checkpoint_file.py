@@ -18,6 +18,15 @@ The file is a FlatBuffer with file identifier ``ODTC`` whose schema is onnxrunti
 A file written here loads in onnxruntime-training 1.19.2 and the other way round (the fixtures of
 ``tests/compat_training`` were recorded with it). The pure-Python ``flatbuffers`` package (which
 onnxruntime itself depends on) does the low-level work.
+
+**Big checkpoints.** One FlatBuffer cannot exceed 2 GB. As in 1.19.2, a checkpoint whose tensors
+reach :data:`EXTERNAL_DATA_THRESHOLD` keeps their bytes in ``<checkpoint>.data`` beside it
+(``has_external_data`` set in ``ModuleState``, each tensor of more than 64 bytes pointing into
+that file by ``external_data_offset``, aligned to its element size); the FlatBuffer holds the
+rest. The same threshold decides when :func:`save_onnx` writes a model's weights as external data
+(:func:`onnxgrad.save_model`), so a model over 2 GB goes through ``generate_artifacts``,
+``Module``, ``save_checkpoint`` and ``export_model_for_inferencing`` without one protobuf or one
+FlatBuffer over 2 GB.
 """
 
 from __future__ import annotations
@@ -27,17 +36,46 @@ from dataclasses import dataclass, field
 
 import flatbuffers
 import numpy as np
+import onnx
 from flatbuffers import number_types as nt
 from flatbuffers.table import Table
 from onnx import helper
 
 from ...errors import InputError
+from ...storage import save_model, tensor_bytes
 
-__all__ = ["VERSION", "CheckpointData", "OptimizerGroup", "dumps", "load", "loads", "save"]
+__all__ = [
+    "EXTERNAL_DATA_THRESHOLD",
+    "VERSION",
+    "CheckpointData",
+    "OptimizerGroup",
+    "data_path",
+    "dumps",
+    "load",
+    "loads",
+    "save",
+    "save_onnx",
+]
 
 IDENTIFIER = b"ODTC"
 VERSION = 2  # what 1.19.2 writes and reads
 _MAX_DTYPE = 23
+# bytes of tensors from which checkpoints and models keep them in an external file (1.19.2's
+# default for checkpoints, 1800 MB: under the 2 GB a FlatBuffer or a protobuf can hold)
+EXTERNAL_DATA_THRESHOLD = 1800 * 2**20
+_MIN_EXTERNAL = 64  # smaller tensors stay in the FlatBuffer, as in 1.19.2
+
+
+def data_path(path: str | os.PathLike) -> str:
+    """The external data file of the checkpoint at ``path``: ``<path>.data``."""
+    return os.fspath(path) + ".data"
+
+
+def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> str:
+    """Write ``model``, its weights as external data beside it (``<file>.data``) when they reach
+    :data:`EXTERNAL_DATA_THRESHOLD`; returns the path."""
+    big = tensor_bytes(model) >= EXTERNAL_DATA_THRESHOLD
+    return save_model(model, path, external_data=big, size_threshold=_MIN_EXTERNAL)
 
 
 @dataclass
@@ -64,8 +102,9 @@ class CheckpointData:
 
 # ---- reading -------------------------------------------------------------------------------------
 class _Reader:
-    def __init__(self, buf: bytes) -> None:
+    def __init__(self, buf: bytes, external: str | None) -> None:
         self.buf = buf
+        self.external = external  # the external data file, when the checkpoint has one
 
     def table(self, pos: int) -> Table:
         return Table(self.buf, pos)
@@ -104,10 +143,9 @@ class _Reader:
         if not 0 < code <= _MAX_DTYPE:
             raise InputError(f"checkpoint tensor {name!r}: unknown data type {code}")
         dtype = helper.tensor_dtype_to_np_dtype(code)
-        if self.scalar(t, 6, nt.Int64Flags, -1) != -1:
-            raise InputError(
-                f"checkpoint tensor {name!r} keeps its data in an external file, which is not supported"
-            )
+        offset = self.scalar(t, 6, nt.Int64Flags, -1)
+        if offset != -1:
+            return name, self._external(name, offset, dims, np.dtype(dtype))
         raw = self.array(t, 4, nt.Uint8Flags)
         if raw is None or len(raw) == 0:
             if not nominal and int(np.prod(dims)) != 0:
@@ -120,13 +158,36 @@ class _Reader:
             dims
         ).copy()
 
+    def _external(self, name: str, offset: int, dims: list[int], dtype: np.dtype) -> np.ndarray:
+        """A tensor whose bytes are in the external data file, at ``offset``."""
+        if self.external is None:
+            raise InputError(
+                f"checkpoint tensor {name!r} keeps its data in the checkpoint's external file "
+                "(<checkpoint>.data): load the checkpoint from its path, with that file beside it"
+            )
+        if not os.path.isfile(self.external):
+            raise InputError(
+                f"checkpoint tensor {name!r} keeps its data in {self.external!r}, which is missing: "
+                "copy it beside the checkpoint"
+            )
+        count = int(np.prod(dims))
+        size = os.path.getsize(self.external)
+        if offset < 0 or offset + count * dtype.itemsize > size:
+            raise InputError(
+                f"checkpoint tensor {name!r}: bytes {offset}..{offset + count * dtype.itemsize} are past "
+                f"the end of {self.external!r} ({size} bytes): the file is truncated or not this checkpoint's"
+            )
+        value = np.fromfile(self.external, dtype=dtype.newbyteorder("<"), count=count, offset=offset)
+        return value.astype(dtype, copy=False).reshape(dims)
 
-def loads(buf: bytes) -> CheckpointData:
-    """Parse the bytes of a checkpoint file."""
+
+def loads(buf: bytes, external: str | None = None) -> CheckpointData:
+    """Parse the bytes of a checkpoint file; ``external``: its external data file (see the
+    module docstring), needed when it has one."""
     buf = bytes(buf)
     if len(buf) < 8 or buf[4:8] != IDENTIFIER:
         raise InputError("not an onnxruntime training checkpoint (no 'ODTC' file identifier)")
-    r = _Reader(buf)
+    r = _Reader(buf, external)
     try:
         root = r.table(flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, 0))
         version = r.scalar(root, 0, nt.Int32Flags, 0)
@@ -136,10 +197,6 @@ def loads(buf: bytes) -> CheckpointData:
         module = r.sub(root, 1)
         if module is not None:
             data.nominal = bool(r.scalar(module, 2, nt.BoolFlags, False))
-            if r.scalar(module, 3, nt.BoolFlags, False):
-                raise InputError(
-                    "the checkpoint keeps its tensors in an external file, which is not supported"
-                )
             data.trainable = dict(r.tensor(t, data.nominal) for t in r.tables(module, 0))
             data.frozen = dict(r.tensor(t, data.nominal) for t in r.tables(module, 1))
         for g in r.tables(root, 2):
@@ -174,7 +231,7 @@ def load(path: str | os.PathLike) -> CheckpointData:
     if not os.path.isfile(path):
         raise InputError(f"no checkpoint file at {path!r}")
     with open(path, "rb") as f:
-        return loads(f.read())
+        return loads(f.read(), data_path(path))
 
 
 # ---- writing -------------------------------------------------------------------------------------
@@ -188,6 +245,8 @@ def _table(b: flatbuffers.Builder, fields: list[tuple[str, int, object]]) -> int
             b.PrependInt32Slot(slot, value, 0)
         elif kind == "int64":
             b.PrependInt64Slot(slot, value, 0)
+        elif kind == "external_offset":  # Tensor.external_data_offset, whose default is -1
+            b.PrependInt64Slot(slot, value, -1)
         elif kind == "float32":
             b.PrependFloat32Slot(slot, value, 0.0)
         elif kind == "bool":
@@ -202,15 +261,23 @@ def _vector(b: flatbuffers.Builder, offsets: list[int]) -> int:
     return b.EndVector()
 
 
-def _tensor(b: flatbuffers.Builder, name: str, value: np.ndarray, nominal: bool = False) -> int:
+def _tensor(
+    b: flatbuffers.Builder, name: str, value: np.ndarray, nominal: bool = False, external=None
+) -> int:
+    """A Tensor table; ``external`` (an open file) takes the bytes of tensors over 64 bytes."""
     arr = np.asarray(value)
     code = helper.np_dtype_to_tensor_dtype(arr.dtype)
     name_off = b.CreateString(name)
     dims_off = b.CreateNumpyVector(np.asarray(arr.shape, dtype=np.int64))
     fields = [("offset", 0, name_off), ("offset", 2, dims_off), ("int32", 3, code)]
     if not nominal:
-        raw = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
-        fields.append(("offset", 4, b.CreateByteVector(raw)))
+        little = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+        if external is not None and little.nbytes > _MIN_EXTERNAL:
+            external.write(b"\0" * (-external.tell() % max(arr.dtype.itemsize, 4)))  # aligned
+            fields.append(("external_offset", 6, external.tell()))
+            little.tofile(external)
+        else:
+            fields.append(("offset", 4, b.CreateByteVector(little.tobytes())))
     return _table(b, fields)
 
 
@@ -225,19 +292,29 @@ def _property(b: flatbuffers.Builder, name: str, value: int | float | str) -> tu
     return 1, _table(b, [("offset", 0, name_off), ("float32", 1, float(value))])
 
 
-def dumps(data: CheckpointData) -> bytes:
-    """The bytes of a checkpoint file holding ``data``."""
+def _nbytes(data: CheckpointData) -> int:
+    """Bytes of the tensors a checkpoint holds (parameters, and moments when saved)."""
+    values = [*data.trainable.values(), *data.frozen.values()] if not data.nominal else []
+    values += [m for g in data.groups for moments in g.states.values() for m in moments.values()]
+    return int(sum(np.asarray(v).nbytes for v in values))
+
+
+def dumps(data: CheckpointData, external=None) -> bytes:
+    """The bytes of a checkpoint file holding ``data``; ``external``: an open file taking the
+    tensors' bytes (the ``<checkpoint>.data`` of :func:`save`), or ``None`` for one buffer."""
     b = flatbuffers.Builder(1024)
-    trainable = [_tensor(b, n, v, data.nominal) for n, v in data.trainable.items()]
-    frozen = [_tensor(b, n, v, data.nominal) for n, v in data.frozen.items()]
+    trainable = [_tensor(b, n, v, data.nominal, external) for n, v in data.trainable.items()]
+    frozen = [_tensor(b, n, v, data.nominal, external) for n, v in data.frozen.items()]
     module_fields = [("offset", 0, _vector(b, trainable)), ("offset", 1, _vector(b, frozen))]
     module_fields.append(("bool", 2, bool(data.nominal)))
+    if external is not None:
+        module_fields.append(("bool", 3, True))
     module = _table(b, module_fields)
     groups = []
     for g in data.groups:
         states = []
         for param, moments in g.states.items():
-            tensors = [_tensor(b, n, v) for n, v in moments.items()]
+            tensors = [_tensor(b, n, v, False, external) for n, v in moments.items()]
             param_off = b.CreateString(param)
             states.append(_table(b, [("offset", 0, param_off), ("offset", 1, _vector(b, tensors))]))
         states_off = _vector(b, states)
@@ -268,8 +345,15 @@ def dumps(data: CheckpointData) -> bytes:
 
 
 def save(path: str | os.PathLike, data: CheckpointData) -> str:
-    """Write ``data`` as a checkpoint file at ``path``; returns the path."""
+    """Write ``data`` as a checkpoint file at ``path``, its tensors in ``<path>.data`` when they
+    reach :data:`EXTERNAL_DATA_THRESHOLD`; returns the path. (A ``<path>.data`` left by an
+    earlier save is not removed: the new file does not read it.)"""
     path = os.fspath(path)
+    if _nbytes(data) < EXTERNAL_DATA_THRESHOLD:
+        buf = dumps(data)
+    else:
+        with open(data_path(path), "wb") as external:
+            buf = dumps(data, external)
     with open(path, "wb") as f:
-        f.write(dumps(data))
+        f.write(buf)
     return path

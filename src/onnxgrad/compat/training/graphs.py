@@ -16,6 +16,11 @@ parameter an initializer. From it:
 A folder written by onnxruntime-training 1.19.2 holds the same loss model as its
 ``eval_model.onnx`` (parameters as inputs, fed from the checkpoint): :func:`loss_model_from_eval`
 puts them back as initializers.
+
+A model whose parameters reach ``checkpoint_file.EXTERNAL_DATA_THRESHOLD`` (1800 MB: a model over
+2 GB) is built with every parameter a graph input from the start (trained ones differentiated as
+inputs): its weights are never copied nor serialized, as no protobuf can hold them. The graphs are
+the same (``tests/compat_training/test_big.py`` compares the numbers).
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ from ...autodiff.compose import compose
 from ...autodiff.engine import build_gradient
 from ...autodiff.prepare import prepare
 from ...errors import InputError
-from ...model.graph import check_model, ir_version_for, unique_name
+from ...model.graph import check_model, ir_version_for, unique_name, without_weights
 from ...model.load import CheckedModel
+from ...storage import PROTOBUF_LIMIT, _nbytes
 from ...train.losses import _Emitter, keep_outputs
+from . import checkpoint_file
 
 __all__ = [
     "META_KEY",
@@ -87,7 +94,7 @@ def read_meta(model: onnx.ModelProto) -> dict | None:
 def set_outputs(model: onnx.ModelProto, names: list[str]) -> None:
     """Make ``names`` the graph outputs, in place (onnxruntime-training keeps only the loss
     outputs and the additional ones)."""
-    inferred = onnx.shape_inference.infer_shapes(model)
+    inferred = onnx.shape_inference.infer_shapes(without_weights(model))  # no 2 GB protobuf
     infos = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input)}
     missing = [n for n in names if n not in infos]
     if missing:
@@ -115,6 +122,48 @@ def _params_as_inputs(model: onnx.ModelProto, names: Iterable[str]) -> None:
     g.initializer.extend(kept)
 
 
+def _is_big(model: onnx.ModelProto, params: list[str]) -> bool:
+    """Whether the parameters ``params`` of ``model`` reach the external-data threshold: the graphs
+    are then built with them as inputs from the start (see :func:`training_graph`)."""
+    chosen = set(params)
+    total = sum(_nbytes(i) for i in model.graph.initializer if i.name in chosen)
+    return total >= checkpoint_file.EXTERNAL_DATA_THRESHOLD
+
+
+def _inputs_last(model: onnx.ModelProto, names: list[str]) -> None:
+    """Move the graph inputs ``names`` after the others, in the order given, in place."""
+    g = model.graph
+    by_name = {i.name: i for i in g.input}
+    ordered = [i for i in g.input if i.name not in set(names)] + [by_name[n] for n in names]
+    del g.input[:]
+    g.input.extend(ordered)
+
+
+def _params_as_declared_inputs(model: onnx.ModelProto, params: set[str]) -> onnx.ModelProto:
+    """``model`` with the initializers ``params`` turned into graph inputs, their data not copied
+    (:func:`~onnxgrad.model.graph.without_weights`, whose other large initializers keep theirs)."""
+    skeleton = without_weights(model)
+    g = skeleton.graph
+    declared = {i.name for i in model.graph.input}
+    moved = {i.name for i in g.input} - declared
+    inits = {i.name: i for i in model.graph.initializer}
+    kept = [i for i in g.initializer if i.name not in params]
+    small = [i for i in g.initializer if i.name in params]  # small parameters: inputs too
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    g.initializer.extend(inits[n] for n in moved if n not in params and n in inits)  # constants
+    inputs = [i for i in g.input if i.name in declared or i.name in params]
+    del g.input[:]
+    g.input.extend(inputs)
+    g.input.extend(
+        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+        for t in small
+        if t.name not in declared
+    )
+    skeleton.metadata_props.extend(model.metadata_props)
+    return skeleton
+
+
 def _finish(model: onnx.ModelProto) -> onnx.ModelProto:
     """Checked, at the lowest IR version its opsets allow (what older runtimes load)."""
     model.ir_version = ir_version_for(model.opset_import)
@@ -133,21 +182,39 @@ def training_graph(
     unknown = [n for n in [*trainable, *frozen] if n not in known]
     if unknown:
         raise InputError(f"{unknown} are not initializers of the model")
-    # frozen parameters become inputs before anything folds them: their values are fed per call
-    overridable = onnx.ModelProto()
-    overridable.CopyFrom(loss_model)
-    declared = {i.name for i in overridable.graph.input}
-    inits = {i.name: i for i in overridable.graph.initializer}
-    overridable.graph.input.extend(
-        helper.make_tensor_value_info(n, inits[n].data_type, list(inits[n].dims))
-        for n in frozen
-        if n in inits and n not in declared
-    )
+    params = [i.name for i in loss_model.graph.initializer if i.name in set(trainable) | set(frozen)]
+    big = _is_big(loss_model, params)
+    if big:
+        # a model over 2 GB: every parameter an input from the start, its data never copied nor
+        # serialized (the checkpoint holds it); the trained ones are differentiated as inputs
+        overridable = _params_as_declared_inputs(loss_model, set(params))
+        rest = sum(_nbytes(i) for i in loss_model.graph.initializer if i.name not in set(params))
+        if rest >= PROTOBUF_LIMIT:
+            raise InputError(
+                f"the initializers that are neither trained nor frozen hold {rest} bytes, more than one "
+                "protobuf can (2 GB): list the large ones in frozen_params, so that the checkpoint holds them"
+            )
+    else:
+        # frozen parameters become inputs before anything folds them: their values are fed per call
+        overridable = onnx.ModelProto()
+        overridable.CopyFrom(loss_model)
+        declared = {i.name for i in overridable.graph.input}
+        inits = {i.name: i for i in overridable.graph.initializer}
+        overridable.graph.input.extend(
+            helper.make_tensor_value_info(n, inits[n].data_type, list(inits[n].dims))
+            for n in frozen
+            if n in inits and n not in declared
+        )
     prepared = prepare(overridable)
     train = prepared.training.proto
     stats = {s: o for s, o in prepared.running_stats.items() if s in set(frozen)}
     loss = loss_outputs[0]
-    graphs = build_gradient(prepared.training, trainable=trainable, outputs=[loss])
+    if big:
+        graphs = build_gradient(
+            prepared.training, trainable=[], inputs_requiring_grad=trainable, outputs=[loss]
+        )
+    else:
+        graphs = build_gradient(prepared.training, trainable=trainable, outputs=[loss])
     model = compose(graphs, name="training_model")
     g = model.graph
     seed = graphs.grad_inputs[loss]
@@ -175,13 +242,15 @@ def training_graph(
     by_name = {o.name: o for o in g.output}
     del g.output[:]
     g.output.extend(by_name[n] for n in wanted if n in order)
-    # trainable values were fed by compose as initializers: every parameter becomes an input
-    params = [i.name for i in loss_model.graph.initializer if i.name in set(trainable) | set(frozen)]
-    for name in params:
-        if name not in {i.name for i in g.initializer}:  # compose dropped it: put it back
-            src = next(i for i in loss_model.graph.initializer if i.name == name)
-            g.initializer.append(src)
-    _params_as_inputs(model, params)
+    if big:  # the parameters are inputs already: after the user inputs, in initializer order
+        _inputs_last(model, params)
+    else:
+        # trainable values were fed by compose as initializers: every parameter becomes an input
+        for name in params:
+            if name not in {i.name for i in g.initializer}:  # compose dropped it: put it back
+                src = next(i for i in loss_model.graph.initializer if i.name == name)
+                g.initializer.append(src)
+        _params_as_inputs(model, params)
     user_inputs = [i.name for i in g.input if i.name not in set(params)]
     result = TrainingGraph(
         model,
@@ -198,6 +267,14 @@ def training_graph(
 
 def eval_graph(loss_model: onnx.ModelProto, params: list[str], loss_outputs: list[str]) -> onnx.ModelProto:
     """The forward and loss in inference mode, the parameters ``params`` as inputs."""
+    known = {i.name for i in loss_model.graph.initializer}
+    present = [p for p in params if p in known]
+    if _is_big(loss_model, present):
+        model = keep_outputs(
+            prepare(_params_as_declared_inputs(loss_model, set(present))).given_inference, loss_outputs
+        )
+        _inputs_last(model, [p for p in present if p in {i.name for i in model.graph.input}])
+        return _finish(model)
     prepared = prepare(loss_model)
     model = keep_outputs(prepared.given_inference, loss_outputs)
     _params_as_inputs(model, [p for p in params if p in {i.name for i in model.graph.initializer}])
@@ -207,7 +284,9 @@ def eval_graph(loss_model: onnx.ModelProto, params: list[str], loss_outputs: lis
 def inference_graph(
     loss_model: onnx.ModelProto, values: Mapping[str, np.ndarray], outputs: list[str]
 ) -> onnx.ModelProto:
-    """The model in inference mode computing ``outputs`` from the parameter ``values``."""
+    """The model in inference mode computing ``outputs`` from the parameter ``values``: they
+    replace the initializers of those names, and become initializers where ``loss_model`` takes
+    them as inputs (a model over 2 GB: nothing is copied before the graph is cut down)."""
     model = onnx.ModelProto()
     model.CopyFrom(prepare(loss_model).given_inference.proto)
     g = model.graph
@@ -219,13 +298,21 @@ def inference_graph(
     g.initializer.extend(replaced)
     known = {o.name for o in g.output}
     if any(o not in known for o in outputs):  # inner values may be asked for too
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = onnx.shape_inference.infer_shapes(without_weights(model))
         infos = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output)}
         missing = [o for o in outputs if o not in infos]
         if missing:
             raise InputError(f"the model has no value named {missing} to output")
         g.output.extend(infos[o] for o in outputs if o not in known)
-    return _finish(keep_outputs(CheckedModel(model), outputs))
+    model = keep_outputs(CheckedModel(model), outputs)
+    g = model.graph
+    fed = [i.name for i in g.input if i.name in values]
+    if fed:
+        kept = [i for i in g.input if i.name not in values]
+        del g.input[:]
+        g.input.extend(kept)
+        g.initializer.extend(numpy_helper.from_array(np.asarray(values[n]), n) for n in fed)
+    return _finish(model)
 
 
 def loss_model_from_eval(eval_model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:

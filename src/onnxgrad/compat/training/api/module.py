@@ -8,12 +8,13 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx.external_data_helper import _get_all_tensors, load_external_data_for_model
 
 from ....errors import InputError
 from ....model.graph import check_model
-from ....runtime.runner import make_session
+from ....runtime.runner import copy_options, default_options, make_session
 from ....runtime.session import resolve_providers
-from .. import graphs
+from .. import checkpoint_file, graphs
 from .checkpoint_state import CheckpointState
 
 __all__ = ["Module"]
@@ -21,11 +22,20 @@ __all__ = ["Module"]
 _ACCUMULATED = "_grad.accumulation.out"  # onnxruntime-training's gradient outputs
 
 
-def _load(path: str | os.PathLike, what: str) -> onnx.ModelProto:
+def _load(path: str | os.PathLike, what: str) -> tuple[onnx.ModelProto, str | None]:
+    """The model at ``path``, with its external data; and ``path`` when it has external data
+    (its session is then made from the file: the model may not fit in one protobuf)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise InputError(f"no {what} at {path!r}")
-    return onnx.load(path)
+    model = onnx.load(path, load_external_data=False)
+    if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in _get_all_tensors(model)):
+        return model, None
+    try:
+        load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
+    except Exception as exc:  # a missing or short data file, a location outside the folder
+        raise InputError(f"cannot read the external data of the {what} {path!r}: {exc}") from exc
+    return model, path
 
 
 def _array(value: Any) -> np.ndarray:
@@ -61,18 +71,25 @@ class Module:
         self.training = True
         self._state = state
         self._providers = resolve_providers("cpu" if device.startswith("cpu") else device)
+        values = state._values()
+        self._big = sum(v.nbytes for v in values.values()) >= checkpoint_file.EXTERNAL_DATA_THRESHOLD
+        if self._big:  # onnxruntime's arena would keep a buffer of every gradient and update per session
+            session_options = copy_options(session_options or default_options())
+            session_options.enable_cpu_mem_arena = False
         self._options = session_options
-        train = _load(train_model_uri, "training model")
-        self._eval_file = None if eval_model_uri is None else _load(eval_model_uri, "eval model")
+        train, train_path = _load(train_model_uri, "training model")
+        self._eval_file, self._eval_path = (
+            (None, None) if eval_model_uri is None else _load(eval_model_uri, "eval model")
+        )
         meta = graphs.read_meta(train)
         if meta is not None:  # written by onnxgrad: plain ONNX, run as it is
             self._graph = graphs.TrainingGraph(train, **meta)
             self._check_state()
         else:
             self._graph = self._rebuild(train)
-        self._session = make_session(
-            self._graph.model, self._providers, self._options, label="training model"
-        )
+            train_path = None
+        source = train_path if train_path is not None else self._graph.model  # big: from its file
+        self._session = make_session(source, self._providers, self._options, label="training model")
         self._eval_session: ort.InferenceSession | None = None
         self._eval_graph: onnx.ModelProto | None = None
         self._reset = True
@@ -165,7 +182,8 @@ class Module:
         else:
             model = self._eval_model()
             if self._eval_session is None:
-                self._eval_session = make_session(model, self._providers, self._options, label="eval model")
+                source = self._eval_path if model is self._eval_file and self._eval_path else model
+                self._eval_session = make_session(source, self._providers, self._options, label="eval model")
             names = [i.name for i in model.graph.input]
             outputs = self._eval_session.run(None, self._feeds(names, user_inputs))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
@@ -243,9 +261,11 @@ class Module:
         loss_model = self._loss_model_for_export()
         model = graphs.inference_graph(loss_model, self._state._values(), list(graph_output_names))
         check_model(model)
-        onnx.save(model, os.fspath(inference_model_uri))
+        checkpoint_file.save_onnx(model, inference_model_uri)  # big weights: external data beside it
 
     def _loss_model_for_export(self) -> onnx.ModelProto:
+        if self._big:  # the training model as it is: its parameters are inputs, fed by inference_graph
+            return self._graph.model
         if self._eval_file is not None:
             return self._loss_model()
         # onnxgrad's own training model: its forward half, parameters fed back as initializers

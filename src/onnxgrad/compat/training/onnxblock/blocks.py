@@ -17,6 +17,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from ....errors import InputError
+from ....model.graph import without_weights
+from ....storage import PROTOBUF_LIMIT, tensor_bytes
 from . import _accessor
 from ._accessor import generate_graph_name
 
@@ -46,14 +48,18 @@ class Block(ABC):
         self.base = _accessor.current().model
         output = self.build(*args, **kwargs)
         try:
-            onnx.checker.check_model(self.base)
+            onnx.checker.check_model(without_weights(self.base))  # weights over 2 GB cannot be serialized
         except onnx.checker.ValidationError as exc:
             raise InputError(f"block {type(self).__name__} made an invalid model: {exc}") from exc
         return output
 
     def infer_shapes_on_base(self) -> onnx.ModelProto:
-        """The base model with its shapes inferred."""
-        return onnx.shape_inference.infer_shapes(_accessor.current().model)
+        """The base model with its shapes inferred (its weights as inputs when they would not fit
+        in one protobuf: 2 GB)."""
+        base = _accessor.current().model
+        if tensor_bytes(base) >= PROTOBUF_LIMIT:
+            base = without_weights(base)
+        return onnx.shape_inference.infer_shapes(base)
 
 
 def _node(model: onnx.ModelProto, op: str, inputs: list[str], **attrs: Any) -> str:
