@@ -32,7 +32,7 @@ rows for every sequence). An initializer ``B`` is *one parameter* with ``A`` whe
 bit for bit, ``np.broadcast_to`` of ``A`` or of a contiguous block of its rows (``A[k:k+n]``, one row
 or more), reshaped as needed: every axis of ``B`` along which it repeats holds exact copies, ``B`` is
 strictly larger than that core, the core holds at least :data:`BROADCAST_MIN_DISTINCT` distinct
-values, both have the same type, ``A`` is itself no broadcast (repeats along no axis) nor the copy
+values (and, when no initializer holds it, is no gathered copy, below), both have the same type, ``A`` is itself no broadcast (repeats along no axis) nor the copy
 of another initializer, and ``B`` is in no group of equal, transposed or cast copies. ``B`` is then
 computed from ``A`` by ``Slice``/``Reshape``/``Expand`` nodes (its gradient sums over the copies
 back into ``A``, as torch's does) and :func:`untie` writes it back.
@@ -336,7 +336,9 @@ def _broadcast_ties(
             shape = None if tuple(core.shape) == (n_rows, *va.shape[1:]) else tuple(core.shape)
             out.append(Tie(b, a, rows=rows, shape=shape, expand=tuple(values[b].shape)))
             break
-        if not matched:  # no initializer holds the core: it becomes a new one, the parameter
+        # no initializer holds the core: it becomes a new one, the parameter; unless the core is
+        # itself a gathered copy (T5's decoder position bias expanded over the batch): a gather then
+        if not matched and np.unique(core).size * GATHER_MIN_REPEAT > core.size:
             source = unique_name(f"{b}_core", taken)
             out.append(Tie(b, source, shape=tuple(core.shape), expand=tuple(values[b].shape), made=True))
     return out
