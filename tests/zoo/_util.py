@@ -18,6 +18,7 @@ times, as torch sums the gradient of a tied weight).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import io
 import os
@@ -326,9 +327,15 @@ SPECS = {
         Spec("swin", _swin, notes="relative-position tables gathered per block, shifted-window mask"),
         Spec("t5", _t5, notes="relative-position buckets; cross-attention bias all zeros"),
         Spec("wav2vec2", _wav2vec2, notes="GroupNorm feature extractor; weight norm removed"),
-        Spec("bert_fresh", _bert, perturbed=False, notes="freshly initialised: equal zeros and ones"),
     ]
 }
+# every model freshly initialised too, as users export untrained models: ``<name>_fresh``
+SPECS.update(
+    {
+        f"{s.name}_fresh": dataclasses.replace(s, name=f"{s.name}_fresh", perturbed=False)
+        for s in list(SPECS.values())
+    }
+)
 
 
 def perturb(module: torch.nn.Module, seed: int = 0) -> None:
@@ -490,7 +497,7 @@ def match_initializers(model: onnx.ModelProto, module: torch.nn.Module) -> Match
         # a mask folded into a parameter copy (T5's decoder position bias plus its causal mask):
         # the masked elements (float32's lowest) take no gradient in torch, and map to none here
         masked = value == np.finfo(np.float32).min
-        if found.all() or (found | masked).all() and found.any():
+        if found.all() or ((found | masked).all() and found.any()):
             sources[init.name] = np.where(found, order[pos], -1)
         else:
             unmatched.append(init.name)

@@ -106,6 +106,9 @@ def select_parameters(
     inits = {i.name: i for i in model.graph.initializer}
     # named initializers, untied: the reasons are not needed (a front end building a variant)
     judged = decisions(model) if trainable is None or tie_weights else {}
+    for alias, source in aliases.items():  # what info shows: the file read it under another name
+        if alias in judged and judged[alias].trainable:
+            judged[alias] = Decision(True, f"{judged[alias].reason}; Identity alias of {source}, apart")
     reasons = {n: None if d.trainable else d.reason for n, d in judged.items()}
     if trainable is None:
         names = [n for n, r in reasons.items() if r is None]

@@ -32,9 +32,10 @@ rows for every sequence). An initializer ``B`` is *one parameter* with ``A`` whe
 bit for bit, ``np.broadcast_to`` of ``A`` or of a contiguous block of its rows (``A[k:k+n]``, one row
 or more), reshaped as needed: every axis of ``B`` along which it repeats holds exact copies, ``B`` is
 strictly larger than that core, the core holds at least :data:`BROADCAST_MIN_DISTINCT` distinct
-values (and, when no initializer holds it, is no gathered copy, below), both have the same type, ``A`` is itself no broadcast (repeats along no axis) nor the copy
-of another initializer, and ``B`` is in no group of equal, transposed or cast copies. ``B`` is then
-computed from ``A`` by ``Slice``/``Reshape``/``Expand`` nodes (its gradient sums over the copies
+values (and, when no initializer holds it, is no gathered copy, below), both have the same type,
+``A`` is itself no broadcast (repeats along no axis) nor the copy of another initializer, and ``B``
+is in no group of equal, transposed or cast copies. ``B`` is then computed from ``A`` by
+``Slice``/``Reshape``/``Expand`` nodes (its gradient sums over the copies
 back into ``A``, as torch's does) and :func:`untie` writes it back.
 When no initializer holds the core (the exporter folded the parameter away: ViT's ``cls_token`` is
 stored only as ``expand``, 2x1x32), the core becomes a new initializer, ``B_core`` (``B`` cut to
