@@ -65,7 +65,7 @@ def test_constants_the_exporter_folded_from_no_module_tensor():
     model.graph.output[0].name = "y2"
     for name, sources in (
         ("zeros", "['_to_copy_3', 'mul_13', 'ones', 'zeros', 'val_4']"),
-        ("ones", "['val_13', 'val_14']"),
+        ("ones", "['val_13', 'val_14', 'model.encoder.lifted_tensor_0']"),  # a lifted constant
         ("bias", "['model.layer.bias', 'val_2']"),  # a module tensor: a parameter, reshaped
         ("table", "not a list"),
     ):

@@ -13,8 +13,9 @@ reasons that applies (:data:`RULES`, in order): what the file *declares* first, 
    written by ``torch.onnx.export(dynamo=True)`` on ``graph.value_info``, or on the initializer by
    some saves): ``PARAMETER`` trains, ``BUFFER`` and ``CONSTANT_TENSOR`` do not;
 4. the exporter folded it (``pkg.onnxscript.optimizer.folded_from``) from no tensor of the module
-   (only from values the forward computed: every name it lists is a node's, none a dotted module
-   path) and it holds one value repeated: ``"folded constant"`` (T5's zero position bias of its
+   (only from values the forward computed: every name it lists is a node's or a constant that
+   torch.export lifted, ``lifted_tensor_N``, none a module's parameter or buffer, dotted paths) and it
+   holds one value repeated: ``"folded constant"`` (T5's zero position bias of its
    cross-attention, the ones and zeros of Wav2Vec2's GroupNorm lowering, an all-zero padding mask);
 5. every op that reads it does so in a slot that takes a constant, not a weight (one read as a
    weight makes it a parameter): a ``Pow`` exponent, a ``Clip`` bound, a ``Reshape``/``Expand``
@@ -193,6 +194,7 @@ def _declared_by_exporter(j: _Judge, name: str, t: TensorProto) -> Decision | No
 
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_]\w*$")
+_LIFTED = re.compile(r"^([\w.]+\.)?lifted_tensor_\d+$")
 
 
 def _folded_constant(j: _Judge, name: str, t: TensorProto) -> Decision | None:
@@ -203,8 +205,11 @@ def _folded_constant(j: _Judge, name: str, t: TensorProto) -> Decision | None:
         sources = ast.literal_eval(listed)
     except (ValueError, SyntaxError):
         return None
-    # node outputs are identifiers (val_3, zeros, add_24); module tensors are dotted paths
-    if not isinstance(sources, list) or not all(isinstance(s, str) and _IDENTIFIER.match(s) for s in sources):
+    # node outputs are identifiers (val_3, zeros, add_24); module tensors are dotted paths, but for
+    # the constants torch.export lifts out of the forward (model.lifted_tensor_0: BERT's mask fill)
+    if not isinstance(sources, list) or not all(
+        isinstance(s, str) and (_IDENTIFIER.match(s) or _LIFTED.match(s)) for s in sources
+    ):
         return None
     flat = to_array(t).ravel()
     if flat.size and (flat == flat[0]).all():
