@@ -530,7 +530,7 @@ def test_info_shows_what_is_left_out_and_the_tied_groups(tmp_path, capsys):
     assert main(["info", str(path)]) == 0
     text = capsys.readouterr().out
     assert "trainable parameters: 1 tensors, 512 values" in text
-    assert "  W     float  [16, 32]  512\n" in text
+    assert "  W     float  [16, 32]  512   read as a weight\n" in text
     assert "  parameter  also stored as  how\n  W          W_T             transpose [1, 0]\n" in text
     assert "left out of the default trainable set: 3 initializers" in text
     lines = ("p     float  []     Pow exponent", "eps   float  [1]    epsilon")

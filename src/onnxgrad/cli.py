@@ -260,12 +260,30 @@ def _info(args: argparse.Namespace) -> int:
         print(_table(("name", "type", "shape"), [_describe(v) for v in values], indent=2))
 
     selection = select_parameters(model)
+    inits = {i.name: i for i in selection.model.graph.initializer}  # aliases apart, rebuilt tables
     params = [inits[n] for n in selection.trainable]
     total = sum(_numel(t.dims) for t in params)
     print(f"\ntrainable parameters: {len(params)} tensors, {total:,} values")
-    rows = [(t.name, _dtype(t.data_type), _shape(tuple(t.dims)), f"{_numel(t.dims):,}") for t in params]
+    why = {n: d.reason for n, d in selection.decisions.items()}
+    made = {t.source: f"rebuilt from {t.name}" for t in selection.ties if t.made}
+    rows = [
+        (
+            t.name,
+            _dtype(t.data_type),
+            _shape(tuple(t.dims)),
+            f"{_numel(t.dims):,}",
+            why.get(t.name) or made.get(t.name, ""),
+        )
+        for t in params
+    ]
     if rows:
-        print(_table(("name", "type", "shape", "size"), rows, indent=2))
+        print(_table(("name", "type", "shape", "size", "why"), rows, indent=2))
+    if selection.aliases:
+        print(
+            "\naliases (one constant initializer read under several names through Identity; trained apart):"
+        )
+        rows = [(alias, source) for alias, source in selection.aliases.items()]
+        print(_table(("parameter", "read from"), rows, indent=2))
     groups = selection.groups
     if groups:
         print("\ntied weights (one parameter stored several times, trained as one unless tie_weights=False):")

@@ -549,7 +549,7 @@ def test_made_core_with_dropout_in_the_model():
 def test_tie_candidates_are_pairs_whose_extremes_match():
     """Only pairs whose minimum and maximum agree (through a cast) are compared element by element:
     a transposed copy and a float16 copy are candidates, independent weights of one shape are not."""
-    from onnxgrad.autodiff.params import _candidate_pairs
+    from onnxgrad.autodiff.ties import _candidate_pairs
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((6, 4)).astype(np.float32)

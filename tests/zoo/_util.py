@@ -18,6 +18,7 @@ times, as torch sums the gradient of a tied weight).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import io
 import os
@@ -49,6 +50,8 @@ class Spec:
 
     ``train_mode``: the module runs (and is exported) in training mode; only for models whose
     BatchNormalization must use the batch's statistics (every dropout probability is 0 anyway).
+    ``perturbed``: the parameters are perturbed (:func:`perturb`); ``False``: freshly initialised, as
+    a user exports an untrained model (zero biases, ones LayerNorm weights, equal by accident).
     """
 
     name: str
@@ -57,6 +60,7 @@ class Spec:
     transformers: bool = True
     notes: str = ""
     lr: float = 0.05
+    perturbed: bool = True
 
 
 class _Out(torch.nn.Module):
@@ -149,6 +153,50 @@ def _vit():
     )  # fmt: skip
     model = _Out(ViTModel(cfg, add_pooling_layer=False), ("pixel_values",), "last_hidden_state")
     return model, (_randn(BATCH, 3, IMAGE, IMAGE),)
+
+
+def _swin():
+    from transformers import SwinConfig, SwinModel
+
+    # 8x8 patches in windows of 4: the second block of stage 1 shifts its windows (the -100 mask);
+    # each block gathers its relative-position table (49 x heads) over 16 x 16 window positions
+    cfg = SwinConfig(
+        image_size=IMAGE, patch_size=4, num_channels=3, embed_dim=16, depths=[2, 1], num_heads=[2, 4],
+        window_size=4, mlp_ratio=2.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        drop_path_rate=0.0,
+    )  # fmt: skip
+    model = _Out(SwinModel(cfg, add_pooling_layer=False), ("pixel_values",), "last_hidden_state")
+    return model, (_randn(BATCH, 3, IMAGE, IMAGE),)
+
+
+def _t5():
+    from transformers import T5Config, T5Model
+
+    cfg = T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+        use_cache=False,
+    )  # fmt: skip
+    model = _Out(T5Model(cfg), ("input_ids", "decoder_input_ids"), "last_hidden_state")
+    return model, (_ids(BATCH, SEQ), _ids(BATCH, SEQ - 2, seed=3))
+
+
+def _wav2vec2():
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    cfg = Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, feat_extract_norm="group", do_stable_layer_norm=False,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+        final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0,
+    )  # fmt: skip
+    inner = Wav2Vec2Model(cfg)
+    # the positional conv's weight norm (g, v) is one weight in the file (both exporters fold
+    # g * v / |v|): torch trains that one weight too, or the two could not be compared
+    torch.nn.utils.parametrize.remove_parametrizations(inner.encoder.pos_conv_embed.conv, "weight")
+    model = _Out(inner, ("input_values",), "last_hidden_state")
+    return model, (_randn(BATCH, 400),)
 
 
 def _resnet():
@@ -276,8 +324,18 @@ SPECS = {
         Spec("gru", _gru, transformers=False),
         Spec("embedding", _embedding, transformers=False),
         Spec("bn_convnet", _bn_convnet, train_mode=True, transformers=False),
+        Spec("swin", _swin, notes="relative-position tables gathered per block, shifted-window mask"),
+        Spec("t5", _t5, notes="relative-position buckets; cross-attention bias all zeros"),
+        Spec("wav2vec2", _wav2vec2, notes="GroupNorm feature extractor; weight norm removed"),
     ]
 }
+# every model freshly initialised too, as users export untrained models: ``<name>_fresh``
+SPECS.update(
+    {
+        f"{s.name}_fresh": dataclasses.replace(s, name=f"{s.name}_fresh", perturbed=False)
+        for s in list(SPECS.values())
+    }
+)
 
 
 def perturb(module: torch.nn.Module, seed: int = 0) -> None:
@@ -311,7 +369,8 @@ def model_and_inputs(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ..
         pytest.importorskip("transformers")
     torch.manual_seed(0)
     module, inputs = spec.build()
-    perturb(module)
+    if spec.perturbed:
+        perturb(module)
     module.train(spec.train_mode)
     for p in module.parameters():  # e.g. Whisper's positions are frozen: train everything
         p.requires_grad_(True)
@@ -342,7 +401,10 @@ def _export(name: str, exporter: str) -> bytes | str:
             # optimize=False for train-mode models: the dynamo exporter writes BatchNormalization in
             # inference form whatever the module's mode, and its optimizer then folds it into the
             # Conv (the BatchNorm parameters are gone); unfolded, onnxgrad switches it to training
-            program = torch.onnx.export(module, inputs, dynamo=True, verbose=False, optimize=not train)
+            # and for freshly initialised models: its optimizer merges equal initializers (the zero
+            # biases and ones LayerNorm weights of different layers) and leaves no trace of it
+            optimize = not train and SPECS[name].perturbed
+            program = torch.onnx.export(module, inputs, dynamo=True, verbose=False, optimize=optimize)
             return program.model_proto.SerializeToString()
     except Exception as exc:  # the exporter's own failure, recorded with its text and where it rose
         text = f"{type(exc).__name__}: {exc}".strip().splitlines()
@@ -400,8 +462,10 @@ class Matching:
         total = np.zeros(self.offsets[-1], np.float64)
         covered = np.zeros(self.offsets[-1], bool)
         for init, src in self.sources.items():
-            np.add.at(total, src.ravel(), np.asarray(grads[init], np.float64).ravel())
-            covered[src.ravel()] = True
+            src, grad = src.ravel(), np.asarray(grads[init], np.float64).ravel()
+            held = src >= 0  # -1: a masked element (see match_initializers)
+            np.add.at(total, src[held], grad[held])
+            covered[src[held]] = True
         out, masks = {}, {}
         for n, shape, lo, hi in zip(self.names, self.shapes, self.offsets, self.offsets[1:]):
             out[n] = total[lo:hi].reshape(shape)
@@ -430,8 +494,11 @@ def match_initializers(model: onnx.ModelProto, module: torch.nn.Module) -> Match
         vb = np.ascontiguousarray(value).view(np.uint32)
         pos = np.minimum(np.searchsorted(sorted_bits, vb), len(sorted_bits) - 1)
         found = sorted_bits[pos] == vb
-        if found.all():
-            sources[init.name] = order[pos]
+        # a mask folded into a parameter copy (T5's decoder position bias plus its causal mask):
+        # the masked elements (float32's lowest) take no gradient in torch, and map to none here
+        masked = value == np.finfo(np.float32).min
+        if found.all() or ((found | masked).all() and found.any()):
+            sources[init.name] = np.where(found, order[pos], -1)
         else:
             unmatched.append(init.name)
             if found.any() and value.size > 1:
