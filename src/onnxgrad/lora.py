@@ -501,24 +501,17 @@ def dequantized_weight(model: onnx.ModelProto, weight: str) -> np.ndarray:
     return (q - zp) * w_scale.astype(np.float64)
 
 
-# onnxruntime fuses DequantizeLinear(blocked int4/int8) -> MatMul into MatMulNBits and, by default,
-# runs it at accuracy level 4 (x quantized to int8 per block): not the float graph differentiated.
-NBITS_ACCURACY_KEY = "session.qdq_matmulnbits_accuracy_level"
-
-
 def session_options(options: Any = None) -> Any:
     """``onnxruntime.SessionOptions`` (``options``, or onnxgrad's defaults) under which onnxruntime
     computes a QLoRA model as the graph onnxgrad differentiates: its DequantizeLinear -> MatMul
     fusion into MatMulNBits computes in float (accuracy level 1) instead of quantizing the
     activations to int8 (level 4, its default; measured 0.4 % of the output's scale on a 4-bit MLP).
-    Pass them as ``session_options=`` to ``ForwardBackward`` / ``OnnxModule`` / ``Trainer`` and to
-    the ``InferenceSession`` serving the model."""
+    Pass them as ``session_options=`` to ``ForwardBackward`` / ``OnnxModule`` and to the
+    ``InferenceSession`` serving the model (``Trainer`` picks them itself for such models)."""
     require_onnxruntime()
-    from .runtime.runner import default_options
+    from .runtime.runner import exact_nbits_options
 
-    options = default_options() if options is None else options
-    options.add_session_config_entry(NBITS_ACCURACY_KEY, "1")
-    return options
+    return exact_nbits_options(options)
 
 
 def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:

@@ -32,8 +32,11 @@ __all__ = [
     "Runner",
     "copy_options",
     "default_options",
+    "exact_nbits_options",
+    "fuses_blocked_dequantize",
     "make_runner",
     "make_session",
+    "nbits_accuracy_set",
     "options_from_state",
     "options_state",
     "register_runner",
@@ -78,6 +81,46 @@ def default_options() -> ort.SessionOptions:
     return options
 
 
+# onnxruntime fuses DequantizeLinear(blocked int4/int8) -> MatMul into MatMulNBits and, by default,
+# runs it at accuracy level 4 (x quantized to int8 per block): not the float graph differentiated.
+NBITS_ACCURACY_KEY = "session.qdq_matmulnbits_accuracy_level"
+
+
+def fuses_blocked_dequantize(model: onnx.ModelProto) -> bool:
+    """Whether onnxruntime fuses a ``DequantizeLinear -> MatMul`` of ``model`` into ``MatMulNBits``
+    (and then, by default, quantizes the activations): a blocked DequantizeLinear (``block_size``
+    set) of an initializer, read by a MatMul or Gemm (the main graph; what
+    ``MatMulNBitsQuantizer(quant_format=QDQ)`` writes)."""
+    inits = {t.name for t in model.graph.initializer}
+    blocked = {
+        node.output[0]
+        for node in model.graph.node
+        if node.op_type == "DequantizeLinear"
+        and node.input[0] in inits
+        and any(a.name == "block_size" and a.i > 0 for a in node.attribute)
+    }
+    return any(
+        node.op_type in ("MatMul", "Gemm") and blocked.intersection(node.input) for node in model.graph.node
+    )
+
+
+def nbits_accuracy_set(options: ort.SessionOptions) -> bool:
+    """Whether ``options`` set the accuracy level of the fused MatMulNBits (to any level)."""
+    try:
+        return bool(options.get_session_config_entry(NBITS_ACCURACY_KEY))
+    except RuntimeError:  # not set
+        return False
+
+
+def exact_nbits_options(options: ort.SessionOptions | None = None) -> ort.SessionOptions:
+    """``options`` (or :func:`default_options`), changed in place so that the fused
+    ``DequantizeLinear -> MatMul`` computes in float (accuracy level 1): the graph onnxgrad
+    differentiates, instead of activations quantized to int8 per block."""
+    options = default_options() if options is None else options
+    options.add_session_config_entry(NBITS_ACCURACY_KEY, "1")
+    return options
+
+
 # SessionOptions can be neither copied nor pickled: these settings are carried field by field.
 SESSION_FIELDS = (
     "enable_cpu_mem_arena",
@@ -105,6 +148,7 @@ _CONFIG_KEYS = (
     "session.use_env_allocators",
     "session.disable_prepacking",
     "session.use_device_allocator_for_initializers",
+    NBITS_ACCURACY_KEY,
 )
 
 

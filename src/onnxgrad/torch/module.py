@@ -36,7 +36,7 @@ from ..runtime.values import check_input, from_torch, to_torch
 # memory starts over
 _MAX_PLANS = 256
 # the attributes OnnxModule._prepare derives from the others (not pickled)
-_DERIVED = ("_attr_names", "_feed_names", "_stat_attrs", "_plans")
+_DERIVED = ("_attr_names", "_feed_names", "_stat_attrs", "_plans", "_casts")
 
 
 def torch_name(onnx_name: str, taken: set[str]) -> str:
@@ -172,6 +172,12 @@ class OnnxModule(nn.Module):
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     ``quantized``: the gradient through quantization ops, ``"ste"``, ``"zero"`` or ``"refuse"`` (see
     ``build_gradient``).
+    ``master_weights``: the parameters of the model's float16 initializers are float32
+    ``nn.Parameter``s (master weights), cast to the model's type at each forward (a torch cast, so
+    their gradients arrive in float32): ``torch.amp.GradScaler`` (which refuses float16 gradients)
+    and any torch optimizer then work as with a torch half model's float32 parameters under
+    autocast. Buffers stay in the model's type; :meth:`to_onnx` writes the parameters back in it
+    (rounded). No effect on float32 and float64 parameters.
     ``forward(*tensors)`` takes the model inputs in order and returns a tensor (one output) or a
     tuple.
     """
@@ -186,8 +192,11 @@ class OnnxModule(nn.Module):
         tie_weights: bool = True,
         recompute: Any = None,
         quantized: str = "ste",
+        master_weights: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(master_weights, bool):
+            raise InputError(f"master_weights must be True or False, got {master_weights!r}")
         self._recompute = recompute  # build_gradient(recompute=): activations rebuilt in the backward
         if quantized not in QUANTIZED_MODES:
             raise InputError(f"quantized must be one of {list(QUANTIZED_MODES)}, got {quantized!r}")
@@ -219,11 +228,16 @@ class OnnxModule(nn.Module):
         params = set(selection.trainable)
         taken: set[str] = set()
         self.onnx_names: dict[str, str] = {}  # torch attribute name -> ONNX initializer name
+        # torch attribute name -> the model's half type, for the float32 master parameters
+        self._master_dtypes: dict[str, torch.dtype] = {}
         for n in floats:
             tname = torch_name(n, taken)
             self.onnx_names[tname] = n
             value = torch.from_numpy(np.array(to_array(inits[n]), copy=True))
             if n in params:
+                if master_weights and value.dtype == torch.float16:
+                    self._master_dtypes[tname] = value.dtype
+                    value = value.float()
                 self.register_parameter(tname, nn.Parameter(value))
             else:
                 self.register_buffer(tname, value)
@@ -240,6 +254,9 @@ class OnnxModule(nn.Module):
     def _prepare(self) -> None:
         """Work out once what each call needs (also after unpickling, which drops it)."""
         self._attr_names = list(self.onnx_names)
+        masters = getattr(self, "_master_dtypes", {})  # absent from modules pickled before it
+        # the model's type of each value, where the module holds it in float32 (None elsewhere)
+        self._casts = [masters.get(t) for t in self._attr_names]
         self._feed_names = (*self.input_names, *self.onnx_names.values())
         by_onnx = {n: t for t, n in self.onnx_names.items()}
         self._stat_attrs = [(by_onnx[stat], out) for stat, out in self._running_stats.items()]
@@ -321,12 +338,14 @@ class OnnxModule(nn.Module):
         # is the one fed.
         params, buffers = self._parameters, self._buffers
         values = []
-        for tname in self._attr_names:
+        for tname, cast in zip(self._attr_names, self._casts):
             v = params.get(tname)
             if v is None:
                 v = buffers.get(tname)
                 if v is None:  # in neither dict: a parametrization, an attribute set by a hook
                     v = getattr(self, tname)
+            if cast is not None:  # a float32 master weight: the model computes in its half type
+                v = v.to(cast)
             values.append(v)
         # All that validation and the choice of variant depend on: a call with the signature of an
         # earlier one needs neither again (1 µs, against 4 µs for checking each time).
@@ -363,9 +382,13 @@ class OnnxModule(nn.Module):
         """The inference model (Dropout and BatchNormalization in inference mode) carrying the
         module's current parameter and buffer values."""
         proto = onnx.load_from_string(self._mode_bytes[False])
-        values = {n: getattr(self, t).detach().cpu().numpy() for t, n in self.onnx_names.items()}
+        masters = getattr(self, "_master_dtypes", {})
+        values = {}
+        for t, n in self.onnx_names.items():
+            value = getattr(self, t).detach().cpu()
+            values[n] = value.to(masters[t]) if t in masters else value  # the model's type again
         inits = [
-            numpy_helper.from_array(values[i.name], i.name) if i.name in values else i
+            numpy_helper.from_array(values[i.name].numpy(), i.name) if i.name in values else i
             for i in proto.graph.initializer
         ]
         del proto.graph.initializer[:]

@@ -277,6 +277,29 @@ class EarlyStopping(Callback):
         self.best_params = None if bp is None else {k: np.array(v) for k, v in bp.items()}
 
 
+def _quantized_matmul_options(model: onnx.ModelProto, options: Any) -> Any:
+    """The session options for ``model``: ``options`` as given, except that a model onnxruntime
+    would run with activations quantized (a blocked DequantizeLinear -> MatMul fused into a
+    MatMulNBits at its default accuracy level) gets options computing the fused product in float
+    when none are given, and a warning when the given ones leave the level unset."""
+    from ..runtime.runner import exact_nbits_options, fuses_blocked_dequantize, nbits_accuracy_set
+
+    if not fuses_blocked_dequantize(model):
+        return options
+    if options is None:
+        return exact_nbits_options()
+    if not nbits_accuracy_set(options):
+        warnings.warn(
+            "the model's blocked DequantizeLinear -> MatMul is fused by onnxruntime into a MatMulNBits "
+            "that quantizes the activations to int8 (accuracy level 4): the losses are not those of the "
+            "float product onnxgrad differentiates (about 5e-3 relative). Pass "
+            "session_options=onnxgrad.lora.session_options(your_options) to compute it in float",
+            UserWarning,
+            stacklevel=3,
+        )
+    return options
+
+
 # ---- the trainer -------------------------------------------------------------------------------
 class Trainer:
     """Fits an ONNX model on numpy data with onnxruntime.
@@ -303,6 +326,12 @@ class Trainer:
     clipped to ``[-clip_value, clip_value]``. The three run forward, backward and the numpy update
     (the two-session path). A :class:`ReduceLROnPlateau` given as ``lr`` is stepped at the end of
     every epoch with its ``monitor`` value.
+    ``providers`` / ``session_options``: the onnxruntime providers and ``SessionOptions`` of every
+    session the trainer makes (forward, backward, the one-graph step, evaluation). A model whose
+    blocked (4-bit) DequantizeLinear feeds a MatMul, which onnxruntime fuses into a MatMulNBits
+    that quantizes the activations, gets by default options under which the fused kernel computes
+    in float, as the graph differentiated (``onnxgrad.lora.session_options()``); options given
+    without that setting are used as they are, with a warning.
     ``quantized``: the gradient through quantization ops, ``"ste"``, ``"zero"`` or ``"refuse"`` (see
     ``build_gradient``).
     ``master_weights`` / ``loss_scale``: mixed precision for float16 and bfloat16 models
@@ -333,6 +362,7 @@ class Trainer:
         progress: bool = True,
         trainable: Iterable[str] | None = None,
         providers: str | Sequence[Any] | None = None,
+        session_options: Any = None,
         loss_name: str = "loss",
         eval_batch_size: int | None = None,
         one_graph: bool = True,
@@ -352,6 +382,11 @@ class Trainer:
         if isinstance(model, ForwardBackward):
             if loss is not None:
                 raise InputError("loss= needs an ONNX model; a ForwardBackward already has its outputs")
+            if session_options is not None or providers is not None:
+                raise InputError(
+                    "session_options= and providers= go to the ForwardBackward given as the model "
+                    "(its sessions are made)"
+                )
             fb = model
         else:
             prepared = prepare(model)  # the one validation: add_loss rewrites the checked model
@@ -363,11 +398,13 @@ class Trainer:
                 raise InputError(
                     f"the model has no output {loss_name!r} (outputs: {outputs}); pass loss= to append one"
                 )
+            session_options = _quantized_matmul_options(proto, session_options)
             fb = ForwardBackward(
                 prepared,
                 trainable=trainable,
                 outputs=[loss_name],
                 providers=providers,
+                session_options=session_options,
                 recompute=recompute,
                 quantized=quantized,
             )
