@@ -35,6 +35,7 @@ _CPU_GAPS: dict[str, int] = {
 MISSING_KERNELS: dict[str, dict[str, int]] = {
     "onnxruntime": dict(_CPU_GAPS),
     "onnxruntime-web": dict(_CPU_GAPS),  # the wasm backend: the CPU provider compiled to WebAssembly
+    "onnxruntime-web-webgpu": dict(_CPU_GAPS),
 }
 DEFAULT_TARGETS = ("onnxruntime", "onnxruntime-web")
 
