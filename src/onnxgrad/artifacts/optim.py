@@ -132,7 +132,9 @@ def _one_minus_power(e: _Emitter, beta: float, t: str, dtype: int) -> str:
     u = e.op("Mul", t, e.const(math.log(beta) if beta > 0 else -math.inf, dtype))
     series = e.const(1.0, dtype)
     for k in range(11, 1, -1):  # 1 + u/2 (1 + u/3 (... (1 + u/11)))
-        series = e.op("Add", e.const(1.0, dtype), e.op("Mul", e.op("Mul", u, e.const(1.0 / k, dtype)), series))
+        series = e.op(
+            "Add", e.const(1.0, dtype), e.op("Mul", e.op("Mul", u, e.const(1.0 / k, dtype)), series)
+        )
     small = e.op("Mul", u, series)
     large = e.op("Sub", e.op("Exp", u), e.const(1.0, dtype))
     expm1 = e.op("Where", e.op("Greater", u, e.const(-0.5, dtype)), small, large)

@@ -179,12 +179,12 @@ def _pool_grad(e: _Emitter, pool: onnx.NodeProto, unpool: onnx.NodeProto, infos)
     best = e.axes_op("ReduceMax", priority, window_axes, keepdims=1)
     first = e.op("Equal", priority, best)
     routed = e.op("Where", first, e.op("Where", hit, dy6, zero), zero)
+    if covered == sizes:
+        e.op("Reshape", routed, e.const([0, 0, *covered], i64), out=out)
+        return
     dx = e.op("Reshape", routed, e.const([0, 0, *covered], i64))
-    if covered != sizes:
-        pads = [0] * (2 + nsp) + [0, 0, *(s - c for s, c in zip(sizes, covered))]
-        e.op("Pad", dx, e.const(pads, i64), zero, out=out)
-    else:
-        e.op("Identity", dx, out=out)
+    pads = [0] * (2 + nsp) + [0, 0, *(s - c for s, c in zip(sizes, covered))]
+    e.op("Pad", dx, e.const(pads, i64), zero, out=out)
 
 
 def _log_softmax(e: _Emitter, n: onnx.NodeProto, r: int | None) -> None:
@@ -201,7 +201,9 @@ def _drop_dead(g: onnx.GraphProto) -> None:
     needed = {o.name for o in g.output}
     keep = []
     for node in reversed(list(g.node)):
-        subgraph_reads = {i for a in node.attribute for s in (a.g, *a.graphs) for m in s.node for i in m.input}
+        subgraph_reads = {
+            i for a in node.attribute for s in (a.g, *a.graphs) for m in s.node for i in m.input
+        }
         if any(o in needed for o in node.output):
             keep.append(node)
             needed.update(i for i in node.input if i)
