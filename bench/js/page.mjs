@@ -52,13 +52,14 @@ try {
     const dir = q.get(model);
     const inp = await inputs(dir);
     const table = runtimes(dir, inp);
-    const out = Object.fromEntries(Object.keys(table).map((k) => [k, { runs_ms: [], worst: 0 }]));
+    const out = Object.fromEntries(Object.keys(table).map((k) => [k, { runs_ms: [], min_ms: Infinity, worst: 0 }]));
     for (let r = 0; r < RUNS; r++) {
       for (const [name, run] of Object.entries(table)) {
         if (out[name].error) continue;
         try {
           const { losses, times } = await run();
           out[name].runs_ms.push(median(times.slice(WARMUP)));
+          out[name].min_ms = Math.min(out[name].min_ms, ...times.slice(WARMUP));
           out[name].worst = Math.max(out[name].worst, worstDifference(losses, inp.expected.losses));
           out[name].last_loss = losses.at(-1);
         } catch (e) {
@@ -67,7 +68,10 @@ try {
         console.log(`bench: ${model} run ${r + 1}/${RUNS} ${name}: ${out[name].error ?? `${out[name].runs_ms.at(-1).toFixed(2)} ms/step`}`);
       }
     }
-    for (const v of Object.values(out)) if (v.runs_ms.length) v.ms_per_step = median(v.runs_ms);
+    for (const v of Object.values(out)) {
+      if (v.runs_ms.length) v.ms_per_step = median(v.runs_ms);
+      else delete v.min_ms;
+    }
     result.models[model] = out;
   }
 } catch (e) {

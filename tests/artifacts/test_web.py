@@ -1,6 +1,6 @@
 """The browser example (examples/web/): the digits MLP and CNN trained by onnxruntime-web in headless
-chromium (wasm, then WebGPU on the software adapter) give the Python runner's losses. Skipped without node, chromium or the example's
-installed dependencies (``make test-web`` installs them)."""
+chromium (wasm, then WebGPU on the software adapter) give the Python runner's losses. Skipped
+without node, chromium or the example's installed dependencies (``make test-web`` installs them)."""
 
 from __future__ import annotations
 
