@@ -71,39 +71,42 @@ export async function runTfjs({ tf, kind, state, data, expected, steps, hyper })
     m[n] = tf.zeros(t.dims);
     v[n] = tf.zeros(t.dims);
   }
-  const [b1, b2] = hyper.betas;
-  const { eps, weight_decay: wd } = hyper;
-  const lr = expected.lr;
   const losses = [];
   const times = [];
-  for (let k = 0; k < steps; k++) {
-    const b = batchAt(data, k, expected.batch_size);
-    const t0 = performance.now();
-    const x = tf.tensor(b.pixels, b.dims, 'float32');
-    const y = tf.oneHot(tf.tensor1d(Int32Array.from(b.target, Number), 'int32'), 10);
-    const { value, grads } = tf.variableGrads(() =>
-      tf.neg(tf.mean(tf.sum(tf.mul(tf.logSoftmax(forward(tf, kind, params, x)), y), 1))),
-    );
-    const t = k + 1;
-    const stepSize = -lr / (1 - b1 ** t); // scalars in double, as numpy and onnxgrad's step
-    const sqrtBias2 = Math.sqrt(1 - b2 ** t);
-    tf.tidy(() => {
-      for (const n of names) {
-        const g = grads[n];
-        const p = tf.mul(params[n], 1 - lr * wd);
-        const m1 = tf.add(m[n], tf.mul(tf.sub(g, m[n]), 1 - b1));
-        const v1 = tf.add(tf.mul(v[n], b2), tf.mul(tf.mul(g, g), 1 - b2));
-        const denom = tf.add(tf.div(tf.sqrt(v1), sqrtBias2), eps);
-        params[n].assign(tf.add(p, tf.mul(tf.div(m1, denom), stepSize)));
-        tf.dispose([m[n], v[n]]);
-        m[n] = tf.keep(m1);
-        v[n] = tf.keep(v1);
-      }
-    });
-    losses.push((await value.data())[0]);
-    times.push(performance.now() - t0);
-    tf.dispose([x, y, value, ...Object.values(grads)]);
+  try {
+    const [b1, b2] = hyper.betas;
+    const { eps, weight_decay: wd } = hyper;
+    const lr = expected.lr;
+    for (let k = 0; k < steps; k++) {
+      const b = batchAt(data, k, expected.batch_size);
+      const t0 = performance.now();
+      const x = tf.tensor(b.pixels, b.dims, 'float32');
+      const y = tf.oneHot(tf.tensor1d(Int32Array.from(b.target, Number), 'int32'), 10);
+      const { value, grads } = tf.variableGrads(() =>
+        tf.neg(tf.mean(tf.sum(tf.mul(tf.logSoftmax(forward(tf, kind, params, x)), y), 1))),
+      );
+      const t = k + 1;
+      const stepSize = -lr / (1 - b1 ** t); // scalars in double, as numpy and onnxgrad's step
+      const sqrtBias2 = Math.sqrt(1 - b2 ** t);
+      tf.tidy(() => {
+        for (const n of names) {
+          const g = grads[n];
+          const p = tf.mul(params[n], 1 - lr * wd);
+          const m1 = tf.add(m[n], tf.mul(tf.sub(g, m[n]), 1 - b1));
+          const v1 = tf.add(tf.mul(v[n], b2), tf.mul(tf.mul(g, g), 1 - b2));
+          const denom = tf.add(tf.div(tf.sqrt(v1), sqrtBias2), eps);
+          params[n].assign(tf.add(p, tf.mul(tf.div(m1, denom), stepSize)));
+          tf.dispose([m[n], v[n]]);
+          m[n] = tf.keep(m1);
+          v[n] = tf.keep(v1);
+        }
+      });
+      losses.push((await value.data())[0]);
+      times.push(performance.now() - t0);
+      tf.dispose([x, y, value, ...Object.values(grads)]);
+    }
+  } finally { // a failed run (a kernel the backend lacks) must not leave its variables registered
+    tf.dispose([...Object.values(params), ...Object.values(m), ...Object.values(v)]);
   }
-  tf.dispose([...Object.values(params), ...Object.values(m), ...Object.values(v)]);
   return { losses, times };
 }
