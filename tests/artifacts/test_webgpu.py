@@ -169,6 +169,14 @@ def test_max_pool_the_webgpu_form_cannot_express_is_refused(kernel, strides, why
     generate(model, loss=None, optimizer="sgd")  # the other targets keep the Indices
 
 
+def test_a_model_that_outputs_max_pool_indices_is_refused():
+    model = _pool_model(np.zeros((1, 1, 4, 4), np.float32), [2, 2], [2, 2])
+    model.graph.node[0].output.append("idx")
+    model.graph.output.append(helper.make_tensor_value_info("idx", TensorProto.INT64, [1, 1, 2, 2]))
+    with pytest.raises(InputError, match=r"MaxPool .*the model outputs its Indices"):
+        generate(model, loss=None, optimizer="sgd", targets=WEBGPU_TARGETS)
+
+
 def test_an_op_without_a_webgpu_kernel_is_refused(tmp_path):
     model = build_mlp((64, 32, 10), np.random.default_rng(0))
     for n in model.graph.node:

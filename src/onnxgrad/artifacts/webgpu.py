@@ -51,6 +51,7 @@ def lower_for_webgpu(model: onnx.ModelProto) -> None:
     e.taken |= {v.name for v in (*g.input, *g.output, *g.value_info, *g.initializer)}
     e.taken |= {o for n in g.node for o in n.output} | {n.name for n in g.node}
     pools: dict[str, onnx.NodeProto] = {}  # Indices output -> its MaxPool
+    outputs = {o.name for o in g.output}
     nodes: list[onnx.NodeProto] = []
 
     def rank(name: str) -> int | None:
@@ -67,6 +68,8 @@ def lower_for_webgpu(model: onnx.ModelProto) -> None:
             emit(lambda n=n: _matmul_2d(e, n, rank(n.input[0]), rank(n.input[1]), producers, g))
         elif n.op_type == "MaxPool" and len(n.output) > 1 and n.output[1]:
             users = readers.get(n.output[1], [])
+            if n.output[1] in outputs:
+                raise InputError(_pool_refusal(n, "the model outputs its Indices"))
             if any(u.op_type != "MaxUnpool" or u.input[1] != n.output[1] for u in users):
                 raise InputError(_pool_refusal(n, "its gradient reads the Indices beyond one MaxUnpool"))
             pools[n.output[1]] = n
