@@ -118,7 +118,7 @@ function report(model, where, table) {
   for (const [name, v] of Object.entries(table)) {
     const figure = v.ms_per_step === undefined ? '-' : v.ms_per_step.toFixed(2);
     const fastest = v.ms_per_step === undefined ? '-' : v.min_ms.toFixed(2);
-    console.log(`  ${name.padEnd(36)} ${figure.padStart(9)} ${fastest.padStart(9)}  ${v.error ? `FAILED: ${v.error}` : `losses within ${v.worst.toExponential(1)}`}`);
+    console.log(`  ${name.padEnd(52)} ${figure.padStart(9)} ${fastest.padStart(9)}  ${v.error ? `FAILED: ${v.error}` : `losses within ${v.worst.toExponential(1)}`}`);
   }
 }
 

@@ -28,7 +28,7 @@ async function inputs(dir) {
   const data = readSafetensors(await bytes(dir + 'digits.safetensors')).tensors;
   const state = readSafetensors(await bytes(dir + 'artifacts/state.safetensors'));
   const manifest = JSON.parse(new TextDecoder().decode(await bytes(dir + 'artifacts/manifest.json')));
-  return { expected, data, state, hyper: manifest.optimizer };
+  return { expected, data, state, hyper: manifest.optimizer, feedback: manifest.train_step.feedback };
 }
 
 function runtimes(dir, inp) {
@@ -36,7 +36,13 @@ function runtimes(dir, inp) {
     runOnnxgrad({ ort, TrainingSession, data: inp.data, expected: inp.expected, steps: STEPS, sessionOptions,
       load: (name) => bytes(`${dir}${folder}/${name}`) });
   const table = { 'onnxgrad, onnxruntime-web (wasm)': onnxgrad('artifacts', { executionProviders: ['wasm'] }) };
-  if (adapter) table['onnxgrad, onnxruntime-web (webgpu)'] = onnxgrad('artifacts_webgpu', { executionProviders: ['webgpu'] });
+  if (adapter) {
+    table['onnxgrad, onnxruntime-web (webgpu)'] = onnxgrad('artifacts_webgpu', { executionProviders: ['webgpu'] });
+    // the parameters and optimizer state stay on the GPU between steps: the next/... outputs as GPU buffers
+    const onGpu = Object.fromEntries(Object.keys(inp.feedback).map((name) => [name, 'gpu-buffer']));
+    table['onnxgrad, onnxruntime-web (webgpu, state on the GPU)'] = onnxgrad('artifacts_webgpu', {
+      executionProviders: ['webgpu'], preferredOutputLocation: onGpu });
+  }
   for (const backend of ['cpu', 'wasm']) {
     table[`TensorFlow.js (${backend})`] = async () => {
       await tf.setBackend(backend);
