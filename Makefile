@@ -13,7 +13,7 @@ TORCH := torch==2.13.0
 # the locked venv also holds the zoo extra (transformers, onnxscript): make test runs tests/zoo
 EXTRAS := dev,zoo
 
-.PHONY: demo test test-latest test-oldest test-wheel test-js test-web lint bench fuzz lock clean docs-coverage docs
+.PHONY: demo test test-latest test-oldest test-wheel test-js test-web lint bench bench-js fuzz lock clean docs-coverage docs
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -92,9 +92,11 @@ test-js: $(STAMP)
 	cd js && node --test test/*.test.js
 
 # The browser: examples/web/ trains the digits MLP and CNN with onnxruntime-web (wasm) in headless chromium
-# (installed with apt-get when missing, or CHROMIUM=/path), served from localhost; also onnxruntime-web in
-# Node. Then ort_training.html: the migrated example of docs/migrate_ort_training.md with the former
-# TrainingSession names, against the Python API. Writes examples/web/out/screenshot.png (or $$SCREENSHOT).
+# (installed with apt-get when missing, or CHROMIUM=/path), served from localhost, then on its WebGPU
+# provider (chromium's software adapter, --enable-unsafe-webgpu; the first steps; WEBGPU=0 skips it); also
+# onnxruntime-web in Node. Then ort_training.html: the migrated example of docs/migrate_ort_training.md with
+# the former TrainingSession names, against the Python API. Writes examples/web/out/screenshot.png (or
+# $$SCREENSHOT).
 test-web: $(STAMP)
 	command -v chromium >/dev/null || [ -n "$${CHROMIUM:-}" ] || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
@@ -113,9 +115,21 @@ bench: $(STAMP)
 	$(PY) bench/compare_torch.py --json out/bench.json
 	$(PY) bench/recompute.py --json out/recompute.json
 
+# onnxgrad's steps against TensorFlow.js on the same models and weights, one thread, in Node
+# (onnxruntime-node, onnxruntime-web wasm; tfjs cpu, wasm) and in headless chromium (onnxruntime-web
+# wasm and WebGPU; tfjs cpu, wasm). bench/js/ has its own package.json: tfjs is never a dependency of
+# onnxgrad. Writes out/bench_js.json; docs/performance.md reports it.
+bench-js: $(STAMP)
+	command -v chromium >/dev/null || [ -n "$${CHROMIUM:-}" ] || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+	cd bench/js && npm ci --no-audit --no-fund
+	$(PY) js/test/make_fixture.py bench/js/fixture
+	cd bench/js && node bench.mjs fixture --json ../../out/bench_js.json
+
 fuzz: $(STAMP)
 	ONNXGRAD_FUZZ=1 $(PY) -m pytest -q tests/reliability/test_fuzz.py
 
 clean:
 	rm -rf $(VENV) .venv-latest .venv-oldest .venv-wheel build dist src/*.egg-info .pytest_cache \
-		js/node_modules js/test/fixture examples/web/node_modules examples/web/fixture examples/web/out
+		js/node_modules js/test/fixture examples/web/node_modules examples/web/fixture examples/web/out \
+		bench/js/node_modules bench/js/fixture

@@ -1,9 +1,17 @@
-// Trains the digits MLP (or, with ?fixture=fixture/cnn/, the LeNet-style CNN) from an onnxgrad artifacts folder with onnxruntime-web (wasm backend), with
+// Trains the digits MLP (or, with ?fixture=fixture/cnn/, the LeNet-style CNN) from an onnxgrad artifacts folder with onnxruntime-web
+// (wasm backend, or WebGPU with ?ep=webgpu and a folder generated for target onnxruntime-web-webgpu), with
 // the same TrainingSession class Node uses (../../js/src/index.js, ort injected). The folder, the
 // data and the Python runner's losses come from js/test/make_fixture.py (in ./fixture/).
-import * as ort from './node_modules/onnxruntime-web/dist/ort.wasm.min.mjs';
 import { readSafetensors, TrainingSession } from '../../js/src/index.js';
 
+const query = new URLSearchParams(location.search);
+const ep = query.get('ep') ?? 'wasm'; // 'wasm' or 'webgpu'
+const artifacts = query.get('artifacts') ?? 'artifacts/'; // artifacts_webgpu/: generated for WebGPU
+// WebGPU: onnxruntime-web's default bundle (its JSEP WebGPU provider; ort.webgpu.min.mjs, the native one, has no
+// float64 kernel at all, not even on its CPU fallback, so it cannot read the step's double lr input)
+const ort = await import(`./node_modules/onnxruntime-web/dist/ort.${ep === 'webgpu' ? '' : 'wasm.'}min.mjs`);
+
+if (query.get('log') === '0') ort.env.logLevel = 'verbose'; // ?log=0: where each node runs
 ort.env.wasm.numThreads = 1; // no cross-origin isolation needed
 ort.env.wasm.wasmPaths = new URL('./node_modules/onnxruntime-web/dist/', import.meta.url).href;
 
@@ -119,20 +127,21 @@ async function main() {
       target: tensors.target.data.slice(start, start + size),
     };
   };
-  const session = await TrainingSession.create(ort, (name) => fetchBytes(`artifacts/${name}`), {
-    sessionOptions: { executionProviders: ['wasm'] },
+  const session = await TrainingSession.create(ort, (name) => fetchBytes(`${artifacts}${name}`), {
+    sessionOptions: { executionProviders: ep === 'webgpu' ? ['webgpu', 'wasm'] : [ep], logSeverityLevel: Number(query.get('log') ?? 2) },
   });
+  const steps = Math.min(Number(query.get('steps') ?? expected.steps), expected.steps); // ?steps=N: the first N
   const losses = [];
   const started = performance.now();
-  for (let k = 0; k < expected.steps; k++) {
+  for (let k = 0; k < steps; k++) {
     losses.push(await session.step(batchAt(k)));
     if (k % 20 === 19) {
-      status.textContent = `step ${k + 1}/${expected.steps}: loss ${losses.at(-1).toFixed(4)}`;
+      status.textContent = `step ${k + 1}/${steps}: loss ${losses.at(-1).toFixed(4)}`;
       drawCurve(losses, expected.losses);
       await new Promise((r) => setTimeout(r, 0));
     }
   }
-  const ms = (performance.now() - started) / expected.steps;
+  const ms = (performance.now() - started) / steps;
   drawCurve(losses, expected.losses);
   const worst = Math.max(...losses.map((l, i) => Math.abs(l - expected.losses[i]) / Math.abs(expected.losses[i])));
   // the last 297 rows were never trained on: predict them with inference.onnx and the trained weights
@@ -149,10 +158,10 @@ async function main() {
   drawDigits(pixels, labels, predicted, 40);
   document.getElementById('accuracy').textContent = `accuracy on 297 rows: ${(accuracy * 100).toFixed(1)}%`;
   status.textContent =
-    `done: ${expected.steps} steps, loss ${losses[0].toFixed(4)} → ${losses.at(-1).toFixed(4)}, ` +
-    `${ms.toFixed(2)} ms/step, largest relative difference from Python ${worst.toExponential(2)}`;
+    `done: ${steps} steps, loss ${losses[0].toFixed(4)} → ${losses.at(-1).toFixed(4)}, ` +
+    `${ms.toFixed(2)} ms/step (${ep}), largest relative difference from Python ${worst.toExponential(2)}`;
   document.title = `onnxgrad: ${expected.model ?? 'mlp'} trained in the browser`;
-  window.__result = { done: true, model: expected.model ?? 'mlp', losses, expected: expected.losses, worst, accuracy, msPerStep: ms };
+  window.__result = { done: true, model: expected.model ?? 'mlp', ep, losses, expected: expected.losses, worst, accuracy, msPerStep: ms };
 }
 
 main().catch((err) => {

@@ -4,7 +4,8 @@ CNN on the same digits, and the Python runner's losses over 200 steps of each.
     python js/test/make_fixture.py DIR    (default: js/test/fixture)
 
 DIR/ holds the MLP's fixture, DIR/cnn/ the CNN's (pixels as ``1 x 8 x 8`` images). In each,
-artifacts/ is the training folder (``onnxgrad.artifacts.generate``), digits.safetensors holds
+artifacts/ is the training folder (``onnxgrad.artifacts.generate``), artifacts_webgpu/ the same for
+target ``onnxruntime-web-webgpu``, digits.safetensors holds
 ``pixels`` (float32, scaled to [0, 1]) and ``target`` (int64), expected.json the batch size, the
 learning rate, the losses of ``onnxgrad.artifacts.Runner`` and the evaluation loss, and
 trained.safetensors the state after the last step.
@@ -51,6 +52,9 @@ def write(out: str, kind: str) -> list[float]:
     data = digits(kind)
     folder = os.path.join(out, "artifacts")
     generate(model_of(kind), loss="cross_entropy", optimizer="adamw", lr=LR, out_dir=folder)
+    # the same model for onnxruntime-web's WebGPU provider (examples/web/test-web.mjs)
+    generate(model_of(kind), loss="cross_entropy", optimizer="adamw", lr=LR,
+             out_dir=os.path.join(out, "artifacts_webgpu"), targets=["onnxruntime-web-webgpu"])  # fmt: skip
     tensors.save(os.path.join(out, "digits.safetensors"), data)
     runner = Runner(folder, threads=1)
     losses = [runner.step(batch_at(data, k)) for k in range(STEPS)]

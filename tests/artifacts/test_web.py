@@ -1,6 +1,6 @@
-"""The browser example (examples/web/): the digits MLP trained by onnxruntime-web in headless
-chromium gives the Python runner's losses. Skipped without node, chromium or the example's
-installed dependencies (``make test-web`` installs them)."""
+"""The browser example (examples/web/): the digits MLP and CNN trained by onnxruntime-web in headless
+chromium (wasm, then WebGPU on the software adapter) give the Python runner's losses. Skipped
+without node, chromium or the example's installed dependencies (``make test-web`` installs them)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,10 @@ def test_browser_training_matches_python(tmp_path):
     shot = tmp_path / "screenshot.png"
     env = {**os.environ, "CHROMIUM": chromium, "SCREENSHOT": str(shot)}
     done = subprocess.run(
-        [node, "test-web.mjs"], cwd=WEB, env=env, capture_output=True, text=True, timeout=400
+        [node, "test-web.mjs"], cwd=WEB, env=env, capture_output=True, text=True, timeout=1500
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
     assert "chromium, onnxruntime-web (wasm): 200 losses" in done.stdout
+    for model in ("mlp", "cnn"):
+        assert f"{model}: chromium, onnxruntime-web (webgpu): " in done.stdout, done.stdout[-3000:]
     assert shot.stat().st_size > 10_000

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..train.losses import LOSSES
 from .optim import OPTIMIZERS
+from .targets import DEFAULT_TARGETS, MISSING_KERNELS
 
 __all__ = ["add_deprecated", "add_parser"]
 
@@ -63,6 +64,16 @@ def add_parser(sub: Any) -> None:
     )
     add_deprecated(p, "--requires-grad", "--trainable", "trainable", nargs="+")
     p.add_argument("--frozen", nargs="+", default=[], metavar="NAME", help="initializers not to train")
+    p.add_argument(
+        "--target",
+        nargs="+",
+        dest="targets",
+        choices=sorted(MISSING_KERNELS),
+        default=list(DEFAULT_TARGETS),
+        metavar="RUNTIME",
+        help=f"runtimes the folder must run on (default: {' '.join(DEFAULT_TARGETS)}; "
+        f"known: {', '.join(sorted(MISSING_KERNELS))})",
+    )
     p.set_defaults(func=_run)
 
 
@@ -92,6 +103,7 @@ def _run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         lr=args.lr,
         out_dir=args.output_dir,
+        targets=args.targets,
         **options,
     )
     m = art.manifest

@@ -48,6 +48,7 @@ from ..train.losses import _Emitter, add_loss, keep_outputs
 from . import tensors
 from .optim import STATE_KEYS, Param, emit_updates, hyperparameters
 from .targets import DEFAULT_TARGETS, check_targets
+from .webgpu import WEBGPU, lower_for_webgpu
 
 __all__ = ["FORMAT", "Artifacts", "generate"]
 
@@ -111,10 +112,14 @@ def generate(
     or ``"adamw"``, with the hyperparameters of :mod:`onnxgrad.train.optim` as keywords
     (``momentum=``, ``nesterov=``, ``betas=``, ``eps=``, ``weight_decay=``...) and the same
     defaults. ``lr`` is only the default the runners use; the step graph takes it as an input.
-    ``targets``: the runtimes the folder must run on (``"onnxruntime"``, ``"onnxruntime-web"``);
-    an op one of them has no kernel for (:mod:`onnxgrad.artifacts.targets`) raises
-    :class:`InputError` naming the op and the runtime, before anything is written.
+    ``targets``: the runtimes the folder must run on (``"onnxruntime"``, ``"onnxruntime-web"``,
+    ``"onnxruntime-web-webgpu"``); an op one of them has no kernel for
+    (:mod:`onnxgrad.artifacts.targets`) raises :class:`InputError` naming the op and the runtime,
+    before anything is written. With ``"onnxruntime-web-webgpu"`` the graphs are written the way
+    WebGPU runs them (:mod:`onnxgrad.artifacts.webgpu`; the other runtimes run those too).
     """
+    targets = list(targets)
+    webgpu = WEBGPU in targets
     prepared = prepare(model)  # the one validation: what follows rewrites the checked model
     proto = prepared.checked.proto
     opt = optimizer.lower()
@@ -135,12 +140,14 @@ def generate(
     inits = {i.name: i for i in train_lossy.graph.initializer}
 
     graphs = build_gradient(CheckedModel(train_lossy), trainable=trainable, outputs=[loss_name])
-    train_step, names = _train_step(graphs, inits, stats, opt, hyper, loss_name)
+    train_step, names = _train_step(graphs, inits, stats, opt, hyper, loss_name, webgpu)
     eval_step = _with_fed_initializers(eval_lossy, [*trainable, *stats], remove=True)
     eval_step = keep_outputs(CheckedModel(eval_step), [loss_name, *model_outputs])
     _reorder_outputs(eval_step, [loss_name, *model_outputs])
     inference = _with_fed_initializers(eval_model, [*trainable, *stats], remove=True)
     for m in (eval_step, inference):
+        if webgpu:
+            lower_for_webgpu(m)
         m.ir_version = _ir_version(m)
         check_model(m)
     check_targets(
@@ -197,8 +204,10 @@ def _train_step(
     optimizer: str,
     hyper: dict,
     loss_name: str,
+    webgpu: bool = False,
 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """compose(graphs) turned into a step: parameters as inputs, a seed of 1, updates appended."""
+    """compose(graphs) turned into a step: parameters as inputs, a seed of 1, updates appended
+    (``webgpu``: in the forms WebGPU runs, float32 optimizer scalars)."""
     model = compose(graphs, name="train_step")
     g = model.graph
     fed = {*graphs.trainable, *stats}
@@ -243,7 +252,8 @@ def _train_step(
     g.input.extend([*batch, *scalars, *params, *state_inputs, *stat_inputs])
 
     updates = [Param(p.name, graphs.grad_outputs[p.name], p.type.tensor_type.elem_type) for p in params]
-    new_params, new_state = emit_updates(e, optimizer, hyper, updates, state_names, LR, STEP)
+    scalar_dtype = TensorProto.FLOAT if webgpu else TensorProto.DOUBLE
+    new_params, new_state = emit_updates(e, optimizer, hyper, updates, state_names, LR, STEP, scalar_dtype)
     feedback: dict[str, str] = {}  # output -> the input it feeds at the next step
     outputs = [loss_info]
     targets = [(new_params[p.name], p) for p in params]
@@ -264,6 +274,8 @@ def _train_step(
     del model.graph.input[:]
     model.graph.input.extend(inputs)  # every input stays, even one this optimizer does not read
     _forward_identities(model)
+    if webgpu:
+        lower_for_webgpu(model)
     _check_standard(model)
     model.ir_version = _ir_version(model)
     check_model(model)

@@ -5,11 +5,13 @@ one-graph step gives the same numbers: the scalars that numpy computes in Python
 corrections, ``-lr / bias1``, ``1 - lr wd``) are computed here in double from the ``lr`` (double)
 and ``step`` (int64, the number of updates already made) inputs, then cast to the parameter's type,
 as numpy rounds a Python float meeting a float32 array. Tensor arithmetic stays in the parameter's
-type.
+type. ``scalar_dtype=FLOAT`` computes those scalars in float32 instead (after one Cast of ``lr`` and
+of ``step``), for runtimes without float64 kernels: WebGPU (:mod:`onnxgrad.artifacts.webgpu`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from onnx import TensorProto
@@ -65,9 +67,15 @@ def emit_updates(
     state: dict[tuple[str, str], str],
     lr: str,
     step: str,
+    scalar_dtype: int = DOUBLE,
 ) -> tuple[dict[str, str], dict[tuple[str, str], str]]:
-    """Append the update nodes: (param -> its new value, (param, key) -> new state value)."""
-    scalars = _Scalars(e, lr, step)
+    """Append the update nodes: (param -> its new value, (param, key) -> new state value).
+
+    ``scalar_dtype``: the type the per-step scalars are computed in (DOUBLE as numpy, or FLOAT).
+    """
+    if scalar_dtype not in (DOUBLE, TensorProto.FLOAT):
+        raise InputError(f"optimizer scalars are computed in double or float, not type {scalar_dtype}")
+    scalars = _Scalars(e, lr, step, scalar_dtype)
     new_params: dict[str, str] = {}
     new_state: dict[tuple[str, str], str] = {}
     for p in params:
@@ -79,10 +87,12 @@ def emit_updates(
 
 
 class _Scalars:
-    """Double scalars computed once per graph, cast once per parameter type."""
+    """Scalars (double, or float with ``dtype=FLOAT``) computed once per graph, cast once per
+    parameter type."""
 
-    def __init__(self, e: _Emitter, lr: str, step: str) -> None:
-        self.e, self.lr, self.step = e, lr, step
+    def __init__(self, e: _Emitter, lr: str, step: str, dtype: int = DOUBLE) -> None:
+        self.e, self.step, self.dtype = e, step, dtype
+        self.lr = lr if dtype == DOUBLE else e.op("Cast", lr, to=dtype)
         self._cache: dict[tuple, str] = {}
 
     def double(self, key: str) -> str:
@@ -90,7 +100,7 @@ class _Scalars:
             return self._cache[(key,)]
         e = self.e
         if key == "t":  # the 1-based index of this update, as Adam's state["step"]
-            out = e.op("Add", e.op("Cast", self.step, to=DOUBLE), e.const(1.0, DOUBLE))
+            out = e.op("Add", e.op("Cast", self.step, to=self.dtype), e.const(1.0, self.dtype))
         elif key == "neg_lr":
             out = e.op("Neg", self.lr)
         elif key == "first":  # no update made yet: SGD's momentum buffer starts as the gradient
@@ -103,13 +113,32 @@ class _Scalars:
     def cast(self, value: str, dtype: int) -> str:
         key = ("cast", value, dtype)
         if key not in self._cache:
-            self._cache[key] = value if dtype == DOUBLE else self.e.op("Cast", value, to=dtype)
+            self._cache[key] = value if dtype == self.dtype else self.e.op("Cast", value, to=dtype)
         return self._cache[key]
 
     def memo(self, key: tuple, make) -> str:
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
+
+
+def _one_minus_power(e: _Emitter, beta: float, t: str, dtype: int) -> str:
+    """``1 - beta**t`` in float32 as ``-expm1(t ln beta)``, within a few ulps of the double value.
+
+    ``1 - Pow(float32(beta), t)`` would lose digits twice: float32(0.999) is 1.3e-5 away from 0.999
+    relative to ``1 - 0.999``, and the subtraction cancels. ``ln beta`` is taken in double here;
+    expm1 is its Taylor series (Horner, 11 terms) where ``|u| < 0.5`` and ``exp(u) - 1`` elsewhere.
+    """
+    u = e.op("Mul", t, e.const(math.log(beta) if beta > 0 else -math.inf, dtype))
+    series = e.const(1.0, dtype)
+    for k in range(11, 1, -1):  # 1 + u/2 (1 + u/3 (... (1 + u/11)))
+        series = e.op(
+            "Add", e.const(1.0, dtype), e.op("Mul", e.op("Mul", u, e.const(1.0 / k, dtype)), series)
+        )
+    small = e.op("Mul", u, series)
+    large = e.op("Sub", e.op("Exp", u), e.const(1.0, dtype))
+    expm1 = e.op("Where", e.op("Greater", u, e.const(-0.5, dtype)), small, large)
+    return e.op("Neg", expm1)
 
 
 def _decayed(e: _Emitter, p: Param, weight_decay: float) -> str:
@@ -136,7 +165,7 @@ def _sgd(e, hyper, p: Param, state, new_state, s: _Scalars) -> str:
     if hyper["nesterov"]:  # p -= lr d; p -= lr μ b (two adds, as numpy)
         neg_lr_mu = s.memo(
             ("neg_lr_mu", p.dtype),
-            lambda: s.cast(e.op("Mul", s.double("neg_lr"), e.const(momentum, DOUBLE)), p.dtype),
+            lambda: s.cast(e.op("Mul", s.double("neg_lr"), e.const(momentum, s.dtype)), p.dtype),
         )
         first = e.op("Add", p.name, e.op("Mul", d, neg_lr))
         return e.op("Add", first, e.op("Mul", new_buf, neg_lr_mu))
@@ -153,7 +182,7 @@ def _adam(e, optimizer, hyper, p: Param, state, new_state, s: _Scalars) -> str:
             decay = s.memo(
                 ("decay", p.dtype),
                 lambda: s.cast(
-                    e.op("Sub", e.const(1.0, DOUBLE), e.op("Mul", s.lr, e.const(wd, DOUBLE))), p.dtype
+                    e.op("Sub", e.const(1.0, s.dtype), e.op("Mul", s.lr, e.const(wd, s.dtype))), p.dtype
                 ),
             )
             param = e.op("Mul", param, decay)
@@ -169,8 +198,10 @@ def _adam(e, optimizer, hyper, p: Param, state, new_state, s: _Scalars) -> str:
     )
     new_state[(p.name, "exp_avg")], new_state[(p.name, "exp_avg_sq")] = new_m, new_v
 
-    def bias(beta: float) -> str:  # 1 - β^t in double
-        return e.op("Sub", e.const(1.0, DOUBLE), e.op("Pow", e.const(beta, DOUBLE), s.double("t")))
+    def bias(beta: float) -> str:  # 1 - β^t in double, or in float without the cancellation
+        if s.dtype != DOUBLE:
+            return _one_minus_power(e, beta, s.double("t"), s.dtype)
+        return e.op("Sub", e.const(1.0, s.dtype), e.op("Pow", e.const(beta, s.dtype), s.double("t")))
 
     sqrt_bias2 = s.memo(("sqrt_bias2", p.dtype), lambda: s.cast(e.op("Sqrt", bias(beta2)), p.dtype))
     step_size = s.memo(

@@ -1,0 +1,215 @@
+"""Step graphs that onnxruntime-web's ``webgpu`` provider runs on the GPU (target
+``onnxruntime-web-webgpu``).
+
+:func:`lower_for_webgpu` rewrites three forms the gradient rules write for onnxruntime's CPU
+provider, where they are the fastest, into forms the WebGPU kernels of onnxruntime-web 1.30 accept
+and keep on the GPU (found by running the digits MLP and CNN in headless chromium):
+
+* ``MatMul(ones[M], rows)``, a bias gradient (``GradBuilder.sum_leading``: 1.7-5x faster than
+  ReduceSum on the CPU), becomes ``ReduceSum(rows, axes=[0])``: WebGPU's MatMul refuses a 1-D
+  operand ("Can't use matmul on the given tensors"); any other 1-D operand is unsqueezed to 2-D.
+* MaxPool's gradient routes dY with the ``Indices`` output and a ``MaxUnpool``; WebGPU's MaxPool
+  computes no ``Indices`` and has no MaxUnpool. For windows that tile the input (strides equal to the
+  kernel, no padding, dilation 1) the window's argmax is recomputed from X and Y: each window's
+  elements equal to Y, the first of them in row-major order (onnxruntime's choice on ties, its
+  ``>`` comparison keeps the first maximum) receives dY. Other MaxPools are refused.
+* ``LogSoftmax`` (no WebGPU kernel) becomes ``x - max - log(sum(exp(x - max)))``.
+
+The optimizer's scalars are computed in float32 for this target (:mod:`onnxgrad.artifacts.optim`);
+only the two ``Cast`` nodes reading the ``lr`` (double) and ``step`` (int64) inputs run on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..errors import InputError
+from ..model.graph import opset_of, to_array
+from ..model.infer import infer_value_infos
+from ..train.losses import _Emitter
+
+__all__ = ["WEBGPU", "lower_for_webgpu"]
+
+WEBGPU = "onnxruntime-web-webgpu"
+
+
+def lower_for_webgpu(model: onnx.ModelProto) -> None:
+    """Rewrite ``model`` in place so that onnxruntime-web's WebGPU kernels accept every node."""
+    g = model.graph
+    infos = infer_value_infos(model)
+    producers = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    scratch = onnx.GraphProto()
+    e = _Emitter(scratch, opset_of(model), TensorProto.FLOAT, "webgpu")
+    e.taken |= {v.name for v in (*g.input, *g.output, *g.value_info, *g.initializer)}
+    e.taken |= {o for n in g.node for o in n.output} | {n.name for n in g.node}
+    pools: dict[str, onnx.NodeProto] = {}  # Indices output -> its MaxPool
+    outputs = {o.name for o in g.output}
+    nodes: list[onnx.NodeProto] = []
+
+    def rank(name: str) -> int | None:
+        info = infos.get(name)
+        return None if info is None or info.shape is None else len(info.shape)
+
+    def emit(make) -> None:
+        del scratch.node[:]
+        make()
+        nodes.extend(scratch.node)
+
+    for n in g.node:
+        if n.op_type == "MatMul" and 1 in (rank(n.input[0]), rank(n.input[1])):
+            emit(lambda n=n: _matmul_2d(e, n, rank(n.input[0]), rank(n.input[1]), producers, g))
+        elif n.op_type == "MaxPool" and len(n.output) > 1 and n.output[1]:
+            users = readers.get(n.output[1], [])
+            if n.output[1] in outputs:
+                raise InputError(_pool_refusal(n, "the model outputs its Indices"))
+            if any(u.op_type != "MaxUnpool" or u.input[1] != n.output[1] for u in users):
+                raise InputError(_pool_refusal(n, "its gradient reads the Indices beyond one MaxUnpool"))
+            pools[n.output[1]] = n
+            kept = onnx.NodeProto()
+            kept.CopyFrom(n)
+            del kept.output[1:]
+            nodes.append(kept)
+        elif n.op_type == "MaxUnpool" and n.input[1] in pools:
+            emit(lambda n=n: _pool_grad(e, pools[n.input[1]], n, infos))
+        elif n.op_type == "LogSoftmax":
+            emit(lambda n=n: _log_softmax(e, n, rank(n.input[0])))
+        else:
+            nodes.append(n)
+    del g.node[:]
+    g.node.extend(nodes)
+    _drop_dead(g)
+
+
+def _is_ones(name: str, producers: dict, graph: onnx.GraphProto) -> bool:
+    """Whether ``name`` holds ones only: a Constant, an initializer or a ConstantOfShape of 1."""
+    node = producers.get(name)
+    if node is None:
+        init = next((i for i in graph.initializer if i.name == name), None)
+        return init is not None and bool(np.all(to_array(init) == 1))
+    attrs = {a.name: a for a in node.attribute}
+    if node.op_type == "Constant" and "value" in attrs:
+        return bool(np.all(numpy_helper.to_array(attrs["value"].t) == 1))
+    if node.op_type == "ConstantOfShape" and "value" in attrs:
+        return bool(np.all(numpy_helper.to_array(attrs["value"].t) == 1))
+    return False
+
+
+def _matmul_2d(e: _Emitter, n: onnx.NodeProto, ra: int | None, rb: int | None, producers, graph) -> None:
+    """``n`` (a MatMul with a 1-D operand) written with 2-D operands, or as a ReduceSum."""
+    a, b, out = n.input[0], n.input[1], n.output[0]
+    if ra == 1 and rb == 2 and _is_ones(a, producers, graph):
+        e.axes_op("ReduceSum", b, [0], keepdims=0, out=out)  # ones @ rows: the column sums
+        return
+    if ra == 1 and rb == 1:  # vector . vector: (1, K) @ (K, 1), then a scalar
+        prod = e.op("MatMul", _unsqueeze(e, a, 0), _unsqueeze(e, b, 1))
+        e.op("Reshape", prod, e.const(np.zeros(0, np.int64), TensorProto.INT64), out=out)
+    elif ra == 1:  # (1, K) @ (..., K, N), then drop the 1
+        _squeeze(e, e.op("MatMul", _unsqueeze(e, a, 0), b), -2, out)
+    else:  # (..., M, K) @ (K, 1), then drop the 1
+        _squeeze(e, e.op("MatMul", a, _unsqueeze(e, b, 1)), -1, out)
+
+
+def _unsqueeze(e: _Emitter, x: str, axis: int) -> str:
+    if e.opset >= 13:
+        return e.op("Unsqueeze", x, e.const([axis], TensorProto.INT64))
+    return e.op("Unsqueeze", x, axes=[axis])
+
+
+def _squeeze(e: _Emitter, x: str, axis: int, out: str) -> str:
+    if e.opset >= 13:
+        return e.op("Squeeze", x, e.const([axis], TensorProto.INT64), out=out)
+    return e.op("Squeeze", x, axes=[axis], out=out)
+
+
+def _pool_refusal(n: onnx.NodeProto, why: str) -> str:
+    return (
+        f"MaxPool {n.name!r}: the onnxruntime-web-webgpu target has no MaxPool Indices nor MaxUnpool, "
+        f"and {why}; its gradient without Indices needs windows that tile the input (strides equal "
+        "to kernel_shape, no padding, dilations 1, storage_order 0, known spatial sizes)"
+    )
+
+
+def _pool_grad(e: _Emitter, pool: onnx.NodeProto, unpool: onnx.NodeProto, infos) -> None:
+    """dX of ``pool`` without Indices: dY at the first element of each window equal to Y."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in pool.attribute}
+    kernel = [int(k) for k in attrs["kernel_shape"]]
+    nsp = len(kernel)
+    auto_pad = attrs.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    x, y, dy, out = pool.input[0], pool.output[0], unpool.input[0], unpool.output[0]
+    info = infos.get(x)
+    sizes = None if info is None or info.shape is None else list(info.shape)[2:]
+    if (
+        [int(s) for s in attrs.get("strides", kernel)] != kernel
+        or any(attrs.get("pads", [0]))
+        or any(int(d) != 1 for d in attrs.get("dilations", [1]))
+        or int(attrs.get("storage_order", 0))
+        or auto_pad not in ("NOTSET", "VALID")
+        or sizes is None
+        or len(sizes) != nsp
+        or not all(isinstance(s, int) for s in sizes)
+        or (int(attrs.get("ceil_mode", 0)) and any(s % k for s, k in zip(sizes, kernel)))
+    ):
+        raise InputError(_pool_refusal(pool, "its windows do not tile the input"))
+    tiles = [s // k for s, k in zip(sizes, kernel)]
+    covered = [t * k for t, k in zip(tiles, kernel)]
+    i64 = TensorProto.INT64
+    if covered != sizes:  # the last rows and columns no window reaches get no gradient
+        x = e.op(
+            "Slice", x, e.const([0] * nsp, i64), e.const(covered, i64), e.const(list(range(2, 2 + nsp)), i64)
+        )
+    split = [0, 0, *(v for t, k in zip(tiles, kernel) for v in (t, k))]
+    single = [0, 0, *(v for t in tiles for v in (t, 1))]
+    x6 = e.op("Reshape", x, e.const(split, i64))
+    y6 = e.op("Reshape", y, e.const(single, i64))
+    dy6 = e.op("Reshape", dy, e.const(single, i64))
+    dtype = infos[pool.input[0]].dtype if pool.input[0] in infos else TensorProto.FLOAT
+    # each element's priority within its window: the first in row-major order ranks highest
+    count = math.prod(kernel)
+    rank = (count - np.arange(count)).reshape([1, 1, *(v for k in kernel for v in (1, k))])
+    hit = e.op("Equal", x6, y6)
+    zero = e.const(0.0, dtype)
+    priority = e.op("Where", hit, e.const(rank.astype(np.float32), dtype), zero)
+    window_axes = [3 + 2 * i for i in range(nsp)]
+    best = e.axes_op("ReduceMax", priority, window_axes, keepdims=1)
+    first = e.op("Equal", priority, best)
+    routed = e.op("Where", first, e.op("Where", hit, dy6, zero), zero)
+    if covered == sizes:
+        e.op("Reshape", routed, e.const([0, 0, *covered], i64), out=out)
+        return
+    dx = e.op("Reshape", routed, e.const([0, 0, *covered], i64))
+    pads = [0] * (2 + nsp) + [0, 0, *(s - c for s, c in zip(sizes, covered))]
+    e.op("Pad", dx, e.const(pads, i64), zero, out=out)
+
+
+def _log_softmax(e: _Emitter, n: onnx.NodeProto, r: int | None) -> None:
+    axis = next((int(helper.get_attribute_value(a)) for a in n.attribute if a.name == "axis"), -1)
+    if axis < 0 and r is not None:
+        axis += r
+    shifted = e.op("Sub", n.input[0], e.axes_op("ReduceMax", n.input[0], [axis], keepdims=1))
+    total = e.axes_op("ReduceSum", e.op("Exp", shifted), [axis], keepdims=1)
+    e.op("Sub", shifted, e.op("Log", total), out=n.output[0])
+
+
+def _drop_dead(g: onnx.GraphProto) -> None:
+    """Drop the nodes no output needs (the ones vectors of rewritten bias gradients)."""
+    needed = {o.name for o in g.output}
+    keep = []
+    for node in reversed(list(g.node)):
+        subgraph_reads = {
+            i for a in node.attribute for s in (a.g, *a.graphs) for m in s.node for i in m.input
+        }
+        if any(o in needed for o in node.output):
+            keep.append(node)
+            needed.update(i for i in node.input if i)
+            needed |= subgraph_reads
+    del g.node[:]
+    g.node.extend(reversed(keep))
