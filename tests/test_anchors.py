@@ -42,17 +42,21 @@ def _torch_grads(module, x, cot):
 def _grouped_compare(model, onnx_grads, module, torch_grads, check):
     """Match ONNX initializers to torch parameters by value (possibly transposed, possibly tied).
 
-    The TorchScript exporter may store a weight transposed, and merges identical tensors (two
-    fresh LayerNorms share their weight): for each group of equal values, the sum of onnxgrad's
-    gradients must equal the sum of torch's.
+    The TorchScript exporter may store a weight transposed, and aliases identical tensors through
+    Identity (two fresh LayerNorms share their weight; onnxgrad trains the aliases apart, under
+    their own names): for each group of equal values, the sum of onnxgrad's gradients must equal
+    the sum of torch's.
     """
     params = {n: p.detach().double().numpy() for n, p in module.named_parameters()}
+    values = {i.name: to_array(i).astype(np.float64) for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Identity" and node.input[0] in values:
+            values[node.output[0]] = values[node.input[0]]
     matched = set()
     groups = []
-    for init in model.graph.initializer:
-        if init.name not in onnx_grads:
+    for name, value in values.items():
+        if name not in onnx_grads:
             continue
-        value = to_array(init).astype(np.float64)
         same = [n for n, p in params.items() if p.shape == value.shape and np.array_equal(p, value)]
         tr = [
             n
@@ -60,7 +64,7 @@ def _grouped_compare(model, onnx_grads, module, torch_grads, check):
             if p.ndim == 2 and p.T.shape == value.shape and np.array_equal(p.T, value)
         ]
         if same or tr:
-            groups.append((init.name, same, tr))
+            groups.append((name, same, tr))
     assert groups, "no initializer matched a torch parameter"
     by_value: dict[tuple, list] = {}
     for name, same, tr in groups:
@@ -114,11 +118,15 @@ def test_anchor_float32_matches_torch_tie_aware(name):
     _grouped_compare(model, grads, module, torch_grads, check)
 
 
-def test_transformer_export_ties_layernorm_weights():
-    """The trap of the anchors page: the exporter shares identical initializers."""
+def test_transformer_export_aliases_train_apart():
+    """The trap of the anchors page: the exporter aliases the two fresh LayerNorms' equal weights
+    and biases through Identity; they are distinct torch parameters and train apart."""
     module = anchors.build("transformer")
     model = anchors.export(module, anchors.example_input("transformer", batch=1, seq=4))
     lns = [n for n in model.graph.node if n.op_type == "LayerNormalization"]
     assert len(lns) == 2
+    aliases = {n.output[0] for n in model.graph.node if n.op_type == "Identity"}
+    assert {"norm2.weight", "norm2.bias"} <= aliases
     graphs = onnxgrad.build_gradient(model)
-    assert len(graphs.trainable) < sum(1 for _ in module.parameters())
+    assert len(graphs.trainable) == sum(1 for _ in module.parameters())
+    assert {"norm1.weight", "norm2.weight", "norm1.bias", "norm2.bias"} <= set(graphs.trainable)
