@@ -223,7 +223,8 @@ def test_history_file_has_one_row_per_epoch(tmp_path, suffix):
         HistoryFile(tmp_path / "h.txt")
 
 
-def test_progress_bar_shows_the_validation_metrics(capsys):
+def test_progress_bar_shows_the_validation_metrics(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # tqdm cuts the bar to the terminal's width (80 by default)
     trainer = Trainer(linear(), loss="cross_entropy", batch_size=8, metrics={"acc": accuracy_metric("y")})
     trainer.fit(classification(16), classification(8, seed=1), epochs=2)
     err = capsys.readouterr().err
