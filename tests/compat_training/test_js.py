@@ -5,26 +5,14 @@ dependencies cannot be installed."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-
-JS = Path(__file__).resolve().parents[2] / "js"
+from tests._node import JS, node_with_js_dependencies
 
 
 def test_js_training_session_matches_python(tmp_path):
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        pytest.skip("node and npm are needed for the JavaScript tests")
-    if not (JS / "node_modules" / "onnxruntime-node").is_dir():
-        done = subprocess.run(
-            [npm, "ci", "--no-audit", "--no-fund"], cwd=JS, capture_output=True, text=True, timeout=600
-        )
-        if done.returncode != 0:
-            pytest.skip(f"npm ci failed in js/ (offline?): {done.stderr[-500:]}")
+    node = node_with_js_dependencies()
     fixture = tmp_path / "fixture"
     subprocess.run(
         [sys.executable, str(JS / "test" / "make_ort_training_fixture.py"), str(fixture)],
