@@ -14,6 +14,11 @@ what ``Trainer`` runs), the two-session step with numpy AdamW (``ForwardBackward
 
 The time to build the gradient graphs of a 24-layer stack of the transformer layer is measured too.
 
+Each model is timed in a fresh process of its own (``--in-process``: all in this one); the
+figures carry the machine they were taken on (CPU, cores, vector extensions, load average,
+versions). Medians and fastest steps are both printed: on a shared machine the fastest step is the
+steadier of the two.
+
     python bench/compare_torch.py [--models mlp cnn transformer tiny] [--steps 30] [--json out.json]
 """
 
@@ -39,6 +44,38 @@ from onnxgrad.runtime.runner import default_options
 from onnxgrad.torch import OnnxModule
 
 THREADS = 2
+
+
+def machine() -> dict:
+    """The machine and versions the figures were taken on (CPU model, cores, vector extensions,
+    load average), as ``docs/performance.md`` reports them."""
+    import platform
+
+    import numpy as np
+    import onnxruntime as ort
+
+    cpu, flags = platform.processor() or "unknown", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        cpu = next(
+            line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")
+        )
+        flags = next(line.split(":", 1)[1] for line in info.splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pass
+    vector = sorted({f for f in flags.split() if f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")})
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "vector": " ".join(vector),
+        "load_average": " ".join(f"{v:.2f}" for v in os.getloadavg()),
+        "python": platform.python_version(),
+        "onnxruntime": ort.__version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "onnxgrad": onnxgrad.__version__,
+    }
 
 
 def _tiny() -> tuple[torch.nn.Module, torch.Tensor]:
@@ -196,6 +233,63 @@ def build_seconds(layers: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def run_model(name: str, args: argparse.Namespace) -> dict:
+    """Every figure of one model: forward + backward and full step (median and fastest step of
+    each contender, ratios to torch's) and peak memory."""
+    out: dict = {"step": {}, "full_step": {}}
+    times = step_times(name, args.steps)
+    ref_med, ref_min = statistics.median(times["torch eager"]), min(times["torch eager"])
+    for k, v in times.items():
+        med, low = statistics.median(v), min(v)
+        mem = float("nan") if args.no_memory else peak_memory(name, k)
+        out["step"][k] = {
+            "ms": med,
+            "ratio": med / ref_med,
+            "min_ms": low,
+            "min_ratio": low / ref_min,
+            "peak_mib": mem,
+        }
+    if args.full_steps:
+        times = step_times(name, args.full_steps, full=True)
+        ref_med, ref_min = statistics.median(times["torch eager AdamW"]), min(times["torch eager AdamW"])
+        for k, v in times.items():
+            med, low = statistics.median(v), min(v)
+            out["full_step"][k] = {
+                "ms": med,
+                "ratio": med / ref_med,
+                "min_ms": low,
+                "min_ratio": low / ref_min,
+            }
+    return out
+
+
+def _isolated(name: str, args: argparse.Namespace) -> dict:
+    """:func:`run_model` in a fresh process (one process per comparison: no model's allocations,
+    thread pools or caches carry over to the next)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "figures.json")
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--models",
+            name,
+            "--steps",
+            str(args.steps),
+            "--full-steps",
+            str(args.full_steps),
+            "--build-layers",
+            "0",
+            "--in-process",
+            "--json",
+            path,
+        ]
+        if args.no_memory:
+            cmd.append("--no-memory")
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        with open(path) as f:
+            return json.load(f)["models"][name]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "mlp", "cnn", "transformer"])
@@ -208,46 +302,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--build-layers", type=int, default=24, help="transformer layers of the build-time run (0: skip)"
     )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="time every model in this process (default: one process each)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(THREADS)
-    results: dict[str, dict] = {}
-    header = f"{'model':12s} {'contender':22s} {'ms/step':>9s} {'vs torch':>9s} {'peak MiB':>9s}"
-    print(header)
-    print("-" * len(header))
+    figures: dict = {"machine": machine(), "threads": THREADS, "steps": args.steps, "models": {}}
+    print(", ".join(f"{k}: {v}" for k, v in figures["machine"].items()))
     for name in args.models:
-        medians = time_steps(name, args.steps)
-        ref = medians["torch eager"]
-        results[name] = {}
-        for k, ms in medians.items():
-            mem = float("nan") if args.no_memory else peak_memory(name, k)
-            results[name][k] = {"ms": ms, "ratio": ms / ref, "peak_mib": mem}
-            print(f"{name:12s} {k:22s} {ms:9.3f} {ms / ref:9.2f} {mem:9.1f}")
-    full: dict[str, dict] = {}
-    if args.full_steps:
-        cols = ("median ms", "vs torch", "min ms", "vs torch")
-        header = f"{'model':12s} {'full step (AdamW)':22s} " + " ".join(f"{c:>9s}" for c in cols)
-        print(f"\n{header}")
-        print("-" * len(header))
-        for name in args.models:
-            times = step_times(name, args.full_steps, full=True)
-            stats = {k: (statistics.median(v), min(v)) for k, v in times.items()}
-            ref_med, ref_min = stats["torch eager AdamW"]
-            full[name] = {
-                k: {"ms": med, "ratio": med / ref_med, "min_ms": low, "min_ratio": low / ref_min}
-                for k, (med, low) in stats.items()
-            }
-            for k, (med, low) in stats.items():
-                print(f"{name:12s} {k:22s} {med:9.3f} {med / ref_med:9.2f} {low:9.3f} {low / ref_min:9.2f}")
+        figures["models"][name] = run_model(name, args) if args.in_process else _isolated(name, args)
+    cols = ("median ms", "vs torch", "min ms", "vs torch", "peak MiB")
+    for part, title in (("step", "forward+backward"), ("full_step", "full step (AdamW)")):
+        if part == "full_step" and not args.full_steps:
+            continue
+        header = f"{'model':12s} {title:22s} " + " ".join(
+            f"{c:>9s}" for c in cols[: 5 if part == "step" else 4]
+        )
+        print(f"\n{header}\n" + "-" * len(header))
+        for name, res in figures["models"].items():
+            for k, v in res[part].items():
+                row = f"{name:12s} {k:22s} {v['ms']:9.3f} {v['ratio']:9.2f}"
+                row += f" {v['min_ms']:9.3f} {v['min_ratio']:9.2f}"
+                print(row + (f" {v['peak_mib']:9.1f}" if part == "step" else ""))
     build = None
     if args.build_layers:
         build = build_seconds(args.build_layers)
         print(f"\ngradient graphs of a {args.build_layers}-layer transformer built in {build:.2f} s")
+    figures["build_seconds"] = {"layers": args.build_layers, "seconds": build}
+    figures["full_step_optimizer"] = "AdamW"
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            figures = {"threads": THREADS, "steps": args.steps, "results": results}
-            figures["build_seconds"] = {"layers": args.build_layers, "seconds": build}
-            figures["full_step"] = {"steps": args.full_steps, "optimizer": "AdamW", "results": full}
             json.dump(figures, f, indent=2)
     return 0
 
