@@ -428,3 +428,81 @@ def test_layers_in_a_small_network() -> None:
     model.ir_version = 8
     result = check_gradients(model, {"x": rnd(2, 2, 5, 5, dtype=F32)}, wrt=["x", "w", "s", "b"])
     assert result.ok, result.report()
+
+
+# ---- Conv weight gradient by im2col (rules/conv.py: _unfolded_weight_grad) ---------------------
+UNFOLD_CASES = [
+    # (x shape, w shape, torch conv2d keywords): kernels of <= 9 positions, or 25 over one channel
+    ((4, 3, 9, 8), (5, 3, 3, 3), {"padding": 1}),
+    ((4, 3, 9, 8), (5, 3, 3, 3), {"stride": 2, "padding": 1, "dilation": 2}),
+    ((3, 4, 6, 7), (6, 4, 1, 1), {}),  # 1x1 at stride 1: X is its own patches
+    ((3, 4, 6, 7), (6, 4, 1, 1), {"stride": 2}),
+    ((5, 1, 12, 12), (6, 1, 5, 5), {"padding": 2}),  # the first layer of the anchor CNN, smaller
+    ((2, 2, 7, 6), (3, 2, 2, 3), {"stride": (2, 1), "padding": (1, 0)}),
+]
+
+
+def _conv_model(xs: tuple, ws: tuple, kw: dict, batch: str | None = None) -> Any:
+    pads = kw.get("padding", 0)
+    pads = [pads, pads] if isinstance(pads, int) else list(pads)
+    attrs = {
+        "strides": list(np.broadcast_to(kw.get("stride", 1), 2)),
+        "dilations": list(np.broadcast_to(kw.get("dilation", 1), 2)),
+        "pads": pads + pads,
+    }
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch or xs[0], *xs[1:]])
+    ys = F.conv2d(torch.zeros(xs), torch.zeros(ws), **kw).shape
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], **attrs)],
+        "conv",
+        [x],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch or ys[0], *ys[1:]])],
+        [numpy_helper.from_array(rnd(*ws, dtype=F32), "w")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def _one_hot_convs(graphs: Any) -> list:
+    """The backward's Conv nodes that unfold X: they read X itself, where the Conv form reads X
+    with batch and channels swapped (a Transpose)."""
+    nodes = graphs.backward.graph.node
+    transposed = {o for n in nodes if n.op_type == "Transpose" for o in n.output}
+    return [n for n in nodes if n.op_type == "Conv" and n.input[0] not in transposed]
+
+
+@pytest.mark.parametrize(("xs", "ws", "kw"), UNFOLD_CASES)
+@pytest.mark.parametrize("batch", [None, "N"])
+def test_conv_weight_grad_by_im2col_equals_torch(xs: tuple, ws: tuple, kw: dict, batch: str | None) -> None:
+    """float32 weight gradients by im2col against torch's in float64, static and symbolic batch;
+    the unfolding Conv is there unless the patches are X itself."""
+    import onnxgrad
+
+    model = _conv_model(xs, ws, kw, batch)
+    fb = onnxgrad.ForwardBackward(model)
+    plain = ws[2:] == (1, 1) and kw.get("stride", 1) == 1
+    assert len(_one_hot_convs(fb.graphs)) == (0 if plain else 1)
+    assert "Transpose" in {n.op_type for n in fb.graphs.backward.graph.node}  # P^T of the batched product
+    x = rnd(*xs, dtype=F32)
+    w = numpy_helper.to_array(model.graph.initializer[0]).copy()
+    y = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), **kw)
+    dy = rnd(*y.shape, dtype=F32)
+    grads = fb.forward({"x": x}).backward({"y": dy})
+    want = torch.nn.grad.conv2d_weight(
+        torch.from_numpy(x).double(), w.shape, torch.from_numpy(dy).double(), **kw
+    ).numpy()
+    assert_allclose_scaled(np.asarray(grads["w"]), want, rtol=2e-6)
+
+
+@pytest.mark.parametrize(
+    ("xs", "ws", "dtype"),
+    [
+        ((2, 6, 10, 10), (4, 6, 5, 5), F32),  # 25 positions over 6 channels: the Conv form
+        ((2, 3, 9, 8), (5, 3, 3, 3), np.float64),  # float64: the Conv form (no unfolding needed)
+    ],
+)
+def test_conv_weight_grad_keeps_the_conv_form(xs: tuple, ws: tuple, dtype: Any) -> None:
+    """Larger kernels over several channels (slower by im2col) and float64 keep the Conv of X with
+    dY as its kernel."""
+    inputs = [rnd(*xs, dtype=dtype), rnd(*ws, dtype=dtype)]
+    graphs = build_gradient(node_model("Conv", inputs, attrs={}), inputs_requiring_grad=["in0", "in1"])
+    assert not _one_hot_convs(graphs)

@@ -1,9 +1,9 @@
 """Step graphs that onnxruntime-web's ``webgpu`` provider runs on the GPU (target
 ``onnxruntime-web-webgpu``).
 
-:func:`lower_for_webgpu` rewrites three forms the gradient rules write for onnxruntime's CPU
-provider, where they are the fastest, into forms the WebGPU kernels of onnxruntime-web 1.30 accept
-and keep on the GPU (found by running the digits MLP and CNN in headless chromium):
+:func:`lower_for_webgpu` rewrites four forms the gradient rules write for onnxruntime's CPU
+provider, where they are the fastest, into forms the WebGPU kernels of onnxruntime-web 1.30 accept,
+compute right and keep on the GPU (found by running the digits MLP and CNN in headless chromium):
 
 * ``MatMul(ones[M], rows)``, a bias gradient (``GradBuilder.sum_leading``: 1.7-5x faster than
   ReduceSum on the CPU), becomes ``ReduceSum(rows, axes=[0])``: WebGPU's MatMul refuses a 1-D
@@ -14,6 +14,9 @@ and keep on the GPU (found by running the digits MLP and CNN in headless chromiu
   elements equal to Y, the first of them in row-major order (onnxruntime's choice on ties, its
   ``>`` comparison keeps the first maximum) receives dY. Other MaxPools are refused.
 * ``LogSoftmax`` (no WebGPU kernel) becomes ``x - max - log(sum(exp(x - max)))``.
+* A Conv weight gradient by im2col unfolds X with a grouped Conv (one group per channel, one
+  shared one-hot kernel); WebGPU's grouped Conv computes it wrongly, so it runs as one ungrouped
+  Conv over the channels folded into the batch (:func:`_fold_groups`).
 
 The optimizer's scalars are computed in float32 for this target (:mod:`onnxgrad.artifacts.optim`);
 only the two ``Cast`` nodes reading the ``lr`` (double) and ``step`` (int64) inputs run on the CPU.
@@ -81,11 +84,63 @@ def lower_for_webgpu(model: onnx.ModelProto) -> None:
             emit(lambda n=n: _pool_grad(e, pools[n.input[1]], n, infos))
         elif n.op_type == "LogSoftmax":
             emit(lambda n=n: _log_softmax(e, n, rank(n.input[0])))
+        elif n.op_type == "Conv" and _shared_group_kernel(n, producers, g) is not None:
+            emit(lambda n=n: _fold_groups(e, n, _shared_group_kernel(n, producers, g), rank(n.input[0])))
         else:
             nodes.append(n)
     del g.node[:]
     g.node.extend(nodes)
     _drop_dead(g)
+
+
+def _constant(name: str, producers: dict, graph: onnx.GraphProto) -> np.ndarray | None:
+    """The value of ``name`` when it is a Constant node's or an initializer's, else None."""
+    node = producers.get(name)
+    if node is None:
+        init = next((i for i in graph.initializer if i.name == name), None)
+        return None if init is None else to_array(init)
+    value = next((a for a in node.attribute if a.name == "value"), None)
+    return numpy_helper.to_array(value.t) if node.op_type == "Constant" and value is not None else None
+
+
+def _shared_group_kernel(n: onnx.NodeProto, producers: dict, graph: onnx.GraphProto) -> np.ndarray | None:
+    """The kernel every group of a grouped Conv applies, when each group reads one channel and all
+    groups share one constant kernel (the one-hot Conv that unfolds X for the weight gradient,
+    ``rules/conv.py``), no bias; else None."""
+    group = next((int(a.i) for a in n.attribute if a.name == "group"), 1)
+    if group <= 1 or (len(n.input) > 2 and n.input[2]):
+        return None
+    w = _constant(n.input[1], producers, graph)
+    if w is None or w.ndim < 3 or w.shape[1] != 1 or w.shape[0] % group:
+        return None
+    blocks = w.reshape(group, w.shape[0] // group, *w.shape[1:])
+    return blocks[0] if bool(np.all(blocks == blocks[:1])) else None
+
+
+def _fold_groups(e: _Emitter, n: onnx.NodeProto, kernel: np.ndarray, r: int | None) -> None:
+    """A Conv whose ``group`` groups read one channel each with one shared kernel, as an ungrouped
+    Conv over the channels folded into the batch: (N, C, S...) -> (N C, 1, S...) -> Conv ->
+    (N C, k, S'...) -> (N, C k, S'...), the same channel order (channel c, then kernel output j).
+    onnxruntime-web 1.30's WebGPU grouped Conv computes this case wrongly (group 4, 9 outputs
+    per group: errors of the order of the values, found by the digits CNN's weight gradient)."""
+    if r is None:
+        raise InputError(f"Conv {n.name!r}: the onnxruntime-web-webgpu target needs the rank of its input")
+    i64 = TensorProto.INT64
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute if a.name != "group"}
+    spatial = list(range(2, r))
+    shape_x = e.op("Shape", n.input[0])
+    batch_first = e.op(
+        "Concat", e.const([-1, 1], i64), e.op("Gather", shape_x, e.const(spatial, i64)), axis=0
+    )
+    folded = e.op("Conv", e.op("Reshape", n.input[0], batch_first), e.const(kernel), **attrs)
+    out_shape = e.op(
+        "Concat",
+        e.op("Gather", shape_x, e.const([0], i64)),
+        e.const([-1], i64),  # the groups times the kernel's outputs
+        e.op("Gather", e.op("Shape", folded), e.const(spatial, i64)),
+        axis=0,
+    )
+    e.op("Reshape", folded, out_shape, out=n.output[0])
 
 
 def _is_ones(name: str, producers: dict, graph: onnx.GraphProto) -> bool:

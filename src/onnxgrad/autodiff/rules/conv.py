@@ -14,6 +14,7 @@ import itertools
 import math
 
 import numpy as np
+from onnx import TensorProto
 
 from ...errors import GradientNotImplementedError
 from ...model.graph import Dim
@@ -70,10 +71,57 @@ def conv(g: GradBuilder, n: NodeContext) -> Grads:
     if n.needs[0]:
         grads[0] = _conv_input_grad(g, n.dy, w, x, win, group, kernel, spatial)
     if n.needs[1]:
-        grads[1] = _conv_weight_grad(g, n.dy, x, w, win, group, kernel, spatial)
+        dw = _unfolded_weight_grad(g, n.dy, x, w, win, kernel) if group == 1 else None
+        grads[1] = dw if dw is not None else _conv_weight_grad(g, n.dy, x, w, win, group, kernel, spatial)
     if b is not None and n.needs[2]:
         grads[2] = g.reduce_sum(n.dy, [0, *range(2, 2 + nsp)], keepdims=False)
     return grads
+
+
+# The unfolded patches of one sample, in values, up to which the weight gradient is computed by
+# im2col (4 MiB of float32 per sample: the backward holds them for one product).
+UNFOLD_MAX_VALUES = 1 << 20
+
+
+def _unfolded_weight_grad(
+    g: GradBuilder, dy: Var, x: Var, w: Var, win: Window, kernel: list[int] | None
+) -> Var | None:
+    """dW of an ungrouped float32 Conv as im2col: the patches P (N, C K, L) of X are unfolded by a
+    Conv of X with a one-hot kernel (one output channel per input channel and kernel position,
+    ``group=C``, the forward's strides, dilations and pads, so that L = the positions of Y), then
+    dW = sum_n dY[n] P[n]^T, one batched MatMul (dY as (N, M, L)) and a ReduceSum over N.
+
+    onnxruntime's Conv with dY as the kernel (:func:`_conv_weight_grad`) im2cols X for a kernel as
+    large as Y: on 2 cores this form measured 2-4x faster for 3x3 kernels (e.g. batch 64, 16 -> 32
+    channels of 16x16: 2.2 ms against 8.5 ms) and 2x for a 5x5 kernel on one channel (the
+    anchor CNN's first layer), but up to 30 % slower for larger kernels over several channels,
+    whose one-hot Conv does K multiply-adds per patch value. Used for kernels of at most 9 positions,
+    or 25 over one channel, when the patches of one sample hold at most ``UNFOLD_MAX_VALUES``;
+    None elsewhere.
+    """
+    if x.dtype != TensorProto.FLOAT or kernel is None or x.shape is None or dy.shape is None:
+        return None
+    c, k = x.shape[1], math.prod(kernel)
+    positions = static_dims(list(dy.shape[2:]))
+    if not isinstance(c, int) or positions is None or not (k <= 9 or (c == 1 and k <= 25)):
+        return None
+    length = math.prod(positions)
+    if c * k * length > UNFOLD_MAX_VALUES:
+        return None
+    m = w.shape[0] if w.shape is not None else None
+    plain = k == 1 and not any(win.pads) and all(s == 1 for s in win.strides)
+    if plain:  # a 1x1 kernel at stride 1 without padding: the patches are X itself
+        patches = x
+    else:
+        onehot = np.zeros((c * k, 1, *kernel), dtype=np.float32)
+        for ch in range(c):  # output channel ch K + j picks kernel position j of channel ch
+            for j, pos in enumerate(itertools.product(*(range(d) for d in kernel))):
+                onehot[(ch * k + j, 0, *pos)] = 1.0
+        patches = g.Conv(x, g.const(onehot), group=c, kernel_shape=list(kernel), **win.attrs())
+    p3 = g.Reshape(patches, [0, c * k, length], shape=(x.shape[0], c * k, length))
+    d3 = g.Reshape(dy, [0, -1, length], shape=(dy.shape[0], m, length))
+    per_sample = g.MatMul(d3, g.Transpose(p3, perm=[0, 2, 1]), shape=(dy.shape[0], m, c * k))
+    return g.Reshape(g.reduce_sum(per_sample, [0], keepdims=False), g.shape_of(w), shape=w.shape)
 
 
 def _conv_input_grad(
