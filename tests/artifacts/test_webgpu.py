@@ -66,6 +66,14 @@ def test_webgpu_step_forms(kind):
         # WebGPU's grouped Conv computes that wrongly: the target folds the groups into the batch
         assert len(grouped(default.train_step)) == 1
         assert grouped(step) == []
+        # conv1's (one channel) is a 3-D Conv of depth 1 on the CPU; WebGPU has no 3-D Conv
+        default_infos = infer_value_infos(default.train_step)
+
+        def conv_ranks(m: onnx.ModelProto, known: dict) -> list[int]:
+            return sorted(len(known[n.input[0]].shape) for n in m.graph.node if n.op_type == "Conv")
+
+        assert 5 in conv_ranks(default.train_step, default_infos)
+        assert set(conv_ranks(step, infos)) == {4}
     for m in (art.eval_step, art.inference):
         assert "LogSoftmax" not in [n.op_type for n in m.graph.node]
     assert art.manifest["lr"]["dtype"] == "float64"  # the interface is the same for every target

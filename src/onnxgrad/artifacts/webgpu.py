@@ -1,7 +1,7 @@
 """Step graphs that onnxruntime-web's ``webgpu`` provider runs on the GPU (target
 ``onnxruntime-web-webgpu``).
 
-:func:`lower_for_webgpu` rewrites four forms the gradient rules write for onnxruntime's CPU
+:func:`lower_for_webgpu` rewrites the forms the gradient rules write for onnxruntime's CPU
 provider, where they are the fastest, into forms the WebGPU kernels of onnxruntime-web 1.30 accept,
 compute right and keep on the GPU (found by running the digits MLP and CNN in headless chromium):
 
@@ -16,7 +16,8 @@ compute right and keep on the GPU (found by running the digits MLP and CNN in he
 * ``LogSoftmax`` (no WebGPU kernel) becomes ``x - max - log(sum(exp(x - max)))``.
 * A Conv weight gradient by im2col unfolds X with a grouped Conv (one group per channel, one
   shared one-hot kernel); WebGPU's grouped Conv computes it wrongly, so it runs as one ungrouped
-  Conv over the channels folded into the batch (:func:`_fold_groups`).
+  Conv over the channels folded into the batch (:func:`_fold_groups`). Over one channel the unfold
+  is a 3-D Conv of depth 1, which WebGPU lacks: it runs as a 2-D Conv (:func:`_conv_2d`).
 
 The optimizer's scalars are computed in float32 for this target (:mod:`onnxgrad.artifacts.optim`);
 only the two ``Cast`` nodes reading the ``lr`` (double) and ``step`` (int64) inputs run on the CPU.
@@ -84,6 +85,8 @@ def lower_for_webgpu(model: onnx.ModelProto) -> None:
             emit(lambda n=n: _pool_grad(e, pools[n.input[1]], n, infos))
         elif n.op_type == "LogSoftmax":
             emit(lambda n=n: _log_softmax(e, n, rank(n.input[0])))
+        elif n.op_type == "Conv" and _flat_depth_kernel(n, producers, g) is not None:
+            emit(lambda n=n: _conv_2d(e, n, _flat_depth_kernel(n, producers, g)))
         elif n.op_type == "Conv" and _shared_group_kernel(n, producers, g) is not None:
             emit(lambda n=n: _fold_groups(e, n, _shared_group_kernel(n, producers, g), rank(n.input[0])))
         else:
@@ -115,6 +118,39 @@ def _shared_group_kernel(n: onnx.NodeProto, producers: dict, graph: onnx.GraphPr
         return None
     blocks = w.reshape(group, w.shape[0] // group, *w.shape[1:])
     return blocks[0] if bool(np.all(blocks == blocks[:1])) else None
+
+
+def _flat_depth_kernel(n: onnx.NodeProto, producers: dict, graph: onnx.GraphProto) -> np.ndarray | None:
+    """The 2-D kernel of a 3-D Conv whose constant kernel has depth 1 and that neither pads, strides
+    nor dilates along depth (the Conv that unfolds one channel, ``rules/conv.py``), no bias; else None."""
+    if len(n.input) > 2 and n.input[2]:
+        return None
+    w = _constant(n.input[1], producers, graph)
+    if w is None or w.ndim != 5 or w.shape[2] != 1:
+        return None
+    attrs = {a.name: list(a.ints) for a in n.attribute if a.name in ("pads", "strides", "dilations")}
+    if attrs.get("pads", [0] * 6)[0::3] != [0, 0] or attrs.get("strides", [1])[0] != 1:
+        return None
+    if attrs.get("dilations", [1])[0] != 1 or any(a.name == "auto_pad" for a in n.attribute):
+        return None
+    return w[:, :, 0]
+
+
+def _conv_2d(e: _Emitter, n: onnx.NodeProto, kernel: np.ndarray) -> None:
+    """A 3-D Conv of depth-1 windows as a 2-D Conv between a Squeeze and an Unsqueeze of the depth
+    axis: WebGPU has no 3-D Conv ("Unsupported padding parameter")."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    flat = {"group": int(attrs.get("group", 1)), "kernel_shape": list(kernel.shape[2:])}
+    for key in ("strides", "dilations"):
+        if key in attrs:
+            flat[key] = list(attrs[key])[1:]
+    if "pads" in attrs:
+        flat["pads"] = [p for i, p in enumerate(attrs["pads"]) if i % 3]
+    y = e.op("Conv", _squeeze(e, n.input[0], 2, e.fresh("squeeze")), e.const(kernel), **flat)
+    if e.opset >= 13:
+        e.op("Unsqueeze", y, e.const([2], TensorProto.INT64), out=n.output[0])
+    else:
+        e.op("Unsqueeze", y, axes=[2], out=n.output[0])
 
 
 def _fold_groups(e: _Emitter, n: onnx.NodeProto, kernel: np.ndarray, r: int | None) -> None:

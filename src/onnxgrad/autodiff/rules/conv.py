@@ -117,7 +117,18 @@ def _unfolded_weight_grad(
         for ch in range(c):  # output channel ch K + j picks kernel position j of channel ch
             for j, pos in enumerate(itertools.product(*(range(d) for d in kernel))):
                 onehot[(ch * k + j, 0, *pos)] = 1.0
-        patches = g.Conv(x, g.const(onehot), group=c, kernel_shape=list(kernel), **win.attrs())
+        attrs, source = win.attrs(), x
+        if c == 1 and len(kernel) == 2:
+            # as a 3-D Conv over (N, 1, 1, H, W): onnxruntime turns a 2-D Conv of one group into its
+            # NCHWc layout and reorders the patches back, which took longer than the Conv itself
+            # (anchor CNN: 0.76 + 0.89 ms against 0.85 ms)
+            onehot, source, kernel = onehot[:, :, None], g.Unsqueeze(x, [2]), [1, *kernel]
+            attrs = {
+                "strides": [1, *win.strides],
+                "dilations": [1, *win.dilations],
+                "pads": [0, *win.begins, 0, *win.ends],
+            }
+        patches = g.Conv(source, g.const(onehot), group=c, kernel_shape=list(kernel), **attrs)
     p3 = g.Reshape(patches, [0, c * k, length], shape=(x.shape[0], c * k, length))
     d3 = g.Reshape(dy, [0, -1, length], shape=(dy.shape[0], m, length))
     per_sample = g.MatMul(d3, g.Transpose(p3, perm=[0, 2, 1]), shape=(dy.shape[0], m, c * k))
