@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..deps import C, ortvalue_from_numpy, run_with_ort_values, session_run, torch_interop
+from ..deps import C, ortvalue_from_numpy, run_with_ort_values, torch_interop
 from ..errors import InputError
 from ..model.graph import ValueInfo, dtype_name
 
@@ -25,10 +25,7 @@ __all__ = [
     "check_input",
     "from_numpy",
     "from_torch",
-    "from_torch_many",
     "run",
-    "session_run",
-    "tensors_at",
     "to_torch",
     "unwrap",
 ]
@@ -57,16 +54,13 @@ def unwrap(value: OrtValueLike) -> Any:
 
 _to_ortvalue: Any = None
 _to_tensor: Any = None
-_to_ortvalues: Any = None
-_tensors_at: Any = None
 
 
 def _bind() -> None:
     """Bind the torch conversions on first use (module globals: a lookup each call)."""
-    global _to_ortvalue, _to_tensor, _to_ortvalues, _tensors_at
+    global _to_ortvalue, _to_tensor
     interop = torch_interop()
     _to_ortvalue, _to_tensor = interop.to_ortvalue, interop.to_tensor
-    _to_ortvalues, _tensors_at = interop.to_ortvalues, interop.tensors_at
 
 
 def from_torch(t: Any) -> Any:
@@ -88,20 +82,6 @@ def to_torch(value: OrtValueLike) -> Any:
     if type(value) is not _C_ORTVALUE:  # cheaper than getattr with a default, which raises inside
         value = unwrap(value)
     return _to_tensor(value)
-
-
-def from_torch_many(tensors: Sequence[Any]) -> list[Any]:
-    """:func:`from_torch` of each tensor, in one call (cheaper by a third for a contiguous tensor)."""
-    if _to_ortvalues is None:
-        _bind()
-    return _to_ortvalues(tensors)
-
-
-def tensors_at(vector: Any, indices: Sequence[int]) -> list[Any]:
-    """Torch tensors sharing the buffers of the results ``indices`` of a :func:`session_run`."""
-    if _tensors_at is None:
-        _bind()
-    return _tensors_at(vector, indices)
 
 
 def check_input(name: str, dtype: str, shape: Sequence[int], info: ValueInfo) -> None:

@@ -25,26 +25,20 @@ from ..autodiff.backward import QUANTIZED_MODES
 from ..autodiff.engine import build_gradient
 from ..autodiff.params import untie
 from ..autodiff.prepare import float_outputs, prepare
+from ..deps import session_run, torch_interop
 from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import FLOAT_TYPES, to_array, unique_name, value_info_from_proto
 from ..model.load import CheckedModel
 from ..pythonop import make_runner
 from ..runtime.runner import Runner
 from ..runtime.session import resolve_providers
-from ..runtime.values import (
-    check_input,
-    from_torch,
-    from_torch_many,
-    session_run,
-    tensors_at,
-    to_torch,
-)
+from ..runtime.values import check_input, from_torch, to_torch
 
 # call signatures (input shapes, dtypes, requires-grad flags) remembered per module; beyond, the
 # memory starts over
 _MAX_PLANS = 256
 # the attributes OnnxModule._prepare derives from the others (not pickled)
-_DERIVED = ("_attr_names", "_feed_names", "_stat_attrs", "_plans", "_casts")
+_DERIVED = ("_attr_names", "_feed_names", "_stat_attrs", "_plans", "_casts", "_sources")
 
 
 def torch_name(onnx_name: str, taken: set[str]) -> str:
@@ -119,6 +113,8 @@ class _Variant:
         self.direct = type(self.runner) is Runner
         if self.direct:
             runner = self.runner
+            interop = torch_interop()  # its conversions, bound: one call per run each way
+            self._to_ortvalues, self._tensors_at = interop.to_ortvalues, interop.tensors_at
             self._fwd_run = session_run(runner.fwd)
             self._fwd_wanted = list(runner.fwd_outputs)  # the training forward's results
             where = {n: i for i, n in enumerate(self._fwd_wanted)}
@@ -139,6 +135,8 @@ class _Variant:
             # the backward's feeds: the saved values, then the gradients of the outputs
             self._bwd_feeds = [*self.saved_names, *[graphs.grad_inputs[o] for _, o in self.grad_outputs]]
             self._grad_positions = [i for i, _ in self.grad_outputs]
+            # the gradients of all outputs are fed (no integer output): handed on as they come
+            self._all_grads = self._grad_positions == list(range(n_out))
             self._bwd_wanted = [graphs.grad_outputs[w] for w in runner.wrt]
             self._bwd_take = list(range(len(self._bwd_wanted)))
             self._bwd_run: Any = None  # bound on the first backward (its session is made then)
@@ -154,12 +152,12 @@ class _Variant:
                 for n, i in zip(self.saved_names, self.saved_feeds)
             ]
             return list(map(to_torch, outs)), kept
-        feeds = dict(zip(self.feed_names, from_torch_many(tensors)))
+        feeds = dict(zip(self.feed_names, self._to_ortvalues(tensors)))
         try:
             res = self._fwd_run(feeds, self._fwd_wanted, None)
         except Exception as exc:
             raise OnnxGradRuntimeError(f"the forward graph failed in onnxruntime: {exc}") from exc
-        got = tensors_at(res, self._fwd_take)
+        got = self._tensors_at(res, self._fwd_take)
         kept = [tensors[i] if feed else got[i] for feed, i in self._saved_from]
         return got[: len(self.output_index)], kept
 
@@ -168,12 +166,12 @@ class _Variant:
         if not self.direct:
             feeds = dict(zip(self.feed_names, map(from_torch, tensors)))
             return list(map(to_torch, self.runner.forward(feeds, training=False)[0]))
-        feeds = dict(zip(self.feed_names, from_torch_many(tensors)))
+        feeds = dict(zip(self.feed_names, self._to_ortvalues(tensors)))
         try:
             res = self._fwd_run(feeds, self._infer_wanted, None)
         except Exception as exc:
             raise OnnxGradRuntimeError(f"the forward graph failed in onnxruntime: {exc}") from exc
-        return tensors_at(res, self._infer_take)
+        return self._tensors_at(res, self._infer_take)
 
     def backward(self, saved: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run the backward on the saved values (in :attr:`saved_names` order) and the gradients
@@ -185,12 +183,14 @@ class _Variant:
         run = self._bwd_run
         if run is None:  # the runner makes the session once, under its lock
             run = self._bwd_run = session_run(self.runner.backward_session())  # type: ignore[attr-defined]
-        values = from_torch_many([*saved, *[grads[i] for i in self._grad_positions]])
+        if not self._all_grads:
+            grads = [grads[i] for i in self._grad_positions]
+        values = self._to_ortvalues((*saved, *grads))
         try:
             res = run(dict(zip(self._bwd_feeds, values)), self._bwd_wanted, None)
         except Exception as exc:
             raise OnnxGradRuntimeError(f"the backward graph failed in onnxruntime: {exc}") from exc
-        return tensors_at(res, self._bwd_take)
+        return self._tensors_at(res, self._bwd_take)
 
 
 class _OnnxFunction(torch.autograd.Function):
@@ -330,6 +330,7 @@ class OnnxModule(nn.Module):
         masters = getattr(self, "_master_dtypes", {})  # absent from modules pickled before it
         # the model's type of each value, where the module holds it in float32 (None elsewhere)
         self._casts = [masters.get(t) for t in self._attr_names]
+        self._sources = list(zip(self._attr_names, self._casts))  # what forward reads, in order
         self._feed_names = (*self.input_names, *self.onnx_names.values())
         by_onnx = {n: t for t, n in self.onnx_names.items()}
         self._stat_attrs = [(by_onnx[stat], out) for stat, out in self._running_stats.items()]
@@ -411,7 +412,7 @@ class OnnxModule(nn.Module):
         # is the one fed.
         params, buffers = self._parameters, self._buffers
         values = []
-        for tname, cast in zip(self._attr_names, self._casts):
+        for tname, cast in self._sources:
             v = params.get(tname)
             if v is None:
                 v = buffers.get(tname)
