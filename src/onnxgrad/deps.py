@@ -17,6 +17,8 @@ running on OrtValues        ``InferenceSession._sess.run_with_ort_values`` (C-le
                             one call); the public wrapper as the fallback
 results to torch            ``OrtValueVector.dlpack_at(i)`` (no OrtValue object made), else
                             each ``OrtValue.to_dlpack()``
+many tensors at once        torch's capsules straight to ``from_dlpack(capsule)`` where it
+                            refuses strided ones (probed), else one tensor at a time
 OrtValue from numpy         ``OrtValue.ortvalue_from_numpy(array, OrtDevice)``
 CPU device                  ``OrtDevice(type, memory type, id)`` or with a vendor id
 torch DLPack                ``torch._C._from_dlpack`` (no protocol checks) or
@@ -291,8 +293,8 @@ class TorchInterop:
             to_dlpack = self._to_dlpack
             try:
                 return [direct(to_dlpack(t)) for t in tensors]
-            except RuntimeError:  # a strided view, or a torch that refuses tensors requiring grad
-                pass
+            except Exception:  # a strided view, or a torch that refuses tensors requiring grad:
+                pass  # to_ortvalue copies or detaches, and raises what it cannot handle
         return [self.to_ortvalue(t) for t in tensors]
 
     def tensors_at(self, vector: Any, indices: Sequence[int]) -> list[Any]:
@@ -342,22 +344,27 @@ def torch_interop() -> TorchInterop:
         require_onnxruntime()
         if _from_dlpack_adapter is None:
             raise _missing("onnxruntime", ORT_VERSION, "OrtValue.from_dlpack")
-        interop = TorchInterop(torch, _from_dlpack_adapter, DLPACK_FORM, _direct_from_dlpack(torch))
+        interop = TorchInterop(torch, _from_dlpack_adapter, DLPACK_FORM, direct_from_dlpack(torch))
         _probe_torch(interop)
         _INTEROP = interop
     return _INTEROP
 
 
-def _direct_from_dlpack(torch: Any) -> Callable[[Any], Any] | None:
-    """``OrtValue.from_dlpack`` where torch's capsules can go to it as they are: it takes a
+def direct_from_dlpack(
+    torch: Any, from_dlpack: Callable[..., Any] | None = None, form: str | None = None
+) -> Callable[[Any], Any] | None:
+    """``from_dlpack`` (by default onnxruntime's ``OrtValue.from_dlpack``, of the form ``form``,
+    by default the installed one) where torch's capsules can go to it as they are: it takes a
     capsule alone (the new form) and refuses a strided one (a transposed matrix), which it would
-    otherwise read as dense. ``None`` elsewhere."""
-    if DLPACK_FORM != "capsule":
+    otherwise read as dense. ``None`` elsewhere: :meth:`TorchInterop.to_ortvalues` then converts
+    each tensor with :meth:`TorchInterop.to_ortvalue`."""
+    if (DLPACK_FORM if form is None else form) != "capsule":
         return None
-    from_dlpack = C.OrtValue.from_dlpack
+    if from_dlpack is None:
+        from_dlpack = C.OrtValue.from_dlpack
     try:
         from_dlpack(torch.utils.dlpack.to_dlpack(torch.zeros(2, 3).t()))
-    except RuntimeError:
+    except Exception:  # refused (onnxruntime 1.32: a RuntimeError naming IsContiguousTensor)
         return from_dlpack
     return None
 
