@@ -300,9 +300,10 @@ class TorchInterop:
     def tensors_at(self, vector: Any, indices: Sequence[int]) -> list[Any]:
         """Tensors sharing the buffers of ``vector[i]`` for ``i`` in ``indices``, where ``vector``
         is the result of a :func:`session_run` (0.6 µs a result less than :meth:`to_tensor`)."""
-        if not self._at:
+        at = getattr(vector, "dlpack_at", None) if self._at else None
+        if at is None:  # an onnxruntime whose runs give another sequence type
             return [self.to_tensor(vector[i]) for i in indices]
-        at, from_dlpack = vector.dlpack_at, self._from_dlpack
+        from_dlpack = self._from_dlpack
         out = [from_dlpack(at(i)) for i in indices]
         if self.bool_as_uint8:  # an older DLPack hands bool over as uint8
             for k, t in enumerate(out):

@@ -30,7 +30,7 @@ from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import FLOAT_TYPES, to_array, unique_name, value_info_from_proto
 from ..model.load import CheckedModel
 from ..pythonop import make_runner
-from ..runtime.runner import Runner
+from ..runtime.runner import BACKWARD_FAILED, FORWARD_FAILED, Runner
 from ..runtime.session import resolve_providers
 from ..runtime.values import check_input, from_torch, to_torch
 
@@ -50,9 +50,15 @@ def torch_name(onnx_name: str, taken: set[str]) -> str:
 
 
 class _Variant:
-    """The graphs and sessions for one choice of what requires grad, and the bookkeeping of a call
-    worked out once: which feeds are saved for the backward, which outputs take a gradient, which
-    gradient goes back to which feed."""
+    """The graphs and sessions for one choice of what requires grad, the bookkeeping of a call
+    worked out once (which feeds are saved for the backward, which outputs take a gradient, which
+    gradient goes back to which feed), and the runs of a call (:meth:`forward`, :meth:`infer`,
+    :meth:`backward`, torch tensors in and out).
+
+    A plain :class:`Runner`'s sessions are called on their C-level run with the names and result
+    indices worked out here, each tensor crossing once (measured on a Linear(16, 16), batch 4:
+    the step 98 -> 90 µs); other runners (the PythonOp one) go through ``BaseRunner.forward`` and
+    ``backward``."""
 
     def __init__(
         self,
@@ -156,7 +162,7 @@ class _Variant:
         try:
             res = self._fwd_run(feeds, self._fwd_wanted, None)
         except Exception as exc:
-            raise OnnxGradRuntimeError(f"the forward graph failed in onnxruntime: {exc}") from exc
+            raise OnnxGradRuntimeError(f"{FORWARD_FAILED}: {exc}") from exc
         got = self._tensors_at(res, self._fwd_take)
         kept = [tensors[i] if feed else got[i] for feed, i in self._saved_from]
         return got[: len(self.output_index)], kept
@@ -170,7 +176,7 @@ class _Variant:
         try:
             res = self._fwd_run(feeds, self._infer_wanted, None)
         except Exception as exc:
-            raise OnnxGradRuntimeError(f"the forward graph failed in onnxruntime: {exc}") from exc
+            raise OnnxGradRuntimeError(f"{FORWARD_FAILED}: {exc}") from exc
         return self._tensors_at(res, self._infer_take)
 
     def backward(self, saved: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -189,7 +195,7 @@ class _Variant:
         try:
             res = run(dict(zip(self._bwd_feeds, values)), self._bwd_wanted, None)
         except Exception as exc:
-            raise OnnxGradRuntimeError(f"the backward graph failed in onnxruntime: {exc}") from exc
+            raise OnnxGradRuntimeError(f"{BACKWARD_FAILED}: {exc}") from exc
         return self._tensors_at(res, self._bwd_take)
 
 
