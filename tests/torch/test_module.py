@@ -151,19 +151,21 @@ def test_tensors_cross_without_copies(net64, monkeypatch):
     m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     seen = {}
-    runner_cls = type(m._variant(tuple(m.onnx_names.values()), ("x",)).runner)
-    original = runner_cls.forward
+    variant = m._variant(tuple(m.onnx_names.values()), ("x",))
+    assert variant.direct  # a plain Runner: its forward session is called directly
+    original = variant._fwd_run
 
-    def spy(self, values, training):
-        outs, saved = original(self, values, training)
-        seen.update(inputs={k: v.data_ptr() for k, v in values.items()}, outputs=[o.data_ptr() for o in outs])
-        return outs, saved
+    def spy(feeds, names, options):
+        res = original(feeds, names, options)
+        seen.update(inputs={k: v.data_ptr() for k, v in feeds.items()}, outputs=res[0].data_ptr())
+        return res
 
-    monkeypatch.setattr(runner_cls, "forward", spy)
+    monkeypatch.setattr(variant, "_fwd_run", spy)
     y = m(x)
     assert seen["inputs"]["x"] == x.data_ptr()  # torch -> onnxruntime: the same buffer
     assert seen["inputs"]["0.weight"] == m.p_0_weight.data_ptr()
-    assert seen["outputs"] == [y.data_ptr()]  # onnxruntime -> torch: the same buffer
+    assert variant._fwd_take[0] == 0
+    assert seen["outputs"] == y.data_ptr()  # onnxruntime -> torch: the same buffer
 
 
 def test_create_graph_is_refused_clearly(net64):

@@ -261,6 +261,12 @@ class BaseRunner:
         raise NotImplementedError
 
 
+# what a failed run of either graph says (OnnxGradRuntimeError), before onnxruntime's own message;
+# also said by the callers that run a Runner's sessions directly (onnxgrad.torch.OnnxModule)
+FORWARD_FAILED = "the forward graph failed in onnxruntime"
+BACKWARD_FAILED = "the backward graph failed in onnxruntime"
+
+
 class Runner(BaseRunner):
     """The two onnxruntime sessions of a :class:`GradientGraphs` (the backward made on first use)."""
 
@@ -281,7 +287,7 @@ class Runner(BaseRunner):
         try:
             return dict(zip(wanted, run(self.fwd, values, wanted)))
         except Exception as exc:
-            raise OnnxGradRuntimeError(f"the forward graph failed in onnxruntime: {exc}") from exc
+            raise OnnxGradRuntimeError(f"{FORWARD_FAILED}: {exc}") from exc
 
     def backward_session(self) -> ort.InferenceSession:
         """The backward session, made on first use (inference-only users never pay for it)."""
@@ -295,7 +301,7 @@ class Runner(BaseRunner):
         try:
             return dict(zip(wanted, run(session, feeds, wanted)))
         except Exception as exc:
-            raise OnnxGradRuntimeError(f"the backward graph failed in onnxruntime: {exc}") from exc
+            raise OnnxGradRuntimeError(f"{BACKWARD_FAILED}: {exc}") from exc
 
 
 # A factory returns a runner for the graphs it knows how to run, None for the others.
