@@ -113,6 +113,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/compare_torch.py --json out/bench.json
+	$(PY) bench/floors.py --json out/floors.json
 	$(PY) bench/recompute.py --json out/recompute.json
 
 # onnxgrad's steps against TensorFlow.js on the same models and weights, one thread, in Node

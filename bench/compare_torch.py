@@ -19,7 +19,7 @@ figures carry the machine they were taken on (CPU, cores, vector extensions, loa
 versions). Medians and fastest steps are both printed: on a shared machine the fastest step is the
 steadier of the two.
 
-    python bench/compare_torch.py [--models mlp cnn transformer tiny] [--steps 30] [--json out.json]
+    python bench/compare_torch.py [--models mlp cnn transformer tiny vgg] [--steps 30] [--json out.json]
 """
 
 from __future__ import annotations
@@ -83,12 +83,34 @@ def _tiny() -> tuple[torch.nn.Module, torch.Tensor]:
     return torch.nn.Linear(16, 16), torch.randn(4, 16)
 
 
+def _vgg() -> tuple[torch.nn.Module, torch.Tensor]:
+    """A VGG-style CNN of 3x3 convolutions on 32x32 RGB images, batch 32 (not an anchor: the
+    convolutions most vision models are made of)."""
+    from torch import nn
+
+    torch.manual_seed(0)
+
+    def block(c_in: int, c_out: int) -> list[nn.Module]:
+        convs = [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.Conv2d(c_out, c_out, 3, padding=1)]
+        return [*convs, nn.ReLU(), nn.MaxPool2d(2)]
+
+    module = nn.Sequential(*block(3, 32), *block(32, 64), nn.Flatten(), nn.Linear(64 * 8 * 8, 10))
+    return module, torch.randn(32, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor]]] = {"tiny": _tiny, "vgg": _vgg}
+
+
+def _model(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The torch module and example batch of ``name``: an anchor, or one of :data:`MODELS`."""
+    if name in MODELS:
+        return MODELS[name]()
+    return anchors.build(name), anchors.example_input(name)
+
+
 def setup(name: str, only: str | None = None) -> dict[str, Callable[[], None]]:
     """The step function of each contender for model ``name`` (or of contender ``only``)."""
-    if name == "tiny":
-        module, x = _tiny()
-    else:
-        module, x = anchors.build(name), anchors.example_input(name)
+    module, x = _model(name)
     model = anchors.export(module, x[:1])
     opts = default_options()  # no spinning pool threads (they would also steal torch's cores)
     opts.intra_op_num_threads = THREADS
@@ -132,10 +154,7 @@ def setup_full(name: str, keep: list | None = None) -> dict[str, Callable[[], No
     from onnxgrad.artifacts import Runner, generate
     from onnxgrad.train import AdamW, add_loss
 
-    if name == "tiny":
-        module, x = _tiny()
-    else:
-        module, x = anchors.build(name), anchors.example_input(name)
+    module, x = _model(name)
     model = anchors.export(module, x[:1])
     with torch.no_grad():
         target = torch.randn(module(x).shape, generator=torch.Generator().manual_seed(2))
@@ -292,7 +311,7 @@ def _isolated(name: str, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["tiny", "mlp", "cnn", "transformer"])
+    parser.add_argument("--models", nargs="+", default=["tiny", "mlp", "cnn", "transformer", "vgg"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     parser.add_argument(
