@@ -17,7 +17,9 @@ compute right and keep on the GPU (found by running the digits MLP and CNN in he
 * A Conv weight gradient by im2col unfolds X with a grouped Conv (one group per channel, one
   shared one-hot kernel); WebGPU's grouped Conv computes it wrongly, so it runs as one ungrouped
   Conv over the channels folded into the batch (:func:`_fold_groups`). Over one channel the unfold
-  is a 3-D Conv of depth 1, which WebGPU lacks: it runs as a 2-D Conv (:func:`_conv_2d`).
+  is a 3-D Conv of depth 1, which WebGPU lacks: it runs as a 2-D Conv (:func:`_conv_2d`). Other
+  grouped Convs of the group sizes WebGPU gets wrong run as one Conv per group
+  (:func:`_split_groups`).
 
 The optimizer's scalars are computed in float32 for this target (:mod:`onnxgrad.artifacts.optim`);
 only the two ``Cast`` nodes reading the ``lr`` (double) and ``step`` (int64) inputs run on the CPU.
@@ -89,6 +91,8 @@ def lower_for_webgpu(model: onnx.ModelProto) -> None:
             emit(lambda n=n: _conv_2d(e, n, _flat_depth_kernel(n, producers, g)))
         elif n.op_type == "Conv" and _shared_group_kernel(n, producers, g) is not None:
             emit(lambda n=n: _fold_groups(e, n, _shared_group_kernel(n, producers, g), rank(n.input[0])))
+        elif n.op_type == "Conv" and _miscomputed_groups(n, infos) is not None:
+            emit(lambda n=n: _split_groups(e, n, _miscomputed_groups(n, infos)))
         else:
             nodes.append(n)
     del g.node[:]
@@ -151,6 +155,43 @@ def _conv_2d(e: _Emitter, n: onnx.NodeProto, kernel: np.ndarray) -> None:
         e.op("Unsqueeze", y, e.const([2], TensorProto.INT64), out=n.output[0])
     else:
         e.op("Unsqueeze", y, axes=[2], out=n.output[0])
+
+
+def _miscomputed_groups(n: onnx.NodeProto, infos: dict) -> int | None:
+    """The ``group`` of a Conv whose groups onnxruntime-web 1.30's WebGPU Conv computes wrongly:
+    more than 4 output channels per group, not a multiple of 4 (measured in chromium: 5, 6 and 9
+    per group wrong, with 1 to 4 input channels per group; 1, 2, 3, 4, 8 and 12 right, depthwise
+    right, grouped ConvTranspose right); None for the other Convs."""
+    group = next((int(a.i) for a in n.attribute if a.name == "group"), 1)
+    if group <= 1:
+        return None
+    info = infos.get(n.input[1])
+    outs = info.shape[0] if info is not None and info.shape else None
+    if not isinstance(outs, int):
+        raise InputError(
+            f"Conv {n.name!r}: the onnxruntime-web-webgpu target needs the static output channels of a "
+            "grouped Conv (WebGPU computes some group sizes wrongly)"
+        )
+    per_group = outs // group
+    return group if per_group > 4 and per_group % 4 else None
+
+
+def _split(e: _Emitter, x: str, parts: int, axis: int) -> list[str]:
+    """``x`` split into ``parts`` equal parts along ``axis``."""
+    outs = [e.fresh("part") for _ in range(parts)]
+    extra = {"num_outputs": parts} if e.opset >= 18 else {}
+    e.graph.node.append(helper.make_node("Split", [x], outs, name=e.fresh("Split"), axis=axis, **extra))
+    return outs
+
+
+def _split_groups(e: _Emitter, n: onnx.NodeProto, group: int) -> None:
+    """A grouped Conv as one ungrouped Conv per group (inputs, weights and bias split, outputs
+    concatenated along the channels): WebGPU computes these group sizes wrongly."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute if a.name != "group"}
+    xs, ws = _split(e, n.input[0], group, 1), _split(e, n.input[1], group, 0)
+    bs = _split(e, n.input[2], group, 0) if len(n.input) > 2 and n.input[2] else [None] * group
+    ys = [e.op("Conv", x, w, *([b] if b else []), **attrs) for x, w, b in zip(xs, ws, bs)]
+    e.op("Concat", *ys, axis=1, out=n.output[0])
 
 
 def _fold_groups(e: _Emitter, n: onnx.NodeProto, kernel: np.ndarray, r: int | None) -> None:
