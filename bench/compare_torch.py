@@ -208,12 +208,20 @@ def step_times(
 ) -> dict[str, list[float]]:
     """The milliseconds of every counted step of each contender (see :func:`time_steps`)."""
     keep: list = []
-    fns = setup_full(name, keep) if full else setup(name)
+    return interleave(setup_full(name, keep) if full else setup(name), steps, warmup, block)
+
+
+def interleave(
+    fns: dict[str, Callable[[], object]], calls: int, warmup: int = 3, block: int = 5
+) -> dict[str, list[float]]:
+    """The milliseconds of at least ``calls`` counted calls of each function, run in turn by
+    blocks of ``block`` calls after ``warmup`` calls each; the first call of a block is not counted
+    (see :func:`time_steps`)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
-    while min(len(v) for v in times.values()) < steps:
+    while min(len(v) for v in times.values()) < calls:
         for k, fn in fns.items():
             for i in range(block):
                 t0 = time.perf_counter()

@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -38,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import onnxgrad
 from bench import anchors
-from bench.compare_torch import machine
+from bench.compare_torch import interleave, machine
 from onnxgrad.runtime.runner import default_options
 
 THREADS = 2
@@ -46,17 +45,7 @@ THREADS = 2
 
 def interleaved(fns: dict[str, Callable[[], object]], calls: int = 40, block: int = 4) -> dict[str, dict]:
     """Fastest and median milliseconds per call of each function, run in turn by blocks."""
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    while min(len(v) for v in times.values()) < calls:
-        for k, fn in fns.items():
-            for i in range(block):
-                t0 = time.perf_counter()
-                fn()
-                if i:
-                    times[k].append((time.perf_counter() - t0) * 1e3)
+    times = interleave(fns, calls, block=block)
     return {k: {"min_ms": min(v), "median_ms": statistics.median(v)} for k, v in times.items()}
 
 

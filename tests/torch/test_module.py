@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import io
 import pickle
 
 import numpy as np
@@ -14,20 +13,7 @@ torch = pytest.importorskip("torch")
 
 from onnxgrad.errors import InputError  # noqa: E402
 from onnxgrad.torch import OnnxModule  # noqa: E402
-
-
-def _export(net, example):
-    import onnx
-
-    buf = io.BytesIO()
-    torch.onnx.export(net, (example,), buf, dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}})
-    return onnx.load_from_string(buf.getvalue())
-
-
-@pytest.fixture
-def net64():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
+from tests.torch.conftest import export_net as _export  # noqa: E402
 
 
 def test_parameters_named_for_torch_and_mapped_to_onnx(net64):

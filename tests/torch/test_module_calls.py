@@ -5,14 +5,11 @@ values, and the other runners (PythonOp graphs) keep the generic path."""
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-import onnx  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 import onnxgrad  # noqa: E402
@@ -20,18 +17,7 @@ from onnxgrad import deps  # noqa: E402
 from onnxgrad.errors import OnnxGradRuntimeError  # noqa: E402
 from onnxgrad.torch import OnnxModule  # noqa: E402
 from tests.pythonop import functions as F  # noqa: E402
-
-
-def _export(net, example):
-    buf = io.BytesIO()
-    torch.onnx.export(net, (example,), buf, dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}})
-    return onnx.load_from_string(buf.getvalue())
-
-
-@pytest.fixture
-def net64():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
+from tests.torch.conftest import export_net as _export  # noqa: E402
 
 
 def _grads(module, x, weight):
