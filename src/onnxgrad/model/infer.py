@@ -26,6 +26,16 @@ from .validate import safe_to_propagate_data
 _ML_ELEMENTWISE = {"Scaler", "Normalizer", "Imputer", "Binarizer"}
 
 
+def _declaring(model: onnx.ModelProto, added: list[onnx.ValueInfoProto]) -> onnx.ModelProto | None:
+    """A copy of ``model`` whose graph also declares ``added``, or None when there is nothing to add."""
+    if not added:
+        return None
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    copy.graph.value_info.extend(added)
+    return copy
+
+
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
         plain = onnx.shape_inference.infer_shapes(model, strict_mode=False)
@@ -57,12 +67,7 @@ def _type_ml_outputs(model: onnx.ModelProto) -> onnx.ModelProto | None:
         elif node.op_type == "LinearRegressor":
             targets = next((a.i for a in node.attribute if a.name == "targets"), 1)
             added.append(helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, [None, targets]))
-    if not added:
-        return None
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    copy.graph.value_info.extend(added)
-    return copy
+    return _declaring(model, added)
 
 
 def infer_value_infos(model: onnx.ModelProto) -> dict[str, ValueInfo]:
@@ -152,12 +157,7 @@ def _type_contrib_outputs(model: onnx.ModelProto, declared: set[str]) -> onnx.Mo
             declared.add(info.name)
             infos[info.name] = info
             added.append(info.to_proto())
-    if not added:
-        return None
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    copy.graph.value_info.extend(added)
-    return copy
+    return _declaring(model, added)
 
 
 def _type_control_flow_outputs(model: onnx.ModelProto, declared: set[str]) -> onnx.ModelProto | None:
