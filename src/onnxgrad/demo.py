@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .model.graph import ir_version_for
 from .runtime.runner import make_session
 from .train import Trainer
-from .train.trainer import accuracy
+from .train.callbacks import accuracy
 
 DEFAULT_PATH = os.path.join("out", "digits_mlp.onnx")
 INPUT, LOGITS = "pixels", "logits"

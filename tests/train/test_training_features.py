@@ -13,9 +13,9 @@ from onnx import numpy_helper
 
 from onnxgrad.errors import InputError
 from onnxgrad.train import SGD, Callback, Trainer
+from onnxgrad.train.callbacks import HistoryFile, accuracy_metric
 from onnxgrad.train.optim import clip_grad_norm, clip_grad_value
 from onnxgrad.train.schedules import ReduceLROnPlateau
-from onnxgrad.train.trainer import HistoryFile, accuracy_metric
 from tests.train.test_trainer import linear, regression_data
 
 torch = pytest.importorskip("torch")
