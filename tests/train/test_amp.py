@@ -205,3 +205,19 @@ def test_trainer_accumulating_skips_the_update_when_any_micro_batch_overflowed(o
     assert record.scales == [1024.0]
     assert not trainer.parameters["W"].any() and not trainer.amp.weights.master["W"].any()
     assert trainer.optimizer.iterations == 0
+
+
+def test_one_master_weights_rule_for_every_front_end():
+    """use_master_weights decides for Trainer and OnnxModule alike: True / False as given, "auto"
+    when some parameter is float16 or bfloat16 (numpy or torch dtypes); anything else refused."""
+    from onnxgrad.train.amp import use_master_weights
+
+    f16, bf16, f32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
+    assert use_master_weights("auto", [f32, f16]) and use_master_weights("auto", [bf16])
+    assert not use_master_weights("auto", [f32, np.dtype(np.float64)]) and not use_master_weights("auto", [])
+    assert use_master_weights(True, [f32]) and not use_master_weights(False, [f16])
+    torch = pytest.importorskip("torch")
+    assert use_master_weights("auto", [torch.bfloat16]) and not use_master_weights("auto", [torch.float32])
+    for bad in ("yes", 1, None):
+        with pytest.raises(InputError, match="master_weights must be True, False or 'auto', got "):
+            use_master_weights(bad, [f16])

@@ -31,7 +31,7 @@ from ..model.graph import ValueInfo, value_info_from_proto
 from ..model.load import CheckedModel
 from ..runtime import ForwardBackward
 from .accumulate import Accumulated
-from .amp import LossScaler, mixed_precision
+from .amp import LossScaler, MasterWeightsChoice, mixed_precision
 from .callbacks import Callback, EarlyStopping, HistoryFile, Metric, accuracy, accuracy_metric, as_callback
 from .checkpoint import CHECKPOINT_FORMAT, read_checkpoint, write_checkpoint  # noqa: F401 (re-exported)
 from .data import BatchLoader, Data, as_feeds
@@ -185,7 +185,7 @@ class Trainer:
         clip_norm: float | None = None,
         clip_value: float | None = None,
         quantized: str = "ste",
-        master_weights: bool | str = "auto",
+        master_weights: MasterWeightsChoice = "auto",
         loss_scale: str | float | LossScaler | None = "auto",
     ) -> None:
         if not (isinstance(accumulate, int) and accumulate >= 1):
