@@ -647,12 +647,13 @@ def _parse_shapes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for spec in specs:
         name, sep, dims = spec.partition("=")
+        bad = InputError(f"--shape {spec!r}: expected NAME=DIMS, e.g. x=2,3,8")
+        if not sep or not name:
+            raise bad
         try:
-            if not sep or not name:
-                raise ValueError
             shape = tuple(int(d) for d in dims.replace("x", ",").split(",") if d.strip())
         except ValueError:
-            raise InputError(f"--shape {spec!r}: expected NAME=DIMS, e.g. x=2,3,8") from None
+            raise bad from None
         if any(d < 0 for d in shape):
             raise InputError(f"--shape {spec!r}: dimensions cannot be negative")
         shapes[name.strip()] = shape

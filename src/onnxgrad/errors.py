@@ -1,8 +1,10 @@
 """The exceptions onnxgrad raises.
 
 Every error derives from :class:`OnnxGradError`, and also from the builtin exception a caller would
-naturally catch (``ValueError`` for bad input, ``NotImplementedError`` for a missing gradient rule), so
-``except ValueError`` keeps working for code that does not know onnxgrad.
+naturally catch (``ValueError`` for bad input, ``TypeError`` for an argument of the wrong type,
+``KeyError`` for a name that is not there, ``RuntimeError`` for a failed run,
+``NotImplementedError`` for a missing gradient rule), so ``except ValueError`` keeps working for
+code that does not know onnxgrad. Every error onnxgrad raises is one of these classes.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ __all__ = [
     "GradientNotImplementedError",
     "GradientWarning",
     "InputError",
+    "InputTypeError",
     "ModelError",
+    "NotFoundError",
     "OnnxGradError",
     "OnnxGradRuntimeError",
+    "PathNotFoundError",
     "PythonOpError",
 ]
 
@@ -33,6 +38,20 @@ class GradientNotImplementedError(OnnxGradError, NotImplementedError):
 
 class InputError(OnnxGradError, ValueError):
     """An argument given to onnxgrad is wrong: unknown names, shapes or dtypes that do not match."""
+
+
+class InputTypeError(InputError, TypeError):
+    """An argument given to onnxgrad is of the wrong type (``except TypeError`` catches it too)."""
+
+
+class NotFoundError(InputError, KeyError):
+    """A name asked for is not there: a key of a history, a parameter of a checkpoint
+    (``except KeyError`` catches it too)."""
+
+
+class PathNotFoundError(InputError, FileNotFoundError):
+    """A file or folder given to onnxgrad does not exist (``except FileNotFoundError`` catches it
+    too)."""
 
 
 class PythonOpError(OnnxGradError, RuntimeError):

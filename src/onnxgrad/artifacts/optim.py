@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from onnx import TensorProto
 
-from ..errors import InputError
+from ..errors import InputError, NotFoundError
 from ..model.emit import Emitter
 from ..train.optim import SGD, Adam, AdamW, Optimizer
 
@@ -106,7 +106,7 @@ class _Scalars:
         elif key == "first":  # no update made yet: SGD's momentum buffer starts as the gradient
             out = e.op("Equal", self.step, e.const(0, TensorProto.INT64))
         else:
-            raise KeyError(key)
+            raise NotFoundError(f"no shared update value {key!r}; have 't', 'neg_lr', 'first'")
         self._cache[(key,)] = out
         return out
 

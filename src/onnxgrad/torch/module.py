@@ -228,7 +228,7 @@ class _OnnxFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():  # backward(create_graph=True) asks for a differentiable backward
-            raise RuntimeError(
+            raise OnnxGradRuntimeError(
                 "OnnxModule does not support create_graph=True: its backward runs on onnxruntime "
                 "and is not itself differentiable by torch (second-order gradients)"
             )

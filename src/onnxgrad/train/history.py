@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, NotFoundError
 from .plot import plot_curves
 
 __all__ = ["History", "plain"]
@@ -29,7 +29,7 @@ class History:
 
     def __getitem__(self, key: str) -> list[Any]:
         if not any(key in r for r in self.records):
-            raise KeyError(f"no {key!r} in the history (keys: {self.keys()})")
+            raise NotFoundError(f"no {key!r} in the history (keys: {self.keys()})")
         return [r.get(key, math.nan) for r in self.records]
 
     def __len__(self) -> int:
