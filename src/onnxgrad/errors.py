@@ -9,6 +9,9 @@ code that does not know onnxgrad. Every error onnxgrad raises is one of these cl
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 __all__ = [
     "DependencyError",
     "GradientNotImplementedError",
@@ -21,6 +24,7 @@ __all__ = [
     "OnnxGradRuntimeError",
     "PathNotFoundError",
     "PythonOpError",
+    "renamed_argument",
 ]
 
 
@@ -70,3 +74,16 @@ class GradientWarning(UserWarning):
     """A gradient onnxgrad computed is not what the caller may expect: a trainable value whose every
     path to the outputs is cut by an op without a gradient (it gets zeros), or a gradient that an
     estimator stands in for."""
+
+
+def renamed_argument(new: Any, old: Any, *, new_name: str, old_name: str, stacklevel: int = 3) -> Any:
+    """The value of a keyword argument renamed from ``old_name`` to ``new_name`` (``None``: not
+    given): ``new`` when the caller used the new name, ``old`` with a ``DeprecationWarning`` when it
+    used the old one, an :class:`InputError` when both. ``stacklevel`` 3 points the warning at the
+    caller of the function that calls this."""
+    if old is None:
+        return new
+    if new is not None:
+        raise InputError(f"{old_name}= is the old name of {new_name}=: pass {new_name}= only")
+    warnings.warn(f"{old_name}= is deprecated, use {new_name}=", DeprecationWarning, stacklevel=stacklevel)
+    return old
