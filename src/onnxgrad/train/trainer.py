@@ -134,8 +134,10 @@ class Trainer:
     :attr:`step_path` tells which runs.
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     ``accumulate``: optimizer updates every ``accumulate`` mini-batches, with the gradient of the
-    mean loss over those samples (the same update as one batch of their concatenation; the last
-    update of an epoch takes the batches left). ``clip_norm``: the gradients are scaled to this
+    mean loss over those samples (the same update as one batch of their concatenation). The last
+    update of an epoch takes the batches left (5 batches, ``accumulate=2``: 3 updates), with the
+    mean over the samples it accumulated, not torch loops' ``loss / accumulate``, which would shrink
+    it (:mod:`onnxgrad.train.accumulate`). ``clip_norm``: the gradients are scaled to this
     global L2 norm at most (``torch.nn.utils.clip_grad_norm_``); ``clip_value``: each element is
     clipped to ``[-clip_value, clip_value]``. The three run forward, backward and the numpy update
     (the two-session path). A :class:`ReduceLROnPlateau` given as ``lr`` is stepped at the end of
@@ -151,11 +153,12 @@ class Trainer:
     ``master_weights`` / ``loss_scale``: mixed precision for float16 and bfloat16 models
     (:mod:`onnxgrad.train.amp`): the optimizer updates float32 copies of the half-precision
     parameters, rounded into the model after each step; the backward is seeded with a dynamic loss
-    scale (``torch.amp.GradScaler``: a step with inf / NaN gradients is skipped and the scale halved,
-    it doubles after 2000 good steps). ``"auto"`` (the defaults): master weights when a parameter is
-    float16 or bfloat16, dynamic scaling when one is float16; ``loss_scale`` also takes a number (a
-    static scale), a :class:`~onnxgrad.train.amp.LossScaler` or ``None``. Either runs the two-session
-    path.
+    scale (``torch.amp.GradScaler``: a step with inf / NaN gradients, in any of the micro-batches
+    it accumulates, is skipped and the scale halved once; it doubles after 2000 good steps).
+    ``"auto"`` (the defaults): master weights when a parameter is float16 or bfloat16
+    (:func:`~onnxgrad.train.amp.use_master_weights`, the rule ``OnnxModule`` follows too), dynamic
+    scaling when one is float16; ``loss_scale`` also takes a number (a static scale), a
+    :class:`~onnxgrad.train.amp.LossScaler` or ``None``. Either runs the two-session path.
     """
 
     def __init__(
