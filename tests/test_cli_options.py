@@ -49,13 +49,13 @@ TRAIN = ["train", "m.onnx", "--data", "d", "--target", "y"]
             "out_file",
             "t.onnx",
             "--output-file is deprecated, use --out-file",
-        ),  # noqa: E501
+        ),
         (
             ["grad", "m.onnx", "--output-dir", "d"],
             "out_dir",
             "d",
             "--output-dir is deprecated, use --out-dir",
-        ),  # noqa: E501
+        ),
         (
             [*TRAIN, "--output", "logits", "-o", "t.onnx"],
             "loss_output",
