@@ -171,7 +171,7 @@ def ops() -> dict:
 def update() -> dict:
     """The AdamW update alone: the one-graph step's nodes against torch's foreach AdamW."""
     from onnxgrad.artifacts.optim import Param, emit_updates
-    from onnxgrad.train.losses import _Emitter
+    from onnxgrad.model.emit import Emitter
 
     hyper = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 1e-2}
     out = {}
@@ -191,7 +191,7 @@ def update() -> dict:
             )
             params.append(Param(f"p{i}", f"g{i}", TensorProto.FLOAT))
             state[(f"p{i}", "exp_avg")], state[(f"p{i}", "exp_avg_sq")] = f"m{i}", f"v{i}"
-        e = _Emitter(graph, 17, TensorProto.FLOAT, "optimizer")
+        e = Emitter(graph, 17, TensorProto.FLOAT, "optimizer")
         new_params, new_state = emit_updates(e, "adamw", hyper, params, state, "lr", "step")
         graph.output.extend(
             helper.make_tensor_value_info(o, TensorProto.FLOAT, None)

@@ -43,7 +43,19 @@ TRAIN = ["train", "m.onnx", "--data", "d", "--target", "y"]
 @pytest.mark.parametrize(
     ("argv", "dest", "value", "note"),
     [
-        ([*TRAIN, "--out", "t.onnx"], "output_file", "t.onnx", "--out is deprecated, use --output-file"),
+        ([*TRAIN, "--out", "t.onnx"], "out_file", "t.onnx", "--out is deprecated, use --out-file"),
+        (
+            [*TRAIN, "--output-file", "t.onnx"],
+            "out_file",
+            "t.onnx",
+            "--output-file is deprecated, use --out-file",
+        ),
+        (
+            ["grad", "m.onnx", "--output-dir", "d"],
+            "out_dir",
+            "d",
+            "--output-dir is deprecated, use --out-dir",
+        ),
         (
             [*TRAIN, "--output", "logits", "-o", "t.onnx"],
             "loss_output",
@@ -52,9 +64,9 @@ TRAIN = ["train", "m.onnx", "--data", "d", "--target", "y"]
         ),
         (
             ["demo", "--output", "d.onnx"],
-            "output_file",
+            "out_file",
             "d.onnx",
-            "--output is deprecated, use --output-file",
+            "--output is deprecated, use --out-file",
         ),
         (["bench", "m.onnx", "--batch", "4"], "batch_size", 4, "--batch is deprecated, use --batch-size"),
         (
@@ -74,12 +86,13 @@ def test_old_spellings_still_work_with_a_note(capsys, argv, dest, value, note):
 @pytest.mark.parametrize(
     ("command", "shown", "hidden"),
     [
-        ("train", ["--loss-output", "--output-file", "--batch-size", "--patience", "--providers",
-                   "--accumulate", "--clip-norm", "--clip-value", "--history"], ["--out ", "--output "]),
+        ("train", ["--loss-output", "--out-file", "--batch-size", "--patience", "--providers",
+                   "--accumulate", "--clip-norm", "--clip-value", "--history"],
+         ["--out ", "--output ", "--output-file"]),
         ("artifacts", ["--trainable", "--loss-output", "--output-dir"], ["--requires-grad"]),
         ("bench", ["--batch-size"], ["--batch "]),
-        ("demo", ["--output-file"], ["--output "]),
-        ("grad", ["--trainable", "--output-dir"], []),
+        ("demo", ["--out-file"], ["--output ", "--output-file"]),
+        ("grad", ["--trainable", "--out-dir"], ["--output-dir"]),
     ],
 )  # fmt: skip
 def test_help_shows_the_current_vocabulary(command, shown, hidden):
@@ -176,7 +189,7 @@ def test_resume_says_what_changed_and_refuses_another_split(tmp_path, capsys, cl
             "execution provider 'NopeExecutionProvider' is not available",
         ),
         (["--history", "h.txt"], "history file 'h.txt': expected a .csv or .json file"),
-        ([], "-o/--output-file FILE is required"),
+        ([], "-o/--out-file FILE is required"),
     ],
 )
 def test_train_option_errors_are_one_line(tmp_path, capsys, classifier, extra, message):

@@ -33,7 +33,7 @@ from sklearn.preprocessing import StandardScaler
 import onnxgrad.autodiff.rules.ml  # noqa: F401  (registers the ai.onnx.ml rules)
 from onnxgrad import gradients
 from onnxgrad.compat import OrtGradientForwardBackward, OrtGradientForwardBackwardFunction, OrtValueVector
-from onnxgrad.errors import InputError, OnnxGradRuntimeError
+from onnxgrad.errors import InputError, OnnxGradRuntimeError, PathNotFoundError
 
 DTYPES = [np.float32, np.float64]
 OPSETS = {"": 17, "ai.onnx.ml": 3}
@@ -641,7 +641,7 @@ def test_save_onnx_graph(tmp_path, data, linreg):
     assert set(as_bytes) == set(saved)
     assert all(isinstance(v, bytes) for v in as_bytes.values())
     assert onnx.load_from_string(as_bytes["_trained_onnx"]) == onnx.load(saved["_trained_onnx"])
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(PathNotFoundError, match="missing' does not exist"):
         fn.save_onnx_graph(str(tmp_path / "missing"))
 
 

@@ -8,13 +8,14 @@ model on a CSV or NPZ file), ``bench`` (time a model's training step and where t
 onnxruntime). Errors that onnxgrad raises are printed as one line on stderr with exit code 2; a
 failed gradient check exits with 1.
 
-One vocabulary across commands: ``-o/--output-dir DIR`` for a folder written, ``-o/--output-file
-FILE`` for a file written, ``--trainable`` for the initializers trained, ``--loss-output`` for the
-model output a loss reads, ``--batch-size``, ``--seed``, ``--shape NAME=DIMS``, ``--no-progress``.
-Older spellings (``train --out``/``--output``, ``demo --output``, ``bench --batch``, ``artifacts
---requires-grad``) still work, hidden from the help, with a deprecation note on stderr
-(``add_deprecated``, in :mod:`onnxgrad.artifacts.cli`, the lowest
-command-line module, which the ``artifacts`` options use too).
+One vocabulary across commands, the same words as the Python API's: ``-o/--out-dir DIR`` for a
+folder written (``out_dir=`` in Python), ``-o/--out-file FILE`` for a file written, ``--trainable``
+for the initializers trained, ``--loss-output`` for the model output a loss reads,
+``--batch-size``, ``--seed``, ``--shape NAME=DIMS``, ``--no-progress``. Older spellings
+(``--output-dir``, ``--output-file``, ``train --out``/``--output``, ``demo --output``, ``bench
+--batch``, ``artifacts --requires-grad``) still work, hidden from the help, with a deprecation note
+on stderr (``add_deprecated``, in :mod:`onnxgrad.artifacts.cli`, the lowest command-line module,
+which the ``artifacts`` options use too).
 """
 
 from __future__ import annotations
@@ -73,11 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
     p.add_argument(
         "-o",
-        "--output-dir",
-        required=True,
+        "--out-dir",
         metavar="DIR",
-        help="directory for forward.onnx and backward.onnx",
+        help="folder for forward.onnx and backward.onnx (required)",
     )
+    add_deprecated(p, "--output-dir", "--out-dir", "out_dir")
     p.add_argument(
         "--trainable",
         nargs="+",
@@ -174,12 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, the split and the shuffling")
     p.add_argument(
         "-o",
-        "--output-file",
+        "--out-file",
         default=None,
         metavar="FILE",
         help="where to write the trained model (default: out/digits_mlp.onnx)",
     )
-    add_deprecated(p, "--output", "--output-file", "output_file")
+    add_deprecated(p, "--output-file", "--out-file", "out_file")
+    add_deprecated(p, "--output", "--out-file", "out_file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_demo)
 
@@ -189,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- subcommands -------------------------------------------------------------------------------
 def _grad(args: argparse.Namespace) -> int:
+    if args.out_dir is None:  # not required=True: the deprecated --output-dir fills it too
+        raise InputError("-o/--out-dir DIR is required: the folder for forward.onnx and backward.onnx")
     graphs = build_gradient(
         args.model,
         trainable=args.trainable,
@@ -196,7 +200,7 @@ def _grad(args: argparse.Namespace) -> int:
         outputs=args.outputs,
         tie_weights=not args.no_tie_weights,
     )
-    fwd_path, bwd_path = graphs.save(args.output_dir)
+    fwd_path, bwd_path = graphs.save(args.out_dir)
     print(f"forward   {fwd_path} ({len(graphs.forward.graph.node)} nodes)")
     print(f"backward  {bwd_path} ({len(graphs.backward.graph.node)} nodes)")
     for title, names in (
@@ -317,7 +321,7 @@ def _info(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
-    kwargs = {"path": args.output_file} if args.output_file else {}
+    kwargs = {"path": args.out_file} if args.out_file else {}
     try:
         demo.main(epochs=args.epochs, seed=args.seed, progress=not args.no_progress, **kwargs)
     except ModuleNotFoundError as exc:  # an optional dependency, not a bug
@@ -405,9 +409,10 @@ def _add_train_parser(sub: Any) -> None:
     p.add_argument("--checkpoint", metavar="FILE", help="save a checkpoint (.npz) after every epoch")
     p.add_argument("--resume", metavar="FILE", help="resume from a checkpoint written by --checkpoint")
     p.add_argument(
-        "-o", "--output-file", metavar="FILE", help="where to write the trained model (.onnx; required)"
+        "-o", "--out-file", metavar="FILE", help="where to write the trained model (.onnx; required)"
     )
-    add_deprecated(p, "--out", "--output-file", "output_file")
+    add_deprecated(p, "--output-file", "--out-file", "out_file")
+    add_deprecated(p, "--out", "--out-file", "out_file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_train)
 
@@ -429,8 +434,8 @@ def _schedule(args: argparse.Namespace, steps_per_epoch: int, val: bool) -> Any:
 
 def _check_train_args(args: argparse.Namespace) -> None:
     """One-line errors for option values out of range."""
-    if args.output_file is None:  # not required=True: the deprecated --out fills it too
-        raise InputError("-o/--output-file FILE is required: where to write the trained model")
+    if args.out_file is None:  # not required=True: the deprecated spellings fill it too
+        raise InputError("-o/--out-file FILE is required: where to write the trained model")
     for flag, value, low in (
         ("--epochs", args.epochs, 1),
         ("--batch-size", args.batch_size, 1),
@@ -513,7 +518,7 @@ def _train(args: argparse.Namespace) -> int:
         _resume_notes(args.resume, trainer.changed_since_checkpoint)
     done_before = trainer.epoch
     history = trainer.fit(data, val, epochs=args.epochs, checkpoint=args.checkpoint)
-    out = os.fspath(args.output_file)
+    out = os.fspath(args.out_file)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     onnx.save(remove_loss(CheckedModel(fb.to_onnx())), out)  # our own rewrite: not checked again
 
@@ -647,12 +652,13 @@ def _parse_shapes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for spec in specs:
         name, sep, dims = spec.partition("=")
+        bad = InputError(f"--shape {spec!r}: expected NAME=DIMS, e.g. x=2,3,8")
+        if not sep or not name:
+            raise bad
         try:
-            if not sep or not name:
-                raise ValueError
             shape = tuple(int(d) for d in dims.replace("x", ",").split(",") if d.strip())
         except ValueError:
-            raise InputError(f"--shape {spec!r}: expected NAME=DIMS, e.g. x=2,3,8") from None
+            raise bad from None
         if any(d < 0 for d in shape):
             raise InputError(f"--shape {spec!r}: dimensions cannot be negative")
         shapes[name.strip()] = shape

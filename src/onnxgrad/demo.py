@@ -19,10 +19,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .errors import InputError
 from .model.graph import ir_version_for
 from .runtime.runner import make_session
 from .train import Trainer
-from .train.trainer import accuracy
+from .train.callbacks import accuracy
 
 DEFAULT_PATH = os.path.join("out", "digits_mlp.onnx")
 INPUT, LOGITS = "pixels", "logits"
@@ -70,7 +71,7 @@ def build_cnn(rng: np.random.Generator, side: int = 8, classes: int = 10) -> onn
     ``(N, 1, side, side)``, output ``logits``. He-initialised weights, zero biases.
     """
     if side % 4:
-        raise ValueError(f"side must be divisible by 4, got {side}")
+        raise InputError(f"side must be divisible by 4, got {side}")
 
     def he(shape: tuple[int, ...], fan_in: int) -> np.ndarray:
         return (rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)

@@ -38,9 +38,11 @@ from .model.graph import np_dtype, unique_name
 from .model.infer import infer_value_infos
 from .model.load import CheckedModel, load_checked
 from .runtime.runner import default_options, make_session
+from .train.callbacks import Callback
+from .train.history import History
 from .train.losses import add_loss, keep_outputs, with_parameters
 from .train.optim import Optimizer
-from .train.trainer import Callback, History, Trainer
+from .train.trainer import Trainer
 
 __all__ = ["OnnxClassifier", "OnnxRegressor", "to_onnx_model"]
 

@@ -13,7 +13,7 @@ import pytest
 
 import onnxgrad.compat.training as og
 from onnxgrad.compat.training import checkpoint_file
-from onnxgrad.errors import InputError
+from onnxgrad.errors import InputError, NotFoundError
 
 from . import scenarios
 from .test_scenarios import _bn_eval, close
@@ -143,7 +143,7 @@ def test_api_errors(tmp_path):
         og.api.LinearLRScheduler(opt, 10, 3, 0.1)
     with pytest.raises(InputError, match="values are int, float or str"):
         state.properties["bad"] = [1, 2]
-    with pytest.raises(KeyError, match="Parameter nope not found"):
+    with pytest.raises(NotFoundError, match="Parameter nope not found"):
         state.parameters["nope"]
     with pytest.raises(InputError, match=r"has shape \(3,\), got \(2,\)"):
         state.parameters["fc2.bias"] = np.zeros(2, np.float32)

@@ -124,6 +124,9 @@ def test_master_weights_survive_a_deepcopy_and_leave_float32_models_as_they_are(
     assert {p.dtype for p in plain.parameters()} == {torch.float32}
 
 
-def test_master_weights_must_be_a_bool() -> None:
-    with pytest.raises(InputError, match=r"master_weights must be True or False, got 'auto'"):
-        OnnxModule(_half_mlp(), master_weights="auto")  # type: ignore[arg-type]
+def test_master_weights_takes_the_trainers_values() -> None:
+    """True, False or "auto", as Trainer(master_weights=), decided by the same rule."""
+    auto = OnnxModule(_half_mlp(), master_weights="auto")  # a float16 model: master weights
+    assert {p.dtype for p in auto.parameters()} == {torch.float32}
+    with pytest.raises(InputError, match=r"master_weights must be True, False or 'auto', got 'yes'"):
+        OnnxModule(_half_mlp(), master_weights="yes")  # type: ignore[arg-type]

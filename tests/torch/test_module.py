@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from onnxgrad.errors import InputError  # noqa: E402
+from onnxgrad.errors import InputError, OnnxGradRuntimeError  # noqa: E402
 from onnxgrad.torch import OnnxModule  # noqa: E402
 from tests.torch.conftest import export_net as _export  # noqa: E402
 
@@ -157,7 +157,7 @@ def test_tensors_cross_without_copies(net64, monkeypatch):
 def test_create_graph_is_refused_clearly(net64):
     m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(RuntimeError, match="does not support create_graph=True"):
+    with pytest.raises(OnnxGradRuntimeError, match="does not support create_graph=True"):
         torch.autograd.grad(m(x).sum(), x, create_graph=True)
 
 

@@ -159,3 +159,65 @@ def test_bad_arguments(kw, match):
 def test_bad_scaler(kw, match):
     with pytest.raises(InputError, match=match):
         LossScaler(**kw)
+
+
+# ---- loss scaling with accumulation -------------------------------------------------------------
+def test_an_overflow_in_an_earlier_micro_batch_skips_the_update():
+    """As torch.amp.GradScaler over accumulated micro-batches: one overflowing micro-batch skips the
+    whole update and backs the scale off once, even when the micro-batch after it is finite."""
+    amp = mixed_precision({"W": np.zeros(2, np.float16)}, loss_scale=LossScaler(init_scale=64.0))
+    opt = _CountSteps()
+    amp.unscale({"W": np.array([np.inf, 1.0], np.float16)})
+    amp.unscale({"W": np.array([1.0, 1.0], np.float16)})  # finite: must not clear the first one
+    assert amp.step(opt, {"W": np.ones(2, np.float32)}) is False
+    assert opt.steps == 0 and amp.scaler.scale == 32.0 and amp.scaler.skipped == 1
+    amp.unscale({"W": np.array([1.0, 1.0], np.float16)})  # the next update starts clean
+    assert amp.step(opt, {"W": np.ones(2, np.float32)}) is True and opt.steps == 1
+
+
+class _CountSteps:
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self, grads) -> None:
+        self.steps += 1
+
+
+@pytest.mark.parametrize("overflowing", [0, 1])
+def test_trainer_accumulating_skips_the_update_when_any_micro_batch_overflowed(overflowing):
+    """accumulate=2, one micro-batch overflows float16 once scaled (dW = -100 per element, times
+    2048), the other does not (dW = -0.01): the update is skipped, W stays 0 and the scale halves
+    once per update, not per micro-batch (GradScaler's rule: one inf check per step)."""
+    big = {"x": np.ones((4, 3), np.float16), "target": np.full((4, 2), 100.0, np.float16)}
+    small = {"x": np.ones((4, 3), np.float16), "target": np.full((4, 2), 0.01, np.float16)}
+    parts = [big, small] if overflowing == 0 else [small, big]
+    data = {k: np.concatenate([p[k] for p in parts]) for k in big}
+    record = _Record()
+    trainer = _trainer(
+        _linear16(np.zeros((3, 2))),
+        lr=1e-3,
+        accumulate=2,
+        callbacks=[record],
+        loss_scale=LossScaler(init_scale=2048.0),
+    )
+    trainer.fit(data, epochs=1)
+    assert trainer.updates == 1 and trainer.amp.scaler.skipped == 1
+    assert record.scales == [1024.0]
+    assert not trainer.parameters["W"].any() and not trainer.amp.weights.master["W"].any()
+    assert trainer.optimizer.iterations == 0
+
+
+def test_one_master_weights_rule_for_every_front_end():
+    """use_master_weights decides for Trainer and OnnxModule alike: True / False as given, "auto"
+    when some parameter is float16 or bfloat16 (numpy or torch dtypes); anything else refused."""
+    from onnxgrad.train.amp import use_master_weights
+
+    f16, bf16, f32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
+    assert use_master_weights("auto", [f32, f16]) and use_master_weights("auto", [bf16])
+    assert not use_master_weights("auto", [f32, np.dtype(np.float64)]) and not use_master_weights("auto", [])
+    assert use_master_weights(True, [f32]) and not use_master_weights(False, [f16])
+    torch = pytest.importorskip("torch")
+    assert use_master_weights("auto", [torch.bfloat16]) and not use_master_weights("auto", [torch.float32])
+    for bad in ("yes", 1, None):
+        with pytest.raises(InputError, match="master_weights must be True, False or 'auto', got "):
+            use_master_weights(bad, [f16])

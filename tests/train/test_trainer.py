@@ -268,3 +268,15 @@ def test_only_the_loss_takes_a_gradient():
     assert a.fit(data, epochs=2)["loss"] == b.fit(data, epochs=2)["loss"]
     for name, value in a.parameters.items():
         np.testing.assert_array_equal(value, b.parameters[name])
+
+
+def test_the_split_modules_keep_the_old_import_paths():
+    """train/trainer.py was split by idea (callbacks, history, checkpoint, accumulate): every name
+    it exported is still importable from it, the very same object."""
+    from onnxgrad.train import callbacks, checkpoint, history, trainer
+
+    for name in ("Callback", "EarlyStopping", "HistoryFile", "accuracy", "accuracy_metric", "Metric"):
+        assert getattr(trainer, name) is getattr(callbacks, name)
+    assert trainer.History is history.History
+    assert trainer.CHECKPOINT_FORMAT == checkpoint.CHECKPOINT_FORMAT
+    assert set(trainer.__all__) <= set(dir(trainer))

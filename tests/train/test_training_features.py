@@ -9,12 +9,13 @@ import math
 
 import numpy as np
 import pytest
+from onnx import numpy_helper
 
 from onnxgrad.errors import InputError
 from onnxgrad.train import SGD, Callback, Trainer
+from onnxgrad.train.callbacks import HistoryFile, accuracy_metric
 from onnxgrad.train.optim import clip_grad_norm, clip_grad_value
 from onnxgrad.train.schedules import ReduceLROnPlateau
-from onnxgrad.train.trainer import HistoryFile, accuracy_metric
 from tests.train.test_trainer import linear, regression_data
 
 torch = pytest.importorskip("torch")
@@ -259,3 +260,34 @@ def test_resuming_with_other_settings_warns_with_both_values(tmp_path):
                       r"clip_norm None -> 1\.0; lr 0\.05 -> 0\.1"):  # fmt: skip
         other.fit(data, epochs=2, resume=tmp_path / "c.npz")
     assert other.epoch == 2
+
+
+@pytest.mark.parametrize("accumulate", [2, 3])
+def test_accumulation_applies_the_leftover_batches(accumulate):
+    """5 batches, accumulate=2: 3 updates per epoch, the last on the leftover batch alone (3: 2
+    updates, the last on 2 batches). Each update is the gradient of the mean loss over the samples
+    of the batches it accumulated, as one batch of their concatenation would give (not torch's
+    plain ``loss / accumulate`` recipe, which would shrink the leftover update by 1/accumulate)."""
+    n, batch, epochs = 10, 2, 2
+    data = regression_data(n)
+    trainer = Trainer(
+        linear(), loss="mse", optimizer="sgd", lr=0.1, batch_size=batch, shuffle=False,
+        accumulate=accumulate, progress=False,
+    )  # fmt: skip
+    trainer.fit(data, epochs=epochs)
+    per_epoch = math.ceil(n // batch / accumulate)
+    assert per_epoch == {2: 3, 3: 2}[accumulate]
+    assert trainer.updates == trainer.optimizer.iterations == epochs * per_epoch
+
+    inits = {i.name: numpy_helper.to_array(i) for i in linear().graph.initializer}
+    w, b = (torch.tensor(inits[k], requires_grad=True) for k in ("W", "b"))
+    opt = torch.optim.SGD([w, b], lr=0.1)
+    group = batch * accumulate
+    for _ in range(epochs):
+        for lo in range(0, n, group):  # the last group holds the leftover batches
+            x, t = torch.tensor(data["x"][lo : lo + group]), torch.tensor(data["target"][lo : lo + group])
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(x @ w + b, t).backward()
+            opt.step()
+    np.testing.assert_allclose(trainer.parameters["W"], w.detach().numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(trainer.parameters["b"], b.detach().numpy(), rtol=1e-12, atol=1e-14)

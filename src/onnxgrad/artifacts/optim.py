@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from onnx import TensorProto
 
-from ..errors import InputError
-from ..train.losses import _Emitter
+from ..errors import InputError, NotFoundError
+from ..model.emit import Emitter
 from ..train.optim import SGD, Adam, AdamW, Optimizer
 
 __all__ = ["OPTIMIZERS", "STATE_KEYS", "emit_updates", "hyperparameters"]
@@ -60,7 +60,7 @@ def STATE_KEYS(optimizer: str, hyper: dict) -> list[str]:
 
 
 def emit_updates(
-    e: _Emitter,
+    e: Emitter,
     optimizer: str,
     hyper: dict,
     params: list[Param],
@@ -90,7 +90,7 @@ class _Scalars:
     """Scalars (double, or float with ``dtype=FLOAT``) computed once per graph, cast once per
     parameter type."""
 
-    def __init__(self, e: _Emitter, lr: str, step: str, dtype: int = DOUBLE) -> None:
+    def __init__(self, e: Emitter, lr: str, step: str, dtype: int = DOUBLE) -> None:
         self.e, self.step, self.dtype = e, step, dtype
         self.lr = lr if dtype == DOUBLE else e.op("Cast", lr, to=dtype)
         self._cache: dict[tuple, str] = {}
@@ -106,7 +106,7 @@ class _Scalars:
         elif key == "first":  # no update made yet: SGD's momentum buffer starts as the gradient
             out = e.op("Equal", self.step, e.const(0, TensorProto.INT64))
         else:
-            raise KeyError(key)
+            raise NotFoundError(f"no shared update value {key!r}; have 't', 'neg_lr', 'first'")
         self._cache[(key,)] = out
         return out
 
@@ -122,7 +122,7 @@ class _Scalars:
         return self._cache[key]
 
 
-def _one_minus_power(e: _Emitter, beta: float, t: str, dtype: int) -> str:
+def _one_minus_power(e: Emitter, beta: float, t: str, dtype: int) -> str:
     """``1 - beta**t`` in float32 as ``-expm1(t ln beta)``, within a few ulps of the double value.
 
     ``1 - Pow(float32(beta), t)`` would lose digits twice: float32(0.999) is 1.3e-5 away from 0.999
@@ -141,7 +141,7 @@ def _one_minus_power(e: _Emitter, beta: float, t: str, dtype: int) -> str:
     return e.op("Neg", expm1)
 
 
-def _decayed(e: _Emitter, p: Param, weight_decay: float) -> str:
+def _decayed(e: Emitter, p: Param, weight_decay: float) -> str:
     """``grad + wd p`` (torch's L2 form), as numpy writes it: ``p * wd`` then ``+= grad``."""
     if not weight_decay:
         return p.grad

@@ -34,9 +34,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import InputError
+from ..model.emit import Emitter
 from ..model.graph import opset_of, to_array
 from ..model.infer import infer_value_infos
-from ..train.losses import _Emitter
 
 __all__ = ["WEBGPU", "lower_for_webgpu"]
 
@@ -53,7 +53,7 @@ def lower_for_webgpu(model: onnx.ModelProto) -> None:
         for i in n.input:
             readers.setdefault(i, []).append(n)
     scratch = onnx.GraphProto()
-    e = _Emitter(scratch, opset_of(model), TensorProto.FLOAT, "webgpu")
+    e = Emitter(scratch, opset_of(model), TensorProto.FLOAT, "webgpu")
     e.taken |= {v.name for v in (*g.input, *g.output, *g.value_info, *g.initializer)}
     e.taken |= {o for n in g.node for o in n.output} | {n.name for n in g.node}
     pools: dict[str, onnx.NodeProto] = {}  # Indices output -> its MaxPool
@@ -140,7 +140,7 @@ def _flat_depth_kernel(n: onnx.NodeProto, producers: dict, graph: onnx.GraphProt
     return w[:, :, 0]
 
 
-def _conv_2d(e: _Emitter, n: onnx.NodeProto, kernel: np.ndarray) -> None:
+def _conv_2d(e: Emitter, n: onnx.NodeProto, kernel: np.ndarray) -> None:
     """A 3-D Conv of depth-1 windows as a 2-D Conv between a Squeeze and an Unsqueeze of the depth
     axis: WebGPU has no 3-D Conv ("Unsupported padding parameter")."""
     attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
@@ -176,7 +176,7 @@ def _miscomputed_groups(n: onnx.NodeProto, infos: dict) -> int | None:
     return group if per_group > 4 and per_group % 4 else None
 
 
-def _split(e: _Emitter, x: str, parts: int, axis: int) -> list[str]:
+def _split(e: Emitter, x: str, parts: int, axis: int) -> list[str]:
     """``x`` split into ``parts`` equal parts along ``axis``."""
     outs = [e.fresh("part") for _ in range(parts)]
     extra = {"num_outputs": parts} if e.opset >= 18 else {}
@@ -184,7 +184,7 @@ def _split(e: _Emitter, x: str, parts: int, axis: int) -> list[str]:
     return outs
 
 
-def _split_groups(e: _Emitter, n: onnx.NodeProto, group: int) -> None:
+def _split_groups(e: Emitter, n: onnx.NodeProto, group: int) -> None:
     """A grouped Conv as one ungrouped Conv per group (inputs, weights and bias split, outputs
     concatenated along the channels): WebGPU computes these group sizes wrongly."""
     attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute if a.name != "group"}
@@ -194,7 +194,7 @@ def _split_groups(e: _Emitter, n: onnx.NodeProto, group: int) -> None:
     e.op("Concat", *ys, axis=1, out=n.output[0])
 
 
-def _fold_groups(e: _Emitter, n: onnx.NodeProto, kernel: np.ndarray, r: int | None) -> None:
+def _fold_groups(e: Emitter, n: onnx.NodeProto, kernel: np.ndarray, r: int | None) -> None:
     """A Conv whose ``group`` groups read one channel each with one shared kernel, as an ungrouped
     Conv over the channels folded into the batch: (N, C, S...) -> (N C, 1, S...) -> Conv ->
     (N C, k, S'...) -> (N, C k, S'...), the same channel order (channel c, then kernel output j).
@@ -234,7 +234,7 @@ def _is_ones(name: str, producers: dict, graph: onnx.GraphProto) -> bool:
     return False
 
 
-def _matmul_2d(e: _Emitter, n: onnx.NodeProto, ra: int | None, rb: int | None, producers, graph) -> None:
+def _matmul_2d(e: Emitter, n: onnx.NodeProto, ra: int | None, rb: int | None, producers, graph) -> None:
     """``n`` (a MatMul with a 1-D operand) written with 2-D operands, or as a ReduceSum."""
     a, b, out = n.input[0], n.input[1], n.output[0]
     if ra == 1 and rb == 2 and _is_ones(a, producers, graph):
@@ -249,13 +249,13 @@ def _matmul_2d(e: _Emitter, n: onnx.NodeProto, ra: int | None, rb: int | None, p
         _squeeze(e, e.op("MatMul", a, _unsqueeze(e, b, 1)), -1, out)
 
 
-def _unsqueeze(e: _Emitter, x: str, axis: int) -> str:
+def _unsqueeze(e: Emitter, x: str, axis: int) -> str:
     if e.opset >= 13:
         return e.op("Unsqueeze", x, e.const([axis], TensorProto.INT64))
     return e.op("Unsqueeze", x, axes=[axis])
 
 
-def _squeeze(e: _Emitter, x: str, axis: int, out: str) -> str:
+def _squeeze(e: Emitter, x: str, axis: int, out: str) -> str:
     if e.opset >= 13:
         return e.op("Squeeze", x, e.const([axis], TensorProto.INT64), out=out)
     return e.op("Squeeze", x, axes=[axis], out=out)
@@ -269,7 +269,7 @@ def _pool_refusal(n: onnx.NodeProto, why: str) -> str:
     )
 
 
-def _pool_grad(e: _Emitter, pool: onnx.NodeProto, unpool: onnx.NodeProto, infos) -> None:
+def _pool_grad(e: Emitter, pool: onnx.NodeProto, unpool: onnx.NodeProto, infos) -> None:
     """dX of ``pool`` without Indices: dY at the first element of each window equal to Y."""
     attrs = {a.name: helper.get_attribute_value(a) for a in pool.attribute}
     kernel = [int(k) for k in attrs["kernel_shape"]]
@@ -322,7 +322,7 @@ def _pool_grad(e: _Emitter, pool: onnx.NodeProto, unpool: onnx.NodeProto, infos)
     e.op("Pad", dx, e.const(pads, i64), zero, out=out)
 
 
-def _log_softmax(e: _Emitter, n: onnx.NodeProto, r: int | None) -> None:
+def _log_softmax(e: Emitter, n: onnx.NodeProto, r: int | None) -> None:
     axis = next((int(helper.get_attribute_value(a)) for a in n.attribute if a.name == "axis"), -1)
     if axis < 0 and r is not None:
         axis += r

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..errors import InputTypeError
 from ..model.graph import Dim, np_dtype
 from .scope import Scope, Value
 from .shapes import INT64, ShapeHelpers
@@ -148,7 +149,7 @@ class GradBuilder(Scope[Var], ShapeHelpers[Var]):
         if isinstance(x, list | tuple) or (isinstance(x, np.ndarray) and x.dtype.kind in "iu"):
             return self.const(np.asarray(x, dtype=np.int64))
         if like is None:
-            raise TypeError(f"cannot tell the dtype of constant {x!r}")
+            raise InputTypeError(f"cannot tell the dtype of constant {x!r}")
         return self.const(x, like.dtype)
 
     def op(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper, version_converter
 
+from ..errors import InputError
 from ..model.graph import all_names, ir_version_for, sort_nodes
 from .engine import GradientGraphs
 
@@ -53,7 +54,7 @@ def compose(graphs: GradientGraphs, name: str = "forward_backward") -> onnx.Mode
     taken = all_names(fwd.graph)
     clash = [o.name for o in bwd.graph.output if o.name in taken]
     if clash:  # build_gradient reserves fresh names; a clash means the graphs were edited
-        raise ValueError(f"backward outputs {clash} are also forward values")
+        raise InputError(f"backward outputs {clash} are also forward values")
     # the backward recomputes some cheap forward values (Flatten, Reshape...) under their forward
     # names instead of saving them: in one graph the forward's node already defines them
     recomputed = [n for n in bwd.graph.node if n.output and all(o in defined for o in n.output)]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import helper
 
-from ..errors import GradientWarning, InputError, ModelError
+from ..errors import GradientWarning, InputError, InputTypeError, ModelError, renamed_argument
 from ..model.fold import known_tensors
 from ..model.graph import (
     MIN_BACKWARD_OPSET,
@@ -86,12 +86,18 @@ class GradientGraphs:
             f"forward={len(self.forward.graph.node)} nodes, backward={len(self.backward.graph.node)} nodes)"
         )
 
-    def save(self, directory: str | os.PathLike) -> list[str]:
-        """Write ``forward.onnx`` and ``backward.onnx`` into ``directory``; returns the paths."""
-        os.makedirs(directory, exist_ok=True)
+    def save(
+        self, out_dir: str | os.PathLike | None = None, *, directory: str | os.PathLike | None = None
+    ) -> list[str]:
+        """Write ``forward.onnx`` and ``backward.onnx`` into the folder ``out_dir`` (made when
+        missing); returns the paths. ``directory=`` is its old name (deprecated)."""
+        out_dir = renamed_argument(out_dir, directory, new_name="out_dir", old_name="directory")
+        if out_dir is None:
+            raise InputTypeError("save() needs out_dir, the folder to write")
+        os.makedirs(out_dir, exist_ok=True)
         paths = []
         for name, proto in (("forward", self.forward), ("backward", self.backward)):
-            path = os.path.join(os.fspath(directory), f"{name}.onnx")
+            path = os.path.join(os.fspath(out_dir), f"{name}.onnx")
             onnx.save(proto, path)
             paths.append(path)
         return paths

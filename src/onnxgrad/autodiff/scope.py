@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..errors import NotFoundError
 from ..model.graph import Dim, Shaped, ValueInfo
 
 
@@ -169,7 +170,7 @@ class Scope(Generic[V]):
         if var is None:
             info = self.infos.get(name)
             if info is None:
-                raise KeyError(name)
+                raise NotFoundError(f"{name!r} is not a value of the forward graph")
             var = self.value_type(self, name, info.dtype, info.shape, forward=True, sequence=info.sequence)
             self._fwd_values[name] = var
         return var

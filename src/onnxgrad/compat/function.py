@@ -16,7 +16,7 @@ import onnxruntime as ort
 
 from ..autodiff.engine import GradientGraphs
 from ..deps import C
-from ..errors import InputError, OnnxGradRuntimeError
+from ..errors import InputError, OnnxGradRuntimeError, PathNotFoundError
 from ..model.graph import ValueInfo, np_dtype
 from ..runtime.runner import Runner
 from ..runtime.values import contiguous
@@ -207,7 +207,7 @@ class OrtGradientForwardBackwardFunction:
         if not isinstance(folder, str | os.PathLike):
             return {k: m.SerializeToString() for k, m in models.items()}
         if not os.path.isdir(folder):
-            raise FileNotFoundError(f"folder {os.fspath(folder)!r} does not exist")
+            raise PathNotFoundError(f"folder {os.fspath(folder)!r} does not exist")
         base = f"{prefix or ''}{cls.__name__}{suffix or ''}"
         saved: dict[str, str | bytes] = {}
         for attr, model in models.items():

@@ -10,7 +10,7 @@ import onnxruntime as ort
 from onnx import TensorProto
 
 from ..deps import C, copy_into_ortvaluevector
-from ..errors import InputError
+from ..errors import InputError, InputTypeError
 from ..model.graph import ValueInfo
 
 
@@ -44,7 +44,7 @@ def c_value(value: Any) -> Any:
         return value
     if isinstance(value, ort.OrtValue):
         return value._ortvalue
-    raise TypeError(f"an OrtValueVector holds OrtValues, not {type(value).__name__}")
+    raise InputTypeError(f"an OrtValueVector holds OrtValues, not {type(value).__name__}")
 
 
 class OrtValueVector(C.OrtValueVector):
@@ -189,4 +189,4 @@ def fill(cache: Any, values: list[Any]) -> Any:
             "with values of the same types and shapes. Pass an empty vector, a list or an "
             "onnxgrad.compat.OrtValueVector (which any values may overwrite) as the cache"
         )
-    raise TypeError(f"an output cache must be a list or an OrtValueVector, not {type(cache)}")
+    raise InputTypeError(f"an output cache must be a list or an OrtValueVector, not {type(cache)}")

@@ -27,12 +27,13 @@ from ..autodiff.params import untie
 from ..autodiff.prepare import float_outputs, prepare
 from ..deps import session_run, torch_interop
 from ..errors import InputError, OnnxGradRuntimeError
-from ..model.graph import FLOAT_TYPES, to_array, unique_name, value_info_from_proto
+from ..model.graph import FLOAT_TYPES, np_dtype, to_array, unique_name, value_info_from_proto
 from ..model.load import CheckedModel
 from ..pythonop import make_runner
 from ..runtime.runner import BACKWARD_FAILED, FORWARD_FAILED, Runner
 from ..runtime.session import resolve_providers
 from ..runtime.values import check_input, from_torch, to_torch
+from ..train.amp import MasterWeightsChoice, is_half, use_master_weights
 
 # call signatures (input shapes, dtypes, requires-grad flags) remembered per module; beyond, the
 # memory starts over
@@ -227,7 +228,7 @@ class _OnnxFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():  # backward(create_graph=True) asks for a differentiable backward
-            raise RuntimeError(
+            raise OnnxGradRuntimeError(
                 "OnnxModule does not support create_graph=True: its backward runs on onnxruntime "
                 "and is not itself differentiable by torch (second-order gradients)"
             )
@@ -251,12 +252,17 @@ class OnnxModule(nn.Module):
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     ``quantized``: the gradient through quantization ops, ``"ste"``, ``"zero"`` or ``"refuse"`` (see
     ``build_gradient``).
-    ``master_weights``: the parameters of the model's float16 initializers are float32
-    ``nn.Parameter``s (master weights), cast to the model's type at each forward (a torch cast, so
-    their gradients arrive in float32): ``torch.amp.GradScaler`` (which refuses float16 gradients)
-    and any torch optimizer then work as with a torch half model's float32 parameters under
-    autocast. Buffers stay in the model's type; :meth:`to_onnx` writes the parameters back in it
-    (rounded). No effect on float32 and float64 parameters.
+    ``master_weights``: ``True``, ``False`` or ``"auto"``, the values and the rule of
+    ``Trainer(master_weights=)`` (:func:`onnxgrad.train.amp.use_master_weights`; ``"auto"``: when some
+    parameter is half precision). With master weights, the parameters of the model's float16 initializers
+    are float32 ``nn.Parameter``s, cast to the model's type at each forward (a torch cast, so their
+    gradients arrive in float32): ``torch.amp.GradScaler`` (which refuses float16 gradients) and any
+    torch optimizer then work as with a torch half model's float32 parameters under autocast.
+    Buffers stay in the model's type; :meth:`to_onnx` writes the parameters back in it (rounded).
+    No effect on float32 and float64 parameters. The default is ``False``, unlike the
+    ``Trainer``'s ``"auto"``: here the user's torch optimizer holds the parameters, and a half
+    module's parameters are half in torch too (as after ``module.half()``); the ``Trainer`` runs
+    the optimizer itself, and its float16 updates would be lost below half an ulp.
     ``forward(*tensors)`` takes the model inputs in order and returns a tensor (one output) or a
     tuple.
     """
@@ -271,11 +277,9 @@ class OnnxModule(nn.Module):
         tie_weights: bool = True,
         recompute: Any = None,
         quantized: str = "ste",
-        master_weights: bool = False,
+        master_weights: MasterWeightsChoice = False,
     ) -> None:
         super().__init__()
-        if not isinstance(master_weights, bool):
-            raise InputError(f"master_weights must be True or False, got {master_weights!r}")
         self._recompute = recompute  # build_gradient(recompute=): activations rebuilt in the backward
         if quantized not in QUANTIZED_MODES:
             raise InputError(f"quantized must be one of {list(QUANTIZED_MODES)}, got {quantized!r}")
@@ -305,6 +309,9 @@ class OnnxModule(nn.Module):
         inits = {i.name: i for i in proto.graph.initializer}
         floats = [n for n, t in inits.items() if t.data_type in FLOAT_TYPES]
         params = set(selection.trainable)
+        masters = use_master_weights(
+            master_weights, (np_dtype(inits[n].data_type) for n in params if n in inits)
+        )
         taken: set[str] = set()
         self.onnx_names: dict[str, str] = {}  # torch attribute name -> ONNX initializer name
         # torch attribute name -> the model's half type, for the float32 master parameters
@@ -314,7 +321,7 @@ class OnnxModule(nn.Module):
             self.onnx_names[tname] = n
             value = torch.from_numpy(np.array(to_array(inits[n]), copy=True))
             if n in params:
-                if master_weights and value.dtype == torch.float16:
+                if masters and is_half(value.dtype):
                     self._master_dtypes[tname] = value.dtype
                     value = value.float()
                 self.register_parameter(tname, nn.Parameter(value))

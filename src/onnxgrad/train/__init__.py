@@ -3,21 +3,14 @@ optimizers and learning-rate schedules, data loading, and a trainer with callbac
 """
 
 from .amp import LossScaler, MixedPrecision
+from .callbacks import Callback, EarlyStopping, HistoryFile, accuracy_metric
 from .data import BatchLoader, as_feeds, load_dataset, split
+from .history import History
 from .losses import LOSSES, add_loss, keep_outputs, remove_loss, with_parameters
 from .optim import SGD, Adam, AdamW, Optimizer, clip_grad_norm, clip_grad_value
 from .plot import plot_curves
 from .schedules import Constant, Cosine, InverseScaling, LinearWarmup, ReduceLROnPlateau, Schedule, StepDecay
-from .trainer import (
-    OPTIMIZERS,
-    Callback,
-    EarlyStopping,
-    History,
-    HistoryFile,
-    Trainer,
-    accuracy_metric,
-    make_optimizer,
-)
+from .trainer import OPTIMIZERS, Trainer, make_optimizer
 
 __all__ = [
     "LOSSES",

@@ -19,24 +19,53 @@ its ``master_weights=`` and ``loss_scale=`` arguments. bfloat16 has float32's ra
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 import numpy as np
 
 from ..errors import InputError
 
-__all__ = ["LossScaler", "MasterWeights", "MixedPrecision", "half_dtype", "mixed_precision"]
+__all__ = [
+    "LossScaler",
+    "MasterWeights",
+    "MasterWeightsChoice",
+    "MixedPrecision",
+    "half_dtype",
+    "is_half",
+    "mixed_precision",
+    "use_master_weights",
+]
+
+MasterWeightsChoice = bool | Literal["auto"]
 
 
-def _is_half(dtype: np.dtype) -> bool:
-    """float16 or bfloat16 (ml_dtypes' bfloat16 is a numpy dtype named 'bfloat16')."""
-    return dtype == np.float16 or dtype.name == "bfloat16"
+def is_half(dtype: Any) -> bool:
+    """float16 or bfloat16: a numpy dtype (ml_dtypes' bfloat16 is one named 'bfloat16') or a
+    ``torch.dtype`` (``torch.float16`` / ``torch.bfloat16``, recognised by name: no torch import)."""
+    name = dtype.name if isinstance(dtype, np.dtype) else str(dtype).removeprefix("torch.")
+    return name in ("float16", "bfloat16")
+
+
+def use_master_weights(master_weights: MasterWeightsChoice, dtypes: Iterable[Any]) -> bool:
+    """Whether the half-precision parameters get float32 master weights: the one rule of every
+    front end (``Trainer(master_weights=)``, ``OnnxModule(master_weights=)``).
+
+    ``master_weights``: ``True``, ``False``, or ``"auto"``: master weights when some parameter is
+    float16 or bfloat16 (``dtypes``: those of the trainable parameters, numpy or torch dtypes).
+    Either way, only the half-precision parameters get a float32 copy; float32 and float64 ones are
+    updated as they are.
+    """
+    if master_weights == "auto":
+        return any(is_half(d) for d in dtypes)
+    if isinstance(master_weights, bool):
+        return master_weights
+    raise InputError(f"master_weights must be True, False or 'auto', got {master_weights!r}")
 
 
 def half_dtype(params: Mapping[str, np.ndarray]) -> np.dtype | None:
     """The half-precision dtype of ``params`` (float16 first), ``None`` when none is half."""
-    halves = {np.asarray(p).dtype for p in params.values() if _is_half(np.asarray(p).dtype)}
+    halves = {np.asarray(p).dtype for p in params.values() if is_half(np.asarray(p).dtype)}
     if not halves:
         return None
     return np.dtype(np.float16) if np.dtype(np.float16) in halves else halves.pop()
@@ -113,7 +142,7 @@ class MasterWeights:
 
     def __init__(self, live: Mapping[str, np.ndarray]) -> None:
         self.live = dict(live)
-        self.master = {k: v.astype(np.float32) for k, v in self.live.items() if _is_half(v.dtype)}
+        self.master = {k: v.astype(np.float32) for k, v in self.live.items() if is_half(v.dtype)}
         self.params = {k: self.master.get(k, v) for k, v in self.live.items()}
 
     def sync(self) -> None:
@@ -194,23 +223,18 @@ class MixedPrecision:
 
 def mixed_precision(
     live: Mapping[str, np.ndarray],
-    master_weights: bool | str = "auto",
+    master_weights: MasterWeightsChoice = "auto",
     loss_scale: str | float | LossScaler | None = "auto",
 ) -> MixedPrecision | None:
     """The :class:`MixedPrecision` that ``Trainer(master_weights=..., loss_scale=...)`` asks for.
 
-    ``master_weights``: ``True``, ``False``, or ``"auto"`` (when some parameter is float16 or
-    bfloat16). ``loss_scale``: ``"dynamic"`` (a :class:`LossScaler` with torch's defaults), a
+    ``master_weights``: ``True``, ``False``, or ``"auto"`` (see :func:`use_master_weights`).
+    ``loss_scale``: ``"dynamic"`` (a :class:`LossScaler` with torch's defaults), a
     number (a static scale), a :class:`LossScaler`, ``None`` (none), or ``"auto"`` (dynamic when some
     parameter is float16, none otherwise). ``None`` when neither is wanted.
     """
     half = half_dtype(live)
-    if master_weights == "auto":
-        master = half is not None
-    elif isinstance(master_weights, bool):
-        master = master_weights
-    else:
-        raise InputError(f"master_weights must be True, False or 'auto', got {master_weights!r}")
+    master = use_master_weights(master_weights, (np.asarray(p).dtype for p in live.values()))
     if isinstance(loss_scale, LossScaler):
         scaler: LossScaler | None = loss_scale
     elif loss_scale == "auto":

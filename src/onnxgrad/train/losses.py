@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import InputError
+from ..model.emit import Emitter
 from ..model.graph import (
     FLOAT_TYPES,
     MAX_IR_VERSION,
@@ -40,7 +40,6 @@ from ..model.graph import (
     ir_version_for,
     np_dtype,
     opset_of,
-    unique_name,
 )
 from ..model.infer import infer_value_infos
 from ..model.load import CheckedModel, load_checked, load_model
@@ -51,43 +50,7 @@ LOSSES = ("mse", "l1", "huber", "cross_entropy", "nll", "bce_with_logits")
 CLASS_LOSSES = ("cross_entropy", "nll")  # integer class targets, classes on axis 1
 REDUCTIONS = ("mean", "sum")
 Penalty = float | Mapping[str, float]
-
-
-class _Emitter:
-    """Appends nodes to a graph with fresh value names, writing axes the way the opset wants."""
-
-    def __init__(self, graph: onnx.GraphProto, opset: int, dtype: int, prefix: str) -> None:
-        self.graph, self.opset, self.dtype, self.prefix = graph, opset, dtype, prefix
-        self.taken = {v.name for v in (*graph.input, *graph.output, *graph.value_info)}
-        self.taken |= {i.name for i in graph.initializer}
-        self.taken |= {o for n in graph.node for o in n.output} | {n.name for n in graph.node}
-
-    def fresh(self, hint: str) -> str:
-        return unique_name(f"{self.prefix}/{hint}", self.taken)
-
-    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs: Any) -> str:
-        out = out or self.fresh(op_type.lower())
-        self.graph.node.append(
-            helper.make_node(op_type, list(inputs), [out], name=self.fresh(op_type), **attrs)
-        )
-        return out
-
-    def const(self, value: Any, dtype: int | None = None) -> str:
-        # A Constant node, not an initializer: float initializers would count as trainable.
-        arr = np.asarray(value, dtype=np_dtype(self.dtype if dtype is None else dtype))
-        return self.op("Constant", value=numpy_helper.from_array(arr))
-
-    def axes_op(self, op_type: str, x: str, axes: Sequence[int] | None, **attrs: Any) -> str:
-        """``op_type`` with ``axes`` as an input where the opset wants one, else an attribute.
-
-        ``axes=None`` reduces over every axis.
-        """
-        if axes is None:
-            return self.op(op_type, x, **attrs)
-        since = {"Unsqueeze": 13, "ReduceSum": 13}.get(op_type, 18)  # other reductions: 18
-        if self.opset >= since:
-            return self.op(op_type, x, self.const(list(axes), TensorProto.INT64), **attrs)
-        return self.op(op_type, x, axes=list(axes), **attrs)
+_Emitter = Emitter  # the emitter's name before it became public (onnxgrad.model.emit); kept for imports
 
 
 def add_loss(
@@ -149,7 +112,7 @@ def add_loss(
         raise InputError(f"the target, weight and loss names must differ, got {new_names}")
     penalties = _penalties(graph, l1, l2, penalized)
 
-    e = _Emitter(graph, opset_of(result), info.dtype, loss_name)
+    e = Emitter(graph, opset_of(result), info.dtype, loss_name)
     e.taken.update(new_names)
     if kind in CLASS_LOSSES:
         per_elem, elem_rank = _class_loss(e, kind, output, info, target_name, probabilities), _rank(info, -1)
@@ -186,18 +149,18 @@ def _rank(info: ValueInfo, delta: int) -> int | None:
 
 
 # ---- per-element losses ------------------------------------------------------------------------
-def _mse(e: _Emitter, x: str, t: str) -> str:
+def _mse(e: Emitter, x: str, t: str) -> str:
     d = e.op("Sub", x, t)
     return e.op("Mul", d, d)
 
 
-def _l1(e: _Emitter, x: str, t: str) -> str:
+def _l1(e: Emitter, x: str, t: str) -> str:
     # |x - t|: the gradient is sign(x - t), pointing uphill as a gradient must (onnxcustom had it
     # the other way round, so its absolute loss trained away from the targets).
     return e.op("Abs", e.op("Sub", x, t))
 
 
-def _huber(e: _Emitter, x: str, t: str, delta: float) -> str:
+def _huber(e: Emitter, x: str, t: str, delta: float) -> str:
     # q (|d| - q/2) with q = min(|d|, δ): one formula for both branches, no Where needed, and the
     # gradient sign(d) q is continuous at |d| = δ whichever side Min's tie goes.
     a = e.op("Abs", e.op("Sub", x, t))
@@ -205,7 +168,7 @@ def _huber(e: _Emitter, x: str, t: str, delta: float) -> str:
     return e.op("Mul", q, e.op("Sub", a, e.op("Mul", q, e.const(0.5))))
 
 
-def _bce_with_logits(e: _Emitter, x: str, t: str) -> str:
+def _bce_with_logits(e: Emitter, x: str, t: str) -> str:
     # softplus(x) - x t: onnxruntime's Softplus is overflow-safe and its gradient, σ(x), is exact.
     return e.op("Sub", e.op("Softplus", x), e.op("Mul", x, t))
 
@@ -213,9 +176,7 @@ def _bce_with_logits(e: _Emitter, x: str, t: str) -> str:
 _ELEMENTWISE = {"mse": _mse, "l1": _l1, "bce_with_logits": _bce_with_logits}
 
 
-def _class_loss(
-    e: _Emitter, kind: str, scores: str, info: ValueInfo, target: str, probabilities: bool
-) -> str:
+def _class_loss(e: Emitter, kind: str, scores: str, info: ValueInfo, target: str, probabilities: bool) -> str:
     """``-logp[target]`` per sample (per position for rank > 2), picked by a one-hot mask.
 
     ``logp`` is ``log_softmax(scores)`` (cross_entropy), ``scores`` (nll) or
@@ -254,7 +215,7 @@ def _class_loss(
 
 
 def _reduce(
-    e: _Emitter,
+    e: Emitter,
     per_elem: str,
     rank: int | None,
     weight_name: str | None,
@@ -313,7 +274,7 @@ def _penalties(
 
 
 def _add_penalties(
-    e: _Emitter,
+    e: Emitter,
     data_loss: str,
     penalties: list[tuple[str, float, float]],
     infos: Mapping[str, ValueInfo],

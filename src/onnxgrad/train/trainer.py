@@ -6,12 +6,14 @@ buffers in place with one of the optimizers of :mod:`onnxgrad.train`. Each epoch
 to a :class:`History` (``loss``, ``val_loss``, ``lr``, metrics, seconds). A checkpoint holds the
 parameters, the optimizer state, the shuffling generator, the history and the callbacks' state, so
 a run resumed from it continues exactly as if it had never stopped.
+
+The parts live beside it: :mod:`.callbacks` (hooks, early stopping, the accuracy metric),
+:mod:`.history` (the per-epoch records), :mod:`.checkpoint` (the file format) and
+:mod:`.accumulate` (gradient accumulation); their public names stay importable from here.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 import sys
@@ -28,12 +30,15 @@ from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import ValueInfo, value_info_from_proto
 from ..model.load import CheckedModel
 from ..runtime import ForwardBackward
-from .amp import LossScaler, mixed_precision
+from .accumulate import Accumulated
+from .amp import LossScaler, MasterWeightsChoice, mixed_precision
+from .callbacks import Callback, EarlyStopping, HistoryFile, Metric, accuracy, accuracy_metric, as_callback
+from .checkpoint import CHECKPOINT_FORMAT, read_checkpoint, write_checkpoint  # noqa: F401 (re-exported)
 from .data import BatchLoader, Data, as_feeds
+from .history import History, plain
 from .losses import add_loss, remove_loss
 from .onegraph import one_graph_step
 from .optim import SGD, Adam, AdamW, Optimizer, clip_grad_norm, clip_grad_value
-from .plot import plot_curves
 from .schedules import LearningRate, LinearWarmup, ReduceLROnPlateau
 
 __all__ = [
@@ -49,9 +54,8 @@ __all__ = [
     "make_optimizer",
 ]
 
+
 OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
-Metric = Callable[[Mapping[str, np.ndarray], Mapping[str, np.ndarray]], float]
-CHECKPOINT_FORMAT = 1
 
 
 def make_optimizer(
@@ -85,196 +89,6 @@ def input_infos(fb: ForwardBackward) -> dict[str, ValueInfo]:
     """Type and shape of each input ``fb.forward`` takes (parameters excluded), by name."""
     infos = {vi.name: value_info_from_proto(vi) for vi in fb.graphs.forward.graph.input}
     return {name: info for name in fb.input_names if (info := infos.get(name)) is not None}
-
-
-# ---- history -----------------------------------------------------------------------------------
-class History:
-    """One record (a dict) per epoch; ``history["loss"]`` is the list of one key across epochs."""
-
-    def __init__(self, records: Iterable[Mapping[str, Any]] = ()) -> None:
-        self.records: list[dict[str, Any]] = [dict(r) for r in records]
-
-    def append(self, record: Mapping[str, Any]) -> None:
-        self.records.append(dict(record))
-
-    def __getitem__(self, key: str) -> list[Any]:
-        if not any(key in r for r in self.records):
-            raise KeyError(f"no {key!r} in the history (keys: {self.keys()})")
-        return [r.get(key, math.nan) for r in self.records]
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def keys(self) -> list[str]:
-        return list(dict.fromkeys(k for r in self.records for k in r))
-
-    def to_dict(self) -> dict[str, list[Any]]:
-        return {k: self[k] for k in self.keys()}
-
-    def plot(
-        self, path: str | os.PathLike, keys: Sequence[str] | None = None, title: str | None = None
-    ) -> str:
-        """A PNG of the loss curves (default: ``loss`` and ``val_loss``) against the epoch."""
-        keys = list(keys) if keys is not None else [k for k in ("loss", "val_loss") if k in self.keys()]
-        epochs = self["epoch"] if self.records else []
-        return plot_curves({k: self[k] for k in keys}, path, x=epochs, title=title)
-
-    def __repr__(self) -> str:
-        last = self.records[-1] if self.records else {}
-        return f"History({len(self)} epochs, last={last})"
-
-    def save(self, path: str | os.PathLike) -> str:
-        """Write the history, one row per epoch: CSV (``.csv``: a header of every key, empty cells
-        where an epoch lacks one) or JSON (``.json``: a list of records); returns the path."""
-        path = os.fspath(path)
-        kind = os.path.splitext(path)[1].lower()
-        if kind not in (".csv", ".json"):
-            raise InputError(f"history file {path!r}: expected a .csv or .json file")
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w", newline="") as f:
-            if kind == ".json":
-                json.dump([{k: _plain(v) for k, v in r.items()} for r in self.records], f, indent=1)
-                f.write("\n")
-            else:
-                writer = csv.DictWriter(f, fieldnames=self.keys())
-                writer.writeheader()
-                writer.writerows({k: _plain(v) for k, v in r.items()} for r in self.records)
-        os.replace(tmp, path)
-        return path
-
-
-# ---- callbacks ---------------------------------------------------------------------------------
-class Callback:
-    """Hooks called by :meth:`Trainer.fit`; override the ones needed.
-
-    ``logs`` of ``on_batch_end`` has ``loss`` and ``batch_size`` (one mini-batch); ``on_step_end``
-    comes after each optimizer update (once per ``accumulate`` batches) with ``loss`` (the mean over
-    the batches of the update), ``lr`` and, when the trainer clips by norm, ``grad_norm`` (before
-    clipping); ``logs`` of ``on_epoch_end`` is the epoch's history record. Setting
-    ``trainer.stop_training = True`` ends the run after the epoch.
-
-    This is the hook for experiment trackers: MLflow, Weights & Biases or TensorBoard need a few
-    lines, e.g. ``on_epoch_end = lambda self, t, epoch, logs: mlflow.log_metrics({k: v for k, v in
-    logs.items() if k != "epoch"}, step=epoch)`` (``wandb.log(dict(logs))``,
-    ``SummaryWriter.add_scalar``); :class:`HistoryFile` writes a CSV or JSON file.
-    A callback with state (counters, best values) returns it from :meth:`state_dict` (numbers,
-    strings, lists, dicts and numpy arrays) so that checkpoints carry it.
-    """
-
-    def on_train_begin(self, trainer: Trainer) -> None: ...
-
-    def on_epoch_begin(self, trainer: Trainer, epoch: int) -> None: ...
-
-    def on_batch_end(self, trainer: Trainer, step: int, logs: Mapping[str, Any]) -> None: ...
-
-    def on_step_end(self, trainer: Trainer, step: int, logs: Mapping[str, Any]) -> None: ...
-
-    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: Mapping[str, Any]) -> None: ...
-
-    def on_train_end(self, trainer: Trainer) -> None: ...
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        pass
-
-
-class _EpochEndFunction(Callback):
-    """A plain function ``fn(trainer, epoch, logs)`` called at the end of each epoch."""
-
-    def __init__(self, fn: Callable[[Trainer, int, Mapping[str, Any]], Any]) -> None:
-        self.fn = fn
-
-    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: Mapping[str, Any]) -> None:
-        self.fn(trainer, epoch, logs)
-
-
-class HistoryFile(Callback):
-    """Write the history to ``path`` (``.csv`` or ``.json``, one row per epoch) after every epoch,
-    so that the file is complete however the run ends (a resumed run rewrites it whole)."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = os.fspath(path)
-        if os.path.splitext(self.path)[1].lower() not in (".csv", ".json"):
-            raise InputError(f"history file {self.path!r}: expected a .csv or .json file")
-
-    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: Mapping[str, Any]) -> None:
-        trainer.history.save(self.path)
-
-
-def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
-    """Fraction of rows whose largest logit (last axis) is the label."""
-    logits, labels = np.asarray(logits), np.asarray(labels)
-    return float(np.mean(np.argmax(logits, axis=-1) == labels.reshape(logits.shape[:-1])))
-
-
-def accuracy_metric(output: str, target: str = "target") -> Metric:
-    """A metric for ``Trainer(metrics={"acc": accuracy_metric("logits")})``: the accuracy of the
-    ``output`` logits against the ``target`` class indices of the batch."""
-
-    def metric(outputs: Mapping[str, np.ndarray], batch: Mapping[str, np.ndarray]) -> float:
-        return accuracy(outputs[output], batch[target])
-
-    return metric
-
-
-class EarlyStopping(Callback):
-    """Stop when ``monitor`` has not improved by more than ``min_delta`` for ``patience`` epochs.
-
-    With ``restore_best``, the parameters of the best epoch are put back when it stops.
-    """
-
-    def __init__(
-        self, monitor: str = "val_loss", patience: int = 5, min_delta: float = 0.0, restore_best: bool = True
-    ) -> None:
-        if patience < 1:
-            raise InputError(f"patience must be >= 1, got {patience}")
-        self.monitor, self.patience, self.min_delta = monitor, int(patience), float(min_delta)
-        self.restore_best = restore_best
-        self.best, self.best_epoch, self.wait, self.stopped_epoch = math.inf, 0, 0, 0
-        self.best_params: dict[str, np.ndarray] | None = None
-
-    def on_train_begin(self, trainer: Trainer) -> None:
-        if self.monitor.startswith("val_") and not trainer.has_validation:
-            raise InputError(f"EarlyStopping monitors {self.monitor!r} but fit() got no validation data")
-
-    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: Mapping[str, Any]) -> None:
-        if self.monitor not in logs:
-            raise InputError(f"EarlyStopping monitors {self.monitor!r}, not in the epoch's logs {list(logs)}")
-        value = float(logs[self.monitor])
-        if value < self.best - self.min_delta:
-            self.best, self.best_epoch, self.wait = value, epoch, 0
-            if self.restore_best:
-                params = trainer.fb.parameters
-                if self.best_params is None:
-                    self.best_params = {k: v.copy() for k, v in params.items()}
-                else:  # reuse the buffers: no allocation per improvement
-                    for k, v in params.items():
-                        np.copyto(self.best_params[k], v)
-            return
-        self.wait += 1
-        if self.wait >= self.patience:
-            trainer.stop_training = True
-            self.stopped_epoch = epoch
-            if self.restore_best and self.best_params is not None:
-                trainer.set_parameters(self.best_params)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "best": self.best,
-            "best_epoch": self.best_epoch,
-            "wait": self.wait,
-            "stopped_epoch": self.stopped_epoch,
-            "best_params": self.best_params,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.best, self.best_epoch = float(state["best"]), int(state["best_epoch"])
-        self.wait, self.stopped_epoch = int(state["wait"]), int(state["stopped_epoch"])
-        bp = state["best_params"]
-        self.best_params = None if bp is None else {k: np.array(v) for k, v in bp.items()}
 
 
 def _quantized_matmul_options(model: onnx.ModelProto, options: Any) -> Any:
@@ -320,8 +134,10 @@ class Trainer:
     :attr:`step_path` tells which runs.
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     ``accumulate``: optimizer updates every ``accumulate`` mini-batches, with the gradient of the
-    mean loss over those samples (the same update as one batch of their concatenation; the last
-    update of an epoch takes the batches left). ``clip_norm``: the gradients are scaled to this
+    mean loss over those samples (the same update as one batch of their concatenation). The last
+    update of an epoch takes the batches left (5 batches, ``accumulate=2``: 3 updates), with the
+    mean over the samples it accumulated, not torch loops' ``loss / accumulate``, which would shrink
+    it (:mod:`onnxgrad.train.accumulate`). ``clip_norm``: the gradients are scaled to this
     global L2 norm at most (``torch.nn.utils.clip_grad_norm_``); ``clip_value``: each element is
     clipped to ``[-clip_value, clip_value]``. The three run forward, backward and the numpy update
     (the two-session path). A :class:`ReduceLROnPlateau` given as ``lr`` is stepped at the end of
@@ -337,11 +153,12 @@ class Trainer:
     ``master_weights`` / ``loss_scale``: mixed precision for float16 and bfloat16 models
     (:mod:`onnxgrad.train.amp`): the optimizer updates float32 copies of the half-precision
     parameters, rounded into the model after each step; the backward is seeded with a dynamic loss
-    scale (``torch.amp.GradScaler``: a step with inf / NaN gradients is skipped and the scale halved,
-    it doubles after 2000 good steps). ``"auto"`` (the defaults): master weights when a parameter is
-    float16 or bfloat16, dynamic scaling when one is float16; ``loss_scale`` also takes a number (a
-    static scale), a :class:`~onnxgrad.train.amp.LossScaler` or ``None``. Either runs the two-session
-    path.
+    scale (``torch.amp.GradScaler``: a step with inf / NaN gradients, in any of the micro-batches
+    it accumulates, is skipped and the scale halved once; it doubles after 2000 good steps).
+    ``"auto"`` (the defaults): master weights when a parameter is float16 or bfloat16
+    (:func:`~onnxgrad.train.amp.use_master_weights`, the rule ``OnnxModule`` follows too), dynamic
+    scaling when one is float16; ``loss_scale`` also takes a number (a static scale), a
+    :class:`~onnxgrad.train.amp.LossScaler` or ``None``. Either runs the two-session path.
     """
 
     def __init__(
@@ -371,7 +188,7 @@ class Trainer:
         clip_norm: float | None = None,
         clip_value: float | None = None,
         quantized: str = "ste",
-        master_weights: bool | str = "auto",
+        master_weights: MasterWeightsChoice = "auto",
         loss_scale: str | float | LossScaler | None = "auto",
     ) -> None:
         if not (isinstance(accumulate, int) and accumulate >= 1):
@@ -420,7 +237,7 @@ class Trainer:
         self.optimizer = make_optimizer(optimizer, params, lr, optimizer_options)
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
         self.eval_batch_size = eval_batch_size or max(batch_size, 256)
-        self.callbacks = [c if isinstance(c, Callback) else _EpochEndFunction(c) for c in callbacks]
+        self.callbacks = [as_callback(c) for c in callbacks]
         self.metrics = dict(metrics or {})
         self.progress = progress
         self.rng = np.random.default_rng(seed)
@@ -534,7 +351,7 @@ class Trainer:
         if bar is not None:
             bar.set_description(_epoch_label(epoch, epochs), refresh=False)
         total, seen = 0.0, 0
-        pending: _Pending | None = None  # gradients of the batches of the next update
+        pending: Accumulated | None = None  # gradients of the batches of the next update
         last = len(loader) - 1
         for step, batch in enumerate(loader):
             if self._one_graph is not None:
@@ -558,7 +375,7 @@ class Trainer:
                     grads = self.amp.unscale(result.backward(seed))
                 else:
                     grads = result.backward(seed)
-                pending = _Pending.add(pending, grads, loss, n)
+                pending = Accumulated.add(pending, grads, loss, n)
                 if pending.batches == self.accumulate or step == last:
                     self._apply(pending)
                     pending = None
@@ -587,7 +404,7 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_epoch_end(self, epoch, logs)
 
-    def _apply(self, pending: _Pending) -> None:
+    def _apply(self, pending: Accumulated) -> None:
         """Clip the accumulated gradients as asked, update the parameters, tell the callbacks."""
         grads = pending.mean()
         logs: dict[str, Any] = {"loss": pending.loss / pending.samples}
@@ -653,7 +470,6 @@ class Trainer:
         """Write parameters, optimizer state, shuffling state, history and callbacks to ``path``
         (an ``.npz`` file, no pickled objects); written to a temporary file first, then moved."""
         state = {
-            "format": CHECKPOINT_FORMAT,
             "epoch": self.epoch,
             "rng": self.rng.bit_generator.state,
             "history": self.history.records,
@@ -665,30 +481,12 @@ class Trainer:
             "setup": self.setup(),
             "amp": self.amp.state_dict() if self.amp is not None else None,
         }
-        arrays: dict[str, np.ndarray] = {}
-        meta = json.dumps(_pack(state, arrays))
-        path = os.fspath(path)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            np.savez(f, __meta__=np.array(meta), **arrays)
-        os.replace(tmp, path)
-        return path
+        return write_checkpoint(path, state)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint` for the same model and setup."""
         path = os.fspath(path)
-        if not os.path.exists(path):
-            raise InputError(f"checkpoint {path!r} does not exist")
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                meta = json.loads(npz["__meta__"].item())
-                arrays = {k: npz[k] for k in npz.files if k != "__meta__"}
-        except (OSError, ValueError, KeyError) as exc:
-            raise InputError(f"{path!r} is not an onnxgrad checkpoint: {exc}") from exc
-        state = _unpack(meta, arrays)
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise InputError(f"{path!r}: unsupported checkpoint format {state.get('format')!r}")
+        state = read_checkpoint(path)
         params = self.fb.parameters
         if sorted(state["params"]) != sorted(params):
             raise InputError(
@@ -718,7 +516,7 @@ class Trainer:
         self.epoch = int(state["epoch"])
         before, now = state.get("setup") or {}, self.setup()
         self.changed_since_checkpoint = {
-            k: (before[k], now.get(k)) for k in before if _plain(before[k]) != _plain(now.get(k))
+            k: (before[k], now.get(k)) for k in before if plain(before[k]) != plain(now.get(k))
         }
 
     def setup(self) -> dict[str, Any]:
@@ -743,37 +541,6 @@ class Trainer:
         }
 
 
-class _Pending:
-    """The gradients of the batches of one update: the batch's own for one batch, else their sum
-    weighted by batch size (divided by the number of samples when the update is made)."""
-
-    def __init__(self) -> None:
-        self.grads: dict[str, np.ndarray] = {}
-        self.samples, self.batches, self.loss = 0, 0, 0.0
-
-    @classmethod
-    def add(cls, pending: _Pending | None, grads: Mapping[str, np.ndarray], loss: float, n: int) -> _Pending:
-        """``pending`` (a new one when ``None``) with one more batch of ``n`` samples."""
-        pending = pending if pending is not None else cls()
-        if pending.batches == 0:
-            pending.grads = dict(grads)
-        else:
-            if pending.batches == 1:  # weigh the first batch now that there are several
-                pending.grads = {k: g * pending.samples for k, g in pending.grads.items()}
-            for k, g in grads.items():
-                pending.grads[k] += g * n
-        pending.samples, pending.batches = pending.samples + n, pending.batches + 1
-        pending.loss += loss * n
-        return pending
-
-    def mean(self) -> dict[str, np.ndarray]:
-        """The gradient of the mean loss over the samples of the batches."""
-        if self.batches > 1:
-            for g in self.grads.values():
-                g /= self.samples
-        return self.grads
-
-
 def _plateau(schedule: Any) -> ReduceLROnPlateau | None:
     """The :class:`ReduceLROnPlateau` of a schedule, given as is or after a warm-up."""
     if isinstance(schedule, LinearWarmup):
@@ -786,39 +553,6 @@ def _base_lr(schedule: Any) -> float:
     if isinstance(schedule, LinearWarmup):
         schedule = schedule.after
     return float(schedule.lr) if isinstance(getattr(schedule, "lr", None), float) else float(schedule(0))
-
-
-def _plain(value: Any) -> Any:
-    """A value as JSON or CSV writes it (numpy scalars as Python numbers, tuples as lists)."""
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    return value.item() if isinstance(value, np.generic) else value
-
-
-def _pack(obj: Any, arrays: dict[str, np.ndarray]) -> Any:
-    """``obj`` as JSON data, numpy arrays moved to ``arrays`` and replaced by references."""
-    if isinstance(obj, np.ndarray):
-        key = f"a{len(arrays)}"
-        arrays[key] = obj
-        return {"__array__": key}
-    if isinstance(obj, Mapping):
-        return {"__dict__": [[str(k), _pack(v, arrays)] for k, v in obj.items()]}
-    if isinstance(obj, list | tuple):
-        return [_pack(v, arrays) for v in obj]
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
-
-
-def _unpack(obj: Any, arrays: Mapping[str, np.ndarray]) -> Any:
-    """The inverse of :func:`_pack`."""
-    if isinstance(obj, dict):
-        if "__array__" in obj:
-            return arrays[obj["__array__"]]
-        return {k: _unpack(v, arrays) for k, v in obj["__dict__"]}
-    if isinstance(obj, list):
-        return [_unpack(v, arrays) for v in obj]
-    return obj
 
 
 def _epoch_label(epoch: int, epochs: int) -> str:

@@ -37,10 +37,11 @@ from ...autodiff.compose import compose
 from ...autodiff.engine import build_gradient
 from ...autodiff.prepare import prepare
 from ...errors import InputError
+from ...model.emit import Emitter
 from ...model.graph import check_model, ir_version_for, unique_name, without_weights
 from ...model.load import CheckedModel
 from ...storage import PROTOBUF_LIMIT, _nbytes
-from ...train.losses import _Emitter, keep_outputs
+from ...train.losses import keep_outputs
 from . import checkpoint_file
 
 __all__ = [
@@ -357,7 +358,7 @@ def optimizer_graph(
             "AdamWOptimizer with adam_mode=0 (torch's variant) is not supported; 1.19.2 writes 1"
         )
     graph = helper.make_graph([], "optimizer", [], [])
-    e = _Emitter(graph, 17, TensorProto.FLOAT, "opt")
+    e = Emitter(graph, 17, TensorProto.FLOAT, "opt")
     lr = helper.make_tensor_value_info("learning_rate", TensorProto.FLOAT, [])
     step = helper.make_tensor_value_info("step", TensorProto.INT64, [])
     graph.input.extend([lr, step])

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ....errors import InputError
+from ....errors import InputError, InputTypeError, NotFoundError
 from .. import checkpoint_file
 from ..checkpoint_file import CheckpointData, OptimizerGroup
 
@@ -55,12 +55,12 @@ class Parameters:
 
     def __getitem__(self, name: str) -> Parameter:
         if name not in self:
-            raise KeyError(f"Parameter {name} not found.")
+            raise NotFoundError(f"Parameter {name} not found.")
         return Parameter(name, self._state)
 
     def __setitem__(self, name: str, value: np.ndarray) -> None:
         if name not in self:
-            raise KeyError(f"Parameter {name} not found.")
+            raise NotFoundError(f"Parameter {name} not found.")
         self._state._set(name, value)
 
     def __contains__(self, name: object) -> bool:
@@ -85,7 +85,7 @@ class Properties:
 
     def __getitem__(self, name: str) -> int | float | str:
         if name not in self._props:
-            raise KeyError(f"Property {name} not found.")
+            raise NotFoundError(f"Property {name} not found.")
         return self._props[name]
 
     def __setitem__(self, name: str, value: int | float | str) -> None:
@@ -116,7 +116,7 @@ class CheckpointState:
 
     def __init__(self, data: CheckpointData) -> None:
         if not isinstance(data, CheckpointData):
-            raise TypeError(f"Invalid argument for CheckpointState received {type(data)}")
+            raise InputTypeError(f"Invalid argument for CheckpointState received {type(data)}")
         self._data = data
         self._grads: dict[str, np.ndarray] = {}
         self._parameters = Parameters(self)
