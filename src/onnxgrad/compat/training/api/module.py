@@ -10,14 +10,14 @@ import onnx
 import onnxruntime as ort
 from onnx.external_data_helper import _get_all_tensors, load_external_data_for_model
 
-from ....errors import InputError
+from ....errors import InputError, OnnxGradRuntimeError
 from ....model.graph import check_model
 from ....runtime.runner import copy_options, default_options, make_session
 from ....runtime.session import resolve_providers
 from .. import checkpoint_file, graphs
 from .checkpoint_state import CheckpointState
 
-__all__ = ["Module"]
+__all__ = ["Module", "nominal_message"]
 
 _ACCUMULATED = "_grad.accumulation.out"  # onnxruntime-training's gradient outputs
 
@@ -28,6 +28,11 @@ def _load(path: str | os.PathLike, what: str) -> tuple[onnx.ModelProto, str | No
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise InputError(f"no {what} at {path!r}")
+    if path.endswith(".ort"):
+        raise InputError(
+            f"{path!r} is in the ORT format, which onnxgrad cannot read back: pass the .onnx file "
+            "that generate_artifacts wrote beside it"
+        )
     model = onnx.load(path, load_external_data=False)
     if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in _get_all_tensors(model)):
         return model, None
@@ -42,6 +47,11 @@ def _array(value: Any) -> np.ndarray:
     if isinstance(value, ort.OrtValue):
         return value.numpy()
     return np.asarray(value)
+
+
+def nominal_message(what: str) -> str:
+    """onnxruntime-training's error for ``what`` on a nominal checkpoint state."""
+    return f"{what}. Please load the model parameters first."
 
 
 class Module:
@@ -160,9 +170,22 @@ class Module:
         feeds.update({n: params[n] for n in model_inputs if n in params})
         return feeds
 
-    def __call__(self, *user_inputs: Any) -> np.ndarray | tuple[np.ndarray, ...]:
+    def __call__(self, *user_inputs: Any) -> Any:
         """Training mode: forward, loss and backward, the gradients accumulated; eval mode: the
-        eval model. Returns the loss output(s): one array, or a tuple of them."""
+        eval model. Returns the loss output(s): one value, or a tuple of them; numpy arrays when
+        any input is one, ``OrtValue`` s when every input is an ``OrtValue`` (1.19.2's rule).
+        Raises :class:`~onnxgrad.errors.OnnxGradRuntimeError` on a nominal checkpoint state until
+        :meth:`copy_buffer_to_parameters` fills it."""
+        step = "TrainStep" if self.training else "EvalStep"
+        self._state._check_loaded(nominal_message(f"Cannot perform {step} with a nominal state"))
+        outputs = self._step(user_inputs)
+        if not any(isinstance(v, np.ndarray) for v in user_inputs) and all(
+            isinstance(v, ort.OrtValue) for v in user_inputs
+        ):
+            outputs = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(o)) for o in outputs]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _step(self, user_inputs: tuple) -> list[np.ndarray]:
         if self.training:
             g = self._graph
             names = [i.name for i in g.model.graph.input]
@@ -186,7 +209,7 @@ class Module:
                 self._eval_session = make_session(source, self._providers, self._options, label="eval model")
             names = [i.name for i in model.graph.input]
             outputs = self._eval_session.run(None, self._feeds(names, user_inputs))
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+        return list(outputs)
 
     def train(self, mode: bool = True) -> Module:
         """Training mode (``mode=True``) or eval mode; returns ``self``."""
@@ -214,6 +237,7 @@ class Module:
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ort.OrtValue:
         """The (trainable) parameters flattened into one float32 buffer, in the training model's
         input order."""
+        self._state._check_loaded(nominal_message("Cannot copy parameters from a nominal checkpoint state"))
         values = self._state._values()
         names = self._buffer_names(trainable_only)
         flat = [values[n].astype(np.float32).ravel() for n in names]
@@ -222,7 +246,13 @@ class Module:
 
     def copy_buffer_to_parameters(self, buffer: Any, trainable_only: bool = True) -> None:
         """Write a buffer laid out as :meth:`get_contiguous_parameters` back into the parameters
-        (this completes a nominal checkpoint)."""
+        (this completes a nominal checkpoint: every parameter, ``trainable_only=False``)."""
+        d = self._state._data
+        if d.nominal and trainable_only:
+            raise OnnxGradRuntimeError(
+                "For nominal checkpoint state, all parameters need to be loaded into the model "
+                "(trainable_only = false)."
+            )
         flat = _array(buffer).ravel()
         names = self._buffer_names(trainable_only)
         size = self.get_parameters_size(trainable_only)
@@ -233,9 +263,7 @@ class Module:
             n = values[name].size
             self._state._set(name, flat[offset : offset + n].reshape(values[name].shape))
             offset += n
-        d = self._state._data
-        if not trainable_only or not d.frozen:
-            d.nominal = False
+        d.nominal = False
 
     # ---- names and export ----------------------------------------------------------------------
     def input_names(self) -> list[str]:
@@ -258,6 +286,7 @@ class Module:
         mode, with the current parameters as initializers."""
         if not graph_output_names or isinstance(graph_output_names, str):
             raise InputError("graph_output_names must be a non-empty list of value names")
+        self._state._check_loaded(nominal_message("Cannot export the model with a nominal state"))
         loss_model = self._loss_model_for_export()
         model = graphs.inference_graph(loss_model, self._state._values(), list(graph_output_names))
         check_model(model)

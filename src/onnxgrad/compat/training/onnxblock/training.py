@@ -58,7 +58,9 @@ class ForwardBlock(Block):
 
 class TrainingBlock(Block):
     """A loss block whose call builds the training model (forward, loss, backward: plain ONNX)
-    and the eval model from the base. Mark the parameters with :meth:`requires_grad` first."""
+    and the eval model from the base. Mark the parameters with :meth:`requires_grad` first; with
+    none, the training model computes the loss in training mode and no gradient (as 1.19.2). A
+    graph input marked too gets its gradient ``<input>_grad`` as an output of the training model."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -73,7 +75,8 @@ class TrainingBlock(Block):
         """Append the loss; return the name of its output (the gradient starts from the first)."""
 
     def requires_grad(self, argument_name: str, value: bool = True) -> None:
-        """Train ``argument_name`` (``value=True``) or keep it as a frozen parameter."""
+        """Train ``argument_name`` (``value=True``) or keep it as a frozen parameter. A graph input
+        named here gets its gradient as an output of the training model."""
         for names in (self._requires_grad, self._frozen_params):
             if argument_name in names:
                 names.remove(argument_name)
@@ -101,13 +104,19 @@ class TrainingBlock(Block):
         outputs = _names(output)
         graphs.set_outputs(base, outputs)
         inits = {i.name: i for i in base.graph.initializer}
-        for label, names in (("requires_grad", self._requires_grad), ("frozen", self._frozen_params)):
-            unknown = [n for n in names if n not in inits]
+        graph_inputs = [i.name for i in base.graph.input if i.name not in inits]
+        for label, names, known in (
+            ("requires_grad", self._requires_grad, {*inits, *graph_inputs}),
+            ("frozen", self._frozen_params, set(inits)),
+        ):
+            unknown = [n for n in names if n not in known]
             if unknown:
                 raise InputError(f"{label} names {unknown} that are not initializers of the model")
         trainable = [n for n in inits if n in set(self._requires_grad)]
         frozen = [n for n in inits if n in set(self._frozen_params)]
-        training = graphs.training_graph(base, trainable, frozen, outputs)
+        # a graph input requiring grad: its gradient '<input>_grad' is an output (1.19.2's rule)
+        differentiated_inputs = [n for n in graph_inputs if n in set(self._requires_grad)]
+        training = graphs.training_graph(base, trainable, frozen, outputs, differentiated_inputs)
         self._eval_model = graphs.eval_graph(base, [*trainable, *frozen], outputs)
         graphs.mark(self._eval_model, {"loss_outputs": outputs})
         self._parameters = ([_copy(inits[n]) for n in trainable], [_copy(inits[n]) for n in frozen])
