@@ -251,7 +251,11 @@ def training_graph(
                 src = next(i for i in loss_model.graph.initializer if i.name == name)
                 g.initializer.append(src)
         _params_as_inputs(model, params)
-    user_inputs = [i.name for i in g.input if i.name not in set(params)]
+    # an input with an initializer (a running statistic that is no checkpoint parameter) keeps
+    # that value unless fed: no user input. It stays an input: onnxruntime's optimizer folds a
+    # training-mode BatchNormalization on constant statistics wrongly
+    defaults = {i.name for i in g.initializer}
+    user_inputs = [i.name for i in g.input if i.name not in set(params) and i.name not in defaults]
     result = TrainingGraph(
         model,
         user_inputs,

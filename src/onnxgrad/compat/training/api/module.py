@@ -161,9 +161,13 @@ class Module:
         return self._eval_graph
 
     # ---- steps ---------------------------------------------------------------------------------
-    def _feeds(self, model_inputs: list[str], user_inputs: tuple) -> dict[str, np.ndarray]:
+    def _feeds(self, model: onnx.ModelProto, user_inputs: tuple) -> dict[str, np.ndarray]:
+        """The parameters and ``user_inputs`` by input name of ``model``; an input with an
+        initializer keeps that value (it is no user input)."""
         params = self._state._values()
-        users = [n for n in model_inputs if n not in params]
+        defaults = {i.name for i in model.graph.initializer}
+        model_inputs = [i.name for i in model.graph.input]
+        users = [n for n in model_inputs if n not in params and n not in defaults]
         if len(user_inputs) != len(users):
             raise InputError(f"the model takes {len(users)} input(s) {users}, got {len(user_inputs)}")
         feeds = {n: _array(v) for n, v in zip(users, user_inputs)}
@@ -188,9 +192,8 @@ class Module:
     def _step(self, user_inputs: tuple) -> list[np.ndarray]:
         if self.training:
             g = self._graph
-            names = [i.name for i in g.model.graph.input]
             wanted = [*g.loss_outputs, *g.grads.values(), *g.stats.values()]
-            results = self._session.run(wanted, self._feeds(names, user_inputs))
+            results = self._session.run(wanted, self._feeds(g.model, user_inputs))
             n_loss, n_grads = len(g.loss_outputs), len(g.grads)
             grads = self._state._grads
             for name, value in zip(g.grads, results[n_loss : n_loss + n_grads]):
@@ -207,8 +210,7 @@ class Module:
             if self._eval_session is None:
                 source = self._eval_path if model is self._eval_file and self._eval_path else model
                 self._eval_session = make_session(source, self._providers, self._options, label="eval model")
-            names = [i.name for i in model.graph.input]
-            outputs = self._eval_session.run(None, self._feeds(names, user_inputs))
+            outputs = self._eval_session.run(None, self._feeds(model, user_inputs))
         return list(outputs)
 
     def train(self, mode: bool = True) -> Module:
@@ -270,8 +272,9 @@ class Module:
         """The user inputs of the current mode's model (parameters excluded)."""
         if self.training:
             return list(self._graph.user_inputs)
-        params = self._state._values()
-        return [i.name for i in self._eval_model().graph.input if i.name not in params]
+        params, model = self._state._values(), self._eval_model()
+        defaults = {i.name for i in model.graph.initializer}
+        return [i.name for i in model.graph.input if i.name not in params and i.name not in defaults]
 
     def output_names(self) -> list[str]:
         """The outputs the current mode's call returns."""
