@@ -251,3 +251,34 @@ def test_requires_grad_on_an_unknown_name():
     model = scenarios.mlp()
     with pytest.raises(InputError, match=r"requires_grad names \['nope'\]"), onnxblock.base(model):
         block("logits")
+
+
+def test_eval_model_dropout_keeps_its_inputs_with_an_empty_training_mode(tmp_path):
+    """The MLP with a Dropout on its logits (2 inputs: no training_mode given), all parameters
+    trained: the eval Dropout keeps its inputs as given; 1.19.2 emptied a third one."""
+    model = scenarios.mlp()
+    g = model.graph
+    g.node[-1].output[0] = "pre"
+    g.node.append(helper.make_node("Dropout", ["pre", "ratio"], ["logits"], name="drop"))
+    g.initializer.append(numpy_helper.from_array(np.array(0.25, np.float32), "ratio"))
+    og.artifacts.generate_artifacts(
+        model, requires_grad=scenarios.PARAMS, loss=og.artifacts.LossType.MSELoss, artifact_directory=tmp_path
+    )
+    evaluation = onnx.load(tmp_path / "eval_model.onnx")
+    (drop,) = [n for n in evaluation.graph.node if n.op_type == "Dropout"]
+    assert list(drop.input) == ["pre", "ratio"]
+    assert not [i for i in evaluation.graph.initializer if i.data_type == TensorProto.BOOL]
+    training = onnx.load(tmp_path / "training_model.onnx")
+    (drop,) = [n for n in training.graph.node if n.op_type == "Dropout"]
+    (mode,) = [i for i in training.graph.initializer if i.name == drop.input[2]]
+    assert numpy_helper.to_array(mode).item() is True  # training mode on in the training model
+    dropout_classifier_eval = onnx.load(tmp_path / "eval_model.onnx")
+    x, y = scenarios.data("floats", n=8)
+    feeds = {
+        "input": x,
+        "target": y,
+        **{k: v.astype(np.float32) for k, v in weights(scenarios.mlp()).items()},
+    }
+    (loss,) = session(dropout_classifier_eval).run(None, feeds)
+    expected = np.mean((mlp64(weights(scenarios.mlp()), x.astype(np.float64)) - y) ** 2)
+    np.testing.assert_allclose(loss, expected, rtol=RTOL)

@@ -186,7 +186,7 @@ class Module:
         if not any(isinstance(v, np.ndarray) for v in user_inputs) and all(
             isinstance(v, ort.OrtValue) for v in user_inputs
         ):
-            outputs = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(o)) for o in outputs]
+            outputs = [ort.OrtValue.ortvalue_from_numpy(np.array(o, order="C")) for o in outputs]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _step(self, user_inputs: tuple) -> list[np.ndarray]:
