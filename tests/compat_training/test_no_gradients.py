@@ -84,8 +84,21 @@ def test_generate_artifacts_without_requires_grad(tmp_path):
     np.testing.assert_allclose(module(x, y), expected, rtol=RTOL)
     module.eval()
     np.testing.assert_allclose(module(x, y), expected, rtol=RTOL)
-    og.api.CheckpointState.save_checkpoint(state, tmp_path / "again")
-    assert len(og.api.CheckpointState.load_checkpoint(tmp_path / "again").parameters) == 0
+    # an optimizer over no parameter: its steps count and change nothing
+    with_optimizer = tmp_path / "adamw"
+    scenarios._generate(og, str(with_optimizer), scenarios.mlp(), og.artifacts.LossType.MSELoss)
+    optimizer = og.api.Optimizer(with_optimizer / "optimizer_model.onnx", module)
+    optimizer.set_learning_rate(0.5)
+    module.train()
+    before = module(x, y)
+    optimizer.step()
+    optimizer.step()
+    assert optimizer.get_learning_rate() == 0.5
+    np.testing.assert_array_equal(module(x, y), before)
+    og.api.CheckpointState.save_checkpoint(state, tmp_path / "again", include_optimizer_state=True)
+    again = og.api.CheckpointState.load_checkpoint(tmp_path / "again")
+    assert len(again.parameters) == 0
+    assert again._group().step == 2
 
 
 def dropout_classifier(ratio: float = 0.5) -> onnx.ModelProto:
