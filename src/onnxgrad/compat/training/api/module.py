@@ -17,7 +17,7 @@ from ....runtime.session import resolve_providers
 from .. import checkpoint_file, graphs
 from .checkpoint_state import CheckpointState
 
-__all__ = ["Module", "nominal_message"]
+__all__ = ["Module"]
 
 _ACCUMULATED = "_grad.accumulation.out"  # onnxruntime-training's gradient outputs
 
@@ -49,7 +49,7 @@ def _array(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def nominal_message(what: str) -> str:
+def _nominal_message(what: str) -> str:
     """onnxruntime-training's error for ``what`` on a nominal checkpoint state."""
     return f"{what}. Please load the model parameters first."
 
@@ -181,7 +181,7 @@ class Module:
         Raises :class:`~onnxgrad.errors.OnnxGradRuntimeError` on a nominal checkpoint state until
         :meth:`copy_buffer_to_parameters` fills it."""
         step = "TrainStep" if self.training else "EvalStep"
-        self._state._check_loaded(nominal_message(f"Cannot perform {step} with a nominal state"))
+        self._state._check_loaded(_nominal_message(f"Cannot perform {step} with a nominal state"))
         outputs = self._step(user_inputs)
         if not any(isinstance(v, np.ndarray) for v in user_inputs) and all(
             isinstance(v, ort.OrtValue) for v in user_inputs
@@ -239,7 +239,7 @@ class Module:
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ort.OrtValue:
         """The (trainable) parameters flattened into one float32 buffer, in the training model's
         input order."""
-        self._state._check_loaded(nominal_message("Cannot copy parameters from a nominal checkpoint state"))
+        self._state._check_loaded(_nominal_message("Cannot copy parameters from a nominal checkpoint state"))
         values = self._state._values()
         names = self._buffer_names(trainable_only)
         flat = [values[n].astype(np.float32).ravel() for n in names]
@@ -289,7 +289,7 @@ class Module:
         mode, with the current parameters as initializers."""
         if not graph_output_names or isinstance(graph_output_names, str):
             raise InputError("graph_output_names must be a non-empty list of value names")
-        self._state._check_loaded(nominal_message("Cannot export the model with a nominal state"))
+        self._state._check_loaded(_nominal_message("Cannot export the model with a nominal state"))
         loss_model = self._loss_model_for_export()
         model = graphs.inference_graph(loss_model, self._state._values(), list(graph_output_names))
         check_model(model)

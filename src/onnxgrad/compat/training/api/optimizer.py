@@ -12,7 +12,7 @@ from onnx import helper
 from ....errors import InputError
 from ....runtime.runner import make_session
 from .. import graphs
-from .module import Module, nominal_message
+from .module import Module, _nominal_message
 
 __all__ = ["Optimizer"]
 
@@ -67,7 +67,7 @@ class Optimizer:
     def step(self) -> None:
         """Update every trainable parameter (and the moments) from its accumulated gradient."""
         state, group = self._module._state, self._group
-        state._check_loaded(nominal_message("Cannot fetch named parameters from a nominal checkpoint state"))
+        state._check_loaded(_nominal_message("Cannot fetch named parameters from a nominal checkpoint state"))
         values = state._values()
         feeds = {
             "learning_rate": np.array(self._lr, np.float32),
