@@ -105,13 +105,18 @@ class TrainingBlock(Block):
         graphs.set_outputs(base, outputs)
         inits = {i.name: i for i in base.graph.initializer}
         graph_inputs = [i.name for i in base.graph.input if i.name not in inits]
-        for label, names, known in (
-            ("requires_grad", self._requires_grad, {*inits, *graph_inputs}),
-            ("frozen", self._frozen_params, set(inits)),
+        for label, names, known, what in (
+            (
+                "requires_grad",
+                self._requires_grad,
+                {*inits, *graph_inputs},
+                "neither initializers nor graph inputs",
+            ),
+            ("frozen", self._frozen_params, set(inits), "not initializers"),
         ):
             unknown = [n for n in names if n not in known]
             if unknown:
-                raise InputError(f"{label} names {unknown} that are not initializers of the model")
+                raise InputError(f"{label} names {unknown} that are {what} of the model")
         trainable = [n for n in inits if n in set(self._requires_grad)]
         frozen = [n for n in inits if n in set(self._frozen_params)]
         # a graph input requiring grad: its gradient '<input>_grad' is an output (1.19.2's rule)
