@@ -320,3 +320,26 @@ def test_generate_artifacts_with_an_input_in_requires_grad_trains_the_same(tmp_p
     training = onnx.load(tmp_path / "input" / "training_model.onnx")
     assert [o.name for o in training.graph.output][1:3] == ["input_grad", "fc1.weight_grad"]
     assert losses[0] == losses[1]
+
+
+def test_retrieving_before_building_is_1192s_runtime_error():
+    block = MSEBlock()
+    with pytest.raises(
+        RuntimeError,
+        match=r"^Please build the training model first before trying to retrieve the parameters\.$",
+    ):
+        block.parameters()
+    with pytest.raises(
+        RuntimeError,
+        match=r"^Please build the training and eval models first before trying to retrieve them\.$",
+    ):
+        block.to_model_proto()
+
+    class Loss(onnxblock.ForwardBlock):
+        def build(self, output_name):
+            return onnxblock.loss.MSELoss()(output_name)
+
+    with pytest.raises(
+        RuntimeError, match=r"^Please build the forward model first before trying to retrieve it\.$"
+    ):
+        Loss().to_model_proto()

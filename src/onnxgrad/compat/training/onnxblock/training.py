@@ -11,7 +11,7 @@ from typing import Any
 import onnx
 from onnx import numpy_helper
 
-from ....errors import InputError
+from ....errors import InputError, OnnxGradRuntimeError
 from .. import checkpoint_file, graphs
 from . import _accessor
 from .blocks import Block
@@ -52,7 +52,7 @@ class ForwardBlock(Block):
     def to_model_proto(self) -> onnx.ModelProto:
         """The model built by the call."""
         if self._model is None:
-            raise InputError("Please build the forward model first before trying to retrieve it.")
+            raise OnnxGradRuntimeError("Please build the forward model first before trying to retrieve it.")
         return self._model
 
 
@@ -85,7 +85,7 @@ class TrainingBlock(Block):
     def parameters(self) -> Parameters:
         """(trainable, frozen) initializers, known once the block was called."""
         if self._parameters is None:
-            raise InputError(
+            raise OnnxGradRuntimeError(
                 "Please build the training model first before trying to retrieve the parameters."
             )
         return self._parameters
@@ -93,7 +93,7 @@ class TrainingBlock(Block):
     def to_model_proto(self) -> tuple[onnx.ModelProto, onnx.ModelProto]:
         """(training model, eval model)."""
         if self._training_model is None or self._eval_model is None:
-            raise InputError(
+            raise OnnxGradRuntimeError(
                 "Please build the training and eval models first before trying to retrieve them."
             )
         return self._training_model, self._eval_model
