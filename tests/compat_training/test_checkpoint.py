@@ -13,7 +13,7 @@ import pytest
 
 import onnxgrad.compat.training as og
 from onnxgrad.compat.training import checkpoint_file
-from onnxgrad.errors import InputError, NotFoundError
+from onnxgrad.errors import InputError, NotFoundError, OnnxGradRuntimeError
 
 from . import scenarios
 from .test_scenarios import _bn_eval, close
@@ -110,16 +110,12 @@ def test_bad_checkpoint_files(tmp_path):
 def test_generate_refuses_what_cannot_mean_anything(tmp_path):
     model = scenarios.mlp()
     loss = og.artifacts.LossType.MSELoss
-    with pytest.raises(InputError, match="ort_format=True is not supported"):
-        og.artifacts.generate_artifacts(model, ["fc1.weight"], loss=loss, ort_format=True)
     with pytest.raises(InputError, match="custom_op_library is not supported"):
         og.artifacts.generate_artifacts(model, ["fc1.weight"], loss=loss, custom_op_library="lib.so")
     with pytest.raises(InputError, match=r"frozen and require gradient.*fc1\.weight"):
         og.artifacts.generate_artifacts(model, ["fc1.weight"], ["fc1.weight"], loss=loss)
     with pytest.raises(InputError, match=r"requires_grad names \['nope'\]"):
         og.artifacts.generate_artifacts(model, ["nope"], loss=loss, artifact_directory=tmp_path)
-    with pytest.raises(InputError, match="nothing to train"):
-        og.artifacts.generate_artifacts(model, loss=loss, artifact_directory=tmp_path)
     with pytest.raises(InputError, match="loss must be a LossType"):
         og.artifacts.generate_artifacts(model, ["fc1.weight"], loss="mse", artifact_directory=tmp_path)
     assert not list(tmp_path.iterdir())  # nothing written
@@ -180,7 +176,7 @@ def test_onnxblock_errors():
         def build(self, output_name):
             return ob.loss.MSELoss()(output_name)
 
-    with pytest.raises(InputError, match="build the training model first"):
+    with pytest.raises(OnnxGradRuntimeError, match="build the training model first"):  # 1.19.2: RuntimeError
         Loss().parameters()
     model = scenarios.mlp()
     with ob.base(model), pytest.raises(InputError, match="InputLike: the model has no graph input or output"):

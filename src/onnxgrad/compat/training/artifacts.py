@@ -1,10 +1,12 @@
 """``onnxruntime.training.artifacts`` on onnxgrad: :func:`generate_artifacts`, :class:`LossType`,
-:class:`OptimType`.
+:class:`OptimType`, and stock onnxruntime's ORT-format converter (``OptimizationStyle``,
+``convert_onnx_models_to_ort``, re-exported as 1.19.2 did).
 
 The folder has the file names onnxruntime-training writes (``training_model.onnx``,
 ``eval_model.onnx``, ``optimizer_model.onnx``, ``checkpoint``, ``nominal_checkpoint``), with plain
 ONNX inside that stock onnxruntime loads (see :mod:`onnxgrad.compat.training.graphs`); the
-checkpoint is onnxruntime-training's format, so 1.19.2 apps read it too.
+checkpoint is onnxruntime-training's format, so 1.19.2 apps read it too. ``ort_format=True`` adds
+each model in the ORT format beside it (``training_model.ort``, ...).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import pathlib
 from enum import Enum
 
 import onnx
+from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
 
 from ...errors import InputError
 from ...model.graph import FLOAT_TYPES
 from . import checkpoint_file, onnxblock
 
-__all__ = ["LossType", "OptimType", "generate_artifacts"]
+__all__ = ["LossType", "OptimType", "OptimizationStyle", "convert_onnx_models_to_ort", "generate_artifacts"]
 
 
 class LossType(Enum):
@@ -116,15 +119,14 @@ def generate_artifacts(
     The same arguments as onnxruntime-training's: ``requires_grad`` the initializers to train,
     ``frozen_params`` initializers kept in the checkpoint but not trained (the others stay
     constants of the graphs), ``loss`` a :class:`LossType` or an ``onnxblock.Block``,
-    ``optimizer`` an :class:`OptimType` (or ``onnxblock.optim.AdamW(...)``/``SGD()``).
-    ``ort_format`` and ``custom_op_library`` cannot mean anything on stock onnxruntime and raise
+    ``optimizer`` an :class:`OptimType` (or ``onnxblock.optim.AdamW(...)``/``SGD()``). With no
+    ``requires_grad`` the training model computes the loss and no gradient, as in 1.19.2; a graph
+    input in ``requires_grad`` gets its gradient ``<input>_grad`` as a training-model output.
+    ``ort_format=True`` also writes each model in the ORT format beside it (stock onnxruntime's
+    converter, ``OptimizationStyle.Fixed``; for onnxruntime builds that load only that format, as
+    1.19.2 does). ``custom_op_library`` cannot mean anything for onnxgrad's gradients and raises
     :class:`~onnxgrad.errors.InputError`.
     """
-    if ort_format:
-        raise InputError(
-            "ort_format=True is not supported: onnxgrad writes plain ONNX files, which every onnxruntime "
-            "(Python, Node, web, mobile) loads as they are"
-        )
     if custom_op_library is not None:
         raise InputError("custom_op_library is not supported: onnxgrad differentiates standard ONNX ops only")
     requires_grad, frozen_params = list(requires_grad or []), list(frozen_params or [])
@@ -157,14 +159,30 @@ def generate_artifacts(
     directory = pathlib.Path(artifact_directory if artifact_directory is not None else os.getcwd())
     directory.mkdir(parents=True, exist_ok=True)
     # weights over the threshold go to external data beside each file (checkpoint_file's docstring)
-    checkpoint_file.save_onnx(training, directory / f"{prefix}training_model.onnx")
-    checkpoint_file.save_onnx(evaluation, directory / f"{prefix}eval_model.onnx")
+    written = [directory / f"{prefix}training_model.onnx", directory / f"{prefix}eval_model.onnx"]
+    checkpoint_file.save_onnx(training, written[0])
+    checkpoint_file.save_onnx(evaluation, written[1])
     onnxblock.save_checkpoint(block.parameters(), directory / f"{prefix}checkpoint")
     if nominal_checkpoint:
         onnxblock.save_checkpoint(block.parameters(), directory / f"{prefix}nominal_checkpoint", True)
     if optimizer_block is not None:
         with onnxblock.empty_base():
             optimizer_block(block.parameters())
-        checkpoint_file.save_onnx(
-            optimizer_block.to_model_proto(), directory / f"{prefix}optimizer_model.onnx"
+        written.append(directory / f"{prefix}optimizer_model.onnx")
+        checkpoint_file.save_onnx(optimizer_block.to_model_proto(), written[-1])
+    if ort_format:
+        for path in written:
+            _to_ort_format(path)
+
+
+def _to_ort_format(path: pathlib.Path) -> None:
+    """Write ``<name>.ort`` beside the model file ``path`` (stock onnxruntime's converter, the
+    graph optimizations fixed at conversion, as 1.19.2 did)."""
+    try:
+        convert_onnx_models_to_ort(
+            path, output_dir=path.parent, optimization_styles=[OptimizationStyle.Fixed]
         )
+    except Exception as exc:  # the converter reports a model it cannot convert this way
+        raise InputError(f"cannot convert {path.name} to the ORT format: {exc}") from exc
+    if not path.with_suffix(".ort").is_file():
+        raise InputError(f"the ORT-format converter wrote no {path.with_suffix('.ort').name}")

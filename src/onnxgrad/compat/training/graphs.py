@@ -70,6 +70,7 @@ class TrainingGraph:
     loss_outputs: list[str]  # what Module.__call__ returns
     grads: dict[str, str] = field(default_factory=dict)  # trainable parameter -> gradient output
     stats: dict[str, str] = field(default_factory=dict)  # running statistic -> updated value
+    input_grads: dict[str, str] = field(default_factory=dict)  # graph input -> gradient output
 
     def meta(self) -> dict:
         """What :func:`mark` stores in the file: everything but the model."""
@@ -173,16 +174,27 @@ def _finish(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def training_graph(
-    loss_model: onnx.ModelProto, trainable: list[str], frozen: list[str], loss_outputs: list[str]
+    loss_model: onnx.ModelProto,
+    trainable: list[str],
+    frozen: list[str],
+    loss_outputs: list[str],
+    inputs_requiring_grad: Iterable[str] = (),
 ) -> TrainingGraph:
     """Forward, loss and backward of ``loss_model`` (see the module docstring). Gradients start
-    from the first of ``loss_outputs`` (onnxruntime-training's rule)."""
-    if not trainable:
-        raise InputError("nothing to train: pass the parameters to train as requires_grad")
+    from the first of ``loss_outputs`` (onnxruntime-training's rule). ``inputs_requiring_grad``:
+    graph inputs whose gradient ``<input>_grad`` is an output too (after the loss outputs, before
+    the parameters' gradients: 1.19.2's order). With nothing to differentiate the training model
+    is the forward and loss in training mode (Dropout on, BatchNormalization's statistics updated),
+    with no gradient: 1.19.2 builds that too."""
+    inputs_requiring_grad = list(inputs_requiring_grad)
     known = {i.name for i in loss_model.graph.initializer}
     unknown = [n for n in [*trainable, *frozen] if n not in known]
     if unknown:
         raise InputError(f"{unknown} are not initializers of the model")
+    declared_inputs = {i.name for i in loss_model.graph.input}
+    not_inputs = [n for n in inputs_requiring_grad if n not in declared_inputs]
+    if not_inputs:
+        raise InputError(f"{not_inputs} are neither initializers nor graph inputs of the model")
     params = [i.name for i in loss_model.graph.initializer if i.name in set(trainable) | set(frozen)]
     big = _is_big(loss_model, params)
     if big:
@@ -209,17 +221,77 @@ def training_graph(
     prepared = prepare(overridable)
     train = prepared.training.proto
     stats = {s: o for s, o in prepared.running_stats.items() if s in set(frozen)}
-    loss = loss_outputs[0]
-    if big:
+    infos = {o.name: o for o in train.graph.output}
+    if trainable or inputs_requiring_grad:
+        model, grad_outputs = _with_gradients(
+            prepared.training, trainable, inputs_requiring_grad, loss_outputs[0], big, infos
+        )
+    else:  # nothing to differentiate: the forward and loss in training mode
+        model = keep_outputs(prepared.training, [*loss_outputs, *stats.values()])
+        model.graph.name = "training_model"
+        grad_outputs = {}
+    g = model.graph
+    declared = {o.name for o in g.output}
+    g.output.extend(infos[o] for o in [*loss_outputs[1:], *stats.values()] if o not in declared)
+    order = [o.name for o in g.output]
+    wanted = [
+        *loss_outputs,
+        *(grad_outputs[n] for n in inputs_requiring_grad),
+        *(grad_outputs[p] for p in trainable),
+        *stats.values(),
+    ]
+    by_name = {o.name: o for o in g.output}
+    del g.output[:]
+    g.output.extend(by_name[n] for n in wanted if n in order)
+    if big:  # the parameters are inputs already: after the user inputs, in initializer order
+        _inputs_last(model, params)
+    else:
+        # trainable values were fed by compose as initializers: every parameter becomes an input
+        for name in params:
+            if name not in {i.name for i in g.initializer}:  # dropped as unused: put it back
+                src = next(i for i in loss_model.graph.initializer if i.name == name)
+                g.initializer.append(src)
+        _params_as_inputs(model, params)
+    # an input with an initializer (a running statistic that is no checkpoint parameter) keeps
+    # that value unless fed: no user input. It stays an input: onnxruntime's optimizer folds a
+    # training-mode BatchNormalization on constant statistics wrongly
+    defaults = {i.name for i in g.initializer}
+    user_inputs = [i.name for i in g.input if i.name not in set(params) and i.name not in defaults]
+    result = TrainingGraph(
+        model,
+        user_inputs,
+        params,
+        list(loss_outputs),
+        {p: grad_outputs[p] for p in trainable},
+        stats,
+        {n: grad_outputs[n] for n in inputs_requiring_grad},
+    )
+    mark(model, result.meta())
+    _finish(model)
+    return result
+
+
+def _with_gradients(
+    train: CheckedModel,
+    trainable: list[str],
+    inputs_requiring_grad: list[str],
+    loss: str,
+    big: bool,
+    infos: Mapping[str, onnx.ValueInfoProto],
+) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """The forward, loss and backward of ``train`` from ``loss`` (seeded with ones shaped like
+    it), and the gradient output of each differentiated value."""
+    if big:  # the parameters are graph inputs: differentiated as inputs
         graphs = build_gradient(
-            prepared.training, trainable=[], inputs_requiring_grad=trainable, outputs=[loss]
+            train, trainable=[], inputs_requiring_grad=[*trainable, *inputs_requiring_grad], outputs=[loss]
         )
     else:
-        graphs = build_gradient(prepared.training, trainable=trainable, outputs=[loss])
+        graphs = build_gradient(
+            train, trainable=trainable, inputs_requiring_grad=inputs_requiring_grad, outputs=[loss]
+        )
     model = compose(graphs, name="training_model")
     g = model.graph
     seed = graphs.grad_inputs[loss]
-    infos = {o.name: o for o in train.graph.output}
     # the gradient seed: ones shaped like the loss (a [1]-shaped custom loss included)
     inputs = [i for i in g.input if i.name != seed]
     del g.input[:]
@@ -236,34 +308,7 @@ def training_graph(
     at = next(k for k, n in enumerate(nodes) if loss in n.output) + 1  # right after the loss
     del g.node[:]
     g.node.extend([*nodes[:at], *seed_nodes, *nodes[at:]])
-    declared = {o.name for o in g.output}
-    g.output.extend(infos[o] for o in [*loss_outputs[1:], *stats.values()] if o not in declared)
-    order = [o.name for o in g.output]
-    wanted = [*loss_outputs, *(graphs.grad_outputs[p] for p in trainable), *stats.values()]
-    by_name = {o.name: o for o in g.output}
-    del g.output[:]
-    g.output.extend(by_name[n] for n in wanted if n in order)
-    if big:  # the parameters are inputs already: after the user inputs, in initializer order
-        _inputs_last(model, params)
-    else:
-        # trainable values were fed by compose as initializers: every parameter becomes an input
-        for name in params:
-            if name not in {i.name for i in g.initializer}:  # compose dropped it: put it back
-                src = next(i for i in loss_model.graph.initializer if i.name == name)
-                g.initializer.append(src)
-        _params_as_inputs(model, params)
-    user_inputs = [i.name for i in g.input if i.name not in set(params)]
-    result = TrainingGraph(
-        model,
-        user_inputs,
-        params,
-        list(loss_outputs),
-        {p: graphs.grad_outputs[p] for p in trainable},
-        stats,
-    )
-    mark(model, result.meta())
-    _finish(model)
-    return result
+    return model, dict(graphs.grad_outputs)
 
 
 def eval_graph(loss_model: onnx.ModelProto, params: list[str], loss_outputs: list[str]) -> onnx.ModelProto:
@@ -275,11 +320,33 @@ def eval_graph(loss_model: onnx.ModelProto, params: list[str], loss_outputs: lis
             prepare(_params_as_declared_inputs(loss_model, set(present))).given_inference, loss_outputs
         )
         _inputs_last(model, [p for p in present if p in {i.name for i in model.graph.input}])
+        _dropout_mode_empty(model, loss_model)
         return _finish(model)
     prepared = prepare(loss_model)
     model = keep_outputs(prepared.given_inference, loss_outputs)
     _params_as_inputs(model, [p for p in params if p in {i.name for i in model.graph.initializer}])
+    _dropout_mode_empty(model, loss_model)
     return _finish(model)
+
+
+def _dropout_mode_empty(model: onnx.ModelProto, given: onnx.ModelProto) -> None:
+    """Leave the ``training_mode`` input of each Dropout of the eval ``model`` empty (inference,
+    ONNX's default), as onnxruntime-training 1.19.2 writes it, in place: the node keeps the inputs
+    it had in ``given``, the constant that switched it off goes."""
+    arity = {n.output[0]: len(n.input) for n in given.graph.node if n.op_type == "Dropout"}
+    g = model.graph
+    flags = set()
+    for node in g.node:
+        if node.op_type == "Dropout" and len(node.input) > 2:
+            flags.add(node.input[2])
+            node.input[2] = ""
+            keep = max(arity.get(node.output[0], 3), 1)
+            while len(node.input) > keep and not node.input[-1]:
+                del node.input[-1]
+    read = {i for n in g.node for i in n.input}
+    kept = [i for i in g.initializer if i.name not in flags or i.name in read]
+    del g.initializer[:]
+    g.initializer.extend(kept)
 
 
 def inference_graph(

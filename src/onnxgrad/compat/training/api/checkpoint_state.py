@@ -7,7 +7,11 @@ from collections.abc import Iterator
 
 import numpy as np
 
+<<<<<<< HEAD
 from ....errors import InputError, InputTypeError, NotFoundError
+=======
+from ....errors import InputError, OnnxGradRuntimeError
+>>>>>>> compat
 from .. import checkpoint_file
 from ..checkpoint_file import CheckpointData, OptimizerGroup
 
@@ -48,17 +52,25 @@ class Parameter:
 
 class Parameters:
     """The parameters by name; iterating gives ``(name, Parameter)`` in alphabetical order (as
-    onnxruntime-training's)."""
+    onnxruntime-training's). A nominal checkpoint (names and shapes, no values) answers ``in`` and
+    ``len`` but raises :class:`~onnxgrad.errors.OnnxGradRuntimeError` (a ``RuntimeError``, as
+    1.19.2) on reading or writing a parameter until ``Module.copy_buffer_to_parameters`` fills it."""
 
     def __init__(self, state: CheckpointState) -> None:
         self._state = state
 
     def __getitem__(self, name: str) -> Parameter:
+        self._state._check_loaded(
+            "Cannot get parameter from a nominal state. Please load the parameter states first"
+        )
         if name not in self:
             raise NotFoundError(f"Parameter {name} not found.")
         return Parameter(name, self._state)
 
     def __setitem__(self, name: str, value: np.ndarray) -> None:
+        self._state._check_loaded(
+            "Cannot copy parameter to a nominal state. Please load all the parameter states first"
+        )
         if name not in self:
             raise NotFoundError(f"Parameter {name} not found.")
         self._state._set(name, value)
@@ -68,7 +80,7 @@ class Parameters:
 
     def __iter__(self) -> Iterator[tuple[str, Parameter]]:
         for name in sorted(self._state._values()):
-            yield name, Parameter(name, self._state)
+            yield name, self[name]
 
     def __len__(self) -> int:
         return len(self._state._values())
@@ -154,6 +166,11 @@ class CheckpointState:
         return self._properties
 
     # ---- for Module and Optimizer ---------------------------------------------------------------
+    def _check_loaded(self, message: str) -> None:
+        """Raise ``message`` while the state is nominal: its parameters have no values yet."""
+        if self._data.nominal:
+            raise OnnxGradRuntimeError(message)
+
     def _values(self) -> dict[str, np.ndarray]:
         return {**self._data.trainable, **self._data.frozen}
 

@@ -10,7 +10,7 @@ import onnx
 import onnxruntime as ort
 from onnx.external_data_helper import _get_all_tensors, load_external_data_for_model
 
-from ....errors import InputError
+from ....errors import InputError, OnnxGradRuntimeError
 from ....model.graph import check_model
 from ....runtime.runner import copy_options, default_options, make_session
 from ....runtime.session import resolve_providers
@@ -28,6 +28,11 @@ def _load(path: str | os.PathLike, what: str) -> tuple[onnx.ModelProto, str | No
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise InputError(f"no {what} at {path!r}")
+    if path.endswith(".ort"):
+        raise InputError(
+            f"{path!r} is in the ORT format, which onnxgrad cannot read back: pass the .onnx file "
+            "that generate_artifacts wrote beside it"
+        )
     model = onnx.load(path, load_external_data=False)
     if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in _get_all_tensors(model)):
         return model, None
@@ -42,6 +47,11 @@ def _array(value: Any) -> np.ndarray:
     if isinstance(value, ort.OrtValue):
         return value.numpy()
     return np.asarray(value)
+
+
+def _nominal_message(what: str) -> str:
+    """onnxruntime-training's error for ``what`` on a nominal checkpoint state."""
+    return f"{what}. Please load the model parameters first."
 
 
 class Module:
@@ -151,23 +161,39 @@ class Module:
         return self._eval_graph
 
     # ---- steps ---------------------------------------------------------------------------------
-    def _feeds(self, model_inputs: list[str], user_inputs: tuple) -> dict[str, np.ndarray]:
+    def _feeds(self, model: onnx.ModelProto, user_inputs: tuple) -> dict[str, np.ndarray]:
+        """The parameters and ``user_inputs`` by input name of ``model``; an input with an
+        initializer keeps that value (it is no user input)."""
         params = self._state._values()
-        users = [n for n in model_inputs if n not in params]
+        defaults = {i.name for i in model.graph.initializer}
+        model_inputs = [i.name for i in model.graph.input]
+        users = [n for n in model_inputs if n not in params and n not in defaults]
         if len(user_inputs) != len(users):
             raise InputError(f"the model takes {len(users)} input(s) {users}, got {len(user_inputs)}")
         feeds = {n: _array(v) for n, v in zip(users, user_inputs)}
         feeds.update({n: params[n] for n in model_inputs if n in params})
         return feeds
 
-    def __call__(self, *user_inputs: Any) -> np.ndarray | tuple[np.ndarray, ...]:
+    def __call__(self, *user_inputs: Any) -> Any:
         """Training mode: forward, loss and backward, the gradients accumulated; eval mode: the
-        eval model. Returns the loss output(s): one array, or a tuple of them."""
+        eval model. Returns the loss output(s): one value, or a tuple of them; numpy arrays when
+        any input is one, ``OrtValue`` s when every input is an ``OrtValue`` (1.19.2's rule).
+        Raises :class:`~onnxgrad.errors.OnnxGradRuntimeError` on a nominal checkpoint state until
+        :meth:`copy_buffer_to_parameters` fills it."""
+        step = "TrainStep" if self.training else "EvalStep"
+        self._state._check_loaded(_nominal_message(f"Cannot perform {step} with a nominal state"))
+        outputs = self._step(user_inputs)
+        if not any(isinstance(v, np.ndarray) for v in user_inputs) and all(
+            isinstance(v, ort.OrtValue) for v in user_inputs
+        ):
+            outputs = [ort.OrtValue.ortvalue_from_numpy(np.array(o, order="C")) for o in outputs]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _step(self, user_inputs: tuple) -> list[np.ndarray]:
         if self.training:
             g = self._graph
-            names = [i.name for i in g.model.graph.input]
             wanted = [*g.loss_outputs, *g.grads.values(), *g.stats.values()]
-            results = self._session.run(wanted, self._feeds(names, user_inputs))
+            results = self._session.run(wanted, self._feeds(g.model, user_inputs))
             n_loss, n_grads = len(g.loss_outputs), len(g.grads)
             grads = self._state._grads
             for name, value in zip(g.grads, results[n_loss : n_loss + n_grads]):
@@ -184,9 +210,8 @@ class Module:
             if self._eval_session is None:
                 source = self._eval_path if model is self._eval_file and self._eval_path else model
                 self._eval_session = make_session(source, self._providers, self._options, label="eval model")
-            names = [i.name for i in model.graph.input]
-            outputs = self._eval_session.run(None, self._feeds(names, user_inputs))
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+            outputs = self._eval_session.run(None, self._feeds(model, user_inputs))
+        return list(outputs)
 
     def train(self, mode: bool = True) -> Module:
         """Training mode (``mode=True``) or eval mode; returns ``self``."""
@@ -214,6 +239,7 @@ class Module:
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ort.OrtValue:
         """The (trainable) parameters flattened into one float32 buffer, in the training model's
         input order."""
+        self._state._check_loaded(_nominal_message("Cannot copy parameters from a nominal checkpoint state"))
         values = self._state._values()
         names = self._buffer_names(trainable_only)
         flat = [values[n].astype(np.float32).ravel() for n in names]
@@ -222,7 +248,13 @@ class Module:
 
     def copy_buffer_to_parameters(self, buffer: Any, trainable_only: bool = True) -> None:
         """Write a buffer laid out as :meth:`get_contiguous_parameters` back into the parameters
-        (this completes a nominal checkpoint)."""
+        (this completes a nominal checkpoint: every parameter, ``trainable_only=False``)."""
+        d = self._state._data
+        if d.nominal and trainable_only:
+            raise OnnxGradRuntimeError(
+                "For nominal checkpoint state, all parameters need to be loaded into the model "
+                "(trainable_only = false)."
+            )
         flat = _array(buffer).ravel()
         names = self._buffer_names(trainable_only)
         size = self.get_parameters_size(trainable_only)
@@ -233,17 +265,16 @@ class Module:
             n = values[name].size
             self._state._set(name, flat[offset : offset + n].reshape(values[name].shape))
             offset += n
-        d = self._state._data
-        if not trainable_only or not d.frozen:
-            d.nominal = False
+        d.nominal = False
 
     # ---- names and export ----------------------------------------------------------------------
     def input_names(self) -> list[str]:
         """The user inputs of the current mode's model (parameters excluded)."""
         if self.training:
             return list(self._graph.user_inputs)
-        params = self._state._values()
-        return [i.name for i in self._eval_model().graph.input if i.name not in params]
+        params, model = self._state._values(), self._eval_model()
+        defaults = {i.name for i in model.graph.initializer}
+        return [i.name for i in model.graph.input if i.name not in params and i.name not in defaults]
 
     def output_names(self) -> list[str]:
         """The outputs the current mode's call returns."""
@@ -258,6 +289,7 @@ class Module:
         mode, with the current parameters as initializers."""
         if not graph_output_names or isinstance(graph_output_names, str):
             raise InputError("graph_output_names must be a non-empty list of value names")
+        self._state._check_loaded(_nominal_message("Cannot export the model with a nominal state"))
         loss_model = self._loss_model_for_export()
         model = graphs.inference_graph(loss_model, self._state._values(), list(graph_output_names))
         check_model(model)

@@ -12,7 +12,7 @@ from onnx import helper
 from ....errors import InputError
 from ....runtime.runner import make_session
 from .. import graphs
-from .module import Module
+from .module import Module, _nominal_message
 
 __all__ = ["Optimizer"]
 
@@ -56,12 +56,18 @@ class Optimizer:
             p: (helper.np_dtype_to_tensor_dtype(values[p].dtype), list(values[p].shape)) for p in self._params
         }
         model = graphs.optimizer_graph(self._kind, self._attrs, specs)
-        self._session = make_session(model, module._providers, module._options, label="optimizer model")
+        # nothing to train: steps only count (onnxruntime cannot run a graph without outputs)
+        self._session = (
+            make_session(model, module._providers, module._options, label="optimizer model")
+            if self._params
+            else None
+        )
         self._outputs = [o.name for o in model.graph.output]
 
     def step(self) -> None:
         """Update every trainable parameter (and the moments) from its accumulated gradient."""
         state, group = self._module._state, self._group
+        state._check_loaded(_nominal_message("Cannot fetch named parameters from a nominal checkpoint state"))
         values = state._values()
         feeds = {
             "learning_rate": np.array(self._lr, np.float32),
@@ -74,7 +80,8 @@ class Optimizer:
                 moments = group.states.setdefault(p, {})
                 for m in _MOMENTS:
                     feeds[f"{p}/{m}"] = moments.setdefault(m, np.zeros_like(values[p]))
-        results = dict(zip(self._outputs, self._session.run(self._outputs, feeds)))
+        runs = self._session.run(self._outputs, feeds) if self._session is not None else []
+        results = dict(zip(self._outputs, runs))
         for p in self._params:
             state._set(p, results[f"new/{p}"])
             if self._kind == graphs.ADAMW:

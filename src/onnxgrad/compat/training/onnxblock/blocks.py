@@ -3,8 +3,9 @@
 A :class:`Block` subclass composes other blocks in its ``build`` method; each block appends nodes
 to the model of the enclosing ``with onnxblock.base(model):`` and returns the name of the value it
 made. Besides onnxruntime-training's blocks (Add, Sub, Mul, Div, Pow, ReduceMean, ReduceSum,
-Sigmoid, Log, Neg, Abs, Constant, Clip, Cast, PassThrough, InputLike), the same pattern gives
-ReduceMin, ReduceMax, Exp, Sqrt, Relu, Tanh and Softmax, whose gradients onnxgrad has.
+Sigmoid, Log, Neg, Abs, Constant, Clip, Cast, PassThrough, InputLike, Linear, LabelEncoder,
+SequenceConstruct, ReduceAllL2), the same pattern gives ReduceMin, ReduceMax, Exp, Sqrt, Relu,
+Tanh and Softmax, whose gradients onnxgrad has.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import copy
 from abc import ABC, abstractmethod
 from typing import Any
 
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ....errors import InputError
 from ....model.graph import without_weights
@@ -23,9 +25,10 @@ from . import _accessor
 from ._accessor import generate_graph_name
 
 __all__ = [
-    "Abs", "Add", "Block", "Cast", "Clip", "Constant", "Div", "Exp", "InputLike", "Log", "Mul",
-    "Neg", "PassThrough", "Pow", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceSum", "Relu",
-    "Sigmoid", "Softmax", "Sqrt", "Sub", "Tanh",
+    "Abs", "Add", "Block", "Cast", "Clip", "Constant", "Div", "Exp", "InputLike", "LabelEncoder",
+    "Linear", "Log", "Mul", "Neg", "PassThrough", "Pow", "ReduceAllL2", "ReduceMax", "ReduceMean",
+    "ReduceMin", "ReduceSum", "Relu", "SequenceConstruct", "Sigmoid", "Softmax", "Sqrt", "Sub",
+    "Tanh",
 ]  # fmt: skip
 
 
@@ -245,3 +248,115 @@ def node_arg_exists(model: onnx.ModelProto, name: str) -> bool:
     g = model.graph
     names = {v.name for v in (*g.input, *g.output, *g.initializer)} | {o for n in g.node for o in n.output}
     return name in names
+
+
+class Linear(Block):
+    """``x @ W + b`` (one Gemm, ``alpha`` and ``beta`` its attributes), with new initializers
+    ``W`` of shape ``[in_features, out_features]`` and ``b`` of ``[out_features]`` drawn from the
+    standard normal distribution (numpy's global generator: seed it for repeatable weights), as
+    onnxruntime-training 1.19.2 makes them. Train them by naming them in ``requires_grad``
+    (``linear.weight`` / ``linear.bias`` names of the form ``onnx::linear.weight::<n>``)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, alpha: float = 1.0, beta: float = 1.0
+    ) -> None:
+        super().__init__()
+        if int(in_features) < 1 or int(out_features) < 1:
+            raise InputError(f"Linear needs sizes >= 1, got {in_features}, {out_features}")
+        self._shape = (int(in_features), int(out_features))
+        self._bias, self._alpha, self._beta = bool(bias), float(alpha), float(beta)
+
+    def build(self, linear_input_name: str) -> str:
+        init = self.base.graph.initializer
+        weight = generate_graph_name("linear.weight")
+        init.append(numpy_helper.from_array(np.random.randn(*self._shape).astype(np.float32), weight))
+        inputs = [linear_input_name, weight]
+        if self._bias:
+            bias = generate_graph_name("linear.bias")
+            init.append(numpy_helper.from_array(np.random.randn(self._shape[1]).astype(np.float32), bias))
+            inputs.append(bias)
+        return _node(self.base, "Gemm", inputs, alpha=self._alpha, beta=self._beta)
+
+
+_ML_DOMAIN = "ai.onnx.ml"
+
+
+class LabelEncoder(Block):
+    """``ai.onnx.ml`` LabelEncoder: maps each key to its value (int64, float or string keys and
+    values), unknown keys to the default of the output type. Typically on the labels, before a
+    loss; it takes no gradient. The model gets the ``ai.onnx.ml`` opset (version 2) when it lacks
+    one, where 1.19.2 left that to the caller."""
+
+    def __init__(
+        self,
+        default_float: float = 0.0,
+        default_int64: int = -1,
+        default_string: str = "_Unused",
+        keys_floats: list[float] | None = None,
+        keys_int64s: list[int] | None = None,
+        keys_strings: list[str] | None = None,
+        values_floats: list[float] | None = None,
+        values_int64s: list[int] | None = None,
+        values_strings: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        keys = {"keys_floats": keys_floats, "keys_int64s": keys_int64s, "keys_strings": keys_strings}
+        values = {
+            "values_floats": values_floats,
+            "values_int64s": values_int64s,
+            "values_strings": values_strings,
+        }
+        given_keys = {k: v for k, v in keys.items() if v is not None}
+        given_values = {k: v for k, v in values.items() if v is not None}
+        if len(given_keys) != 1 or len(given_values) != 1:
+            raise InputError("LabelEncoder takes exactly one of keys_* and exactly one of values_*")
+        (kname, kvals), (vname, vvals) = next(iter(given_keys.items())), next(iter(given_values.items()))
+        if len(kvals) != len(vvals):
+            raise InputError(f"LabelEncoder: {len(kvals)} keys but {len(vvals)} values")
+        self._attributes = {
+            "default_float": float(default_float),
+            "default_int64": int(default_int64),
+            "default_string": str(default_string),
+            kname: list(kvals),
+            vname: list(vvals),
+        }
+
+    def build(self, label_encoder_input_name: str) -> str:
+        base = self.base
+        if not any(o.domain == _ML_DOMAIN for o in base.opset_import):
+            base.opset_import.append(helper.make_opsetid(_ML_DOMAIN, 2))
+        out = generate_graph_name("label_encoder.output")
+        base.graph.node.append(
+            helper.make_node(
+                "LabelEncoder",
+                [label_encoder_input_name],
+                [out],
+                name=generate_graph_name("LabelEncoder"),
+                domain=_ML_DOMAIN,
+                **self._attributes,
+            )
+        )
+        return out
+
+
+class SequenceConstruct(Block):
+    """The sequence of its input tensors (all of one type)."""
+
+    def build(self, *sequence_input_names: str) -> str:
+        if not sequence_input_names:
+            raise InputError("SequenceConstruct needs at least one input")
+        return _node(self.base, "SequenceConstruct", list(sequence_input_names))
+
+
+class ReduceAllL2(Block):
+    """The L2 norm of all the elements of all its inputs, ``sqrt(sum_i sum(x_i ** 2))``, a float
+    scalar. 1.19.2 wrote a ``com.microsoft`` ReduceAllL2 node, a training kernel stock onnxruntime
+    lacks; this block writes standard ops (ReduceSumSquare per input, Sum, Sqrt) that stock
+    onnxruntime runs and onnxgrad differentiates."""
+
+    def build(self, *reduce_node_input_names: str) -> str:
+        if not reduce_node_input_names:
+            raise InputError("ReduceAllL2 needs at least one input")
+        squares = [_node(self.base, "ReduceSumSquare", [x], keepdims=0) for x in reduce_node_input_names]
+        total = squares[0] if len(squares) == 1 else _node(self.base, "Sum", squares)
+        return _node(self.base, "Sqrt", [total])

@@ -11,7 +11,7 @@ from typing import Any
 import onnx
 from onnx import numpy_helper
 
-from ....errors import InputError
+from ....errors import InputError, OnnxGradRuntimeError
 from .. import checkpoint_file, graphs
 from . import _accessor
 from .blocks import Block
@@ -52,13 +52,15 @@ class ForwardBlock(Block):
     def to_model_proto(self) -> onnx.ModelProto:
         """The model built by the call."""
         if self._model is None:
-            raise InputError("Please build the forward model first before trying to retrieve it.")
+            raise OnnxGradRuntimeError("Please build the forward model first before trying to retrieve it.")
         return self._model
 
 
 class TrainingBlock(Block):
     """A loss block whose call builds the training model (forward, loss, backward: plain ONNX)
-    and the eval model from the base. Mark the parameters with :meth:`requires_grad` first."""
+    and the eval model from the base. Mark the parameters with :meth:`requires_grad` first; with
+    none, the training model computes the loss in training mode and no gradient (as 1.19.2). A
+    graph input marked too gets its gradient ``<input>_grad`` as an output of the training model."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -73,7 +75,8 @@ class TrainingBlock(Block):
         """Append the loss; return the name of its output (the gradient starts from the first)."""
 
     def requires_grad(self, argument_name: str, value: bool = True) -> None:
-        """Train ``argument_name`` (``value=True``) or keep it as a frozen parameter."""
+        """Train ``argument_name`` (``value=True``) or keep it as a frozen parameter. A graph input
+        named here gets its gradient as an output of the training model."""
         for names in (self._requires_grad, self._frozen_params):
             if argument_name in names:
                 names.remove(argument_name)
@@ -82,7 +85,7 @@ class TrainingBlock(Block):
     def parameters(self) -> Parameters:
         """(trainable, frozen) initializers, known once the block was called."""
         if self._parameters is None:
-            raise InputError(
+            raise OnnxGradRuntimeError(
                 "Please build the training model first before trying to retrieve the parameters."
             )
         return self._parameters
@@ -90,7 +93,7 @@ class TrainingBlock(Block):
     def to_model_proto(self) -> tuple[onnx.ModelProto, onnx.ModelProto]:
         """(training model, eval model)."""
         if self._training_model is None or self._eval_model is None:
-            raise InputError(
+            raise OnnxGradRuntimeError(
                 "Please build the training and eval models first before trying to retrieve them."
             )
         return self._training_model, self._eval_model
@@ -101,13 +104,24 @@ class TrainingBlock(Block):
         outputs = _names(output)
         graphs.set_outputs(base, outputs)
         inits = {i.name: i for i in base.graph.initializer}
-        for label, names in (("requires_grad", self._requires_grad), ("frozen", self._frozen_params)):
-            unknown = [n for n in names if n not in inits]
+        graph_inputs = [i.name for i in base.graph.input if i.name not in inits]
+        for label, names, known, what in (
+            (
+                "requires_grad",
+                self._requires_grad,
+                {*inits, *graph_inputs},
+                "neither initializers nor graph inputs",
+            ),
+            ("frozen", self._frozen_params, set(inits), "not initializers"),
+        ):
+            unknown = [n for n in names if n not in known]
             if unknown:
-                raise InputError(f"{label} names {unknown} that are not initializers of the model")
+                raise InputError(f"{label} names {unknown} that are {what} of the model")
         trainable = [n for n in inits if n in set(self._requires_grad)]
         frozen = [n for n in inits if n in set(self._frozen_params)]
-        training = graphs.training_graph(base, trainable, frozen, outputs)
+        # a graph input requiring grad: its gradient '<input>_grad' is an output (1.19.2's rule)
+        differentiated_inputs = [n for n in graph_inputs if n in set(self._requires_grad)]
+        training = graphs.training_graph(base, trainable, frozen, outputs, differentiated_inputs)
         self._eval_model = graphs.eval_graph(base, [*trainable, *frozen], outputs)
         graphs.mark(self._eval_model, {"loss_outputs": outputs})
         self._parameters = ([_copy(inits[n]) for n in trainable], [_copy(inits[n]) for n in frozen])
