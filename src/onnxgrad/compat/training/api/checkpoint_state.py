@@ -7,11 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-<<<<<<< HEAD
-from ....errors import InputError, InputTypeError, NotFoundError
-=======
-from ....errors import InputError, OnnxGradRuntimeError
->>>>>>> compat
+from ....errors import InputError, InputTypeError, NotFoundError, OnnxGradRuntimeError
 from .. import checkpoint_file
 from ..checkpoint_file import CheckpointData, OptimizerGroup
 
