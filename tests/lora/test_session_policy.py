@@ -104,7 +104,9 @@ def test_onnx_module_without_options_differentiates_what_runs(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("threads", [None, 1])
-def test_artifacts_runner_without_options_computes_the_float_product(tmp_path: Path, threads: int | None) -> None:
+def test_artifacts_runner_without_options_computes_the_float_product(
+    tmp_path: Path, threads: int | None
+) -> None:
     from onnxgrad.artifacts import Runner, generate
 
     q, ref = _pair(tmp_path)
