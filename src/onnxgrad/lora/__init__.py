@@ -30,10 +30,17 @@ Quantized weights (QLoRA: the adapters are float, the quantized product stays as
 The adapters' gradient is the one of the graph onnxruntime runs when its
 ``DequantizeLinear -> MatMul`` to ``MatMulNBits`` fusion is off: with it on, onnxruntime computes the
 forward with ``x`` quantized to int8 per block (``session.qdq_matmulnbits_accuracy_level``, 4 by
-default) while the backward differentiates the float product. :func:`session_options` gives the
-options that keep what runs equal to what is differentiated (pass them as ``session_options=`` to
-``ForwardBackward`` / ``OnnxModule`` / ``Trainer`` and to the serving session).
+default) while the backward differentiates the float product. Every session onnxgrad makes for
+such a model (``ForwardBackward``, ``OnnxModule``, ``Trainer``, ``artifacts.Runner``) runs under
+options that keep what runs equal to what is differentiated, unless given others
+(:mod:`onnxgrad.runtime.options`); :func:`session_options` gives them for the serving session.
 :func:`merge` on a quantized base writes float weights (see there).
+
+The package's modules: :mod:`.adapters` (:func:`add_adapters`, :func:`adapter_names`,
+:func:`with_values`), :mod:`.quantized` (recognising quantized weights, :func:`dequantized_weight`,
+:func:`session_options`), :mod:`.merge`, :mod:`.files` (:func:`save_adapters`,
+:func:`read_adapters`, :func:`load_adapters`: safetensors or ``.npz``) and :mod:`.serving`
+(onnxruntime's adapter format).
 
 onnxruntime serves adapters itself: :func:`serving_model` gives the adapted model whose adapters are
 inputs with initializer defaults (zeros: no adapter active is the base model), :func:`save_ort_adapter`

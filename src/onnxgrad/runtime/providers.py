@@ -37,11 +37,12 @@ def parse_device(device: Any, default_index: int = 0) -> Device:
         if head in ("cuda", "gpu") and index.isdigit():
             return "cuda", int(index)
         raise InputError(f"unknown device {device!r}: expected {DEVICES}")
-    kind, index = getattr(device, "type", None), getattr(device, "index", -1)
-    if isinstance(kind, str) and (index is None or isinstance(index, int)) and index != -1:  # torch.device
+    kind: Any = getattr(device, "type", None)
+    number: Any = getattr(device, "index", -1)  # torch.device: an int, or None for "the current one"
+    if isinstance(kind, str) and (number is None or isinstance(number, int)) and number != -1:
         if kind not in ("cpu", "cuda"):
             raise InputError(f"unsupported torch device {device!r}: only cpu and cuda work")
-        return ("cpu", 0) if kind == "cpu" else ("cuda", default_index if index is None else index)
+        return ("cpu", 0) if kind == "cpu" else ("cuda", default_index if number is None else number)
     raise InputError(f"unknown device {device!r}: expected {DEVICES}")
 
 
