@@ -103,13 +103,19 @@ def _relative_gradient_error(q: onnx.ModelProto, ref: onnx.ModelProto, options: 
 def test_dq_matmul_fusion_changes_the_numbers_unless_turned_to_float(tmp_path: Path) -> None:
     """4-bit DequantizeLinear -> MatMul: onnxruntime's default session fuses it into MatMulNBits
     at accuracy level 4 (activations quantized to int8): the gradients are off by about 0.5 %
-    (measured 5e-3 to 7e-3); under lora.session_options() they are the float graph's."""
+    (measured 5e-3 to 7e-3); under lora.session_options(), which every session onnxgrad makes
+    gets without options given, they are the float graph's."""
+    from onnxgrad.runtime.options import default_options
+
     q, ref = _pair("int4_qdq", tmp_path)
-    fused = _relative_gradient_error(q, ref, None)
+    with pytest.warns(UserWarning, match="quantizes the activations to int8"):
+        fused = _relative_gradient_error(q, ref, default_options())  # options without the level
     exact = _relative_gradient_error(q, ref, lora.session_options())
-    print(f"4-bit QDQ adapters' gradients vs float: default session {fused:.1e}, session_options {exact:.1e}")
+    default = _relative_gradient_error(q, ref, None)
+    print(f"4-bit QDQ adapters' gradients vs float: level 4 {fused:.1e}, session_options {exact:.1e}")
     assert fused > 1e-3
     assert exact < 1e-5
+    assert default < 1e-5
 
 
 @pytest.mark.parametrize("kind", [*EXACT_KINDS, "int8_dynamic"])
@@ -308,3 +314,41 @@ def test_matmul_nbits_at_a_low_accuracy_level_warns(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lora.add_adapters(quantized("int4_nbits", tmp_path), ["W1", "W2"])
+
+
+def _nbits_with_bias(tmp_path: Path) -> onnx.ModelProto:
+    """The int4 MatMulNBits MLP with each product's bias as MatMulNBits's own input 5 (which
+    onnxruntime's quantizer never writes): mm1 takes b1 (its Add removed), mm2 a new b2."""
+    model = quantized("int4_nbits", tmp_path)
+    graph = model.graph
+    b2 = np.random.default_rng(11).standard_normal(OUT).astype(F32)
+    graph.initializer.append(numpy_helper.from_array(b2, "b2"))
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "Add":
+            continue  # folded into mm1's bias
+        if node.op_type == "MatMulNBits":
+            first = node.input[0] == "x"
+            node.input.extend(["", "b1" if first else "b2"])  # g_idx absent, then the bias
+            if first:
+                node.output[0] = "hb"
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model
+
+
+def test_merge_keeps_the_bias_input_of_matmul_nbits(tmp_path: Path) -> None:
+    """A MatMulNBits with a bias (input 5): the merged float MatMul adds it, so the merged model
+    computes what the adapted one does (without the bias it is off by the bias, about 1 of scale)."""
+    base = _nbits_with_bias(tmp_path)
+    assert sum(len(n.input) == 6 and bool(n.input[5]) for n in base.graph.node) == 2
+    adapted = lora.add_adapters(base, ["W1", "W2"], rank=RANK)
+    adapted = lora.with_values(adapted, _random_adapters(adapted, 6))
+    with pytest.warns(UserWarning, match="written as float weights"):
+        merged = lora.merge(adapted)
+    assert not QUANT_OPS & {n.op_type for n in merged.graph.node}
+    assert {"b1", "b2"} <= {i for n in merged.graph.node for i in n.input}
+    feeds = _batch(9)
+    want = _run(adapted, feeds)
+    assert_allclose_scaled(_run(merged, feeds), want, rtol=1e-5)

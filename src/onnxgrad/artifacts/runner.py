@@ -20,7 +20,7 @@ from onnx import numpy_helper
 
 from ..errors import InputError
 from ..model.graph import ValueInfo, onnx_dtype
-from ..runtime.runner import default_options, make_session
+from ..runtime.runner import make_session, session_options_for
 from ..runtime.session import resolve_providers
 from ..runtime.values import check_dims_agree, check_input
 from ..train.schedules import LearningRate, as_schedule
@@ -58,10 +58,10 @@ class Runner:
         self.iterations = int(meta.get("step", 0))  # updates made so far
         self.schedule = as_schedule(m["lr"]["default"] if lr is None else lr)
         self.lr = float(self.schedule(self.iterations))
-        options = session_options or default_options()
-        if threads is not None:
-            options.intra_op_num_threads = threads
-        self._options, self._providers = options, resolve_providers(providers)
+        if threads is not None and session_options is not None:
+            session_options.intra_op_num_threads = threads
+        self._threads, self._options = threads, session_options  # None: onnxgrad's, per model
+        self._providers = resolve_providers(providers)
         self._train = self._session("train_step")
         self._eval: ort.InferenceSession | None = None
         train = m["train_step"]
@@ -114,7 +114,11 @@ class Runner:
 
     def _session(self, key: str) -> ort.InferenceSession:
         path = os.path.join(self.folder, self.manifest["files"][key])
-        return make_session(path, self._providers, self._options)
+        options = self._options
+        if options is None and self._threads is not None:
+            options = session_options_for(path)  # the policy's options for this graph, then threads
+            options.intra_op_num_threads = self._threads
+        return make_session(path, self._providers, options)
 
     # ---- batches -------------------------------------------------------------------------------
     def _batch(self, batch: Mapping[str, Any], names: list[str]) -> dict[str, np.ndarray]:

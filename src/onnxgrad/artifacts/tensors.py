@@ -1,91 +1,9 @@
-"""The parameter file of a training folder: the safetensors format, read and written without the
-safetensors package (the format is small enough to write by hand, and JavaScript reads it the
-same way).
-
-Layout: an 8-byte little-endian unsigned length ``N``, then ``N`` bytes of UTF-8 JSON (padded with
-spaces to a multiple of 8), then the raw little-endian buffers. The JSON maps each tensor name to
-``{"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}`` (offsets into the buffer part)
-and may hold ``"__metadata__"``, a string -> string mapping.
-"""
+"""The parameter file of a training folder (``state.safetensors``): the safetensors format of
+:mod:`onnxgrad.model.safetensors`, the one reader and writer of onnxgrad, under the names this
+module always had."""
 
 from __future__ import annotations
 
-import json
-import os
-import struct
-from collections.abc import Mapping
-
-import numpy as np
-
-from ..errors import InputError
+from ..model.safetensors import DTYPES, load, loads, save, saves
 
 __all__ = ["DTYPES", "load", "loads", "save", "saves"]
-
-DTYPES = {
-    "F64": np.dtype("<f8"),
-    "F32": np.dtype("<f4"),
-    "F16": np.dtype("<f2"),
-    "I64": np.dtype("<i8"),
-    "I32": np.dtype("<i4"),
-    "I8": np.dtype("i1"),
-    "U8": np.dtype("u1"),
-    "BOOL": np.dtype("?"),
-}
-_CODES = {v: k for k, v in DTYPES.items()}
-
-
-def saves(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
-    """The safetensors bytes of ``tensors`` (name -> array), in the mapping's order."""
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    chunks, offset = [], 0
-    for name, value in tensors.items():
-        arr = np.asarray(value)
-        code = _CODES.get(arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype)
-        if code is None:
-            raise InputError(f"tensor {name!r}: dtype {arr.dtype} has no safetensors code here")
-        data = np.ascontiguousarray(arr, dtype=DTYPES[code]).tobytes()
-        header[name] = {"dtype": code, "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
-        chunks.append(data)
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + b"".join(chunks)
-
-
-def loads(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(name -> array, metadata) from safetensors bytes; the arrays are copies."""
-    if len(data) < 8:
-        raise InputError("not a safetensors file: shorter than its 8-byte header length")
-    (n,) = struct.unpack("<Q", data[:8])
-    if 8 + n > len(data):
-        raise InputError("not a safetensors file: the header runs past the end")
-    header = json.loads(data[8 : 8 + n].decode())
-    metadata = header.pop("__metadata__", {}) or {}
-    base = 8 + n
-    tensors = {}
-    for name, spec in header.items():
-        dtype = DTYPES.get(spec["dtype"])
-        if dtype is None:
-            raise InputError(f"tensor {name!r}: unsupported safetensors dtype {spec['dtype']!r}")
-        begin, end = spec["data_offsets"]
-        arr = np.frombuffer(data[base + begin : base + end], dtype=dtype)
-        tensors[name] = arr.reshape(spec["shape"]).astype(dtype.newbyteorder("="), copy=True)
-    return tensors, metadata
-
-
-def save(
-    path: str | os.PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
-) -> str:
-    """Write ``tensors`` to ``path`` (safetensors); returns the path."""
-    path = os.fspath(path)
-    with open(path, "wb") as f:
-        f.write(saves(tensors, metadata))
-    return path
-
-
-def load(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(name -> array, metadata) read from a safetensors file."""
-    with open(path, "rb") as f:
-        return loads(f.read())

@@ -7,32 +7,17 @@ from typing import Any
 
 from ..deps import C
 from ..errors import InputError
-from ..runtime.session import resolve_providers
+from ..runtime.providers import Device, device_providers, resolve_providers
+from ..runtime.providers import parse_device as parse_named_device
 
-Device = tuple[str, int]  # ("cpu" | "cuda", index)
+__all__ = ["Device", "parse_device", "provider_device", "resolve_device"]
 
 
 def parse_device(device: Any, default_index: int = 0) -> Device:
-    """``("cpu" | "cuda", index)`` for any way users name a device.
-
-    Accepted: ``None``, strings (``'cpu'``, ``'Cpu'``, ``'cuda'``, ``'cuda:1'``, ``'gpu'``,
-    ``'Gpu'``), an ``OrtDevice`` (public or ``_pybind_state``), an ``OrtValue`` (its device) and a
-    ``torch.device`` (recognised by its attributes, so torch is never imported).
-    """
-    if device is None:
-        return "cpu", 0
-    if isinstance(device, str):
-        low = device.strip().lower()
-        if low == "cpu":
-            return "cpu", 0
-        if low in ("cuda", "gpu"):
-            return "cuda", default_index
-        head, _, index = low.partition(":")
-        if head in ("cuda", "gpu") and index.isdigit():
-            return "cuda", int(index)
-        raise InputError(
-            f"unknown device {device!r}: expected 'cpu', 'cuda', 'cuda:N', 'gpu' or a torch.device"
-        )
+    """``("cpu" | "cuda", index)`` for any way users name a device: what
+    :func:`onnxgrad.runtime.providers.parse_device` takes (``None``, ``'cpu'``, ``'cuda'``,
+    ``'cuda:1'``, ``'gpu'``, a ``torch.device``...), an ``OrtDevice`` (public or
+    ``_pybind_state``) and an ``OrtValue`` (its device)."""
     if callable(getattr(device, "device_type", None)):  # OrtDevice
         kind = device.device_type()
         if kind == C.OrtDevice.cpu():
@@ -41,13 +26,8 @@ def parse_device(device: Any, default_index: int = 0) -> Device:
             return "cuda", int(device.device_id())
         raise InputError(f"unsupported OrtDevice type {kind!r}: only CPU and CUDA are supported")
     if callable(getattr(device, "device_name", None)):  # OrtValue
-        return parse_device(device.device_name(), default_index)
-    kind, index = getattr(device, "type", None), getattr(device, "index", -1)
-    if isinstance(kind, str) and index != -1:  # torch.device
-        if kind not in ("cpu", "cuda"):
-            raise InputError(f"unsupported torch device {device!r}: only cpu and cuda work")
-        return parse_device(kind if index is None else f"{kind}:{index}", default_index)
-    raise InputError(f"unknown device {device!r}: expected 'cpu', 'cuda', 'cuda:N', 'gpu' or a torch.device")
+        return parse_named_device(device.device_name(), default_index)
+    return parse_named_device(device, default_index)
 
 
 def provider_device(provider: Any, device_index: int) -> Device:
@@ -79,8 +59,8 @@ def resolve_device(providers: Any, provider_options: Any, device_index: int) -> 
         provider_options = next((o for o in provider_options if o), None)
     if provider_options and "device_id" in provider_options and device[0] == "cuda":
         device = ("cuda", int(provider_options["device_id"]))
-    # resolve_providers checks that the provider is available (ValueError otherwise)
-    ort_providers = resolve_providers("cpu" if device[0] == "cpu" else f"cuda:{device[1]}")
+    # resolve_providers checks that the provider is available (InputError, a ValueError, otherwise)
+    ort_providers = resolve_providers(device_providers(device))
     if provider_options:
         first = ort_providers[0]
         name, base = first if isinstance(first, tuple) else (first, {})

@@ -1,8 +1,9 @@
 """Sessions and runners: the one place onnxgrad makes onnxruntime sessions, and the runner base.
 
 * :func:`make_session` makes every onnxruntime session of onnxgrad (the forward and backward of a
-  :class:`Runner`, the stages of a PythonOp graph, the artifacts runner...): same options (idle pool
-  threads do not spin), same errors.
+  :class:`Runner`, the stages of a PythonOp graph, the one-graph step, the artifacts runner...):
+  same options policy (:mod:`.options`: idle pool threads do not spin, quantized products computed
+  as differentiated), same errors.
 * :class:`BaseRunner` builds the feeds of both graphs of a :class:`GradientGraphs` and what the
   forward hands to the backward; :class:`Runner` runs each graph as one session. Graphs that need
   another runner (those holding PythonOp nodes) get it from a factory registered with
@@ -25,9 +26,23 @@ from ..autodiff.recompute import runs_in_graph_order
 from ..deps import require_onnxruntime
 from ..errors import OnnxGradRuntimeError
 from ..model.graph import ValueInfo, to_array, value_info_from_proto
+from .options import (
+    NBITS_ACCURACY_KEY,
+    SESSION_FIELDS,
+    copy_options,
+    default_options,
+    exact_nbits_options,
+    fuses_blocked_dequantize,
+    nbits_accuracy_set,
+    options_from_state,
+    options_state,
+    session_options_for,
+)
 from .values import C, OrtValueLike, run
 
 __all__ = [
+    "NBITS_ACCURACY_KEY",
+    "SESSION_FIELDS",
     "BaseRunner",
     "Runner",
     "copy_options",
@@ -40,6 +55,7 @@ __all__ = [
     "options_from_state",
     "options_state",
     "register_runner",
+    "session_options_for",
     "split_forward",
 ]
 
@@ -55,13 +71,15 @@ def make_session(
     :class:`OnnxGradRuntimeError` ("onnxruntime cannot load ``label``: ...", by default the graph's
     name).
 
-    Without ``options``, the pool threads do not spin after a run: a training step alternates a
-    forward and a backward session, and the idle pool's spinning threads would take the cores of
-    the one running (measured: the mlp step 8.9 ms with spinning, 4.2 ms without).
+    The options are those of :func:`~.options.session_options_for` (onnxgrad's policy): without
+    ``options``, the pool threads do not spin after a run (a training step alternates a forward and
+    a backward session, and the idle pool's spinning threads would take the cores of the one
+    running; measured: the mlp step 8.9 ms with spinning, 4.2 ms without), and a model whose
+    blocked 4-bit ``DequantizeLinear -> MatMul`` onnxruntime would fuse into an
+    activation-quantizing ``MatMulNBits`` computes it in float, as differentiated.
     """
     require_onnxruntime()
-    if options is None:
-        options = default_options()
+    options = session_options_for(model, options)
     if not isinstance(model, str) and runs_in_graph_order(model):  # recomputed activations
         options = copy_options(options)  # the caller's options stay as they are
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
@@ -72,110 +90,6 @@ def make_session(
         if label is None:
             label = f"the {model!r} file" if isinstance(model, str) else f"the {model.graph.name!r} graph"
         raise OnnxGradRuntimeError(f"onnxruntime cannot load {label}: {exc}") from exc
-
-
-def default_options() -> ort.SessionOptions:
-    """Session options onnxgrad uses unless given others: no spinning of idle pool threads."""
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return options
-
-
-# onnxruntime fuses DequantizeLinear(blocked int4/int8) -> MatMul into MatMulNBits and, by default,
-# runs it at accuracy level 4 (x quantized to int8 per block): not the float graph differentiated.
-NBITS_ACCURACY_KEY = "session.qdq_matmulnbits_accuracy_level"
-
-
-def fuses_blocked_dequantize(model: onnx.ModelProto) -> bool:
-    """Whether onnxruntime fuses a ``DequantizeLinear -> MatMul`` of ``model`` into ``MatMulNBits``
-    (and then, by default, quantizes the activations): a blocked DequantizeLinear (``block_size``
-    set) of an initializer, read by a MatMul or Gemm (the main graph; what
-    ``MatMulNBitsQuantizer(quant_format=QDQ)`` writes)."""
-    inits = {t.name for t in model.graph.initializer}
-    blocked = {
-        node.output[0]
-        for node in model.graph.node
-        if node.op_type == "DequantizeLinear"
-        and node.input[0] in inits
-        and any(a.name == "block_size" and a.i > 0 for a in node.attribute)
-    }
-    return any(
-        node.op_type in ("MatMul", "Gemm") and blocked.intersection(node.input) for node in model.graph.node
-    )
-
-
-def nbits_accuracy_set(options: ort.SessionOptions) -> bool:
-    """Whether ``options`` set the accuracy level of the fused MatMulNBits (to any level)."""
-    try:
-        return bool(options.get_session_config_entry(NBITS_ACCURACY_KEY))
-    except RuntimeError:  # not set
-        return False
-
-
-def exact_nbits_options(options: ort.SessionOptions | None = None) -> ort.SessionOptions:
-    """``options`` (or :func:`default_options`), changed in place so that the fused
-    ``DequantizeLinear -> MatMul`` computes in float (accuracy level 1): the graph onnxgrad
-    differentiates, instead of activations quantized to int8 per block."""
-    options = default_options() if options is None else options
-    options.add_session_config_entry(NBITS_ACCURACY_KEY, "1")
-    return options
-
-
-# SessionOptions can be neither copied nor pickled: these settings are carried field by field.
-SESSION_FIELDS = (
-    "enable_cpu_mem_arena",
-    "enable_mem_pattern",
-    "enable_mem_reuse",
-    "enable_profiling",
-    "execution_mode",
-    "execution_order",
-    "graph_optimization_level",
-    "inter_op_num_threads",
-    "intra_op_num_threads",
-    "log_severity_level",
-    "log_verbosity_level",
-    "logid",
-    "optimized_model_filepath",
-    "profile_file_prefix",
-    "use_deterministic_compute",
-    "use_per_session_threads",
-)
-# the config entries a copy carries (onnxruntime cannot list those set)
-_CONFIG_KEYS = (
-    "session.intra_op.allow_spinning",
-    "session.inter_op.allow_spinning",
-    "session.set_denormal_as_zero",
-    "session.use_env_allocators",
-    "session.disable_prepacking",
-    "session.use_device_allocator_for_initializers",
-    NBITS_ACCURACY_KEY,
-)
-
-
-def options_state(options: ort.SessionOptions) -> dict[str, Any]:
-    """The settings of ``options`` named in :data:`SESSION_FIELDS`, as a plain (picklable) dict."""
-    return {f: getattr(options, f) for f in SESSION_FIELDS if hasattr(options, f)}
-
-
-def options_from_state(state: Mapping[str, Any]) -> ort.SessionOptions:
-    """New ``SessionOptions`` with the settings of :func:`options_state`."""
-    options = ort.SessionOptions()
-    for name, value in state.items():
-        setattr(options, name, value)
-    return options
-
-
-def copy_options(options: ort.SessionOptions) -> ort.SessionOptions:
-    """A copy of ``options``: its :data:`SESSION_FIELDS` and the usual config entries (custom op
-    libraries, initializers and free dimension overrides added to ``options`` are not carried)."""
-    copy = options_from_state(options_state(options))
-    for key in _CONFIG_KEYS:
-        try:
-            value = options.get_session_config_entry(key)
-        except RuntimeError:  # not set
-            continue
-        copy.add_session_config_entry(key, value)
-    return copy
 
 
 def split_forward(

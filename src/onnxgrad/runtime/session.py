@@ -24,37 +24,11 @@ from ..autodiff.prepare import ModelLike, PreparedModel, prepare
 from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import ValueInfo, np_dtype, to_array
 from ..model.load import CheckedModel
+from .providers import resolve_providers
 from .runner import BaseRunner, make_runner
 from .values import check_dims_agree, contiguous, from_numpy
 
 Feeds = Mapping[str, Any]
-
-
-def resolve_providers(providers: str | Sequence[Any] | None) -> list[Any]:
-    """onnxruntime providers from a short name (``"cpu"``, ``"cuda"``, ``"cuda:1"``) or a list."""
-    if providers is None:
-        return ["CPUExecutionProvider"]
-    if isinstance(providers, str):
-        providers = [providers]
-    out: list[Any] = []
-    available = ort.get_available_providers()
-    for p in providers:
-        name = p[0] if isinstance(p, tuple) else p
-        if not isinstance(name, str):
-            raise InputError(f"unknown execution provider {p!r}")
-        low = name.lower()
-        if low == "cpu":
-            p = "CPUExecutionProvider"
-        elif low == "cuda" or low.startswith("cuda:"):
-            index = int(low.split(":", 1)[1]) if ":" in low else 0
-            p = ("CUDAExecutionProvider", {"device_id": index})
-        name = p[0] if isinstance(p, tuple) else p
-        if name not in available:
-            raise InputError(f"execution provider {name!r} is not available (available: {available})")
-        out.append(p)
-    if "CPUExecutionProvider" not in [q[0] if isinstance(q, tuple) else q for q in out]:
-        out.append("CPUExecutionProvider")
-    return out
 
 
 class ForwardResult:

@@ -108,7 +108,7 @@ class OneGraphStep:
 
     def __init__(self, fb: Any, optimizer: Optimizer, loss_name: str) -> None:
         from ..artifacts.generate import _train_step
-        from ..runtime.runner import default_options
+        from ..runtime.runner import make_session
 
         name, hyper = _hyper(optimizer)  # type: ignore[misc]
         params = fb.parameters
@@ -125,10 +125,8 @@ class OneGraphStep:
         self.output_names = [loss_name, *[by_input[p] for p in self.params]]
         self.output_names += [by_input[s] for s in self.state_names.values()]
         assert set(self.output_names) == set(outputs)
-        options = fb._options if getattr(fb, "_options", None) is not None else default_options()
-        self.session = ort.InferenceSession(
-            model.SerializeToString(), sess_options=options, providers=fb.providers
-        )
+        options = getattr(fb, "_options", None)  # the policy of every session: make_session's
+        self.session = make_session(model, fb.providers, options, label="the one-graph training step")
         self._lr = np.zeros((), np.float64)
         self._step = np.zeros((), np.int64)
         self._loss = np.zeros((), np.dtype(onnx.helper.tensor_dtype_to_np_dtype(_elem(model, loss_name))))

@@ -91,27 +91,6 @@ def input_infos(fb: ForwardBackward) -> dict[str, ValueInfo]:
     return {name: info for name in fb.input_names if (info := infos.get(name)) is not None}
 
 
-def _quantized_matmul_options(model: onnx.ModelProto, options: Any) -> Any:
-    """The session options for ``model``: ``options`` as given, except that a model onnxruntime
-    would run with activations quantized (a blocked DequantizeLinear -> MatMul fused into a
-    MatMulNBits at its default accuracy level) gets options computing the fused product in float
-    when none are given, and a warning when the given ones leave the level unset."""
-    from ..runtime.runner import exact_nbits_options, fuses_blocked_dequantize, nbits_accuracy_set
-
-    if not fuses_blocked_dequantize(model):
-        return options
-    if options is None:
-        return exact_nbits_options()
-    if not nbits_accuracy_set(options):
-        warnings.warn(
-            "the model's blocked DequantizeLinear -> MatMul is fused by onnxruntime into a MatMulNBits "
-            "that quantizes the activations to int8 (accuracy level 4): the losses are not those of the "
-            "float product onnxgrad differentiates (about 5e-3 relative). Pass "
-            "session_options=onnxgrad.lora.session_options(your_options) to compute it in float",
-            UserWarning,
-            stacklevel=3,
-        )
-    return options
 
 
 # ---- the trainer -------------------------------------------------------------------------------
@@ -146,8 +125,8 @@ class Trainer:
     session the trainer makes (forward, backward, the one-graph step, evaluation). A model whose
     blocked (4-bit) DequantizeLinear feeds a MatMul, which onnxruntime fuses into a MatMulNBits
     that quantizes the activations, gets by default options under which the fused kernel computes
-    in float, as the graph differentiated (``onnxgrad.lora.session_options()``); options given
-    without that setting are used as they are, with a warning.
+    in float, as the graph differentiated; options given without that setting are used as they
+    are, with a warning (the policy of every session, :mod:`onnxgrad.runtime.options`).
     ``quantized``: the gradient through quantization ops, ``"ste"``, ``"zero"`` or ``"refuse"`` (see
     ``build_gradient``).
     ``master_weights`` / ``loss_scale``: mixed precision for float16 and bfloat16 models
@@ -215,7 +194,6 @@ class Trainer:
                 raise InputError(
                     f"the model has no output {loss_name!r} (outputs: {outputs}); pass loss= to append one"
                 )
-            session_options = _quantized_matmul_options(proto, session_options)
             fb = ForwardBackward(
                 prepared,
                 trainable=trainable,

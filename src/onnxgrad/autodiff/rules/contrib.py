@@ -22,6 +22,7 @@ from onnx import TensorProto, helper
 
 from ...errors import GradientNotImplementedError
 from ...model.contrib_schemas import MS_DOMAIN
+from ...model.nbits import default_zero_point, pack_bits, unpack_bits
 from ..builder import GradBuilder, Var, cast, sigmoid
 from ..registry import NodeContext, formulas, rule
 from .attention import rotary_cache_grads
@@ -188,15 +189,12 @@ def _packed_weight(g: GradBuilder, n: NodeContext, bits: int, blocks: int, block
     rows = n_dim * blocks
     qtype = TensorProto.UINT4 if bits == 4 else TensorProto.UINT8
     if zp is None:
-        zeros = np.full(rows, 2 ** (bits - 1), np.uint8)
+        zeros = np.full(rows, default_zero_point(bits), np.uint8)
     elif zp.dtype == TensorProto.UINT8:
         values = n.const_input(3)
         if values is None:
             return None
-        zeros = values.reshape(n_dim, -1)
-        if bits == 4:  # low bits first, each row padded to whole bytes
-            zeros = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(n_dim, -1)
-        zeros = zeros[:, :blocks].reshape(-1)
+        zeros = unpack_bits(values.reshape(n_dim, -1), bits, blocks).reshape(-1)
     else:
         zeros = None  # float zero points: subtracted after the DequantizeLinear
     q = _packed_tensor(g, qtype, [rows, block], np.ascontiguousarray(packed, np.uint8).tobytes())
@@ -205,10 +203,7 @@ def _packed_weight(g: GradBuilder, n: NodeContext, bits: int, blocks: int, block
         w = g.DequantizeLinear(q, scale, domain=MS_DOMAIN, axis=0, dtype=scales.dtype)
         w = w - g.Reshape(zp * scales, [rows, 1])  # type: ignore[operator]
     else:
-        if bits == 4:
-            zeros = np.concatenate([zeros, np.zeros(rows % 2, np.uint8)])
-            zeros = (zeros[0::2] | (zeros[1::2] << 4)).astype(np.uint8)
-        zero = _packed_tensor(g, qtype, [rows], zeros.astype(np.uint8).tobytes())
+        zero = _packed_tensor(g, qtype, [rows], pack_bits(zeros, bits).tobytes())
         w = g.DequantizeLinear(q, scale, zero, domain=MS_DOMAIN, axis=0, dtype=scales.dtype)
     return g.Reshape(w, [n_dim, blocks * block])
 

@@ -1,0 +1,99 @@
+"""Serving adapters through onnxruntime: the model whose adapters are overridable inputs, and
+onnxruntime's own adapter file (``.onnx_adapter``, ``onnxruntime.AdapterFormat``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..deps import require_onnxruntime
+from ..errors import InputError
+from ..model.graph import np_dtype, to_array
+from ..model.load import load_model
+from .adapters import _adapters
+
+
+# ---- onnxruntime's own adapter format --------------------------------------------------------
+def serving_model(model: onnx.ModelProto | str | os.PathLike | bytes) -> onnx.ModelProto:
+    """The adapted ``model`` (from :func:`add_adapters`) made to serve adapters through
+    onnxruntime: every adapter (A and B) is a graph input whose default (an initializer of the same
+    name) is zeros, so with no adapter active it computes the base model, and an
+    ``onnxruntime.LoraAdapter`` written by :func:`save_ort_adapter` for any fine-tune of the same
+    :func:`add_adapters` call (same targets, rank and alpha) overrides them per request::
+
+        session = onnxruntime.InferenceSession(serving_model(adapted).SerializeToString())
+        adapter = onnxruntime.LoraAdapter()
+        adapter.Load("task1.onnx_adapter")
+        options = onnxruntime.RunOptions()
+        options.add_active_adapter(adapter)
+        session.run(None, feeds, options)
+    """
+    src = load_model(model)
+    _, adapters = _adapters(src)
+    out = onnx.ModelProto()
+    out.CopyFrom(src)
+    names = {n for ad in adapters for n in (ad.a, ad.b)}
+    present = {i.name for i in out.graph.input}
+    for t in out.graph.initializer:
+        if t.name in names:
+            zeros = np.zeros(tuple(t.dims), dtype=np_dtype(t.data_type))
+            t.CopyFrom(numpy_helper.from_array(zeros, t.name))
+            if t.name not in present:
+                out.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    out.ir_version = max(out.ir_version, 4)  # initializers as overridable inputs: IR 4 on
+    return out
+
+
+def save_ort_adapter(
+    model: onnx.ModelProto,
+    path: str | os.PathLike,
+    values: Mapping[str, Any] | None = None,
+    *,
+    adapter_version: int = 1,
+    model_version: int = 1,
+) -> None:
+    """Write the adapters of ``model`` (or ``values`` for the same names, e.g.
+    ``ForwardBackward.parameters``) as an onnxruntime adapter file (``.onnx_adapter``, through
+    ``onnxruntime.AdapterFormat``), for the model of :func:`serving_model`."""
+    require_onnxruntime()
+    import onnxruntime as ort
+
+    _, adapters = _adapters(model)
+    inits = {t.name: t for t in model.graph.initializer}
+    values = dict(values or {})
+    params = {}
+    for ad in adapters:
+        for n in (ad.a, ad.b):
+            arr = np.ascontiguousarray(values[n] if n in values else to_array(inits[n]))
+            want = (tuple(inits[n].dims), np_dtype(inits[n].data_type))
+            if (arr.shape, arr.dtype) != want:
+                raise InputError(
+                    f"adapter {n!r} must be {want[1]} of shape {list(want[0])}, "
+                    f"got {arr.dtype} {list(arr.shape)}"
+                )
+            params[n] = ort.OrtValue.ortvalue_from_numpy(arr)
+    fmt = ort.AdapterFormat()
+    fmt.set_adapter_version(adapter_version)
+    fmt.set_model_version(model_version)
+    fmt.set_parameters(params)
+    fmt.export_adapter(os.path.abspath(os.fspath(path)))
+
+
+def read_ort_adapter(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The parameters (name -> array) of an onnxruntime adapter file."""
+    require_onnxruntime()
+    import onnxruntime as ort
+
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(path):
+        raise InputError(f"no adapter file {path!r}")
+    try:
+        fmt = ort.AdapterFormat.read_adapter(path)
+    except Exception as exc:  # onnxruntime raises RuntimeError / its own Fail
+        raise InputError(f"{path!r} is not an onnxruntime adapter file: {exc}") from exc
+    return {n: np.array(v.numpy()) for n, v in fmt.get_parameters().items()}
