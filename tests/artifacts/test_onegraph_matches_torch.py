@@ -134,3 +134,19 @@ def test_node_runner_follows_torch(tmp_path_factory, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_follows(json.loads(done.stdout.strip().splitlines()[-1]), _torch(name))
+
+
+def test_frozen_leaves_the_rest_of_the_choice_as_it_is():
+    """Swin's tables rebuilt as ``<copy>_core``: freezing one (by either name) or another parameter
+    leaves every other parameter, rebuilt tables included, as the default choice has it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = exported("swin", "torchscript")
+    default = build_gradient(model).trainable
+    cores = [n for n in default if n.endswith("_core")]
+    assert len(cores) == 3  # one table per block
+    frozen = [default[0], cores[0], cores[1].removesuffix("_core")]
+    art = generate(model, loss="mse", optimizer="sgd", frozen=frozen)
+    assert [p["name"] for p in art.manifest["parameters"]] == [
+        n for n in default if n not in {default[0], cores[0], cores[1]}
+    ]
