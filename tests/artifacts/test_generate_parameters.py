@@ -121,3 +121,36 @@ def test_bad_names_are_input_errors():
         generate(model, loss="cross_entropy", frozen=["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"])
     with pytest.raises(InputError, match=r"\['mean'\] are running statistics"):
         generate(batchnorm_model(), loss="cross_entropy", trainable=["W1", "mean"])
+
+
+def test_every_one_graph_step_trains_a_tied_model_alike(tmp_path):
+    """Trainer's one-graph step (which tied weights used to send to the two-session path), its
+    two-session path and the artifacts' runner: the same losses and parameters."""
+    from onnxgrad.testing import assert_allclose_scaled
+    from onnxgrad.train import Trainer
+
+    rng = np.random.default_rng(0)
+    data = {"ids": rng.integers(0, VOCAB, 48), "target": rng.standard_normal((48, VOCAB)).astype(np.float32)}
+    results = []
+    for one_graph in (True, False):
+        trainer = Trainer(
+            tied_model(), loss="mse", optimizer="adamw", lr=1e-2, batch_size=16, shuffle=False,
+            progress=False, one_graph=one_graph,
+        )  # fmt: skip
+        assert trainer.step_path == ("one graph" if one_graph else "two sessions")
+        trainer.fit(data, epochs=2)
+        results.append((trainer.history["loss"], trainer.parameters))
+    generate(tied_model(), loss="mse", optimizer="adamw", lr=1e-2, out_dir=tmp_path)
+    runner = Runner(tmp_path)
+    losses = []
+    for _ in range(2):
+        steps = [runner.step({k: v[i : i + 16] for k, v in data.items()}) for i in range(0, 48, 16)]
+        losses.append(float(np.mean(steps)))
+    results.append((losses, runner.parameters))
+    want_losses, want_params = results[1]
+    assert list(want_params) == ["emb", "b"]
+    for losses, params in (results[0], results[2]):
+        assert_allclose_scaled(losses, want_losses, rtol=1e-5)
+        assert list(params) == list(want_params)
+        for name, value in want_params.items():
+            assert_allclose_scaled(params[name], value, rtol=1e-5, err_msg=name)

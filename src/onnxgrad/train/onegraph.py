@@ -12,7 +12,7 @@ two-session path would show them, and a trainer can switch between the paths at 
 
 :func:`one_graph_step` returns ``None`` (and says why in a debug log) when the model or the
 optimizer needs the two-session path: PythonOp or other non-standard ops, Dropout or
-BatchNormalization (training-mode switches and running statistics), tied weights, an optimizer
+BatchNormalization (training-mode switches and running statistics), an optimizer
 other than :class:`SGD`, :class:`Adam` and :class:`AdamW` (subclasses included), a
 :class:`ForwardBackward` whose other outputs also take a gradient.
 """
@@ -76,8 +76,6 @@ def _unsupported(fb: Any, optimizer: Optimizer, loss_name: str) -> str | None:
     if fb.follows_training:
         return "the model has Dropout or BatchNormalization (training-mode switches, running statistics)"
     graphs = fb.graphs
-    if graphs.ties:
-        return "the model has tied weights"
     if set(graphs.grad_inputs) != {loss_name}:
         return f"outputs other than the loss take a gradient ({sorted(graphs.grad_inputs)})"
     odd = sorted(
