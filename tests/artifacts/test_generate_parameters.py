@@ -154,3 +154,20 @@ def test_every_one_graph_step_trains_a_tied_model_alike(tmp_path):
         assert list(params) == list(want_params)
         for name, value in want_params.items():
             assert_allclose_scaled(params[name], value, rtol=1e-5, err_msg=name)
+
+
+def test_command_line_passes_trainable_and_frozen_by_keyword(tmp_path, capsys):
+    import json
+    import warnings
+
+    from onnxgrad.cli import main
+
+    path = tmp_path / "tied.onnx"
+    onnx.save(tied_model(), path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the command line uses no old spelling
+        argv = ["artifacts", str(path), "--loss", "mse", "-o", str(tmp_path / "a")]
+        assert main([*argv, "--trainable", "head", "b", "--frozen", "b"]) == 0
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert [p["name"] for p in manifest["parameters"]] == ["head"]  # the tie's copy named, trained as one
+    assert "parameters (1): head" in capsys.readouterr().out
