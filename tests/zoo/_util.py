@@ -143,6 +143,31 @@ def _bart():
     return model, (_ids(BATCH, SEQ), _ids(BATCH, SEQ - 2, seed=3))
 
 
+def _albert():
+    from transformers import AlbertConfig, AlbertModel
+
+    # one layer's weights shared by both layers (torch sums their gradients)
+    cfg = AlbertConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return _Out(AlbertModel(cfg, add_pooling_layer=False), ("input_ids",), "last_hidden_state"), (
+        _ids(BATCH, SEQ),
+    )
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+    )  # fmt: skip
+    return _Out(Qwen2ForCausalLM(cfg), ("input_ids",), "logits"), (_ids(BATCH, SEQ),)
+
+
 def _vit():
     from transformers import ViTConfig, ViTModel
 
@@ -327,6 +352,8 @@ SPECS = {
         Spec("swin", _swin, notes="relative-position tables gathered per block, shifted-window mask"),
         Spec("t5", _t5, notes="relative-position buckets; cross-attention bias all zeros"),
         Spec("wav2vec2", _wav2vec2, notes="GroupNorm feature extractor; weight norm removed"),
+        Spec("albert", _albert, notes="one layer's weights shared by every layer"),
+        Spec("qwen2", _qwen2, notes="LM head tied to the token embedding, biased q/k/v projections"),
     ]
 }
 # every model freshly initialised too, as users export untrained models: ``<name>_fresh``
@@ -558,14 +585,15 @@ def torch_losses(
     target: np.ndarray,
     dtype=torch.float32,
     lr: float = 0.05,
+    steps: int = STEPS,
 ) -> list[float]:
-    """Losses of STEPS plain-SGD steps on mean((output - target)^2), in PyTorch."""
+    """Losses of ``steps`` plain-SGD steps on mean((output - target)^2), in PyTorch."""
     ref = copy.deepcopy(module).to(dtype)
     opt = torch.optim.SGD(ref.parameters(), lr=lr)
     feeds = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
     tgt = torch.from_numpy(target).to(dtype)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         opt.zero_grad()
         loss = ((ref(*feeds) - tgt) ** 2).mean()
         loss.backward()

@@ -60,10 +60,19 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam/AdamW betas")
     p.add_argument("--eps", type=float, help="Adam/AdamW epsilon")
     p.add_argument(
-        "--trainable", nargs="+", metavar="NAME", help="initializers to train (default: every float one)"
+        "--trainable",
+        nargs="+",
+        metavar="NAME",
+        help="initializers to train (default: the parameters `onnxgrad info` lists)",
     )
     add_deprecated(p, "--requires-grad", "--trainable", "trainable", nargs="+")
-    p.add_argument("--frozen", nargs="+", default=[], metavar="NAME", help="initializers not to train")
+    p.add_argument(
+        "--frozen",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="initializers left out of those (a tied one: all its copies)",
+    )
     p.add_argument(
         "--target",
         nargs="+",
@@ -96,7 +105,7 @@ def _run(args: argparse.Namespace) -> int:
     loss_options = {"output": args.loss_output} if args.loss_output else {}
     art = generate(
         args.model,
-        requires_grad=args.trainable,
+        trainable=args.trainable,
         frozen=args.frozen,
         loss=None if args.loss == "none" else args.loss,
         loss_options=loss_options,

@@ -20,33 +20,23 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
-from ..autodiff.compose import compose
-from ..autodiff.engine import build_gradient
-from ..autodiff.params import declared_trainable
-from ..autodiff.prepare import prepare
+from ..autodiff.prepare import PreparedModel, prepare
 from ..errors import InputError
-from ..model.graph import (
-    FLOAT_TYPES,
-    check_model,
-    ir_version_for,
-    np_dtype,
-    opset_of,
-    subgraphs,
-    to_array,
-    unique_name,
-)
+from ..model.graph import FLOAT_TYPES, check_model, np_dtype, to_array
 from ..model.load import CheckedModel
-from ..train.losses import _Emitter, add_loss, keep_outputs
+from ..train.losses import add_loss, keep_outputs
 from . import tensors
-from .optim import STATE_KEYS, Param, emit_updates, hyperparameters
+from .optim import hyperparameters
+from .step import LR, STEP, build_train_step, lowest_ir_version
 from .targets import DEFAULT_TARGETS, check_targets
 from .webgpu import WEBGPU, lower_for_webgpu
 
@@ -61,7 +51,6 @@ FILES = {
     "state": "state.safetensors",
     "manifest": "manifest.json",
 }
-LR, STEP = "lr", "step"
 MAX_OPSET_FOR_OLD_RUNTIMES = 21  # onnxruntime 1.20 (and onnxruntime-web of its time) reads up to 21
 
 
@@ -90,9 +79,9 @@ class Artifacts:
 
 def generate(
     model: onnx.ModelProto | str | os.PathLike | bytes,
-    requires_grad: Iterable[str] | None = None,
+    *deprecated: Iterable[str] | None,
+    trainable: Iterable[str] | None = None,
     frozen: Iterable[str] = (),
-    *,
     loss: str | None,
     optimizer: str = "adamw",
     out_dir: str | os.PathLike | None = None,
@@ -101,12 +90,16 @@ def generate(
     loss_name: str = "loss",
     target_name: str = "target",
     targets: Iterable[str] = DEFAULT_TARGETS,
+    requires_grad: Iterable[str] | None = None,
     **optimizer_options: Any,
 ) -> Artifacts:
     """Build (and with ``out_dir``, write) the training artifacts of ``model``.
 
-    ``requires_grad``: the initializers to train (default: every floating-point initializer but the
-    running statistics of BatchNormalization); ``frozen``: initializers left out of those.
+    ``trainable``: the initializers to train (default ``None``: the parameters every front end
+    trains, ``build_gradient(model).trainable``: values that the exporter stored once for several
+    parameters are trained apart, tied copies of one parameter as one, running statistics and
+    constants left out; see :mod:`onnxgrad.autodiff.params`). ``frozen``: names left out of those
+    (freezing one copy of a tied parameter freezes the parameter).
     ``loss``: a kind of :func:`onnxgrad.train.add_loss` (its options in ``loss_options``), or
     ``None`` when the model already computes ``loss_name``. ``optimizer``: ``"sgd"``, ``"adam"``
     or ``"adamw"``, with the hyperparameters of :mod:`onnxgrad.train.optim` as keywords
@@ -117,38 +110,45 @@ def generate(
     (:mod:`onnxgrad.artifacts.targets`) raises :class:`InputError` naming the op and the runtime,
     before anything is written. With ``"onnxruntime-web-webgpu"`` the graphs are written the way
     WebGPU runs them (:mod:`onnxgrad.artifacts.webgpu`; the other runtimes run those too).
+
+    Deprecated: ``requires_grad`` (by keyword, or positionally after ``model``, then ``frozen``)
+    is the old name of ``trainable``.
     """
+    trainable, frozen = _deprecated_names(deprecated, requires_grad, trainable, frozen)
     targets = list(targets)
     webgpu = WEBGPU in targets
-    prepared = prepare(model)  # the one validation: what follows rewrites the checked model
-    proto = prepared.checked.proto
     opt = optimizer.lower()
     hyper = hyperparameters(opt, dict(optimizer_options))
-    train_model, eval_model = prepared.training.proto, prepared.given_inference.proto
-    stats = prepared.running_stats
+    prepared = prepare(model)  # the one validation: what follows rewrites the checked model
+    given = [i.name for i in prepared.checked.proto.graph.input]
     loss_options = dict(loss_options or {})
     if loss is not None:
         opts = dict(loss_name=loss_name, target_name=target_name, **loss_options)
-        train_lossy = add_loss(CheckedModel(train_model), loss, **opts)
-        eval_lossy = add_loss(CheckedModel(eval_model), loss, **opts)
-    else:
-        train_lossy, eval_lossy = train_model, eval_model
-        if loss_name not in [o.name for o in proto.graph.output]:
-            raise InputError(f"the model has no output {loss_name!r}; pass loss= to append one")
-    model_outputs = [o.name for o in eval_model.graph.output if o.name != loss_name]
-    trainable = _trainable(train_lossy, requires_grad, frozen, stats)
-    inits = {i.name: i for i in train_lossy.graph.initializer}
-
-    graphs = build_gradient(CheckedModel(train_lossy), trainable=trainable, outputs=[loss_name])
-    train_step, names = _train_step(graphs, inits, stats, opt, hyper, loss_name, webgpu)
-    eval_step = _with_fed_initializers(eval_lossy, [*trainable, *stats], remove=True)
+        prepared = prepare(CheckedModel(add_loss(prepared.checked, loss, **opts)))  # onnxgrad's rewrite
+    elif loss_name not in prepared.output_names:
+        raise InputError(f"the model has no output {loss_name!r}; pass loss= to append one")
+    # the parameters every front end trains, chosen and tied once (as OnnxModule chooses them)
+    selected = _select(prepared, trainable, frozen)
+    params = selected.selection.trainable  # type: ignore[union-attr]
+    stats = selected.running_stats
+    graphs = selected.gradient_graphs(trainable=params, outputs=[loss_name], tie_weights=False)
+    inits = {i.name: i for i in selected.training.proto.graph.initializer}
+    step = build_train_step(graphs, inits, stats, opt, hyper, loss_name, webgpu=webgpu)
+    train_step = step.model
+    eval_model = selected.given_inference.proto
+    model_outputs = [o for o in prepared.output_names if o != loss_name]
+    eval_step = _with_fed_initializers(eval_model, [*params, *stats], remove=True)
     eval_step = keep_outputs(CheckedModel(eval_step), [loss_name, *model_outputs])
     _reorder_outputs(eval_step, [loss_name, *model_outputs])
-    inference = _with_fed_initializers(eval_model, [*trainable, *stats], remove=True)
+    inference = eval_model
+    if loss is not None:  # the model as given: the loss, its target and weights gone
+        inference = keep_outputs(CheckedModel(eval_model), model_outputs)
+        _restore_inputs(inference, eval_model, given)
+    inference = _with_fed_initializers(inference, [*params, *stats], remove=True)
     for m in (eval_step, inference):
         if webgpu:
             lower_for_webgpu(m)
-        m.ir_version = _ir_version(m)
+        m.ir_version = lowest_ir_version(m)
         check_model(m)
     check_targets(
         {FILES["train_step"]: train_step, FILES["eval_step"]: eval_step, FILES["inference"]: inference},
@@ -156,15 +156,15 @@ def generate(
     )
 
     state: dict[str, np.ndarray] = {}
-    for name in trainable:
+    for name in params:
         state[name] = np.array(to_array(inits[name]), copy=True)
-    for (param, _key), name in names["state"].items():
+    for (param, _key), name in step.state.items():
         state[name] = np.zeros_like(state[param])
     for name in stats:
         state[name] = np.array(to_array(inits[name]), copy=True)
 
     manifest = _manifest(
-        train_step, eval_step, inference, names, trainable, stats, state, loss, loss_options,
+        step, eval_step, inference, params, stats, state, loss, loss_options,
         loss_name, opt, hyper, lr, model_outputs,
     )  # fmt: skip
     result = Artifacts(train_step, eval_step, inference, state, manifest)
@@ -173,218 +173,81 @@ def generate(
     return result
 
 
-def _trainable(
-    model: onnx.ModelProto, requires_grad: Iterable[str] | None, frozen: Iterable[str], stats: Mapping
-) -> list[str]:
-    floats = [i.name for i in model.graph.initializer if i.data_type in FLOAT_TYPES and i.name not in stats]
-    frozen = set(frozen)
-    unknown = frozen - set(floats)
-    if unknown:
-        raise InputError(f"frozen names {sorted(unknown)} are not floating-point initializers of the model")
-    declared = declared_trainable(model)  # a model naming its parameters (LoRA: the adapters)
-    if requires_grad is None and declared is not None:
-        chosen = [n for n in declared if n in floats]
-    elif requires_grad is None:
-        chosen = floats
+def _deprecated_names(
+    positional: tuple[Any, ...],
+    requires_grad: Iterable[str] | None,
+    trainable: Iterable[str] | None,
+    frozen: Iterable[str],
+) -> tuple[Iterable[str] | None, Iterable[str]]:
+    """``(trainable, frozen)`` from the old spellings, ``generate(model, requires_grad, frozen)``
+    positionally or ``requires_grad=``, each with a :class:`DeprecationWarning`."""
+    if len(positional) > 2:
+        raise TypeError(f"generate() takes 1 positional argument but {len(positional) + 1} were given")
+    if positional:
+        old = "generate(model, requires_grad, frozen)"
+        if requires_grad is not None or (len(positional) == 2 and frozen != ()):
+            raise TypeError(f"{old}: an argument given both positionally and by keyword")
+        requires_grad = positional[0]
+        frozen = positional[1] if len(positional) == 2 else frozen
+        message = f"{old} positionally is deprecated: pass trainable= and frozen= by keyword"
     else:
-        chosen = list(dict.fromkeys(requires_grad))
-        bad = [n for n in chosen if n not in floats]
-        if bad:
-            raise InputError(f"{bad} are not trainable initializers (floating-point ones: {floats})")
-    chosen = [n for n in chosen if n not in frozen]
-    if not chosen:
-        raise InputError("nothing to train: every initializer is frozen")
-    return chosen
+        message = "generate(requires_grad=) is deprecated: pass trainable="
+    if requires_grad is None:
+        return trainable, frozen
+    if trainable is not None:
+        raise TypeError("generate() got trainable= and its deprecated name requires_grad both")
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    return requires_grad, frozen
 
 
-def _train_step(
-    graphs: Any,
-    inits: Mapping[str, onnx.TensorProto],
-    stats: Mapping[str, str],
-    optimizer: str,
-    hyper: dict,
-    loss_name: str,
-    webgpu: bool = False,
-) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """compose(graphs) turned into a step: parameters as inputs, a seed of 1, updates appended
-    (``webgpu``: in the forms WebGPU runs, float32 optimizer scalars)."""
-    model = compose(graphs, name="train_step")
-    g = model.graph
-    fed = {*graphs.trainable, *stats}
-    kept = [i for i in g.initializer if i.name not in fed]
-    del g.initializer[:]
-    g.initializer.extend(kept)
-    seed = graphs.grad_inputs[loss_name]
-    loss_info = next(o for o in g.output if o.name == loss_name)
-    loss_type = loss_info.type.tensor_type.elem_type
-    batch = [i for i in g.input if i.name != seed and i.name not in fed]
-    declared = {i.name: i for i in g.input}
-    taken = {v.name for v in (*g.input, *g.output, *g.initializer, *g.value_info)}
-    taken |= {o for n in g.node for o in n.output} | {n.name for n in g.node}
-    for reserved in (LR, STEP):
-        if reserved in taken:
-            raise InputError(f"the model already has a value named {reserved!r}, which the step graph needs")
-    taken |= {LR, STEP}
-    e = _Emitter(g, opset_of(model), loss_type, "optimizer")
-    e.taken = taken
-    g.node.insert(
-        0,
-        helper.make_node(
-            "Constant", [], [seed], name=unique_name("seed", taken),
-            value=onnx.numpy_helper.from_array(np.ones((), np_dtype(loss_type))),
-        ),
-    )  # fmt: skip
+def _select(prepared: PreparedModel, trainable: Iterable[str] | None, frozen: Iterable[str]) -> PreparedModel:
+    """``prepared`` with its parameters chosen and tied (:meth:`PreparedModel.select`): those
+    ``trainable`` names (``None``: the default set), less the ``frozen`` ones.
 
-    def tensor_input(name: str, elem: int, dims: list) -> onnx.ValueInfoProto:
-        return helper.make_tensor_value_info(name, elem, dims)
-
-    params = [tensor_input(n, inits[n].data_type, list(inits[n].dims)) for n in graphs.trainable]
-    state_names: dict[tuple[str, str], str] = {}
-    state_inputs = []
-    for p in params:
-        for key in STATE_KEYS(optimizer, hyper):
-            name = unique_name(f"{key}/{p.name}", taken)
-            state_names[(p.name, key)] = name
-            state_inputs.append(tensor_input(name, p.type.tensor_type.elem_type, list(inits[p.name].dims)))
-    stat_inputs = [declared.get(n) or tensor_input(n, inits[n].data_type, list(inits[n].dims)) for n in stats]
-    scalars = [tensor_input(LR, TensorProto.DOUBLE, []), tensor_input(STEP, TensorProto.INT64, [])]
-    del g.input[:]
-    g.input.extend([*batch, *scalars, *params, *state_inputs, *stat_inputs])
-
-    updates = [Param(p.name, graphs.grad_outputs[p.name], p.type.tensor_type.elem_type) for p in params]
-    scalar_dtype = TensorProto.FLOAT if webgpu else TensorProto.DOUBLE
-    new_params, new_state = emit_updates(e, optimizer, hyper, updates, state_names, LR, STEP, scalar_dtype)
-    feedback: dict[str, str] = {}  # output -> the input it feeds at the next step
-    outputs = [loss_info]
-    targets = [(new_params[p.name], p) for p in params]
-    targets += [(new_state[k], vi) for k, vi in zip(state_names, state_inputs)]
-    targets += [(stats[vi.name], vi) for vi in stat_inputs]
-    for value, vi in targets:
-        out = unique_name(f"next/{vi.name}", taken)
-        g.node.append(helper.make_node("Identity", [value], [out], name=unique_name(f"{out}/id", taken)))
-        new = onnx.ValueInfoProto()
-        new.CopyFrom(vi)
-        new.name = out
-        outputs.append(new)
-        feedback[out] = vi.name
-    del g.output[:]
-    g.output.extend(outputs)
-    inputs = list(g.input)
-    model = keep_outputs(CheckedModel(model), [o.name for o in outputs])  # built by onnxgrad
-    del model.graph.input[:]
-    model.graph.input.extend(inputs)  # every input stays, even one this optimizer does not read
-    _forward_identities(model)
-    _keep_transposes_apart(model)
-    if webgpu:
-        lower_for_webgpu(model)
-    _check_standard(model)
-    model.ir_version = _ir_version(model)
-    check_model(model)
-    names = {
-        "batch": [i.name for i in model.graph.input if i.name in {b.name for b in batch}],
-        "state": state_names,
-        "feedback": feedback,
-    }
-    return model, names
-
-
-def _forward_identities(model: onnx.ModelProto) -> None:
-    """Name the step's outputs at their producers instead of through Identity nodes.
-
-    The value an output-naming Identity reads is renamed to the output's name everywhere (a graph
-    output may also feed other nodes), which saves onnxruntime one copy per tensor and step. Values
-    that subgraphs read, graph inputs and initializers keep their Identity.
+    A frozen name may be an initializer of the model, or a name the choice made (an alias trained
+    apart, a table rebuilt as ``<name>_core``); freezing any copy of a tied parameter freezes the
+    parameter, and its copies stay constants. Running statistics are never trained.
     """
-    g = model.graph
-    outputs = {o.name for o in g.output}
-    fixed = {i.name for i in g.input} | {i.name for i in g.initializer} | outputs
-    fixed |= {name for n in g.node for sub in subgraphs(n) for name in _reads(sub)}
-    producers = {o for n in g.node for o in n.output}
-    renames: dict[str, str] = {}
-    drop = []
-    for n in g.node:
-        if n.op_type != "Identity" or n.output[0] not in outputs:
-            continue
-        src = n.input[0]
-        if src in fixed or src not in producers or src in renames:
-            continue
-        renames[src] = n.output[0]
-        drop.append(n)
-    for n in drop:
-        g.node.remove(n)
-    for n in g.node:
-        for k, name in enumerate(n.input):
-            if name in renames:
-                n.input[k] = renames[name]
-        for k, name in enumerate(n.output):
-            if name in renames:
-                n.output[k] = renames[name]
-    infos = [v for v in g.value_info if v.name not in renames]
-    del g.value_info[:]
-    g.value_info.extend(infos)
-
-
-def _keep_transposes_apart(model: onnx.ModelProto) -> None:
-    """A Transpose of a shared Transpose's output reads it through a no-op Reshape (shape zeros).
-
-    The backward transposes values the forward transposed too (attention's heads: the forward's
-    ``K^T`` feeds ``Q K^T``, the backward's ``(K^T)^T`` feeds ``dS K``). Two sessions see the
-    forward's value as an input, and onnxruntime folds the second Transpose into the MatMul
-    (``FusedMatMul`` with ``transB``). In one graph its MatMul-transpose fusion composes both
-    permutations into a new Transpose of the forward's input instead: one more copy per use.
-    Through a Reshape, which onnxruntime runs without a copy, the fusion happens as with two
-    sessions (anchor transformer step: 11 Transposes -> 8, about 1.5 ms of 74 ms).
-    """
-    g = model.graph
-    producers = {o: n for n in g.node for o in n.output}
-    readers: dict[str, int] = {}
-    for n in g.node:
-        for i in n.input:
-            readers[i] = readers.get(i, 0) + 1
-    taken = {v.name for v in (*g.input, *g.output, *g.initializer, *g.value_info)}
-    taken |= {o for n in g.node for o in n.output} | {n.name for n in g.node}
-    nodes: list[onnx.NodeProto] = []
-    for n in g.node:
-        inner = producers.get(n.input[0]) if n.op_type == "Transpose" and n.input else None
-        if inner is not None and inner.op_type == "Transpose" and readers[n.input[0]] > 1:
-            perm = next((list(a.ints) for a in n.attribute if a.name == "perm"), None)
-            if perm is not None:
-                zeros, alias = unique_name("same_shape", taken), unique_name(f"{n.input[0]}/alias", taken)
-                value = onnx.numpy_helper.from_array(np.zeros(len(perm), np.int64))
-                nodes.append(helper.make_node("Constant", [], [zeros], name=zeros, value=value))
-                nodes.append(helper.make_node("Reshape", [n.input[0], zeros], [alias], name=alias))
-                n.input[0] = alias
-        nodes.append(n)
-    del g.node[:]
-    g.node.extend(nodes)
-
-
-def _reads(graph: onnx.GraphProto) -> set[str]:
-    """Every name the nodes of ``graph`` and of its nested subgraphs read."""
-    names = {i for n in graph.node for i in n.input}
-    for n in graph.node:
-        for sub in subgraphs(n):
-            names |= _reads(sub)
-    return names
-
-
-def _ir_version(model: onnx.ModelProto) -> int:
-    """The lowest IR version the model's opsets allow (opset 18: 8, 21: 10), so that the oldest
-    runtimes that know the opset load it."""
-    standard = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
-    try:
-        return max(8, helper.find_min_ir_version_for(standard, ignore_unknown=True))
-    except Exception:  # pragma: no cover - an onnx without the table
-        return ir_version_for(model.opset_import)
-
-
-def _check_standard(model: onnx.ModelProto) -> None:
-    odd = sorted({f"{n.domain}.{n.op_type}" for n in model.graph.node if n.domain not in ("", "ai.onnx")})
-    if odd:
+    stats = set(prepared.running_stats)
+    if trainable is not None:
+        trainable = [trainable] if isinstance(trainable, str) else list(trainable)
+        fed = [n for n in trainable if n in stats]
+        if fed:
+            raise InputError(
+                f"{fed} are running statistics (BatchNormalization updates them in training); they cannot be "
+                "trained"
+            )
+    selected = prepared.select(trainable)
+    frozen = [frozen] if isinstance(frozen, str) else list(dict.fromkeys(frozen))
+    if not frozen:
+        return _nonempty(selected)
+    selection = selected.selection
+    assert selection is not None
+    groups: dict[str, set[str]] = {}  # any name of a tied parameter -> every name of it
+    for source, ties in selection.groups.items():
+        names = {source, *(t.name for t in ties)}
+        for n in names:
+            groups[n] = names
+    known = {i.name for i in prepared.checked.proto.graph.initializer if i.data_type in FLOAT_TYPES}
+    known |= set(selection.trainable) | set(groups)
+    unknown = [n for n in frozen if n not in known]
+    if unknown:
         raise InputError(
-            f"the training step needs ops outside the standard ONNX domain ({odd}); stock onnxruntime "
-            "and onnxruntime-web cannot run them"
+            f"frozen names {unknown} are not floating-point initializers of the model (trainable: "
+            f"{selection.trainable})"
         )
+    off = set().union(*(groups.get(n, {n}) for n in frozen))
+    made = {t.source: t.name for t in selection.ties if t.made}  # a rebuilt table: named by its copy
+    kept = [made.get(n, n) for n in selection.trainable if n not in off]
+    if not kept:
+        raise InputError("nothing to train: every parameter is frozen")
+    return prepared.select(kept)
+
+
+def _nonempty(selected: PreparedModel) -> PreparedModel:
+    if not selected.selection or not selected.selection.trainable:
+        raise InputError("nothing to train: the model has no trainable initializer")
+    return selected
 
 
 def _with_fed_initializers(model: onnx.ModelProto, names: Iterable[str], *, remove: bool) -> onnx.ModelProto:
@@ -406,6 +269,14 @@ def _with_fed_initializers(model: onnx.ModelProto, names: Iterable[str], *, remo
         del g.initializer[:]
         g.initializer.extend(kept)
     return result
+
+
+def _restore_inputs(model: onnx.ModelProto, source: onnx.ModelProto, names: list[str]) -> None:
+    """Give ``model`` back the inputs ``names`` of ``source`` (in their order), even those that
+    nothing reads."""
+    inputs = [i for i in source.graph.input if i.name in set(names)]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
 
 
 def _reorder_outputs(model: onnx.ModelProto, order: list[str]) -> None:
@@ -431,14 +302,15 @@ def _io(model: onnx.ModelProto) -> dict[str, list[dict[str, Any]]]:
 
 
 def _manifest(
-    train_step, eval_step, inference, names, trainable, stats, state, loss, loss_options,
-    loss_name, optimizer, hyper, lr, model_outputs,
+    step, eval_step, inference, trainable, stats, state, loss, loss_options, loss_name, optimizer,
+    hyper, lr, model_outputs,
 ) -> dict[str, Any]:  # fmt: skip
     def tensor(name: str, **extra: Any) -> dict[str, Any]:
         return {"name": name, "dtype": state[name].dtype.name, "shape": list(state[name].shape), **extra}
 
+    train_step = step.model
     train_io = _io(train_step)
-    batch = [s for s in train_io["inputs"] if s["name"] in names["batch"]]
+    batch = [s for s in train_io["inputs"] if s["name"] in step.batch]
     opset = next(o.version for o in train_step.opset_import if o.domain in ("", "ai.onnx"))
     return {
         "format": FORMAT,
@@ -452,10 +324,10 @@ def _manifest(
         "loss": {"name": loss_name, "kind": loss, "options": loss_options},
         "optimizer": {"name": optimizer, **hyper},
         "parameters": [tensor(n) for n in trainable],
-        "optimizer_state": [tensor(v, parameter=p, key=k) for (p, k), v in names["state"].items()],
+        "optimizer_state": [tensor(v, parameter=p, key=k) for (p, k), v in step.state.items()],
         "buffers": [tensor(n) for n in stats],
         "model_outputs": list(model_outputs),
-        "train_step": {**train_io, "feedback": names["feedback"]},
+        "train_step": {**train_io, "feedback": step.feedback},
         "eval_step": _io(eval_step),
         "inference": {**_io(inference), "parameters": [*trainable, *stats]},
     }

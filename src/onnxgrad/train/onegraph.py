@@ -1,7 +1,8 @@
 """The training step of :class:`onnxgrad.train.Trainer` as one onnxruntime run.
 
 :class:`OneGraphStep` turns the gradient graphs of a :class:`~onnxgrad.ForwardBackward` into the
-step graph of :func:`onnxgrad.artifacts.generate` (forward, loss, backward and the optimizer update
+step graph that :func:`onnxgrad.artifacts.generate` writes too
+(:func:`onnxgrad.artifacts.step.build_train_step`: forward, loss, backward and the optimizer update
 in one ONNX graph) and runs it in place of ``forward`` + ``backward`` + ``optimizer.step``. The
 numpy optimizer stays the owner of everything: its ``lr`` schedule, ``iterations`` and per-parameter
 state (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ``step``) are read before and written
@@ -11,7 +12,7 @@ two-session path would show them, and a trainer can switch between the paths at 
 
 :func:`one_graph_step` returns ``None`` (and says why in a debug log) when the model or the
 optimizer needs the two-session path: PythonOp or other non-standard ops, Dropout or
-BatchNormalization (training-mode switches and running statistics), tied weights, an optimizer
+BatchNormalization (training-mode switches and running statistics), an optimizer
 other than :class:`SGD`, :class:`Adam` and :class:`AdamW` (subclasses included), a
 :class:`ForwardBackward` whose other outputs also take a gradient.
 """
@@ -27,6 +28,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ..artifacts.step import build_train_step
+from ..runtime.runner import default_options, make_session
 from .optim import SGD, Adam, AdamW, Optimizer
 
 __all__ = ["OneGraphStep", "one_graph_step"]
@@ -73,8 +76,6 @@ def _unsupported(fb: Any, optimizer: Optimizer, loss_name: str) -> str | None:
     if fb.follows_training:
         return "the model has Dropout or BatchNormalization (training-mode switches, running statistics)"
     graphs = fb.graphs
-    if graphs.ties:
-        return "the model has tied weights"
     if set(graphs.grad_inputs) != {loss_name}:
         return f"outputs other than the loss take a gradient ({sorted(graphs.grad_inputs)})"
     odd = sorted(
@@ -107,20 +108,18 @@ class OneGraphStep:
     """Runs the one-graph training step for a :class:`ForwardBackward` and its numpy optimizer."""
 
     def __init__(self, fb: Any, optimizer: Optimizer, loss_name: str) -> None:
-        from ..artifacts.generate import _train_step
-        from ..runtime.runner import make_session
-
         name, hyper = _hyper(optimizer)  # type: ignore[misc]
         params = fb.parameters
         inits = {n: _shape_proto(n, a) for n, a in params.items()}
-        model, names = _train_step(fb.graphs, inits, {}, name, hyper, loss_name)
+        step = build_train_step(fb.graphs, inits, {}, name, hyper, loss_name)
+        model = step.model
         self.model, self.optimizer_name = model, name
         self.fb, self.optimizer, self.loss_name = fb, optimizer, loss_name
-        self.batch_names: list[str] = list(names["batch"])
-        self.state_names: dict[tuple[str, str], str] = dict(names["state"])  # (param, key) -> input
+        self.batch_names: list[str] = list(step.batch)
+        self.state_names: dict[tuple[str, str], str] = dict(step.state)  # (param, key) -> input
         self.params = list(fb.graphs.trainable)
         outputs = [o.name for o in model.graph.output]
-        feedback = names["feedback"]  # output -> input
+        feedback = step.feedback  # output -> input
         by_input = {v: k for k, v in feedback.items()}
         self.output_names = [loss_name, *[by_input[p] for p in self.params]]
         self.output_names += [by_input[s] for s in self.state_names.values()]
