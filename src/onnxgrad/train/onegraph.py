@@ -29,7 +29,7 @@ import onnx
 import onnxruntime as ort
 
 from ..artifacts.step import build_train_step
-from ..runtime.runner import default_options, make_session
+from ..runtime.runner import make_session
 from .optim import SGD, Adam, AdamW, Optimizer
 
 __all__ = ["OneGraphStep", "one_graph_step"]
