@@ -26,9 +26,10 @@ from onnx import TensorProto, helper
 from ..autodiff.compose import compose
 from ..autodiff.engine import GradientGraphs
 from ..errors import InputError
+from ..model.emit import Emitter
 from ..model.graph import check_model, ir_version_for, np_dtype, opset_of, subgraphs, unique_name
 from ..model.load import CheckedModel
-from ..train.losses import _Emitter, keep_outputs
+from ..train.losses import keep_outputs
 from .optim import STATE_KEYS, Param, emit_updates
 from .webgpu import lower_for_webgpu
 
@@ -89,7 +90,7 @@ def build_train_step(
         if reserved in taken:
             raise InputError(f"the model already has a value named {reserved!r}, which the step graph needs")
     taken |= {LR, STEP}
-    e = _Emitter(g, opset_of(model), loss_type, "optimizer")
+    e = Emitter(g, opset_of(model), loss_type, "optimizer")
     e.taken = taken
     g.node.insert(
         0,
