@@ -13,7 +13,7 @@ TORCH := torch==2.13.0
 # the locked venv also holds the zoo extra (transformers, onnxscript): make test runs tests/zoo
 EXTRAS := dev,zoo
 
-.PHONY: demo test test-latest test-oldest test-wheel test-js test-web lint bench bench-js fuzz lock clean docs-coverage docs
+.PHONY: demo test test-numerics test-latest test-oldest test-wheel test-js test-web lint bench bench-js fuzz lock clean docs-coverage docs
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# The numerical tests and the machine they ran on (out/numerics.json): from the checkout, nothing
+# installed; any python with the dependencies (PYTHON=...). docs/numerics.md
+test-numerics:
+	PYTHONPATH=src $(PYTHON) tools/numerics.py --out out/numerics.json
 
 # Newest releases of everything (torch included, as far as pip may take it), no lock.
 .venv-latest/.installed: pyproject.toml

@@ -6,7 +6,8 @@ float64 kernel for). :func:`node_model` and :func:`check_op` make one-node model
 checked in isolation, at any shape; :func:`check_nodes` checks every node of a model that way, at the
 values the model computes. The command ``onnxgrad check`` is :func:`check_nodes` and
 :func:`check_gradients` on random inputs. :func:`assert_allclose_scaled` compares two float32
-results of one computation done in different orders, with a bound that scales with their magnitude.
+results of one computation done in different orders, with a bound that scales with their magnitude;
+:func:`cancellation_bound` is the rounding residue of a float32 sum whose terms cancel.
 """
 
 from __future__ import annotations
@@ -597,6 +598,24 @@ def assert_allclose_scaled(
     bound = rtol * scale
     note = f"bound {rtol:g} x max|expected| {scale:.4g} = {bound:.3g}"
     np.testing.assert_allclose(got, want, rtol=0, atol=bound, err_msg=f"{err_msg} ({note})".lstrip())
+
+
+def cancellation_bound(count: int, magnitude: float, dtype: Any = np.float32, roundings: int = 4) -> float:
+    """The rounding residue to allow in a sum of ``count`` terms of size up to ``magnitude`` that
+    cancel (exactly, or to far below ``magnitude``), computed in ``dtype``.
+
+    Such a sum is left with the rounding of its terms and of the summation, not with any of its
+    exact value: a conv bias feeding a training-mode BatchNormalization has an exact gradient of
+    zero, the float32 sum of the ``N H W`` terms of the BatchNorm's input gradient. Each term
+    carries ``roundings`` roundings of relative size u (the unit roundoff, half ``dtype``'s
+    epsilon) from the elementwise ops that made it, and the summation one more per addition; in
+    any summation order these errors are independent in sign, so they add up like a random walk:
+    ``sqrt(count) * (roundings + 1) * u * magnitude``. (The worst case, ``count * (roundings + 1) *
+    u * magnitude``, is reached only when every error has the same sign.) A wrong rule is off by a
+    fraction of ``magnitude``, far above it.
+    """
+    u = float(np.finfo(dtype).eps) / 2
+    return math.sqrt(count) * (roundings + 1) * u * magnitude
 
 
 def _as_float64(value: Any) -> np.ndarray:

@@ -124,3 +124,63 @@ def test_qk_output_mode_attribute_absent_is_mode0() -> None:
     model = onnx.shape_inference.infer_shapes(model)
     result = check_gradients(model, values, wrt=list(values))
     assert result.ok, result.report()
+
+
+def test_backend_attention_mode3_softmax_precision_differences_must_step_over_float32() -> None:
+    """Why float64 finite differences on a float64 copy that KEEPS ``softmax_precision`` (float)
+    are no reference: the evaluator casts the logits to float32 before the softmax, so a step of
+    1e-6 (the float64 default) moves a logit by ~3e-7, a few units in the last place of float32:
+    the differences are quantized, exactly 0 for some elements of Q whose gradient is not, 5x the
+    gradient for others. That is the "relative 36, -0.0082 where the differences give 0" of the
+    report; onnxgrad's rule was right (the copy without softmax_precision matches, above).
+
+    With a step the float32 softmax resolves, the differences agree with onnxgrad's gradient of
+    the same float64 copy, within what the float32 cast and the step allow: one evaluation of the
+    loss ``L = <c_Y, P V> + <c_qk, P>`` is off by at most ``e = u (1 + 2 max |logit|) sum_ij P_ij
+    (|c_qk,ij| + sum_d |c_Y,id| |V_jd|)`` (u the float32 unit roundoff: each P_ij moves by u P_ij
+    from its own cast and by 2 u max |logit| P_ij through the softmax of the rounded logits), so
+    a central difference at step h by e / h; its truncation error is estimated by the change from
+    h to h / 2 (the error is O(h^2): D(h) - D(h/2) is 3/4 of D(h)'s), plus that one's rounding.
+    """
+    model, feeds = backend_case("test_attention_24_qk_matmul_output_mode3_softmax_precision")
+    kept = onnx.ModelProto()
+    kept.CopyFrom(model)  # float64 inputs and outputs, softmax_precision (float) kept
+    for v in [*kept.graph.input, *kept.graph.output]:
+        if v.type.tensor_type.elem_type == TensorProto.FLOAT16:
+            v.type.tensor_type.elem_type = TensorProto.DOUBLE
+    feeds64 = {k: v.astype(np.float64) if v.dtype == np.float16 else v for k, v in feeds.items()}
+
+    small = check_gradients(kept, feeds64, wrt=["Q"], backend="reference", max_elements=8)  # step 1e-6
+    quantized = [m for m in small.mismatches if m.numeric == 0.0 and abs(m.analytic) > 1e-4]
+    assert quantized, small.report()  # the reference of the report: zero where the gradient is not
+
+    graphs = build_gradient(kept, trainable=[], inputs_requiring_grad=["Q"])
+    fwd = testing.run_model(graphs.forward, "reference")
+    out = fwd(feeds64)
+    rng = np.random.default_rng(5)
+    cot = {o: rng.standard_normal(out[o].shape) for o in graphs.grad_inputs}
+    _, grads = testing.run_gradients(graphs, feeds64, cot, backend="reference")
+
+    def central(idx: tuple[int, ...], step: float) -> float:
+        """(L(Q + step e_idx) - L(Q - step e_idx)) / (2 step)."""
+        ends = []
+        for sign in (1, -1):
+            q = feeds64["Q"].copy()
+            q[idx] += sign * step
+            res = fwd({**feeds64, "Q": q})
+            ends.append(float(sum(np.sum(res[o] * c) for o, c in cot.items())))
+        return (ends[0] - ends[1]) / (2 * step)
+
+    probs, v = out["qk_matmul_output"], feeds64["V"]  # (B, H, Sq, Skv), (B, H, Skv, D)
+    c_y, c_qk = np.abs(cot["Y"]), np.abs(cot["qk_matmul_output"])
+    logits = np.einsum("bhsd,bhtd->bhst", feeds64["Q"], feeds64["K"]) / np.sqrt(v.shape[-1])
+    u = float(np.finfo(np.float32).eps) / 2
+    weights = c_qk + np.einsum("bhsd,bhtd->bhst", c_y, np.abs(v))
+    e = u * (1 + 2 * float(np.abs(logits).max())) * float((probs * weights).sum())
+    h = 1e-2
+    assert not grads["Q"][:, :, 0].any()  # the fully masked query row: Y and P are 0 whatever Q
+    for b, head, d in np.ndindex(grads["Q"].shape[0], grads["Q"].shape[1], grads["Q"].shape[3]):
+        idx = (b, head, 1, d)  # the attending row
+        d_h, d_half = central(idx, h), central(idx, h / 2)
+        bound = e / h + 2 * e / h + abs(d_h - d_half) * 4 / 3
+        assert abs(grads["Q"][idx] - d_h) <= bound, (idx, grads["Q"][idx], d_h, bound)

@@ -195,3 +195,31 @@ def test_onnxcustom_optimizer_loop_learns(linear):
         losses.append(total / len(X))
     assert losses[-1] < losses[0] / 100
     np.testing.assert_allclose(state[1], coef, rtol=0.02, atol=0.02 * np.abs(coef).max())
+
+
+def test_onx_inp_and_onx_out_pair_inputs_with_their_gradients(linear):
+    """onnxcustom's ``_onx_inp`` / ``_onx_out``: the differentiated values in its order (forward
+    inputs, then weights) and their gradients, pairwise, one length (onnxcustom's own check)."""
+    fb = linear[0]
+    assert fb.cls_type_._onx_inp == ["X", "coef", "intercept"]
+    assert fb.cls_type_._onx_out == ["X_grad", "coef_grad", "intercept_grad"]
+
+
+def test_onx_inp_of_a_qdq_model_trained_in_its_scales(tmp_path):
+    """A model as onnxruntime's quantize_static writes it (QuantizeLinear/DequantizeLinear pairs,
+    int8 weights behind DequantizeLinear), trained in its float scales only (the zero points are
+    integers): ``_onx_inp`` lists the input, then the scales in the order given."""
+    from tests.autodiff.test_rules_quant import _float_mlp, _quantize
+
+    r = np.random.default_rng(0)
+    x = r.standard_normal((6, 8)).astype(np.float32)
+    qdq = _quantize(tmp_path, _float_mlp(r), "static", [x, r.standard_normal((6, 8)).astype(np.float32)])
+    scales = [i.name for i in qdq.graph.initializer if i.name.endswith("_scale")]
+    assert "y_scale" in scales  # the output's own quantization
+    fb = OrtGradientForwardBackward(qdq, weights_to_train=scales)
+    assert fb.cls_type_._onx_inp == ["x", *scales]
+    assert fb.cls_type_._onx_out == [f"{n}_grad" for n in ["x", *scales]]
+    fn = fb.new_instance()
+    fn.forward([x, *[fb.get_initializer(n) for n in scales]], training=True)
+    grads = fn.backward([np.ones((6, 4), np.float32)])
+    assert len(grads) == len(fb.cls_type_._onx_out)

@@ -38,6 +38,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 torch = pytest.importorskip("torch")
 
 from onnxgrad.model.graph import FLOAT_TYPES, to_array  # noqa: E402
+from onnxgrad.testing import cancellation_bound  # noqa: E402
 
 EXPORTERS = ("torchscript", "dynamo")
 BATCH, SEQ, VOCAB, IMAGE = 2, 8, 64, 32
@@ -554,15 +555,27 @@ def torch_grads(
     return out.detach().double().numpy(), grads
 
 
-def grad_errors(got: dict[str, np.ndarray], want: dict[str, np.ndarray], rtol: float = 1e-4) -> list[str]:
+def grad_errors(
+    got: dict[str, np.ndarray], want: dict[str, np.ndarray], rtol: float = 1e-4, summed: int | None = None
+) -> list[str]:
     """The parameters whose gradient misses ``want`` by more than ``rtol`` of the tensor's largest
-    |gradient|, that scale floored at 1e-3 of the model's largest |gradient|."""
+    |gradient|, that scale floored at 1e-3 of the model's largest |gradient| (``top``).
+
+    ``summed``: the most terms summed into one gradient element (batch times positions). A gradient
+    far below ``top`` is what a float32 sum of up to ``summed`` terms of size up to ``top`` left
+    after cancelling: its error is rounding residue, allowed up to
+    ``onnxgrad.testing.cancellation_bound(summed, top)``. (A conv bias feeding a training-mode
+    BatchNorm has an exact gradient of zero: bn_convnet's ``0.bias`` came out at 3.7e-5 of its
+    floored scale here and 1.5e-4 on a 16-thread AVX-512 Xeon, against 1e-4 before this bound;
+    the bound is 1.2e-2 of that scale there.)
+    """
     top = max(float(np.abs(w).max()) for w in want.values())
+    residue = cancellation_bound(summed, top) if summed else 0.0
     bad = []
     for n, w in want.items():
         scale = max(float(np.abs(w).max()), 1e-3 * top)
         err = float(np.abs(got[n] - w).max())
-        if err > rtol * scale:
+        if err > max(rtol * scale, residue):
             bad.append(f"{n}: max error {err:.3g} = {err / scale:.3g} of scale {scale:.3g}")
     return bad
 
@@ -657,7 +670,8 @@ def check_gradients(name: str, exporter: str) -> None:
     lost = {n: int((~covered[n] & (want[n] != 0)).sum()) for n in want}
     lost = {n: k for n, k in lost.items() if k}
     assert not lost, f"parameter elements with a gradient that no initializer holds: {lost}"
-    bad = grad_errors(got, want)
+    # every element of every input stands for at most one position summed into a gradient
+    bad = grad_errors(got, want, summed=sum(int(t.numel()) for t in inputs))
     assert not bad, f"{len(bad)} of {len(want)} parameter gradients differ from torch:\n" + "\n".join(bad)
 
 

@@ -8,7 +8,15 @@ cheaper. They run on the model before differentiation.
 
 - ``BatchNormalization`` in training mode (opset 14+, float and double) is computed, in the
   forward graph only, as ``xc = x - mean(x)``, ``y = xc * (scale / sqrt(mean(xc^2) + eps)) + bias``
-  (:func:`centered_batch_norms`). onnxruntime's kernel applies the batch statistics as one
+  (:func:`centered_batch_norms`), the mean taken twice as in the backward
+  (:func:`~onnxgrad.autodiff.rules.norm.standardize`): ``x - m`` is exact near the mean, but
+  ``m = mean(x)`` is rounded to float32 (half a unit in the last place: 3e-5 at 1000) and its value
+  depends on the order of the kernel's summation, which differs between CPUs (vector width,
+  threads); the mean of the differences measures that rounding and a second subtraction removes it.
+  With the mean taken once, one unit in the last place of the mean of a channel of mean 1000 (what
+  another summation order gives) moved the gradients of a BN-conv-BN-ReLU stack 2.2e-1 from
+  float64 torch; taken twice, 1.4e-5 whichever way the mean rounds (torch: 1.2e-5).
+  onnxruntime's kernel applies the batch statistics as one
   ``x * a + b``: for a channel whose mean is large next to its spread, the rounding of ``x * a`` is
   of the order of ``mean / std`` units in the last place of y, noise that no later layer removes
   (BatchNorm on inputs of mean 1000 and std 1: 3e-5 rms in y, where torch's centered kernel leaves
@@ -363,13 +371,16 @@ def _centered_batch_norm(
     def per_channel(p: str) -> str:  # (C,) -> (C, 1, ...): aligned with axis 1 of x
         return add("Unsqueeze", p, const(list(range(1, x.rank - 1)), np.int64)) if x.rank > 2 else p
 
-    batch_mean = mean(xname)
-    xc = add("Sub", xname, batch_mean)
+    first_mean = mean(xname)
+    xc0 = add("Sub", xname, first_mean)
+    shift = mean(xc0)  # the rounding of first_mean, measured on the (exact) differences
+    xc = add("Sub", xc0, shift)
     batch_var = mean(add("Mul", xc, xc))
     factor = add("Div", per_channel(scale), add("Sqrt", add("Add", batch_var, const(eps))))
     add("Add", add("Mul", xc, factor), per_channel(bias), out=node.output[0])
-    for slot, running, batch in ((1, run_mean, batch_mean), (2, run_var, batch_var)):
+    for slot, running in ((1, run_mean), (2, run_var)):
         if len(node.output) > slot and node.output[slot]:
+            batch = add("Add", first_mean, shift) if slot == 1 else batch_var
             flat = add("Reshape", batch, const([-1], np.int64))
             kept = add("Mul", running, const(momentum))
             add("Add", kept, add("Mul", flat, const(1.0 - momentum)), out=node.output[slot])

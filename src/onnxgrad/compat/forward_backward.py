@@ -177,8 +177,11 @@ class OrtGradientForwardBackward:
         * ``_runner``: the onnxruntime sessions, ``_sess_eval``: the forward session;
         * ``_input_names``, ``_weights_to_train``, ``_grad_input_names`` (inputs then weights, the
           order of ``forward``), ``_output_names``, ``_bw_fetches_names`` (the gradient of each
-          forward input, ``None`` for non-float inputs), ``_onx_inp`` / ``_onx_out`` (inputs and
-          outputs of the gradient graph);
+          forward input, ``None`` for non-float inputs), ``_onx_inp`` / ``_onx_out``: the values
+          the gradient graph differentiates and their gradients, pairwise, in onnxcustom's order
+          (the forward's inputs, then the weights: ``_onx_out[i]`` is the gradient of
+          ``_onx_inp[i]``, the two lists of one length, as onnxcustom checks); the gradient
+          graph's own inputs are ``_trained_onnx.graph.input`` (saved values, output gradients);
         * ``_devices`` (one per forward input), ``_bw_outputs_device_info`` (one per output
           gradient), ``_logger``, ``_debug``, ``_run_options``.
         """
@@ -186,6 +189,7 @@ class OrtGradientForwardBackward:
         graphs = self._gradient_graphs()
         runner = make_runner(graphs, self.ort_providers_, self.sess_options)
         grad_input_names = [*self.input_names, *self.weights_to_train]
+        differentiated = [n for n in grad_input_names if graphs.grad_outputs.get(n) is not None]
         device = ort.OrtDevice.make(*self.device_)
         if self._logger is not None:
             self._logger.info("[OrtGradientForwardBackward] instantiate dynamic class %r", self.class_name)
@@ -200,8 +204,8 @@ class OrtGradientForwardBackward:
             "_grad_input_names": grad_input_names,
             "_output_names": list(self.output_names),
             "_bw_fetches_names": [graphs.grad_outputs.get(n) for n in grad_input_names],
-            "_onx_inp": [i.name for i in graphs.backward.graph.input],
-            "_onx_out": [o.name for o in graphs.backward.graph.output],
+            "_onx_inp": differentiated,
+            "_onx_out": [graphs.grad_outputs[n] for n in differentiated],
             "_input_specs": self._input_specs(runner),
             "_output_specs": self._output_specs(),
             "_devices": [device] * len(grad_input_names),

@@ -23,6 +23,18 @@ apply is ``build_gradient(quantized=...)`` (``autodiff/backward.py``: :data:`QUA
 - ``"refuse"`` raises where a gradient would cross a rounding; ``"zero"`` stops the gradient at
   every op of the family (the engine never calls these rules then).
 
+The straight-through scale gradient is not the derivative almost everywhere, and is not meant to
+be. For a pair ``y = DequantizeLinear(QuantizeLinear(x, s, zp), s, zp)`` sharing ``s``, the
+derivative almost everywhere is ``d s = sum dy (q - zp)`` (y is ``s (q - zp)`` between the
+jumps of the rounding) and ``dx = 0``; the estimator reads the rounding as the identity in both x
+and s, which adds ``-sum dy x / s`` where not clamped: ``d s = sum dy (round(x / s) - x / s)``
+(LSQ), the rounding error's dependence on the scale. The two differ by ``sum dy x / s``: 9.3 in
+the test named below and 887 in a report, on the output quantization of a ``quantize_static``
+model (``y_scale``). That scale is the only one whose derivative almost everywhere is not 0 in a
+model that quantizes each activation: under it nothing upstream of a rounding would train
+(tests/autodiff/test_rules_quant.py,
+``test_qdq_scale_gradients_are_lsq_not_the_derivative_almost_everywhere``).
+
 Zero points are integers: they get no gradient.
 """
 
