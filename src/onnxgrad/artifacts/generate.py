@@ -30,7 +30,7 @@ import onnx
 from onnx import helper
 
 from ..autodiff.prepare import PreparedModel, prepare
-from ..errors import InputError
+from ..errors import InputError, InputTypeError
 from ..model.graph import FLOAT_TYPES, check_model, np_dtype, to_array
 from ..model.load import CheckedModel
 from ..train.losses import add_loss, keep_outputs
@@ -182,11 +182,11 @@ def _deprecated_names(
     """``(trainable, frozen)`` from the old spellings, ``generate(model, requires_grad, frozen)``
     positionally or ``requires_grad=``, each with a :class:`DeprecationWarning`."""
     if len(positional) > 2:
-        raise TypeError(f"generate() takes 1 positional argument but {len(positional) + 1} were given")
+        raise InputTypeError(f"generate() takes 1 positional argument but {len(positional) + 1} were given")
     if positional:
         old = "generate(model, requires_grad, frozen)"
         if requires_grad is not None or (len(positional) == 2 and frozen != ()):
-            raise TypeError(f"{old}: an argument given both positionally and by keyword")
+            raise InputTypeError(f"{old}: an argument given both positionally and by keyword")
         requires_grad = positional[0]
         frozen = positional[1] if len(positional) == 2 else frozen
         message = f"{old} positionally is deprecated: pass trainable= and frozen= by keyword"
@@ -195,7 +195,7 @@ def _deprecated_names(
     if requires_grad is None:
         return trainable, frozen
     if trainable is not None:
-        raise TypeError("generate() got trainable= and its deprecated name requires_grad both")
+        raise InputTypeError("generate() got trainable= and its deprecated name requires_grad both")
     warnings.warn(message, DeprecationWarning, stacklevel=3)
     return requires_grad, frozen
 

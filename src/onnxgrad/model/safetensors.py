@@ -71,10 +71,10 @@ def loads(data: bytes, *, source: str = "the data") -> tuple[dict[str, np.ndarra
     try:
         header = json.loads(data[8 : 8 + n].decode())
         metadata = header.pop("__metadata__", None) or {}
-        if not isinstance(metadata, dict):
-            raise ValueError("__metadata__ is not a mapping")
     except (ValueError, AttributeError) as exc:
         raise InputError(f"{source} is not a safetensors file: {exc}") from exc
+    if not isinstance(metadata, dict):
+        raise InputError(f"{source} is not a safetensors file: __metadata__ is not a mapping")
     body = data[8 + n :]
     tensors = {}
     for name, spec in header.items():
