@@ -16,19 +16,26 @@ from .module import Module
 
 __all__ = ["Optimizer"]
 
-_MOMENTS = ("momentum0", "momentum1")
+_MOMENTS = ("momentum0", "momentum1")  # the checkpoint's names of AdamW's moments
 
 
-def _kind(model: onnx.ModelProto) -> tuple[str, dict]:
-    """(optimizer, attributes) of an optimizer file of onnxgrad or of onnxruntime-training."""
+def _kind(model: onnx.ModelProto) -> tuple[str, dict, float | None]:
+    """(optimizer, attributes, gradient clipping norm) of an optimizer file of onnxgrad or of
+    onnxruntime-training."""
     meta = graphs.read_meta(model)
     if meta is not None and "optimizer" in meta:
-        return meta["optimizer"], dict(meta["attributes"])
+        return meta["optimizer"], dict(meta["attributes"]), meta.get("max_norm")
+    found, max_norm = None, None
     for node in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type in (graphs.ADAMW, graphs.SGD):
-            return node.op_type, {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    ops = sorted({n.op_type for n in model.graph.node})
-    raise InputError(f"no AdamWOptimizer or SGDOptimizerV2 in the optimizer model (ops: {ops})")
+            found = node.op_type, attrs
+        elif node.op_type == "InplaceClipGradNorm":
+            max_norm = float(attrs.get("max_norm", 1.0))
+    if found is None:
+        ops = sorted({n.op_type for n in model.graph.node})
+        raise InputError(f"no AdamWOptimizer or SGDOptimizerV2 in the optimizer model (ops: {ops})")
+    return (*found, max_norm)
 
 
 class Optimizer:
@@ -36,7 +43,9 @@ class Optimizer:
 
     The learning rate starts at the checkpoint's initial learning rate (1e-3 for a new one); the
     step count and moments live in the module's :class:`CheckpointState` and are saved with
-    ``save_checkpoint(..., include_optimizer_state=True)``.
+    ``save_checkpoint(..., include_optimizer_state=True)``. The update runs the optimizer model
+    of :func:`onnxgrad.compat.training.graphs.optimizer_graph` (gradient clipping included when
+    the file asks for it).
     """
 
     def __init__(self, optimizer_uri: str | os.PathLike, module: Module) -> None:
@@ -45,7 +54,7 @@ class Optimizer:
         path = os.fspath(optimizer_uri)
         if not os.path.isfile(path):
             raise InputError(f"no optimizer model at {path!r}")
-        self._kind, self._attrs = _kind(onnx.load(path))
+        self._kind, self._attrs, max_norm = _kind(onnx.load(path))
         self._module = module
         state = module._state
         self._group = state._group()
@@ -55,7 +64,7 @@ class Optimizer:
         specs = {
             p: (helper.np_dtype_to_tensor_dtype(values[p].dtype), list(values[p].shape)) for p in self._params
         }
-        model = graphs.optimizer_graph(self._kind, self._attrs, specs)
+        model = graphs.optimizer_graph(self._kind, self._attrs, specs, max_norm)
         self._session = make_session(model, module._providers, module._options, label="optimizer model")
         self._outputs = [o.name for o in model.graph.output]
 
@@ -63,23 +72,24 @@ class Optimizer:
         """Update every trainable parameter (and the moments) from its accumulated gradient."""
         state, group = self._module._state, self._group
         values = state._values()
-        feeds = {
-            "learning_rate": np.array(self._lr, np.float32),
-            "step": np.array(group.step, np.int64),
-        }
-        for p in self._params:
-            feeds[p] = values[p]
-            feeds[f"{p}/grad"] = state._grads.get(p, np.zeros_like(values[p]))
-            if self._kind == graphs.ADAMW:
-                moments = group.states.setdefault(p, {})
-                for m in _MOMENTS:
-                    feeds[f"{p}/{m}"] = moments.setdefault(m, np.zeros_like(values[p]))
-        results = dict(zip(self._outputs, self._session.run(self._outputs, feeds)))
-        for p in self._params:
-            state._set(p, results[f"new/{p}"])
-            if self._kind == graphs.ADAMW:
-                for m in _MOMENTS:
-                    group.states[p][m] = results[f"new/{p}/{m}"]
+        adamw = self._kind == graphs.ADAMW
+        feeds: dict[str, object] = {graphs.LEARNING_RATE: np.array([self._lr], np.float32)}
+        if adamw:
+            feeds[graphs.STEP] = np.array([group.step + 1], np.int64)  # this update's index
+        feeds[graphs.PARAMS] = [values[p] for p in self._params]
+        feeds[graphs.GRADIENTS] = [state._grads.get(p, np.zeros_like(values[p])) for p in self._params]
+        if adamw:
+            for seq, m in zip(graphs.MOMENTS, _MOMENTS):
+                feeds[seq] = [
+                    group.states.setdefault(p, {}).setdefault(m, np.zeros_like(values[p])) for p in self._params
+                ]
+        if self._params:
+            results = dict(zip(self._outputs, self._session.run(self._outputs, feeds)))
+            for i, p in enumerate(self._params):
+                state._set(p, results[graphs.updated(graphs.PARAMS)][i])
+                if adamw:
+                    for seq, m in zip(graphs.MOMENTS, _MOMENTS):
+                        group.states[p][m] = results[graphs.updated(seq)][i]
         group.step += 1
 
     def set_learning_rate(self, learning_rate: float) -> None:
