@@ -45,6 +45,8 @@ from ..model.graph import (
 )
 from ..model.load import CheckedModel
 from ..train.losses import _Emitter, add_loss, keep_outputs
+from ..train.optimizers import DEFAULT_OPTIMIZER
+from ..train.optimizers import optimizer_options as optimizer_options_of
 from . import tensors
 from .optim import STATE_KEYS, Param, emit_updates, hyperparameters
 from .targets import DEFAULT_TARGETS, check_targets
@@ -94,14 +96,15 @@ def generate(
     frozen: Iterable[str] = (),
     *,
     loss: str | None,
-    optimizer: str = "adamw",
+    optimizer: str = DEFAULT_OPTIMIZER,
     out_dir: str | os.PathLike | None = None,
     lr: float = 1e-3,
     loss_options: Mapping[str, Any] | None = None,
     loss_name: str = "loss",
     target_name: str = "target",
     targets: Iterable[str] = DEFAULT_TARGETS,
-    **optimizer_options: Any,
+    optimizer_options: Mapping[str, Any] | None = None,
+    **legacy_options: Any,
 ) -> Artifacts:
     """Build (and with ``out_dir``, write) the training artifacts of ``model``.
 
@@ -109,9 +112,11 @@ def generate(
     running statistics of BatchNormalization); ``frozen``: initializers left out of those.
     ``loss``: a kind of :func:`onnxgrad.train.add_loss` (its options in ``loss_options``), or
     ``None`` when the model already computes ``loss_name``. ``optimizer``: ``"sgd"``, ``"adam"``
-    or ``"adamw"``, with the hyperparameters of :mod:`onnxgrad.train.optim` as keywords
-    (``momentum=``, ``nesterov=``, ``betas=``, ``eps=``, ``weight_decay=``...) and the same
-    defaults. ``lr`` is only the default the runners use; the step graph takes it as an input.
+    or ``"adamw"`` (the default, :data:`~onnxgrad.train.optimizers.DEFAULT_OPTIMIZER`), its
+    hyperparameters in ``optimizer_options`` (``momentum``, ``nesterov``, ``betas``, ``eps``,
+    ``weight_decay``...: the registry's, with its defaults; given as keywords they still work, with
+    a :class:`DeprecationWarning`). ``lr`` is only the default the runners use; the step graph
+    takes it as an input.
     ``targets``: the runtimes the folder must run on (``"onnxruntime"``, ``"onnxruntime-web"``,
     ``"onnxruntime-web-webgpu"``); an op one of them has no kernel for
     (:mod:`onnxgrad.artifacts.targets`) raises :class:`InputError` naming the op and the runtime,
@@ -123,7 +128,7 @@ def generate(
     prepared = prepare(model)  # the one validation: what follows rewrites the checked model
     proto = prepared.checked.proto
     opt = optimizer.lower()
-    hyper = hyperparameters(opt, dict(optimizer_options))
+    hyper = hyperparameters(opt, optimizer_options_of(optimizer_options, legacy_options, "generate"))
     train_model, eval_model = prepared.training.proto, prepared.given_inference.proto
     stats = prepared.running_stats
     loss_options = dict(loss_options or {})

@@ -110,7 +110,9 @@ def _emit_one(e: _Emitter, program: Program, p: Param, slots: dict[str, str], s:
         if instr.out.scalar:
             continue
         if instr.op == "where":
-            names[instr.out.id] = e.op("Where", s.value(instr.args[0]), arg(instr.args[1]), arg(instr.args[2]))
+            names[instr.out.id] = e.op(
+                "Where", s.value(instr.args[0]), arg(instr.args[1]), arg(instr.args[2])
+            )
         else:
             names[instr.out.id] = e.op(_ONNX[instr.op], *(arg(a) for a in instr.args))
     return {k: arg(v) for k, v in program.outputs.items()}

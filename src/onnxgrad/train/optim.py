@@ -247,7 +247,11 @@ def _plan(program: Program) -> _Plan:
     for i, instr in enumerate(ins):
         if instr.out.scalar:
             continue
-        dying = list(dict.fromkeys(a.id for a in instr.args if isinstance(a, Value) and not a.scalar and last[a.id] == i))
+        dying = list(
+            dict.fromkeys(
+                a.id for a in instr.args if isinstance(a, Value) and not a.scalar and last[a.id] == i
+            )
+        )
         home = home_of.get(instr.out.id)
         out: Location | None = None
         if home is not None and (home not in inputs or last[inputs[home].id] <= i):
@@ -261,7 +265,7 @@ def _plan(program: Program) -> _Plan:
                     out, count = ("buf", count), count + 1
         where[instr.out.id] = out
         free.extend(where[v][1] for v in dying if where[v][0] == "buf" and where[v] != out)
-    for name, v in program.outputs.items():
+    for v in program.outputs.values():
         where.setdefault(v.id, ("in", v.input))
     copies = [(h, where[v.id]) for h, v in program.outputs.items() if where[v.id] != ("in", h)]
     plan = _PLANS[id(program)] = _Plan(where, copies)

@@ -113,7 +113,9 @@ class Ops:
             raise InputError(f"optimizer formula: no {'scalar' if scalar else 'tensor'} op {op!r}")
         self._ids += 1
         out = Value(self._ids, scalar)
-        self.instructions.append(Instruction(op, tuple(float(a) if not isinstance(a, Value) else a for a in args), out))
+        self.instructions.append(
+            Instruction(op, tuple(float(a) if not isinstance(a, Value) else a for a in args), out)
+        )
         return out
 
     def add(self, a: Arg, b: Arg) -> Value:
@@ -200,7 +202,9 @@ class Definition:
             state = {s: o._input(s, scalar=False) for s in slots}
             new_p, new_state = self.formula(o, hyper, p, g, state)
             if set(new_state) != set(slots):
-                raise InputError(f"optimizer {self.name!r}: the formula updates {sorted(new_state)}, not {slots}")
+                raise InputError(
+                    f"optimizer {self.name!r}: the formula updates {sorted(new_state)}, not {slots}"
+                )
             self._programs[key] = Program(
                 o.instructions, {"p": new_p, **new_state}, slots, scalar_float32=self.family == ORT
             )
@@ -241,7 +245,9 @@ def _sgd(o: Ops, h: Mapping[str, Any], p: Value, g: Value, s: dict[str, Value]):
 
 def _validate_sgd(h: dict[str, Any]) -> None:
     _non_negative(h, "momentum", "weight_decay", "dampening")
-    h["momentum"], h["weight_decay"], h["dampening"] = map(float, (h["momentum"], h["weight_decay"], h["dampening"]))
+    h["momentum"], h["weight_decay"], h["dampening"] = map(
+        float, (h["momentum"], h["weight_decay"], h["dampening"])
+    )
     h["nesterov"] = bool(h["nesterov"])
     if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
         raise InputError("Nesterov momentum requires momentum > 0 and dampening = 0")
@@ -249,7 +255,8 @@ def _validate_sgd(h: dict[str, Any]) -> None:
 
 def _adam_formula(decoupled: bool) -> Formula:
     """torch.optim.Adam (L2 decay added to the gradient) or AdamW (``p *= 1 - lr wd`` first):
-    ``m ← m + (1-β1)(g - m)``, ``v ← β2 v + (1-β2) g²``, ``p += (-lr / (1-β1^t)) m / (√v / √(1-β2^t) + eps)``."""
+    ``m ← m + (1-β1)(g - m)``, ``v ← β2 v + (1-β2) g²``,
+    ``p += (-lr / (1-β1^t)) m / (√v / √(1-β2^t) + eps)``."""
 
     def adam(o: Ops, h: Mapping[str, Any], p: Value, g: Value, s: dict[str, Value]):
         beta1, beta2 = h["betas"]
@@ -296,7 +303,9 @@ def _ort_adamw(o: Ops, h: Mapping[str, Any], p: Value, g: Value, s: dict[str, Va
 
 def _validate_ort_adamw(h: dict[str, Any]) -> None:
     if int(h["adam_mode"]) != 1:
-        raise InputError("AdamWOptimizer with adam_mode=0 (torch's variant) is not supported; 1.19.2 writes 1")
+        raise InputError(
+            "AdamWOptimizer with adam_mode=0 (torch's variant) is not supported; 1.19.2 writes 1"
+        )
     _check_betas((h["alpha"], h["beta"]))
     _non_negative(h, "epsilon", "weight_decay")
     for k in ("alpha", "beta", "epsilon", "weight_decay"):
@@ -315,7 +324,10 @@ DEFINITIONS: dict[str, Definition] = {
         Definition(
             "sgd",
             TORCH,
-            tuple(Hyperparameter(*kv) for kv in [("momentum", 0.0), ("nesterov", False), ("weight_decay", 0.0), ("dampening", 0.0)]),
+            tuple(
+                Hyperparameter(*kv)
+                for kv in [("momentum", 0.0), ("nesterov", False), ("weight_decay", 0.0), ("dampening", 0.0)]
+            ),
             _sgd,
             lambda h: ("momentum_buffer",) if h["momentum"] else (),
             _validate_sgd,
@@ -347,10 +359,14 @@ DEFINITIONS: dict[str, Definition] = {
             tuple(
                 Hyperparameter(*kv)
                 for kv in [
-                    ("alpha", 0.9), ("beta", 0.999), ("epsilon", 1e-8), ("weight_decay", 0.0),
-                    ("correct_bias", 1), ("adam_mode", 0),
+                    ("alpha", 0.9),
+                    ("beta", 0.999),
+                    ("epsilon", 1e-8),
+                    ("weight_decay", 0.0),
+                    ("correct_bias", 1),
+                    ("adam_mode", 0),
                 ]
-            ),  # fmt: skip
+            ),
             _ort_adamw,
             lambda h: ("momentum0", "momentum1"),
             _validate_ort_adamw,

@@ -32,7 +32,8 @@ from .amp import LossScaler, mixed_precision
 from .data import BatchLoader, Data, as_feeds
 from .losses import add_loss, remove_loss
 from .onegraph import one_graph_step
-from .optim import SGD, Adam, AdamW, Optimizer, clip_grad_norm, clip_grad_value
+from .optim import OPTIMIZERS, Optimizer, clip_grad_norm, clip_grad_value
+from .optimizers import DEFAULT_OPTIMIZER
 from .plot import plot_curves
 from .schedules import LearningRate, LinearWarmup, ReduceLROnPlateau
 
@@ -49,7 +50,6 @@ __all__ = [
     "make_optimizer",
 ]
 
-OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
 Metric = Callable[[Mapping[str, np.ndarray], Mapping[str, np.ndarray]], float]
 CHECKPOINT_FORMAT = 1
 
@@ -350,7 +350,7 @@ class Trainer:
         *,
         loss: str | None = None,
         loss_options: Mapping[str, Any] | None = None,
-        optimizer: str | type[Optimizer] | Callable[[dict[str, np.ndarray]], Optimizer] = "adam",
+        optimizer: str | type[Optimizer] | Callable[[dict[str, np.ndarray]], Optimizer] = DEFAULT_OPTIMIZER,
         lr: LearningRate | None = None,
         optimizer_options: Mapping[str, Any] | None = None,
         batch_size: int = 32,

@@ -33,6 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ...artifacts.optim import Param, emit_program
 from ...autodiff.compose import compose
 from ...autodiff.engine import build_gradient
 from ...autodiff.prepare import prepare
@@ -40,7 +41,6 @@ from ...errors import InputError
 from ...model.graph import check_model, ir_version_for, unique_name, without_weights
 from ...model.load import CheckedModel
 from ...storage import PROTOBUF_LIMIT, _nbytes
-from ...artifacts.optim import Param, emit_program
 from ...train.losses import _Emitter, keep_outputs
 from ...train.optimizers import ORT, definition
 from . import checkpoint_file
@@ -380,7 +380,8 @@ def optimizer_graph(
     names = sequences(kind)
     scalars = [LEARNING_RATE, *([STEP] if kind == ADAMW else [])]
     graph.input.extend(
-        helper.make_tensor_value_info(n, TensorProto.INT64 if n == STEP else TensorProto.FLOAT, [1]) for n in scalars
+        helper.make_tensor_value_info(n, TensorProto.INT64 if n == STEP else TensorProto.FLOAT, [1])
+        for n in scalars
     )
     graph.input.extend(helper.make_tensor_sequence_value_info(n, TensorProto.FLOAT, None) for n in names)
     e.taken |= {*scalars, *names, FLAGS[kind], *map(updated, names)}

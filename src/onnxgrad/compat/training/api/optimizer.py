@@ -81,7 +81,8 @@ class Optimizer:
         if adamw:
             for seq, m in zip(graphs.MOMENTS, _MOMENTS):
                 feeds[seq] = [
-                    group.states.setdefault(p, {}).setdefault(m, np.zeros_like(values[p])) for p in self._params
+                    group.states.setdefault(p, {}).setdefault(m, np.zeros_like(values[p]))
+                    for p in self._params
                 ]
         if self._params:
             results = dict(zip(self._outputs, self._session.run(self._outputs, feeds)))

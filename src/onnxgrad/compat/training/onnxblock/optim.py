@@ -37,14 +37,20 @@ class ClipGradNorm:
     max_norm: float
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_norm, bool) or not isinstance(self.max_norm, int | float) or not self.max_norm > 0:
+        if (
+            isinstance(self.max_norm, bool)
+            or not isinstance(self.max_norm, int | float)
+            or not self.max_norm > 0
+        ):
             raise InputError(f"ClipGradNorm(max_norm) takes a number > 0, got {self.max_norm!r}")
         self.max_norm = float(self.max_norm)
 
 
 def _check_clip(clip_grad: object, owner: str) -> None:
     if clip_grad is not None and not isinstance(clip_grad, ClipGradNorm):
-        raise InputError(f"{owner}(clip_grad=...) takes an onnxblock.optim.ClipGradNorm, got {type(clip_grad).__name__}")
+        raise InputError(
+            f"{owner}(clip_grad=...) takes an onnxblock.optim.ClipGradNorm, got {type(clip_grad).__name__}"
+        )
 
 
 class _OptimizerBlock:
@@ -79,9 +85,13 @@ def _write_into(model: onnx.ModelProto, built: onnx.ModelProto) -> None:
     """Append the graph of ``built`` to ``model`` (an empty base gets exactly ``built``)."""
     g = model.graph
     taken = {v.name for v in (*g.input, *g.output, *g.initializer)} | {o for n in g.node for o in n.output}
-    clash = sorted(taken & ({v.name for v in built.graph.input} | {o for n in built.graph.node for o in n.output}))
+    clash = sorted(
+        taken & ({v.name for v in built.graph.input} | {o for n in built.graph.node for o in n.output})
+    )
     if clash:
-        raise InputError(f"the base model already has values named {clash[:5]}: build the optimizer on empty_base()")
+        raise InputError(
+            f"the base model already has values named {clash[:5]}: build the optimizer on empty_base()"
+        )
     if not len(g.node):  # an empty base: named as 1.19.2 names it
         g.name = f"{'AdamW' if graphs.ADAMW in built.metadata_props[0].value else 'SGD'} Optimizer Model"
     g.input.extend(built.graph.input)
