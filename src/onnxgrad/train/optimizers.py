@@ -38,7 +38,6 @@ __all__ = [
     "DEFAULT_OPTIMIZER",
     "DEFINITIONS",
     "Definition",
-    "Hyperparameter",
     "Instruction",
     "Ops",
     "Program",
@@ -154,30 +153,18 @@ Formula = Callable[[Ops, Mapping[str, Any], Value, Value, dict[str, Value]], tup
 
 # ---- definitions -------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Hyperparameter:
-    """A hyperparameter and its default."""
-
-    name: str
-    default: Any
-
-
-@dataclass(frozen=True)
 class Definition:
     """One optimizer: everything the numpy step, the ONNX step and the compat graphs are made from."""
 
     name: str
     family: str  # TORCH or ORT
-    hyperparameters: tuple[Hyperparameter, ...]
+    defaults: Mapping[str, Any]  # every hyperparameter and its default
+    slots: Callable[[Mapping[str, Any]], tuple[str, ...]]  # state tensors per parameter, by hyper
     formula: Formula
-    slots: Callable[[Mapping[str, Any]], tuple[str, ...]]  # state tensors per parameter
-    validate: Callable[[dict[str, Any]], None] = lambda hyper: None
+    validate: Callable[[dict[str, Any]], None] = lambda hyper: None  # may normalize in place
     counts_steps: bool = False  # numpy keeps state["step"], the updates made to each parameter
     doc: str = ""
     _programs: dict = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return {h.name: h.default for h in self.hyperparameters}
 
     def resolve(self, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The hyperparameters: ``options`` over the defaults, validated (:class:`InputError` for an
@@ -318,64 +305,68 @@ def _ort_sgd(o: Ops, h: Mapping[str, Any], p: Value, g: Value, s: dict[str, Valu
 
 
 _BETAS = (0.9, 0.999)
+_ADAM_SLOTS = ("exp_avg", "exp_avg_sq")
 DEFINITIONS: dict[str, Definition] = {
     d.name: d
     for d in (
         Definition(
-            "sgd",
-            TORCH,
-            tuple(
-                Hyperparameter(*kv)
-                for kv in [("momentum", 0.0), ("nesterov", False), ("weight_decay", 0.0), ("dampening", 0.0)]
-            ),
-            _sgd,
-            lambda h: ("momentum_buffer",) if h["momentum"] else (),
-            _validate_sgd,
+            name="sgd",
+            family=TORCH,
+            defaults={"momentum": 0.0, "nesterov": False, "weight_decay": 0.0, "dampening": 0.0},
+            slots=lambda h: ("momentum_buffer",) if h["momentum"] else (),
+            formula=_sgd,
+            validate=_validate_sgd,
             doc="torch.optim.SGD: momentum, dampening, Nesterov, L2 weight decay",
         ),
         Definition(
-            "adam",
-            TORCH,
-            tuple(Hyperparameter(*kv) for kv in [("betas", _BETAS), ("eps", 1e-8), ("weight_decay", 0.0)]),
-            _adam_formula(decoupled=False),
-            lambda h: ("exp_avg", "exp_avg_sq"),
-            _validate_adam,
+            name="adam",
+            family=TORCH,
+            defaults={"betas": _BETAS, "eps": 1e-8, "weight_decay": 0.0},
+            slots=lambda h: _ADAM_SLOTS,
+            formula=_adam_formula(decoupled=False),
+            validate=_validate_adam,
             counts_steps=True,
             doc="torch.optim.Adam: bias-corrected moments, L2 weight decay",
         ),
         Definition(
-            "adamw",
-            TORCH,
-            tuple(Hyperparameter(*kv) for kv in [("betas", _BETAS), ("eps", 1e-8), ("weight_decay", 1e-2)]),
-            _adam_formula(decoupled=True),
-            lambda h: ("exp_avg", "exp_avg_sq"),
-            _validate_adam,
+            name="adamw",
+            family=TORCH,
+            defaults={"betas": _BETAS, "eps": 1e-8, "weight_decay": 1e-2},
+            slots=lambda h: _ADAM_SLOTS,
+            formula=_adam_formula(decoupled=True),
+            validate=_validate_adam,
             counts_steps=True,
             doc="torch.optim.AdamW: Adam with decoupled weight decay (p *= 1 - lr wd)",
         ),
         Definition(
-            "AdamWOptimizer",
-            ORT,
-            tuple(
-                Hyperparameter(*kv)
-                for kv in [
-                    ("alpha", 0.9),
-                    ("beta", 0.999),
-                    ("epsilon", 1e-8),
-                    ("weight_decay", 0.0),
-                    ("correct_bias", 1),
-                    ("adam_mode", 0),
-                ]
-            ),
-            _ort_adamw,
-            lambda h: ("momentum0", "momentum1"),
-            _validate_ort_adamw,
+            name="AdamWOptimizer",
+            family=ORT,
+            defaults={
+                "alpha": 0.9,
+                "beta": 0.999,
+                "epsilon": 1e-8,
+                "weight_decay": 0.0,
+                "correct_bias": 1,
+                "adam_mode": 0,
+            },
+            slots=lambda h: ("momentum0", "momentum1"),
+            formula=_ort_adamw,
+            validate=_validate_ort_adamw,
             counts_steps=True,
-            doc="onnxruntime-training's AdamWOptimizer (adam_mode=1), node attributes and their defaults",
+            doc="onnxruntime-training's AdamWOptimizer node: its attributes and their defaults",
         ),
-        Definition("SGDOptimizerV2", ORT, (), _ort_sgd, lambda h: (), doc="onnxruntime-training's SGD"),
+        Definition(
+            name="SGDOptimizerV2",
+            family=ORT,
+            defaults={},
+            slots=lambda h: (),
+            formula=_ort_sgd,
+            doc="onnxruntime-training's SGDOptimizerV2 node",
+        ),
     )
 }
+"""Every optimizer, by name: torch's family (what ``optimizer="..."`` names in every front end)
+and onnxruntime-training's (what :mod:`onnxgrad.compat.training` runs)."""
 
 
 def definition(name: str, family: str | None = TORCH) -> Definition:
