@@ -263,6 +263,27 @@ def test_sgd_block_with_clipping_scales_by_the_global_norm():
         np.testing.assert_allclose(new, p - 0.1 * g, rtol=10 * F32_EPS, atol=10 * F32_EPS)
 
 
+def test_clip_grad_norm_block_clips_a_gradient_sequence():
+    """ClipGradNorm(c)("gradients") under a base, as 1.19.2's block: the sequence scaled as
+    torch.nn.utils.clip_grad_norm_ scales it (float32 against float64: rtol 10 eps)."""
+    rng = np.random.default_rng(7)
+    grads = [rng.standard_normal(s).astype(np.float32) for s in SHAPES.values()]
+    with ob.empty_base() as accessor:
+        accessor.model.graph.input.append(
+            helper.make_tensor_sequence_value_info("gradients", TensorProto.FLOAT, None)
+        )
+        clipped = ob.optim.ClipGradNorm(0.5)("gradients")
+        accessor.model.graph.output.append(
+            helper.make_tensor_sequence_value_info(clipped, TensorProto.FLOAT, None)
+        )
+    session = ort.InferenceSession(accessor.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"gradients": grads})
+    want = _clipped([g.astype(np.float64) for g in grads], 0.5)
+    assert np.sqrt(sum(np.sum(g**2) for g in want)) == pytest.approx(0.5, rel=1e-5)  # it clipped
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=10 * F32_EPS, atol=10 * F32_EPS)
+
+
 def test_clip_grad_arguments_are_checked():
     with pytest.raises(InputError, match=r"ClipGradNorm\(max_norm\) takes a number > 0, got 0"):
         ob.optim.ClipGradNorm(0)

@@ -388,11 +388,13 @@ def optimizer_graph(
     as_scalar = e.const(np.zeros(0, np.int64), TensorProto.INT64)  # Reshape to shape []
     lr = e.op("Reshape", LEARNING_RATE, as_scalar)
     step = e.op("Reshape", STEP, as_scalar) if kind == ADAMW else ""
-    items = {
-        n: [e.op("SequenceAt", n, e.const(i, TensorProto.INT64)) for i in range(len(params))] for n in names
-    }
+    read = dict(zip(names, names))
     if max_norm is not None and params:
-        items[GRADIENTS] = clip_by_global_norm(e, items[GRADIENTS], float(max_norm))
+        read[GRADIENTS] = clip_sequence(e, GRADIENTS, float(max_norm))
+    items = {
+        n: [e.op("SequenceAt", read[n], e.const(i, TensorProto.INT64)) for i in range(len(params))]
+        for n in names
+    }
     slots = spec.slots(hyper)
     state = {(p, slot): items[seq][i] for i, p in enumerate(params) for slot, seq in zip(slots, MOMENTS)}
     plist = [Param(p, items[GRADIENTS][i], TensorProto.FLOAT) for i, p in enumerate(params)]
@@ -424,13 +426,23 @@ def optimizer_graph(
     return model
 
 
-def clip_by_global_norm(e: _Emitter, grads: list[str], max_norm: float) -> list[str]:
-    """``grads`` scaled by ``min(1, max_norm / (total + 1e-6))``, ``total`` the L2 norm of all of
-    them together (onnxruntime-training's ``InplaceClipGradNorm``, ``torch.nn.utils.clip_grad_norm_``)."""
-    squares = [e.op("ReduceSumSquare", g, keepdims=0) for g in grads]
-    total = squares[0]
-    for sq in squares[1:]:
-        total = e.op("Add", total, sq)
+def clip_sequence(e: _Emitter, gradients: str, max_norm: float) -> str:
+    """The float32 tensor sequence ``gradients`` scaled by ``min(1, max_norm / (‖g‖ + 1e-6))``,
+    ``‖g‖`` the L2 norm of all its tensors together (onnxruntime-training's ``InplaceClipGradNorm``,
+    the rule of ``torch.nn.utils.clip_grad_norm_``), on standard ops (``SequenceMap``, opset 17)."""
+
+    def body(
+        name: str, nodes: list[onnx.NodeProto], extra: list[onnx.ValueInfoProto], out_shape
+    ) -> onnx.GraphProto:
+        g_in = helper.make_tensor_value_info("g", TensorProto.FLOAT, None)
+        out = helper.make_tensor_value_info("out", TensorProto.FLOAT, out_shape)
+        return helper.make_graph(nodes, name, [g_in, *extra], [out])
+
+    square = body("square", [helper.make_node("ReduceSumSquare", ["g"], ["out"], keepdims=0)], [], [])
+    squares = e.op("SequenceMap", gradients, body=square)
+    total = e.op("ReduceSum", e.op("ConcatFromSequence", squares, axis=0, new_axis=1), keepdims=0)
     norm = e.op("Add", e.op("Sqrt", total), e.const(1e-6))
     coef = e.op("Min", e.op("Div", e.const(max_norm), norm), e.const(1.0))
-    return [e.op("Mul", g, coef) for g in grads]
+    c = helper.make_tensor_value_info("c", TensorProto.FLOAT, [])
+    scale = body("scale", [helper.make_node("Mul", ["g", "c"], ["out"])], [c], None)
+    return e.op("SequenceMap", gradients, coef, body=scale)

@@ -19,8 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import onnx
+from onnx import TensorProto
 
 from ....errors import InputError
+from ....model.graph import ir_version_for
+from ....train.losses import _Emitter
 from .. import graphs
 from . import _accessor
 
@@ -32,7 +35,8 @@ class ClipGradNorm:
     """Clip the gradients by their global L2 norm before the update: every gradient is scaled by
     ``min(1, max_norm / (‖g‖ + 1e-6))``, ``‖g‖`` the norm of all of them together (1.19.2's
     ``InplaceClipGradNorm``, the rule of ``torch.nn.utils.clip_grad_norm_``). Give it to an
-    optimizer block: ``AdamW(clip_grad=ClipGradNorm(1.0))``."""
+    optimizer block, ``AdamW(clip_grad=ClipGradNorm(1.0))``, or call it on the name of a float32
+    tensor sequence inside a base: it returns the name of the clipped sequence."""
 
     max_norm: float
 
@@ -44,6 +48,13 @@ class ClipGradNorm:
         ):
             raise InputError(f"ClipGradNorm(max_norm) takes a number > 0, got {self.max_norm!r}")
         self.max_norm = float(self.max_norm)
+
+    def __call__(self, gradients_name: str) -> str:
+        """Append the clipping of the sequence ``gradients_name`` to the enclosing base's model."""
+        model = _accessor.current().model
+        _require_opset(model, 17)
+        e = _Emitter(model.graph, 17, TensorProto.FLOAT, "clip_grad_norm")
+        return graphs.clip_sequence(e, gradients_name, self.max_norm)
 
 
 def _check_clip(clip_grad: object, owner: str) -> None:
@@ -70,7 +81,7 @@ class _OptimizerBlock:
         specs = {t.name: (t.data_type, list(t.dims)) for t in trainable}
         max_norm = None if self.clip_grad is None else self.clip_grad.max_norm
         built = graphs.optimizer_graph(self.kind, self.attributes, specs, max_norm)
-        _write_into(accessor.model, built)
+        _write_into(accessor.model, built, self.kind)
         self._model = accessor.model
         return graphs.FLAGS[self.kind]
 
@@ -81,7 +92,7 @@ class _OptimizerBlock:
         return self._model
 
 
-def _write_into(model: onnx.ModelProto, built: onnx.ModelProto) -> None:
+def _write_into(model: onnx.ModelProto, built: onnx.ModelProto, kind: str) -> None:
     """Append the graph of ``built`` to ``model`` (an empty base gets exactly ``built``)."""
     g = model.graph
     taken = {v.name for v in (*g.input, *g.output, *g.initializer)} | {o for n in g.node for o in n.output}
@@ -93,19 +104,25 @@ def _write_into(model: onnx.ModelProto, built: onnx.ModelProto) -> None:
             f"the base model already has values named {clash[:5]}: build the optimizer on empty_base()"
         )
     if not len(g.node):  # an empty base: named as 1.19.2 names it
-        g.name = f"{'AdamW' if graphs.ADAMW in built.metadata_props[0].value else 'SGD'} Optimizer Model"
+        g.name = f"{'AdamW' if kind == graphs.ADAMW else 'SGD'} Optimizer Model"
     g.input.extend(built.graph.input)
     g.node.extend(built.graph.node)
     g.output.extend(built.graph.output)
     g.initializer.extend(built.graph.initializer)
-    opsets = {o.domain: o.version for o in model.opset_import}
-    if opsets.get("", 0) < 17:  # the ops the update uses (an empty base has onnx's current one)
-        kept = [o for o in model.opset_import if o.domain != ""]
-        del model.opset_import[:]
-        model.opset_import.extend([onnx.helper.make_opsetid("", 17), *kept])
+    _require_opset(model, 17)
     model.ir_version = max(model.ir_version, built.ir_version)
     del model.metadata_props[:]
     model.metadata_props.extend(built.metadata_props)
+
+
+def _require_opset(model: onnx.ModelProto, version: int) -> None:
+    """Raise the default-domain opset of ``model`` to ``version`` at least (what the update and
+    clipping ops need; an empty base has onnx's current opset already)."""
+    if {o.domain: o.version for o in model.opset_import}.get("", 0) < version:
+        kept = [o for o in model.opset_import if o.domain not in ("", "ai.onnx")]
+        del model.opset_import[:]
+        model.opset_import.extend([onnx.helper.make_opsetid("", version), *kept])
+        model.ir_version = max(model.ir_version, ir_version_for(model.opset_import))
 
 
 @dataclass
