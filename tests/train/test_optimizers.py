@@ -200,7 +200,8 @@ def test_adamw_block_writes_a_runnable_optimizer_model_into_the_base(max_norm):
         flag = block((protos, []))
     model = accessor.model
     assert flag == "adamw.updated_flag"
-    assert block.to_model_proto() is model
+    file_model = block.to_model_proto()  # the file's layout: one tensor per input
+    assert [i.name for i in file_model.graph.input][:4] == ["learning_rate", "step", "w", "w/grad"]
     assert [i.name for i in model.graph.input] == [
         "learning_rate", "step", "params", "gradients", "first_order_moments", "second_order_moments",
     ]  # fmt: skip

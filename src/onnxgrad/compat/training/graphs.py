@@ -352,19 +352,31 @@ def sequences(kind: str) -> list[str]:
 
 
 def optimizer_graph(
-    kind: str, attrs: Mapping, params: Mapping[str, tuple[int, list[int]]], max_norm: float | None = None
+    kind: str,
+    attrs: Mapping,
+    params: Mapping[str, tuple[int, list[int]]],
+    max_norm: float | None = None,
+    *,
+    sequences: bool = False,
 ) -> onnx.ModelProto:
-    """One update of every parameter of ``params`` (name -> (ONNX type, shape)), in the layout of
-    onnxruntime-training 1.19.2's optimizer model, on standard ops.
+    """One update of every parameter of ``params`` (name -> (ONNX type, shape)) on standard ops:
+    the registry's onnxruntime-training formula (:mod:`onnxgrad.train.optimizers`),
+    ``AdamWOptimizer`` with ``adam_mode=1`` or ``SGDOptimizerV2``. ``max_norm``: the gradients are
+    first scaled by ``min(1, max_norm / (‖g‖ + 1e-6))``, ``‖g‖`` the L2 norm of all of them
+    together (``ClipGradNorm``, :func:`clip_sequence`).
 
-    Inputs: ``learning_rate`` (float32, shape [1]), for AdamW ``step`` (int64, [1]: the index of
-    this update, 1 for the first, as 1.19.2 feeds it), then the sequences ``params``,
-    ``gradients`` and for AdamW ``first_order_moments``, ``second_order_moments`` (one tensor per
-    parameter, in the order of ``params``). Outputs: the updated flag (int64 [1], always 1) and
-    ``updated_<sequence>`` for the parameters and moments. ``max_norm``: the gradients are first
-    scaled by ``min(1, max_norm / (‖g‖ + 1e-6))``, ``‖g‖`` the L2 norm of all of them together
-    (``ClipGradNorm``). The update is the registry's onnxruntime-training formula
-    (:mod:`onnxgrad.train.optimizers`): ``AdamWOptimizer`` with ``adam_mode=1`` or ``SGDOptimizerV2``.
+    ``sequences=True``: the layout of onnxruntime-training 1.19.2's optimizer model. Inputs
+    ``learning_rate`` (float32, shape [1]), for AdamW ``step`` (int64, [1]: the index of this
+    update, 1 for the first, as 1.19.2 feeds it), then the sequences ``params``, ``gradients`` and
+    for AdamW ``first_order_moments``, ``second_order_moments`` (one tensor per parameter, in the
+    order of ``params``). Outputs: the updated flag (int64 [1], always 1) and
+    ``updated_<sequence>`` for the parameters and moments (1.19.2 updates its inputs in place).
+
+    ``sequences=False``: one tensor per input, which every onnxruntime runs (onnxruntime-web and
+    -node take no sequences): ``learning_rate`` (float32 scalar), ``step`` (int64 scalar: the
+    updates already made), then per parameter ``p``, ``p/grad`` and for AdamW ``p/momentum0``,
+    ``p/momentum1``; outputs ``new/<input>`` for the parameter and moments. The file
+    ``generate_artifacts`` writes, and what :class:`~onnxgrad.compat.training.api.Optimizer` runs.
     """
     if kind not in (ADAMW, SGD):
         raise InputError(f"unsupported optimizer {kind!r}; onnxgrad runs AdamW and SGD")
@@ -375,8 +387,70 @@ def optimizer_graph(
     bad = [n for n, (elem, _) in params.items() if elem != TensorProto.FLOAT]
     if bad:
         raise InputError(f"parameters {bad}: the optimizer updates float32 parameters only")
+    slots = spec.slots(hyper)
     graph = helper.make_graph([], "optimizer", [], [])
     e = _Emitter(graph, 17, TensorProto.FLOAT, "opt")
+    if sequences:
+        lr, step, items = _sequence_inputs(e, kind, params, max_norm)
+    else:
+        lr, step, items = _tensor_inputs(e, kind, params, max_norm)
+    state = {(p, slot): items[seq][i] for i, p in enumerate(params) for slot, seq in zip(slots, MOMENTS)}
+    plist = [Param(p, items[GRADIENTS][i], TensorProto.FLOAT) for i, p in enumerate(params)]
+    new_params, new_state = emit_program(
+        e, spec, hyper, plist, state, lr, step, TensorProto.FLOAT, TensorProto.FLOAT, step_base=int(sequences)
+    )
+    news = {PARAMS: [new_params[p] for p in params]}
+    news.update({seq: [new_state[(p, slot)] for p in params] for slot, seq in zip(slots, MOMENTS)})
+    if sequences:
+        _sequence_outputs(e, kind, news)
+    else:
+        for seq, values in news.items():
+            for (_, shape), source, value in zip(params.values(), items[seq], values):
+                out = f"new/{source}"
+                graph.node.append(helper.make_node("Identity", [value], [out], name=e.fresh("out")))
+                graph.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, shape))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    meta = {"optimizer": kind, "attributes": dict(attrs)}
+    if max_norm is not None:
+        meta["max_norm"] = float(max_norm)
+    mark(model, meta)
+    check_model(model)
+    return model
+
+
+def _tensor_inputs(
+    e: _Emitter, kind: str, params: Mapping[str, tuple[int, list[int]]], max_norm: float | None
+) -> tuple[str, str, dict[str, list[str]]]:
+    """The inputs of the one-tensor-per-input layout: (lr, step, sequence name -> the values)."""
+    graph = e.graph
+    graph.input.extend(
+        [
+            helper.make_tensor_value_info(LEARNING_RATE, TensorProto.FLOAT, []),
+            helper.make_tensor_value_info(STEP, TensorProto.INT64, []),
+        ]
+    )
+    moments = ["momentum0", "momentum1"] if kind == ADAMW else []
+    items: dict[str, list[str]] = {PARAMS: list(params), GRADIENTS: [f"{p}/grad" for p in params]}
+    items.update({seq: [f"{p}/{m}" for p in params] for seq, m in zip(MOMENTS, moments)})
+    for p, (elem, shape) in params.items():
+        names = [p, f"{p}/grad", *(f"{p}/{m}" for m in moments)]
+        graph.input.extend(helper.make_tensor_value_info(n, elem, shape) for n in names)
+    e.taken |= {LEARNING_RATE, STEP, *(n for values in items.values() for n in values)}
+    e.taken |= {f"new/{n}" for values in items.values() for n in values}
+    if max_norm is not None and params:
+        together = e.op("SequenceConstruct", *items[GRADIENTS])
+        clipped = clip_sequence(e, together, float(max_norm))
+        items[GRADIENTS] = [
+            e.op("SequenceAt", clipped, e.const(i, TensorProto.INT64)) for i in range(len(params))
+        ]
+    return LEARNING_RATE, STEP, items
+
+
+def _sequence_inputs(
+    e: _Emitter, kind: str, params: Mapping[str, tuple[int, list[int]]], max_norm: float | None
+) -> tuple[str, str, dict[str, list[str]]]:
+    """The inputs of 1.19.2's layout: (lr, step, sequence name -> its tensors, read one by one)."""
+    graph = e.graph
     names = sequences(kind)
     scalars = [LEARNING_RATE, *([STEP] if kind == ADAMW else [])]
     graph.input.extend(
@@ -384,7 +458,7 @@ def optimizer_graph(
         for n in scalars
     )
     graph.input.extend(helper.make_tensor_sequence_value_info(n, TensorProto.FLOAT, None) for n in names)
-    e.taken |= {*scalars, *names, FLAGS[kind], *map(updated, names)}
+    e.taken |= {*scalars, *names, FLAGS[kind], *map(updated, names), *params}
     as_scalar = e.const(np.zeros(0, np.int64), TensorProto.INT64)  # Reshape to shape []
     lr = e.op("Reshape", LEARNING_RATE, as_scalar)
     step = e.op("Reshape", STEP, as_scalar) if kind == ADAMW else ""
@@ -395,35 +469,24 @@ def optimizer_graph(
         n: [e.op("SequenceAt", read[n], e.const(i, TensorProto.INT64)) for i in range(len(params))]
         for n in names
     }
-    slots = spec.slots(hyper)
-    state = {(p, slot): items[seq][i] for i, p in enumerate(params) for slot, seq in zip(slots, MOMENTS)}
-    plist = [Param(p, items[GRADIENTS][i], TensorProto.FLOAT) for i, p in enumerate(params)]
-    for i, p in enumerate(plist):  # the program reads the parameter by its name
-        graph.node.append(helper.make_node("Identity", [items[PARAMS][i]], [p.name], name=e.fresh("param")))
-    e.taken |= set(params)
-    new_params, new_state = emit_program(
-        e, spec, hyper, plist, state, lr, step, TensorProto.FLOAT, TensorProto.FLOAT, step_base=1
-    )
-    news = {PARAMS: [new_params[p] for p in params]}
-    news.update({seq: [new_state[(p, slot)] for p in params] for slot, seq in zip(slots, MOMENTS)})
-    for n in names:
-        if n == GRADIENTS:
-            continue
+    for value, p in zip(items[PARAMS], params):  # the program reads each parameter by its name
+        graph.node.append(helper.make_node("Identity", [value], [p], name=e.fresh("param")))
+    items[PARAMS] = list(params)
+    return lr, step, items
+
+
+def _sequence_outputs(e: _Emitter, kind: str, news: Mapping[str, list[str]]) -> None:
+    """The outputs of 1.19.2's layout: the updated flag, then each updated sequence."""
+    graph = e.graph
+    e.op("Constant", out=FLAGS[kind], value=numpy_helper.from_array(np.ones(1, np.int64)))
+    graph.output.append(helper.make_tensor_value_info(FLAGS[kind], TensorProto.INT64, [1]))
+    for n, values in news.items():
         out = updated(n)
-        if params:
-            graph.node.append(helper.make_node("SequenceConstruct", news[n], [out], name=e.fresh("seq")))
+        if values:
+            graph.node.append(helper.make_node("SequenceConstruct", values, [out], name=e.fresh("seq")))
         else:
             graph.node.append(helper.make_node("Identity", [n], [out], name=e.fresh("seq")))
         graph.output.append(helper.make_tensor_sequence_value_info(out, TensorProto.FLOAT, None))
-    e.op("Constant", out=FLAGS[kind], value=numpy_helper.from_array(np.ones(1, np.int64)))
-    graph.output.insert(0, helper.make_tensor_value_info(FLAGS[kind], TensorProto.INT64, [1]))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    meta = {"optimizer": kind, "attributes": dict(attrs), "parameters": list(params)}
-    if max_norm is not None:
-        meta["max_norm"] = float(max_norm)
-    mark(model, meta)
-    check_model(model)
-    return model
 
 
 def clip_sequence(e: _Emitter, gradients: str, max_norm: float) -> str:

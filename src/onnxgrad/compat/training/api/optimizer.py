@@ -72,25 +72,23 @@ class Optimizer:
         """Update every trainable parameter (and the moments) from its accumulated gradient."""
         state, group = self._module._state, self._group
         values = state._values()
-        adamw = self._kind == graphs.ADAMW
-        feeds: dict[str, object] = {graphs.LEARNING_RATE: np.array([self._lr], np.float32)}
-        if adamw:
-            feeds[graphs.STEP] = np.array([group.step + 1], np.int64)  # this update's index
-        feeds[graphs.PARAMS] = [values[p] for p in self._params]
-        feeds[graphs.GRADIENTS] = [state._grads.get(p, np.zeros_like(values[p])) for p in self._params]
-        if adamw:
-            for seq, m in zip(graphs.MOMENTS, _MOMENTS):
-                feeds[seq] = [
-                    group.states.setdefault(p, {}).setdefault(m, np.zeros_like(values[p]))
-                    for p in self._params
-                ]
-        if self._params:
-            results = dict(zip(self._outputs, self._session.run(self._outputs, feeds)))
-            for i, p in enumerate(self._params):
-                state._set(p, results[graphs.updated(graphs.PARAMS)][i])
-                if adamw:
-                    for seq, m in zip(graphs.MOMENTS, _MOMENTS):
-                        group.states[p][m] = results[graphs.updated(seq)][i]
+        feeds = {
+            graphs.LEARNING_RATE: np.array(self._lr, np.float32),
+            graphs.STEP: np.array(group.step, np.int64),  # the updates already made
+        }
+        for p in self._params:
+            feeds[p] = values[p]
+            feeds[f"{p}/grad"] = state._grads.get(p, np.zeros_like(values[p]))
+            if self._kind == graphs.ADAMW:
+                moments = group.states.setdefault(p, {})
+                for m in _MOMENTS:
+                    feeds[f"{p}/{m}"] = moments.setdefault(m, np.zeros_like(values[p]))
+        results = dict(zip(self._outputs, self._session.run(self._outputs, feeds)))
+        for p in self._params:
+            state._set(p, results[f"new/{p}"])
+            if self._kind == graphs.ADAMW:
+                for m in _MOMENTS:
+                    group.states[p][m] = results[f"new/{p}/{m}"]
         group.step += 1
 
     def set_learning_rate(self, learning_rate: float) -> None:

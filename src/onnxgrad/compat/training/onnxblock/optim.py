@@ -3,8 +3,9 @@
 
 Pass ``AdamW(...)`` or ``SGD()`` to ``generate_artifacts(optimizer=...)``, or call one on
 ``TrainingBlock.parameters()`` inside ``with onnxblock.empty_base() as accessor:``: as in 1.19.2,
-the optimizer model is then written into ``accessor.model`` (also returned by
-``to_model_proto()``), and the call returns the name of its updated-flag output. The model takes
+the optimizer model is then written into ``accessor.model``, and the call returns the name of its
+updated-flag output (``to_model_proto()`` returns the same update with one tensor per input, the
+file ``generate_artifacts`` writes, which onnxruntime-web and -node run too). The model takes
 ``learning_rate`` (float32 [1]), for AdamW ``step`` (int64 [1], 1 for the first update), and the
 sequences ``params``, ``gradients`` and for AdamW ``first_order_moments`` and
 ``second_order_moments``; onnxgrad's runs on stock onnxruntime (sequence ops, no training
@@ -80,21 +81,27 @@ class _OptimizerBlock:
         trainable, _ = parameters
         specs = {t.name: (t.data_type, list(t.dims)) for t in trainable}
         max_norm = None if self.clip_grad is None else self.clip_grad.max_norm
-        built = graphs.optimizer_graph(self.kind, self.attributes, specs, max_norm)
-        _write_into(accessor.model, built, self.kind)
-        self._model = accessor.model
+        _write_into(
+            accessor.model,
+            graphs.optimizer_graph(self.kind, self.attributes, specs, max_norm, sequences=True),
+        )
+        self._model = graphs.optimizer_graph(self.kind, self.attributes, specs, max_norm)
         return graphs.FLAGS[self.kind]
 
     def to_model_proto(self) -> onnx.ModelProto:
-        """The optimizer model built by the call."""
+        """The optimizer model built by the call, with one tensor per input (what
+        ``generate_artifacts`` writes as ``optimizer_model.onnx``: onnxruntime-web and -node,
+        which take no sequences, run it too). ``accessor.model`` holds the same update in
+        1.19.2's layout, on sequences."""
         if self._model is None:
             raise InputError("Please build the optimizer model first before trying to retrieve it.")
         return self._model
 
 
-def _write_into(model: onnx.ModelProto, built: onnx.ModelProto, kind: str) -> None:
+def _write_into(model: onnx.ModelProto, built: onnx.ModelProto) -> None:
     """Append the graph of ``built`` to ``model`` (an empty base gets exactly ``built``)."""
     g = model.graph
+    names = {o.name for o in built.graph.output}
     taken = {v.name for v in (*g.input, *g.output, *g.initializer)} | {o for n in g.node for o in n.output}
     clash = sorted(
         taken & ({v.name for v in built.graph.input} | {o for n in built.graph.node for o in n.output})
@@ -104,7 +111,7 @@ def _write_into(model: onnx.ModelProto, built: onnx.ModelProto, kind: str) -> No
             f"the base model already has values named {clash[:5]}: build the optimizer on empty_base()"
         )
     if not len(g.node):  # an empty base: named as 1.19.2 names it
-        g.name = f"{'AdamW' if kind == graphs.ADAMW else 'SGD'} Optimizer Model"
+        g.name = "AdamW Optimizer Model" if graphs.FLAGS[graphs.ADAMW] in names else "SGD Optimizer Model"
     g.input.extend(built.graph.input)
     g.node.extend(built.graph.node)
     g.output.extend(built.graph.output)
