@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -137,20 +138,33 @@ class _Defined(Optimizer):
             setattr(self, key, value)
         self._program = self.definition.program(self.hyperparameters)
         self._plan = _plan(self._program)
+        self._scalars: tuple[tuple, list[Any]] = ((), [])
 
     def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
-        state, program = self.state[name], self._program
+        state, program, plan = self.state[name], self._program, self._plan
+        slots = program.slots
         if self.definition.counts_steps:
             t = state.get("step", 0) + 1
             first = t == 1
         else:
-            t, first = self.iterations + 1, any(s not in state for s in program.slots)
-        for slot in program.slots:
-            if slot not in state:
-                state[slot] = np.zeros_like(p)
-        homes = {"p": p, "g": grad, **{s: state[s] for s in program.slots}}
-        lr = np.float32(self.lr) if program.scalar_float32 else self.lr
-        _run(self._plan, program, homes, {"lr": lr, "t": t, "first": first}, lambda k: self._buffer(name, k))
+            t, first = self.iterations + 1, bool(slots) and slots[0] not in state
+        if first:
+            for slot in slots:
+                state.setdefault(slot, np.zeros_like(p))
+        key = (self.lr, t, first)
+        if self._scalars[0] != key:  # the per-step scalars and constants, shared by the parameters
+            self._scalars = (key, _scalars(program, plan, *key))
+        scratch = self._scratch[name]
+        if len(scratch) < plan.buffers:  # allocated on first use
+            self._buffer(name, plan.buffers - 1)
+        values = [p, grad, *[state[s] for s in slots], *scratch, *self._scalars[1]]
+        for fn, get, unary, out in plan.steps:
+            if unary:
+                fn(get(values), out=values[out])
+            else:
+                fn(*get(values), out=values[out])
+        for home, source in plan.copies:
+            np.copyto(values[home], values[source])
         if self.definition.counts_steps:
             state["step"] = t
 
@@ -196,18 +210,30 @@ OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": Ada
 
 
 # ---- running a program in place ----------------------------------------------------------------
+def _where(cond: bool, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    chosen = a if cond else b
+    if chosen is not out:
+        np.copyto(out, chosen)
+
+
 _UFUNCS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "sqrt": np.sqrt}
-Location = tuple[str, Any]  # ("in", home name) | ("buf", scratch index)
+_UFUNCS["where"] = _where
+Location = tuple[str, Any]  # ("in", "p" | "g" | a slot) | ("buf", scratch index)
 
 
 @dataclass
 class _Plan:
-    """Where each tensor value of a program lives: an input's array (the parameter and its state
-    are updated in place once their old value is read for the last time) or a scratch buffer,
-    reused as soon as its value is dead. Planned once per program; a step then allocates nothing."""
+    """A program compiled for numpy. The values an update reads are, in order, the parameter, its
+    gradient, its state slots, ``buffers`` scratch buffers, then the scalars and constants of
+    ``operands`` (computed once per step). Each tensor value lives in one of the arrays: the
+    parameter and its state are updated in place once their old value is read for the last time,
+    a scratch buffer is reused as soon as its value is dead. Planned once per program; a step
+    then allocates nothing."""
 
-    where: dict[int, Location]
-    copies: list[tuple[str, Location]]  # output home <- the location of its final value
+    steps: list[tuple[Any, Any, bool, int]]  # (ufunc, itemgetter of its arguments, unary, output)
+    copies: list[tuple[int, int]]  # (output array, array holding its final value)
+    buffers: int
+    operands: list[Value | float]  # the scalar values and constants the steps read, in order
 
 
 _PLANS: dict[int, _Plan] = {}
@@ -241,17 +267,14 @@ def _plan(program: Program) -> _Plan:
             if not isinstance(acc, Value) or acc.input is not None or uses.get(acc.id) != 1:
                 break
             v = acc
+    index = {name: k for k, name in enumerate(("p", "g", *program.slots))}
     where: dict[int, Location] = {v.id: ("in", name) for name, v in inputs.items()}
     free: list[int] = []
     count = 0
     for i, instr in enumerate(ins):
         if instr.out.scalar:
             continue
-        dying = list(
-            dict.fromkeys(
-                a.id for a in instr.args if isinstance(a, Value) and not a.scalar and last[a.id] == i
-            )
-        )
+        dying = [a.id for a in instr.args if isinstance(a, Value) and not a.scalar and last[a.id] == i]
         home = home_of.get(instr.out.id)
         out: Location | None = None
         if home is not None and (home not in inputs or last[inputs[home].id] <= i):
@@ -264,50 +287,47 @@ def _plan(program: Program) -> _Plan:
                 else:
                     out, count = ("buf", count), count + 1
         where[instr.out.id] = out
-        free.extend(where[v][1] for v in dying if where[v][0] == "buf" and where[v] != out)
+        free.extend({where[v][1] for v in dying if where[v][0] == "buf" and where[v] != out})
     for v in program.outputs.values():
         where.setdefault(v.id, ("in", v.input))
-    copies = [(h, where[v.id]) for h, v in program.outputs.items() if where[v.id] != ("in", h)]
-    plan = _PLANS[id(program)] = _Plan(where, copies)
+
+    def at(loc: Location) -> int:
+        return index[loc[1]] if loc[0] == "in" else len(index) + loc[1]
+
+    buffers = max(count, 1)
+    operands: list[Value | float] = []
+
+    def arg(a: Value | float) -> int:
+        if isinstance(a, Value) and not a.scalar:
+            return at(where[a.id])
+        operands.append(a)
+        return len(index) + buffers + len(operands) - 1
+
+    steps = []
+    for instr in ins:
+        if not instr.out.scalar:
+            positions = [arg(a) for a in instr.args]
+            out = at(where[instr.out.id])
+            steps.append((_UFUNCS[instr.op], itemgetter(*positions), len(positions) == 1, out))
+    copies = [(index[h], at(where[v.id])) for h, v in program.outputs.items() if where[v.id] != ("in", h)]
+    plan = _PLANS[id(program)] = _Plan(steps, copies, buffers, operands)
     return plan
 
 
-def _run(
-    plan: _Plan,
-    program: Program,
-    homes: Mapping[str, np.ndarray],
-    scalars: dict[str, Any],
-    buffer: Any,
-) -> None:
-    """One update: ``program`` run on ``homes`` (``p``, ``g`` and the slots), in place."""
-
-    def at(loc: Location) -> np.ndarray:
-        return homes[loc[1]] if loc[0] == "in" else buffer(loc[1])
-
-    values: dict[int, Any] = {}
-
-    def arg(a: Value | float) -> Any:
-        if not isinstance(a, Value):
-            return a
-        if a.scalar:
-            return scalars[a.input] if a.input is not None else values[a.id]
-        return at(plan.where[a.id])
-
+def _scalars(program: Program, plan: _Plan, lr: float, t: int, first: bool) -> list[Any]:
+    """The operands of ``plan`` for one step: scalars in Python floats (double) or float32 as the
+    program says, and constants."""
     f32 = program.scalar_float32
+    values: dict[int, Any] = {}
+    inputs = {"lr": np.float32(lr) if f32 else lr, "t": t, "first": first}
     for instr in program.instructions:
-        args = [arg(a) for a in instr.args]
+        for a in instr.args:
+            if isinstance(a, Value) and a.scalar and a.input is not None:
+                values[a.id] = inputs[a.input]
         if instr.out.scalar:
+            args = [values[a.id] if isinstance(a, Value) else a for a in instr.args]
             values[instr.out.id] = evaluate_scalar(instr.op, args, f32)
-            continue
-        out = at(plan.where[instr.out.id])
-        if instr.op == "where":
-            chosen = args[1] if args[0] else args[2]
-            if chosen is not out:
-                np.copyto(out, chosen)
-        else:
-            _UFUNCS[instr.op](*args, out=out)
-    for home, loc in plan.copies:
-        np.copyto(homes[home], at(loc))
+    return [values[a.id] if isinstance(a, Value) else a for a in plan.operands]
 
 
 # ---- gradient clipping -------------------------------------------------------------------------
