@@ -308,7 +308,8 @@ class Trainer:
     computes ``loss_name``. ``loss``: a kind of :func:`onnxgrad.train.add_loss` to append (its
     keyword arguments in ``loss_options``: ``output``, ``weight_name``, ``delta``, ``l1``, ``l2``...),
     or ``None`` when the model already has the ``loss_name`` output.
-    ``optimizer``: ``"sgd"``, ``"adam"``, ``"adamw"``, an Optimizer class (with ``lr`` — a number or
+    ``optimizer``: ``"adamw"`` (the default, :data:`~onnxgrad.train.optimizers.DEFAULT_OPTIMIZER`),
+    ``"adam"``, ``"sgd"``, an Optimizer class (with ``lr`` — a number or
     a schedule — and ``optimizer_options``) or a factory ``params -> Optimizer``.
     ``seed`` seeds the shuffling; ``metrics``: name -> ``fn(outputs, batch) -> float`` computed on
     the validation data (outputs by name; averaged over batches weighted by their size).
