@@ -32,6 +32,8 @@ from .optim import OPTIMIZERS, Optimizer
 __all__ = ["OneGraphStep", "one_graph_step"]
 
 log = logging.getLogger(__name__)
+
+
 def _hyper(opt: Optimizer) -> tuple[str, dict[str, Any]] | None:
     """(name, hyperparameters) of a registry optimizer (SGD, Adam, AdamW), None for any other."""
     if type(opt) not in OPTIMIZERS.values():
