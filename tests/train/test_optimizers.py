@@ -285,6 +285,26 @@ def test_clip_grad_norm_block_clips_a_gradient_sequence():
         np.testing.assert_allclose(a, b, rtol=10 * F32_EPS, atol=10 * F32_EPS)
 
 
+@pytest.mark.parametrize("block", [ob.optim.AdamW(), ob.optim.SGD(clip_grad=ob.optim.ClipGradNorm(1.0))])
+def test_optimizer_models_without_parameters_run(block):
+    """Nothing to train (a frozen model): both layouts still load and run, returning the flag."""
+    with ob.empty_base() as accessor:
+        flag = block(([], []))
+    adamw = isinstance(block, ob.optim.AdamW)
+    scalars = {"learning_rate": np.array([0.1], np.float32), **({"step": np.array([1])} if adamw else {})}
+    seqs = ["params", "gradients", *(["first_order_moments", "second_order_moments"] if adamw else [])]
+    session = ort.InferenceSession(accessor.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {**scalars}
+    for name in seqs:  # an empty sequence cannot be fed from Python: one unused tensor each
+        feeds[name] = [np.zeros(1, np.float32)]
+    assert session.run([flag], feeds)[0].tolist() == [1]
+    file_model = block.to_model_proto()
+    session = ort.InferenceSession(file_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"learning_rate": np.array(0.1, np.float32), "step": np.array(0)}
+    assert [o.name for o in file_model.graph.output] == [flag]
+    assert session.run(None, feeds)[0].tolist() == [1]
+
+
 def test_clip_grad_arguments_are_checked():
     with pytest.raises(InputError, match=r"ClipGradNorm\(max_norm\) takes a number > 0, got 0"):
         ob.optim.ClipGradNorm(0)

@@ -375,7 +375,7 @@ def optimizer_graph(
     ``sequences=False``: one tensor per input, which every onnxruntime runs (onnxruntime-web and
     -node take no sequences): ``learning_rate`` (float32 scalar), ``step`` (int64 scalar: the
     updates already made), then per parameter ``p``, ``p/grad`` and for AdamW ``p/momentum0``,
-    ``p/momentum1``; outputs ``new/<input>`` for the parameter and moments. The file
+    ``p/momentum1``; outputs ``new/<input>`` for the parameter and moments, then the updated flag. The file
     ``generate_artifacts`` writes, and what :class:`~onnxgrad.compat.training.api.Optimizer` runs.
     """
     if kind not in (ADAMW, SGD):
@@ -409,6 +409,7 @@ def optimizer_graph(
                 out = f"new/{source}"
                 graph.node.append(helper.make_node("Identity", [value], [out], name=e.fresh("out")))
                 graph.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, shape))
+        _flag(e, kind)  # last: a model without parameters still has an output
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     meta = {"optimizer": kind, "attributes": dict(attrs)}
     if max_norm is not None:
@@ -436,7 +437,7 @@ def _tensor_inputs(
         names = [p, f"{p}/grad", *(f"{p}/{m}" for m in moments)]
         graph.input.extend(helper.make_tensor_value_info(n, elem, shape) for n in names)
     e.taken |= {LEARNING_RATE, STEP, *(n for values in items.values() for n in values)}
-    e.taken |= {f"new/{n}" for values in items.values() for n in values}
+    e.taken |= {f"new/{n}" for values in items.values() for n in values} | {FLAGS[kind]}
     if max_norm is not None and params:
         together = e.op("SequenceConstruct", *items[GRADIENTS])
         clipped = clip_sequence(e, together, float(max_norm))
@@ -475,11 +476,16 @@ def _sequence_inputs(
     return lr, step, items
 
 
+def _flag(e: _Emitter, kind: str) -> None:
+    """The updated-flag output: int64 [1], always 1 (the update is never skipped)."""
+    e.op("Constant", out=FLAGS[kind], value=numpy_helper.from_array(np.ones(1, np.int64)))
+    e.graph.output.append(helper.make_tensor_value_info(FLAGS[kind], TensorProto.INT64, [1]))
+
+
 def _sequence_outputs(e: _Emitter, kind: str, news: Mapping[str, list[str]]) -> None:
     """The outputs of 1.19.2's layout: the updated flag, then each updated sequence."""
     graph = e.graph
-    e.op("Constant", out=FLAGS[kind], value=numpy_helper.from_array(np.ones(1, np.int64)))
-    graph.output.append(helper.make_tensor_value_info(FLAGS[kind], TensorProto.INT64, [1]))
+    _flag(e, kind)
     for n, values in news.items():
         out = updated(n)
         if values:
