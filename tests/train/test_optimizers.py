@@ -23,11 +23,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxgrad.artifacts import generate
 from onnxgrad.artifacts.optim import STATE_KEYS, Param, emit_updates, hyperparameters
+from onnxgrad.compat.training import graphs as compat_graphs
 from onnxgrad.compat.training import onnxblock as ob
 from onnxgrad.errors import InputError
 from onnxgrad.train import Trainer
 from onnxgrad.train.losses import _Emitter
-from onnxgrad.train.optim import OPTIMIZERS
+from onnxgrad.train.optim import OPTIMIZERS, optimizer_class
 from onnxgrad.train.optimizers import DEFAULT_OPTIMIZER, DEFINITIONS, definition
 from tests.models import mlp
 
@@ -186,6 +187,50 @@ def _clipped(grads: list[np.ndarray], max_norm: float | None) -> list[np.ndarray
         p.grad = t
     torch.nn.utils.clip_grad_norm_(params, max_norm)
     return [p.grad.numpy() for p in params]
+
+
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"alpha": 0.8, "beta": 0.99, "epsilon": 1e-6, "weight_decay": 0.1, "correct_bias": 1, "adam_mode": 1},
+        {
+            "alpha": 0.9,
+            "beta": 0.999,
+            "epsilon": 1e-6,
+            "weight_decay": 0.0,
+            "correct_bias": 0,
+            "adam_mode": 1,
+        },
+    ],
+)
+def test_compat_optimizer_model_and_numpy_run_the_same_definition(attrs):
+    """onnxruntime-training's AdamW from the registry, on numpy (optimizer_class) and as the
+    optimizer model api.Optimizer runs: three steps agree to float32 rounding of the per-step
+    scalars (numpy's and onnxruntime's float32 pow may differ by an ulp: rtol 8 eps per step)."""
+    spec = definition("AdamWOptimizer", family="onnxruntime-training")
+    rng = np.random.default_rng(8)
+    ours = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    graph_values = {k: v.copy() for k, v in ours.items()}
+    moments = {(p, m): np.zeros(s, np.float32) for p, s in SHAPES.items() for m in ("momentum0", "momentum1")}
+    numpy_opt = optimizer_class(spec)(ours, lr=0.01, **attrs)
+    model = compat_graphs.optimizer_graph(
+        "AdamWOptimizer", attrs, {k: (TensorProto.FLOAT, list(s)) for k, s in SHAPES.items()}
+    )
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for step in range(3):
+        grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+        numpy_opt.step(grads)
+        feeds = {"learning_rate": np.array(0.01, np.float32), "step": np.array(step, np.int64)}
+        for p in SHAPES:
+            feeds.update({p: graph_values[p], f"{p}/grad": grads[p]})
+            feeds.update({f"{p}/{m}": moments[(p, m)] for m in ("momentum0", "momentum1")})
+        out = dict(zip([o.name for o in model.graph.output], session.run(None, feeds)))
+        for p in SHAPES:
+            graph_values[p] = out[f"new/{p}"]
+            for m in ("momentum0", "momentum1"):
+                moments[(p, m)] = out[f"new/{p}/{m}"]
+                np.testing.assert_array_equal(numpy_opt.state[p][m], moments[(p, m)])  # no scalar in them
+            np.testing.assert_allclose(ours[p], graph_values[p], rtol=8 * (step + 1) * F32_EPS, atol=0)
 
 
 @pytest.mark.parametrize("max_norm", [None, 0.5])

@@ -24,7 +24,16 @@ from ..errors import InputError
 from .optimizers import Definition, Program, Value, definition, evaluate_scalar
 from .schedules import LearningRate, as_schedule
 
-__all__ = ["OPTIMIZERS", "SGD", "Adam", "AdamW", "Optimizer", "clip_grad_norm", "clip_grad_value"]
+__all__ = [
+    "OPTIMIZERS",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Optimizer",
+    "clip_grad_norm",
+    "clip_grad_value",
+    "optimizer_class",
+]
 
 
 class Optimizer:
@@ -207,6 +216,16 @@ class AdamW(_Defined):
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
 """The numpy optimizer of each torch-family definition of the registry, by name."""
+
+
+def optimizer_class(spec: Definition) -> type[Optimizer]:
+    """The numpy optimizer of any definition of the registry: the class of :data:`OPTIMIZERS`
+    for torch's family, a new one for others (onnxruntime-training's ``AdamWOptimizer`` run on
+    numpy arrays, e.g. to compare with the compat optimizer model)."""
+    for cls in OPTIMIZERS.values():
+        if cls.definition is spec:  # type: ignore[attr-defined]
+            return cls
+    return type(spec.name, (_Defined,), {"definition": spec, "__doc__": spec.doc})
 
 
 # ---- running a program in place ----------------------------------------------------------------
