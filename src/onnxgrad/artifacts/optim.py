@@ -1,8 +1,8 @@
 """The optimizers of the registry (:mod:`onnxgrad.train.optimizers`) written as ONNX nodes.
 
 Each update is the definition's program, the one the numpy optimizers (:mod:`onnxgrad.train.optim`)
-run, operation for operation and in the same order, so that the
-one-graph step gives the same numbers: the scalars that numpy computes in Python floats (bias
+run, operation for operation and in the same order, so that the one-graph step gives the same
+numbers: the scalars that numpy computes in Python floats (bias
 corrections, ``-lr / bias1``, ``1 - lr wd``) are computed here in double from the ``lr`` (double)
 and ``step`` (int64, the number of updates already made) inputs, then cast to the parameter's type,
 as numpy rounds a Python float meeting a float32 array. Tensor arithmetic stays in the parameter's
