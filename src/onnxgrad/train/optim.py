@@ -147,7 +147,9 @@ class _Defined(Optimizer):
             setattr(self, key, value)
         self._program = self.definition.program(self.hyperparameters)
         self._plan = _plan(self._program)
-        self._scalars: tuple[tuple, list[Any]] = ((), [])
+        # (lr, t, first) -> the per-step operands; a list, not a tuple: Trainer.setup() records
+        # an optimizer's plain and tuple attributes as its settings
+        self._operands: list[Any] = [None, []]
 
     def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
         state, program, plan = self.state[name], self._program, self._plan
@@ -161,12 +163,12 @@ class _Defined(Optimizer):
             for slot in slots:
                 state.setdefault(slot, np.zeros_like(p))
         key = (self.lr, t, first)
-        if self._scalars[0] != key:  # the per-step scalars and constants, shared by the parameters
-            self._scalars = (key, _scalars(program, plan, *key))
+        if self._operands[0] != key:  # the per-step scalars and constants, shared by the parameters
+            self._operands = [key, _scalars(program, plan, *key)]
         scratch = self._scratch[name]
         if len(scratch) < plan.buffers:  # allocated on first use
             self._buffer(name, plan.buffers - 1)
-        values = [p, grad, *[state[s] for s in slots], *scratch, *self._scalars[1]]
+        values = [p, grad, *[state[s] for s in slots], *scratch, *self._operands[1]]
         for fn, get, unary, out in plan.steps:
             if unary:
                 fn(get(values), out=values[out])
