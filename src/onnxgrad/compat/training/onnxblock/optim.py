@@ -25,6 +25,7 @@ from onnx import TensorProto
 from ....errors import InputError
 from ....model.graph import ir_version_for
 from ....train.losses import _Emitter
+from ....train.optimizers import ORT, definition
 from .. import graphs
 from . import _accessor
 
@@ -147,7 +148,7 @@ class AdamW(_OptimizerBlock):
 
     def __post_init__(self) -> None:
         _check_clip(self.clip_grad, "AdamW")
-        graphs.optimizer_graph(self.kind, self.attributes, {})  # validates the hyperparameters
+        definition(self.kind, ORT).resolve(self.attributes)  # the registry validates them
 
     @property
     def attributes(self) -> dict:
