@@ -37,6 +37,8 @@ from ..errors import InputError
 __all__ = [
     "DEFAULT_OPTIMIZER",
     "DEFINITIONS",
+    "ORT",
+    "TORCH",
     "Definition",
     "Instruction",
     "Ops",
@@ -47,7 +49,7 @@ __all__ = [
 ]
 
 DEFAULT_OPTIMIZER = "adamw"
-TORCH, ORT = "torch", "onnxruntime-training"
+TORCH, ORT = "torch", "onnxruntime-training"  # the formula families
 SCALAR_INPUTS = ("lr", "t", "first")
 
 
