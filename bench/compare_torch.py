@@ -168,7 +168,7 @@ def setup_full(name: str, keep: list | None = None) -> dict[str, Callable[[], No
     if keep is not None:
         keep.append(folder)
     generate(model, loss="mse", loss_options={"output": "output"}, optimizer="adamw", lr=FULL_LR,
-             weight_decay=FULL_WD, out_dir=folder.name)  # fmt: skip
+             optimizer_options={"weight_decay": FULL_WD}, out_dir=folder.name)  # fmt: skip
     runner = Runner(folder.name, session_options=opts)
     fns["onnxgrad one graph"] = lambda: runner.step(batch) and None
 

@@ -141,7 +141,7 @@ def test_train_says_when_early_stopping_ended_the_run(tmp_path, capsys, classifi
     argv = [*classifier, "--val-split", "0.25", "--epochs", "10", "--lr", "0", "--patience", "2"]
     assert main([*argv, "-o", str(tmp_path / "o.onnx")]) == 0
     text = capsys.readouterr().out
-    assert ": 3 epochs of adam (lr 0.0," in text
+    assert ": 3 epochs of adamw (lr 0.0," in text
     assert "stopped       early stopping at epoch 3: val_loss has not improved for 2 epochs (best " in text
     assert "at epoch 1); the parameters of epoch 1 kept" in text
 
@@ -165,7 +165,7 @@ def test_resume_says_what_changed_and_refuses_another_split(tmp_path, capsys, cl
     assert captured.err == (
         f"onnxgrad: note: resuming {ckpt} with settings changed since the checkpoint: lr 0.001 -> 0.01\n"
     )
-    assert ": 2 epochs (epochs 3-4, resumed from epoch 2) of adam" in captured.out
+    assert ": 2 epochs (epochs 3-4, resumed from epoch 2) of adamw" in captured.out
     assert main([*base, "--epochs", "4", "--resume", ckpt, "--val-split", "0.5"]) == 2
     assert capsys.readouterr().err == (
         f"onnxgrad: error: --resume {ckpt}: the data or its split changed (val_split 0.25 in the checkpoint, "

@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             "onnxgrad.train.losses",
             "onnxgrad.train.optim",
+            "onnxgrad.train.optimizers",
             "onnxgrad.train.schedules",
             "onnxgrad.train.data",
             "onnxgrad.train.plot",

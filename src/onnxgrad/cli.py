@@ -343,6 +343,7 @@ SPLIT_KEYS = ("data", "val_split", "seed")
 
 def _add_train_parser(sub: Any) -> None:
     from .train import LOSSES, OPTIMIZERS
+    from .train.optimizers import DEFAULT_OPTIMIZER
 
     p = sub.add_parser(
         "train",
@@ -373,9 +374,16 @@ def _add_train_parser(sub: Any) -> None:
         metavar="K",
         help="update every K mini-batches with their mean gradient (default 1)",
     )
-    p.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS), help="optimizer (default adam)")
+    p.add_argument(
+        "--optimizer",
+        default=DEFAULT_OPTIMIZER,
+        choices=list(OPTIMIZERS),
+        help=f"optimizer (default {DEFAULT_OPTIMIZER})",
+    )
     p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
+    p.add_argument(
+        "--weight-decay", type=float, help="weight decay (default: the optimizer's, AdamW 0.01, others 0)"
+    )
     p.add_argument(
         "--clip-norm", type=float, metavar="X", help="scale the gradients to this global L2 norm at most"
     )
@@ -475,7 +483,7 @@ def _train(args: argparse.Namespace) -> int:
     }
     target_input = next(n for n in ("target", "onnxgrad_target", "onnxgrad_target_2") if n not in taken)
     model = add_loss(checked, args.loss, output=args.loss_output, target_name=target_input)
-    options: dict[str, Any] = {"weight_decay": args.weight_decay}
+    options: dict[str, Any] = {} if args.weight_decay is None else {"weight_decay": args.weight_decay}
     if args.optimizer == "sgd":
         options["momentum"] = args.momentum
     providers = [p.strip() for p in args.providers.split(",") if p.strip()] if args.providers else None

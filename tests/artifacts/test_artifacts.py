@@ -45,7 +45,12 @@ def train_both(model, data, *, loss="cross_entropy", optimizer="adamw", lr=1e-2,
     )  # fmt: skip
     trainer.fit(data, epochs=1)
     generate(
-        model, loss=loss, optimizer=optimizer, lr=lr if not callable(lr) else 0.0, out_dir=tmp_path, **options
+        model,
+        loss=loss,
+        optimizer=optimizer,
+        lr=lr if not callable(lr) else 0.0,
+        out_dir=tmp_path,
+        optimizer_options=options,
     )
     runner = Runner(tmp_path, lr=lr, threads=1)
     n = len(next(iter(data.values())))
@@ -105,7 +110,14 @@ def test_adamw_matches_torch(tmp_path):
     torch = pytest.importorskip("torch")
     model = small_mlp(seed=2)
     data = digits_like(seed=5)
-    generate(model, loss="cross_entropy", optimizer="adamw", lr=1e-2, weight_decay=0.05, out_dir=tmp_path)
+    generate(
+        model,
+        loss="cross_entropy",
+        optimizer="adamw",
+        lr=1e-2,
+        optimizer_options={"weight_decay": 0.05},
+        out_dir=tmp_path,
+    )
     runner = Runner(tmp_path, threads=1)
     start = {k: torch.tensor(v) for k, v in runner.parameters.items()}
     params = {k: v.clone().requires_grad_(True) for k, v in start.items()}
@@ -174,7 +186,13 @@ def test_running_statistics_are_carried(tmp_path):
 
 
 def test_folder_is_self_describing(tmp_path):
-    art = generate(small_mlp(), loss="cross_entropy", optimizer="sgd", momentum=0.9, out_dir=tmp_path)
+    art = generate(
+        small_mlp(),
+        loss="cross_entropy",
+        optimizer="sgd",
+        optimizer_options={"momentum": 0.9},
+        out_dir=tmp_path,
+    )
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest == json.loads(json.dumps(art.manifest))
     train = onnx.load(tmp_path / "train_step.onnx")
@@ -240,7 +258,7 @@ def test_errors(tmp_path):
     with pytest.raises(InputError, match="frozen"):
         generate(small_mlp(), loss="cross_entropy", frozen=["nope"])
     with pytest.raises(InputError, match="betas"):
-        generate(small_mlp(), loss="cross_entropy", betas=(1.5, 0.9))
+        generate(small_mlp(), loss="cross_entropy", optimizer_options={"betas": (1.5, 0.9)})
     art = generate(small_mlp(), loss="cross_entropy", frozen=["fc1.weight", "fc1.bias"], out_dir=tmp_path)
     assert [p["name"] for p in art.manifest["parameters"]] == ["fc2.weight", "fc2.bias"]
     runner = Runner(tmp_path)

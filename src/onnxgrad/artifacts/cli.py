@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..train.losses import LOSSES
+from ..train.optimizers import DEFAULT_OPTIMIZER
 from .optim import OPTIMIZERS
 from .targets import DEFAULT_TARGETS, MISSING_KERNELS
 
@@ -50,7 +51,10 @@ def add_parser(sub: Any) -> None:
         "--loss-output", metavar="NAME", help="model output the loss reads (default: the first output)"
     )
     p.add_argument(
-        "--optimizer", default="adamw", choices=list(OPTIMIZERS), help="optimizer of the step (default adamw)"
+        "--optimizer",
+        default=DEFAULT_OPTIMIZER,
+        choices=list(OPTIMIZERS),
+        help=f"optimizer of the step (default {DEFAULT_OPTIMIZER})",
     )
     p.add_argument("--lr", type=float, default=1e-3, help="default learning rate (an input of the step)")
     p.add_argument("--weight-decay", type=float, help="default: the optimizer's (AdamW 0.01, others 0)")
@@ -113,7 +117,7 @@ def _run(args: argparse.Namespace) -> int:
         lr=args.lr,
         out_dir=args.output_dir,
         targets=args.targets,
-        **options,
+        optimizer_options=options,
     )
     m = art.manifest
     print(f"wrote {args.output_dir}: {', '.join(m['files'].values())}")

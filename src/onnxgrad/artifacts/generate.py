@@ -34,6 +34,8 @@ from ..errors import InputError, InputTypeError
 from ..model.graph import FLOAT_TYPES, check_model, np_dtype, to_array
 from ..model.load import CheckedModel
 from ..train.losses import add_loss, keep_outputs
+from ..train.optimizers import DEFAULT_OPTIMIZER
+from ..train.optimizers import optimizer_options as optimizer_options_of
 from . import tensors
 from .optim import hyperparameters
 from .step import LR, STEP, build_train_step, lowest_ir_version
@@ -83,7 +85,7 @@ def generate(
     trainable: Iterable[str] | None = None,
     frozen: Iterable[str] = (),
     loss: str | None,
-    optimizer: str = "adamw",
+    optimizer: str = DEFAULT_OPTIMIZER,
     out_dir: str | os.PathLike | None = None,
     lr: float = 1e-3,
     loss_options: Mapping[str, Any] | None = None,
@@ -91,7 +93,8 @@ def generate(
     target_name: str = "target",
     targets: Iterable[str] = DEFAULT_TARGETS,
     requires_grad: Iterable[str] | None = None,
-    **optimizer_options: Any,
+    optimizer_options: Mapping[str, Any] | None = None,
+    **legacy_options: Any,
 ) -> Artifacts:
     """Build (and with ``out_dir``, write) the training artifacts of ``model``.
 
@@ -102,9 +105,11 @@ def generate(
     (freezing one copy of a tied parameter freezes the parameter).
     ``loss``: a kind of :func:`onnxgrad.train.add_loss` (its options in ``loss_options``), or
     ``None`` when the model already computes ``loss_name``. ``optimizer``: ``"sgd"``, ``"adam"``
-    or ``"adamw"``, with the hyperparameters of :mod:`onnxgrad.train.optim` as keywords
-    (``momentum=``, ``nesterov=``, ``betas=``, ``eps=``, ``weight_decay=``...) and the same
-    defaults. ``lr`` is only the default the runners use; the step graph takes it as an input.
+    or ``"adamw"`` (the default, :data:`~onnxgrad.train.optimizers.DEFAULT_OPTIMIZER`), its
+    hyperparameters in ``optimizer_options`` (``momentum``, ``nesterov``, ``betas``, ``eps``,
+    ``weight_decay``...: the registry's, with its defaults; given as keywords they still work, with
+    a :class:`DeprecationWarning`). ``lr`` is only the default the runners use; the step graph
+    takes it as an input.
     ``targets``: the runtimes the folder must run on (``"onnxruntime"``, ``"onnxruntime-web"``,
     ``"onnxruntime-web-webgpu"``); an op one of them has no kernel for
     (:mod:`onnxgrad.artifacts.targets`) raises :class:`InputError` naming the op and the runtime,
@@ -118,7 +123,7 @@ def generate(
     targets = list(targets)
     webgpu = WEBGPU in targets
     opt = optimizer.lower()
-    hyper = hyperparameters(opt, dict(optimizer_options))
+    hyper = hyperparameters(opt, optimizer_options_of(optimizer_options, legacy_options, "generate"))
     prepared = prepare(model)  # the one validation: what follows rewrites the checked model
     given = [i.name for i in prepared.checked.proto.graph.input]
     loss_options = dict(loss_options or {})

@@ -1,7 +1,8 @@
-"""The optimizers of :mod:`onnxgrad.train.optim` written as ONNX nodes.
+"""The optimizers of the registry (:mod:`onnxgrad.train.optimizers`) written as ONNX nodes.
 
-Each update is the numpy optimizer's, operation for operation and in the same order, so that the
-one-graph step gives the same numbers: the scalars that numpy computes in Python floats (bias
+Each update is the definition's program, the one the numpy optimizers (:mod:`onnxgrad.train.optim`)
+run, operation for operation and in the same order, so that the one-graph step gives the same
+numbers: the scalars that numpy computes in Python floats (bias
 corrections, ``-lr / bias1``, ``1 - lr wd``) are computed here in double from the ``lr`` (double)
 and ``step`` (int64, the number of updates already made) inputs, then cast to the parameter's type,
 as numpy rounds a Python float meeting a float32 array. Tensor arithmetic stays in the parameter's
@@ -12,17 +13,19 @@ of ``step``), for runtimes without float64 kernels: WebGPU (:mod:`onnxgrad.artif
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from onnx import TensorProto
 
 from ..errors import InputError, NotFoundError
 from ..model.emit import Emitter
-from ..train.optim import SGD, Adam, AdamW, Optimizer
+from ..train.optim import OPTIMIZERS
+from ..train.optimizers import Definition, Program, Value, definition
 
-__all__ = ["OPTIMIZERS", "STATE_KEYS", "emit_updates", "hyperparameters"]
+__all__ = ["OPTIMIZERS", "STATE_KEYS", "emit_program", "emit_updates", "hyperparameters"]
 
-OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
 DOUBLE = TensorProto.DOUBLE
 
 
@@ -33,30 +36,16 @@ class Param:
     dtype: int  # ONNX element type
 
 
-def hyperparameters(optimizer: str, options: dict) -> dict:
-    """The optimizer's hyperparameters with defaults filled in, validated by the numpy class."""
-    import numpy as np
-
-    key = optimizer.lower()
-    if key not in OPTIMIZERS:
-        raise InputError(f"unknown optimizer {optimizer!r}; expected one of {list(OPTIMIZERS)}")
-    cls = OPTIMIZERS[key]
-    probe = cls({"p": np.zeros(1, np.float32)}, lr=1e-3, **options)  # validates, fills defaults
-    if key == "sgd":
-        return {
-            "momentum": probe.momentum,
-            "dampening": probe.dampening,
-            "nesterov": bool(probe.nesterov),
-            "weight_decay": probe.weight_decay,
-        }
-    return {"betas": list(probe.betas), "eps": probe.eps, "weight_decay": probe.weight_decay}
+def hyperparameters(optimizer: str, options: Mapping[str, Any]) -> dict:
+    """The optimizer's hyperparameters with defaults filled in and validated (the registry's),
+    as JSON values."""
+    hyper = definition(optimizer).resolve(options)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in hyper.items()}
 
 
 def STATE_KEYS(optimizer: str, hyper: dict) -> list[str]:
     """The state tensors each parameter carries, in order (same names as the numpy state)."""
-    if optimizer == "sgd":
-        return ["momentum_buffer"] if hyper["momentum"] else []
-    return ["exp_avg", "exp_avg_sq"]
+    return list(definition(optimizer).slots(hyper))
 
 
 def emit_updates(
@@ -69,56 +58,127 @@ def emit_updates(
     step: str,
     scalar_dtype: int = DOUBLE,
 ) -> tuple[dict[str, str], dict[tuple[str, str], str]]:
-    """Append the update nodes: (param -> its new value, (param, key) -> new state value).
+    """Append the update nodes of the torch-family ``optimizer``: (param -> its new value,
+    (param, key) -> new state value). ``lr`` is a double scalar, ``step`` an int64 scalar (the
+    updates already made); ``scalar_dtype``: the type the per-step scalars are computed in
+    (DOUBLE as numpy, or FLOAT)."""
+    return emit_program(e, definition(optimizer), hyper, params, state, lr, step, scalar_dtype, DOUBLE)
 
-    ``scalar_dtype``: the type the per-step scalars are computed in (DOUBLE as numpy, or FLOAT).
-    """
+
+def emit_program(
+    e: Emitter,
+    spec: Definition,
+    hyper: Mapping[str, Any],
+    params: list[Param],
+    state: Mapping[tuple[str, str], str],
+    lr: str,
+    step: str,
+    scalar_dtype: int = DOUBLE,
+    lr_dtype: int = DOUBLE,
+    step_base: int = 0,
+) -> tuple[dict[str, str], dict[tuple[str, str], str]]:
+    """The program of ``spec`` (any family) for ``hyper`` emitted once per parameter of ``params``;
+    its per-step scalars are emitted once, in ``scalar_dtype`` (``lr`` is of type ``lr_dtype``).
+    ``step_base``: the value the int64 ``step`` holds at the first update (0: ``step`` counts the
+    updates already made; 1: it is the index of this update, as onnxruntime-training feeds it)."""
     if scalar_dtype not in (DOUBLE, TensorProto.FLOAT):
         raise InputError(f"optimizer scalars are computed in double or float, not type {scalar_dtype}")
-    scalars = _Scalars(e, lr, step, scalar_dtype)
+    program = spec.program(dict(hyper))
+    scalars = _Scalars(e, program, lr, step, scalar_dtype, lr_dtype, step_base)
     new_params: dict[str, str] = {}
     new_state: dict[tuple[str, str], str] = {}
     for p in params:
-        if optimizer == "sgd":
-            new_params[p.name] = _sgd(e, hyper, p, state, new_state, scalars)
-        else:
-            new_params[p.name] = _adam(e, optimizer, hyper, p, state, new_state, scalars)
+        outputs = _emit_one(e, program, p, {k: state[(p.name, k)] for k in program.slots}, scalars)
+        new_params[p.name] = outputs["p"]
+        new_state.update({(p.name, k): outputs[k] for k in program.slots})
     return new_params, new_state
 
 
-class _Scalars:
-    """Scalars (double, or float with ``dtype=FLOAT``) computed once per graph, cast once per
-    parameter type."""
+def _emit_one(e: Emitter, program: Program, p: Param, slots: dict[str, str], s: _Scalars) -> dict[str, str]:
+    """The tensor instructions of ``program`` for parameter ``p``, in its type."""
+    names: dict[int, str] = {}
+    inputs = {"p": p.name, "g": p.grad, **slots}
 
-    def __init__(self, e: Emitter, lr: str, step: str, dtype: int = DOUBLE) -> None:
-        self.e, self.step, self.dtype = e, step, dtype
-        self.lr = lr if dtype == DOUBLE else e.op("Cast", lr, to=dtype)
+    def arg(a: Value | float) -> str:
+        if not isinstance(a, Value):
+            return e.const(a, p.dtype)
+        if a.scalar:
+            return s.cast(s.value(a), p.dtype)
+        return inputs[a.input] if a.input is not None else names[a.id]
+
+    for instr in program.instructions:
+        if instr.out.scalar:
+            continue
+        if instr.op == "where":
+            names[instr.out.id] = e.op(
+                "Where", s.value(instr.args[0]), arg(instr.args[1]), arg(instr.args[2])
+            )
+        else:
+            names[instr.out.id] = e.op(_ONNX[instr.op], *(arg(a) for a in instr.args))
+    return {k: arg(v) for k, v in program.outputs.items()}
+
+
+_ONNX = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "sqrt": "Sqrt", "neg": "Neg", "pow": "Pow"}
+
+
+class _Scalars:
+    """The per-step scalars of a program, emitted once per graph in ``dtype`` (double, or float
+    after one Cast of ``lr`` and of ``step``) and cast once per parameter type."""
+
+    def __init__(
+        self,
+        e: Emitter,
+        program: Program,
+        lr: str,
+        step: str,
+        dtype: int = DOUBLE,
+        lr_dtype: int = DOUBLE,
+        step_base: int = 0,
+    ) -> None:
+        self.e, self.dtype, self.step_base = e, dtype, step_base
+        self._producers = {i.out.id: i for i in program.instructions}
+        lr = lr if dtype == lr_dtype else e.op("Cast", lr, to=dtype)
+        self._lr, self._step = lr, step
+        self._values: dict[Any, str] = {}
         self._cache: dict[tuple, str] = {}
 
-    def double(self, key: str) -> str:
-        if (key,) in self._cache:
-            return self._cache[(key,)]
+    def _input(self, name: str) -> str:
         e = self.e
-        if key == "t":  # the 1-based index of this update, as Adam's state["step"]
-            out = e.op("Add", e.op("Cast", self.step, to=self.dtype), e.const(1.0, self.dtype))
-        elif key == "neg_lr":
-            out = e.op("Neg", self.lr)
-        elif key == "first":  # no update made yet: SGD's momentum buffer starts as the gradient
-            out = e.op("Equal", self.step, e.const(0, TensorProto.INT64))
+        if name == "lr":
+            return self._lr
+        if name == "t":  # the 1-based index of this update, as Adam's state["step"]
+            t = e.op("Cast", self._step, to=self.dtype)
+            return t if self.step_base == 1 else e.op("Add", t, e.const(1.0 - self.step_base, self.dtype))
+        if name == "first":  # no update made yet: SGD's momentum buffer starts as the gradient
+            return e.op("Equal", self._step, e.const(self.step_base, TensorProto.INT64))
+        raise NotFoundError(f"no per-step scalar {name!r}; have lr, t, first")
+
+    def value(self, v: Value) -> str:
+        """The name of scalar value ``v`` of the program (``v.id`` is unique to its program)."""
+        key = (v.input,) if v.input is not None else v
+        if key in self._values:
+            return self._values[key]
+        if v.input is not None:
+            out = self._input(v.input)
         else:
-            raise NotFoundError(f"no shared update value {key!r}; have 't', 'neg_lr', 'first'")
-        self._cache[(key,)] = out
+            out = self._emit(self._producers[v.id])
+        self._values[key] = out
         return out
+
+    def _emit(self, instr: Any) -> str:
+        e, dt = self.e, self.dtype
+        args = [self.value(a) if isinstance(a, Value) else a for a in instr.args]
+        if instr.op == "one_minus_pow":
+            beta, t = args
+            if dt != DOUBLE:
+                return _one_minus_power(e, beta, t, dt)
+            return e.op("Sub", e.const(1.0, dt), e.op("Pow", e.const(beta, dt), t))
+        return e.op(_ONNX[instr.op], *(a if isinstance(a, str) else e.const(a, dt) for a in args))
 
     def cast(self, value: str, dtype: int) -> str:
         key = ("cast", value, dtype)
         if key not in self._cache:
             self._cache[key] = value if dtype == self.dtype else self.e.op("Cast", value, to=dtype)
-        return self._cache[key]
-
-    def memo(self, key: tuple, make) -> str:
-        if key not in self._cache:
-            self._cache[key] = make()
         return self._cache[key]
 
 
@@ -139,73 +199,3 @@ def _one_minus_power(e: Emitter, beta: float, t: str, dtype: int) -> str:
     large = e.op("Sub", e.op("Exp", u), e.const(1.0, dtype))
     expm1 = e.op("Where", e.op("Greater", u, e.const(-0.5, dtype)), small, large)
     return e.op("Neg", expm1)
-
-
-def _decayed(e: Emitter, p: Param, weight_decay: float) -> str:
-    """``grad + wd p`` (torch's L2 form), as numpy writes it: ``p * wd`` then ``+= grad``."""
-    if not weight_decay:
-        return p.grad
-    return e.op("Add", e.op("Mul", p.name, e.const(weight_decay, p.dtype)), p.grad)
-
-
-def _sgd(e, hyper, p: Param, state, new_state, s: _Scalars) -> str:
-    d = _decayed(e, p, hyper["weight_decay"])
-    neg_lr = s.cast(s.double("neg_lr"), p.dtype)
-    momentum = hyper["momentum"]
-    if not momentum:
-        return e.op("Add", p.name, e.op("Mul", d, neg_lr))
-    buf = state[(p.name, "momentum_buffer")]
-    scaled = e.op("Mul", buf, e.const(momentum, p.dtype))
-    if hyper["dampening"]:
-        later = e.op("Add", scaled, e.op("Mul", d, e.const(1.0 - hyper["dampening"], p.dtype)))
-    else:
-        later = e.op("Add", scaled, d)
-    new_buf = e.op("Where", s.double("first"), d, later)
-    new_state[(p.name, "momentum_buffer")] = new_buf
-    if hyper["nesterov"]:  # p -= lr d; p -= lr μ b (two adds, as numpy)
-        neg_lr_mu = s.memo(
-            ("neg_lr_mu", p.dtype),
-            lambda: s.cast(e.op("Mul", s.double("neg_lr"), e.const(momentum, s.dtype)), p.dtype),
-        )
-        first = e.op("Add", p.name, e.op("Mul", d, neg_lr))
-        return e.op("Add", first, e.op("Mul", new_buf, neg_lr_mu))
-    return e.op("Add", p.name, e.op("Mul", new_buf, neg_lr))
-
-
-def _adam(e, optimizer, hyper, p: Param, state, new_state, s: _Scalars) -> str:
-    beta1, beta2 = hyper["betas"]
-    wd = hyper["weight_decay"]
-    param = p.name
-    if optimizer == "adamw":
-        g = p.grad
-        if wd:  # p *= 1 - lr wd, the factor computed in double
-            decay = s.memo(
-                ("decay", p.dtype),
-                lambda: s.cast(
-                    e.op("Sub", e.const(1.0, s.dtype), e.op("Mul", s.lr, e.const(wd, s.dtype))), p.dtype
-                ),
-            )
-            param = e.op("Mul", param, decay)
-    else:
-        g = _decayed(e, p, wd)
-    m, v = state[(p.name, "exp_avg")], state[(p.name, "exp_avg_sq")]
-    # m.lerp_(g, 1 - β1): m + (1 - β1)(g - m); v = β2 v + (1 - β2) g²
-    new_m = e.op("Add", m, e.op("Mul", e.op("Sub", g, m), e.const(1.0 - beta1, p.dtype)))
-    new_v = e.op(
-        "Add",
-        e.op("Mul", v, e.const(beta2, p.dtype)),
-        e.op("Mul", e.op("Mul", g, g), e.const(1.0 - beta2, p.dtype)),
-    )
-    new_state[(p.name, "exp_avg")], new_state[(p.name, "exp_avg_sq")] = new_m, new_v
-
-    def bias(beta: float) -> str:  # 1 - β^t in double, or in float without the cancellation
-        if s.dtype != DOUBLE:
-            return _one_minus_power(e, beta, s.double("t"), s.dtype)
-        return e.op("Sub", e.const(1.0, s.dtype), e.op("Pow", e.const(beta, s.dtype), s.double("t")))
-
-    sqrt_bias2 = s.memo(("sqrt_bias2", p.dtype), lambda: s.cast(e.op("Sqrt", bias(beta2)), p.dtype))
-    step_size = s.memo(
-        ("step_size", p.dtype), lambda: s.cast(e.op("Div", s.double("neg_lr"), bias(beta1)), p.dtype)
-    )
-    denom = e.op("Add", e.op("Div", e.op("Sqrt", new_v), sqrt_bias2), e.const(hyper["eps"], p.dtype))
-    return e.op("Add", param, e.op("Mul", e.op("Div", new_m, denom), step_size))

@@ -30,28 +30,18 @@ import onnxruntime as ort
 
 from ..artifacts.step import build_train_step
 from ..runtime.runner import make_session
-from .optim import SGD, Adam, AdamW, Optimizer
+from .optim import OPTIMIZERS, Optimizer
 
 __all__ = ["OneGraphStep", "one_graph_step"]
 
 log = logging.getLogger(__name__)
-_NAMES: dict[type, str] = {SGD: "sgd", Adam: "adam", AdamW: "adamw"}
 
 
 def _hyper(opt: Optimizer) -> tuple[str, dict[str, Any]] | None:
-    name = _NAMES.get(type(opt))
-    if name is None:
+    """(name, hyperparameters) of a registry optimizer (SGD, Adam, AdamW), None for any other."""
+    if type(opt) not in OPTIMIZERS.values():
         return None
-    if name == "sgd":
-        hyper = {
-            "momentum": opt.momentum,
-            "dampening": opt.dampening,
-            "nesterov": bool(opt.nesterov),
-            "weight_decay": opt.weight_decay,
-        }
-    else:
-        hyper = {"betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay}
-    return name, hyper
+    return opt.definition.name, dict(opt.hyperparameters)
 
 
 def one_graph_step(fb: Any, optimizer: Optimizer, loss_name: str) -> OneGraphStep | None:

@@ -1,5 +1,8 @@
 """Optimizers that update numpy parameter arrays in place, with the math of ``torch.optim``.
 
+Their hyperparameters, defaults and updates are the definitions of the optimizer registry
+(:mod:`onnxgrad.train.optimizers`), whose programs this module runs on numpy arrays.
+
 They work on the live buffers of :attr:`onnxgrad.ForwardBackward.parameters`: an update made by
 :meth:`Optimizer.step` is what the next forward sees, with no copy. Apart from the optimizer state
 (momentum, moments), each parameter gets at most two scratch buffers, allocated once; a step
@@ -11,14 +14,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
 
 from ..errors import InputError
+from .optimizers import Definition, Program, Value, definition, evaluate_scalar
 from .schedules import LearningRate, as_schedule
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "clip_grad_norm", "clip_grad_value"]
+__all__ = [
+    "OPTIMIZERS",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Optimizer",
+    "clip_grad_norm",
+    "clip_grad_value",
+    "optimizer_class",
+]
 
 
 class Optimizer:
@@ -105,15 +120,6 @@ class Optimizer:
             bufs.append(np.empty_like(self.params[name]))
         return bufs[index]
 
-    def _decayed(self, name: str, p: np.ndarray, grad: np.ndarray, weight_decay: float) -> np.ndarray:
-        """``grad + weight_decay * p`` (L2 penalty, as torch), in scratch buffer 1 when needed."""
-        if not weight_decay:
-            return grad
-        d = self._buffer(name, 1)
-        np.multiply(p, weight_decay, out=d)
-        d += grad
-        return d
-
 
 def _check_non_negative(**values: float) -> None:
     for key, value in values.items():
@@ -127,114 +133,222 @@ def _add_scaled(p: np.ndarray, alpha: float, x: np.ndarray, scratch: np.ndarray)
     p += scratch
 
 
-class SGD(Optimizer):
+class _Defined(Optimizer):
+    """An optimizer of the registry (:mod:`onnxgrad.train.optimizers`): its hyperparameters are
+    the definition's (defaults filled in, validated, also set as attributes), its update the
+    definition's program, run in place in the parameter, its state and scratch buffers."""
+
+    definition: Definition
+
+    def __init__(self, params: Mapping[str, np.ndarray], lr: LearningRate, **options: Any) -> None:
+        super().__init__(params, lr)
+        self.hyperparameters: dict[str, Any] = self.definition.resolve(options)
+        for key, value in self.hyperparameters.items():
+            setattr(self, key, value)
+        self._program = self.definition.program(self.hyperparameters)
+        self._plan = _plan(self._program)
+        # (lr, t, first) -> the per-step operands; a list, not a tuple: Trainer.setup() records
+        # an optimizer's plain and tuple attributes as its settings
+        self._operands: list[Any] = [None, []]
+
+    def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
+        state, program, plan = self.state[name], self._program, self._plan
+        slots = program.slots
+        if self.definition.counts_steps:
+            t = state.get("step", 0) + 1
+            first = t == 1
+        else:
+            t, first = self.iterations + 1, bool(slots) and slots[0] not in state
+        if first:
+            for slot in slots:
+                state.setdefault(slot, np.zeros_like(p))
+        key = (self.lr, t, first)
+        if self._operands[0] != key:  # the per-step scalars and constants, shared by the parameters
+            self._operands = [key, _scalars(program, plan, *key)]
+        scratch = self._scratch[name]
+        if len(scratch) < plan.buffers:  # allocated on first use
+            self._buffer(name, plan.buffers - 1)
+        values = [p, grad, *[state[s] for s in slots], *scratch, *self._operands[1]]
+        for fn, get, unary, out in plan.steps:
+            if unary:
+                fn(get(values), out=values[out])
+            else:
+                fn(*get(values), out=values[out])
+        for home, source in plan.copies:
+            np.copyto(values[home], values[source])
+        if self.definition.counts_steps:
+            state["step"] = t
+
+
+class SGD(_Defined):
     """Stochastic gradient descent with momentum, dampening, Nesterov and L2 weight decay.
 
     Same update as ``torch.optim.SGD``: ``d = g + wd p``; ``b = d`` on the first step, then
     ``b = μ b + (1 - dampening) d``; ``d = d + μ b`` (Nesterov) or ``d = b``; ``p -= lr d``.
+    Options (defaults): ``momentum`` (0), ``nesterov`` (False), ``weight_decay`` (0),
+    ``dampening`` (0).
     """
 
-    def __init__(
-        self,
-        params: Mapping[str, np.ndarray],
-        lr: LearningRate,
-        momentum: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        dampening: float = 0.0,
-    ) -> None:
-        super().__init__(params, lr)
-        _check_non_negative(momentum=momentum, weight_decay=weight_decay, dampening=dampening)
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise InputError("Nesterov momentum requires momentum > 0 and dampening = 0")
-        self.momentum, self.nesterov = float(momentum), nesterov
-        self.weight_decay, self.dampening = float(weight_decay), float(dampening)
+    definition = definition("sgd")
 
-    def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
-        s = self._buffer(name, 0)
-        d = self._decayed(name, p, grad, self.weight_decay)
-        if not self.momentum:
-            _add_scaled(p, -self.lr, d, s)
-            return
-        state = self.state[name]
-        buf = state.get("momentum_buffer")
-        if buf is None:
-            buf = state["momentum_buffer"] = np.array(d, dtype=p.dtype, copy=True)
-        else:
-            buf *= self.momentum
-            if self.dampening:
-                _add_scaled(buf, 1.0 - self.dampening, d, s)
-            else:
-                buf += d
-        if self.nesterov:  # p -= lr (d + μ b), as two scaled adds to stay allocation-free
-            _add_scaled(p, -self.lr, d, s)
-            _add_scaled(p, -self.lr * self.momentum, buf, s)
-        else:
-            _add_scaled(p, -self.lr, buf, s)
+    def __init__(self, params: Mapping[str, np.ndarray], lr: LearningRate, **options: Any) -> None:
+        super().__init__(params, lr, **options)
 
 
-class Adam(Optimizer):
-    """Adam with bias correction and L2 weight decay, the update of ``torch.optim.Adam``."""
+class Adam(_Defined):
+    """Adam with bias correction and L2 weight decay, the update of ``torch.optim.Adam``.
+    Options (defaults): ``betas`` ((0.9, 0.999)), ``eps`` (1e-8), ``weight_decay`` (0)."""
 
-    def __init__(
-        self,
-        params: Mapping[str, np.ndarray],
-        lr: LearningRate = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-    ) -> None:
-        super().__init__(params, lr)
-        beta1, beta2 = betas
-        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
-            raise InputError(f"betas must be in [0, 1), got {betas}")
-        _check_non_negative(eps=eps, weight_decay=weight_decay)
-        self.betas = (float(beta1), float(beta2))
-        self.eps, self.weight_decay = float(eps), float(weight_decay)
+    definition = definition("adam")
 
-    def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
-        self._adam(name, p, self._decayed(name, p, grad, self.weight_decay))
-
-    def _adam(self, name: str, p: np.ndarray, g: np.ndarray) -> None:
-        """``m ← β1 m + (1-β1) g``, ``v ← β2 v + (1-β2) g²``, ``p -= lr m̂ / (√v̂ + eps)``."""
-        beta1, beta2 = self.betas
-        state = self.state[name]
-        if not state:
-            state.update(step=0, exp_avg=np.zeros_like(p), exp_avg_sq=np.zeros_like(p))
-        state["step"] += 1
-        m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
-        s = self._buffer(name, 0)
-        np.subtract(g, m, out=s)  # m.lerp_(g, 1 - β1), as torch writes it
-        _add_scaled(m, 1.0 - beta1, s, s)
-        v *= beta2
-        np.multiply(g, g, out=s)
-        _add_scaled(v, 1.0 - beta2, s, s)
-        bias1, bias2 = 1.0 - beta1**t, 1.0 - beta2**t
-        np.sqrt(v, out=s)
-        s /= math.sqrt(bias2)
-        s += self.eps
-        np.divide(m, s, out=s)
-        _add_scaled(p, -self.lr / bias1, s, s)
+    def __init__(self, params: Mapping[str, np.ndarray], lr: LearningRate = 1e-3, **options: Any) -> None:
+        super().__init__(params, lr, **options)
 
 
-class AdamW(Adam):
+class AdamW(_Defined):
     """Adam with decoupled weight decay (``torch.optim.AdamW``): ``p *= 1 - lr wd``, then Adam on
-    the raw gradient. The decay follows the scheduled learning rate."""
+    the raw gradient. The decay follows the scheduled learning rate. Options (defaults):
+    ``betas`` ((0.9, 0.999)), ``eps`` (1e-8), ``weight_decay`` (0.01)."""
 
-    def __init__(
-        self,
-        params: Mapping[str, np.ndarray],
-        lr: LearningRate = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-    ) -> None:
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    definition = definition("adamw")
 
-    def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
-        if self.weight_decay:
-            p *= 1.0 - self.lr * self.weight_decay
-        self._adam(name, p, grad)
+    def __init__(self, params: Mapping[str, np.ndarray], lr: LearningRate = 1e-3, **options: Any) -> None:
+        super().__init__(params, lr, **options)
+
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
+"""The numpy optimizer of each torch-family definition of the registry, by name."""
+
+
+def optimizer_class(spec: Definition) -> type[Optimizer]:
+    """The numpy optimizer of any definition of the registry: the class of :data:`OPTIMIZERS`
+    for torch's family, a new one for others (onnxruntime-training's ``AdamWOptimizer`` run on
+    numpy arrays, e.g. to compare with the compat optimizer model)."""
+    for cls in OPTIMIZERS.values():
+        if cls.definition is spec:  # type: ignore[attr-defined]
+            return cls
+    return type(spec.name, (_Defined,), {"definition": spec, "__doc__": spec.doc})
+
+
+# ---- running a program in place ----------------------------------------------------------------
+def _where(cond: bool, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    chosen = a if cond else b
+    if chosen is not out:
+        np.copyto(out, chosen)
+
+
+_UFUNCS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "sqrt": np.sqrt}
+_UFUNCS["where"] = _where
+Location = tuple[str, Any]  # ("in", "p" | "g" | a slot) | ("buf", scratch index)
+
+
+@dataclass
+class _Plan:
+    """A program compiled for numpy. The values an update reads are, in order, the parameter, its
+    gradient, its state slots, ``buffers`` scratch buffers, then the scalars and constants of
+    ``operands`` (computed once per step). Each tensor value lives in one of the arrays: the
+    parameter and its state are updated in place once their old value is read for the last time,
+    a scratch buffer is reused as soon as its value is dead. Planned once per program; a step
+    then allocates nothing."""
+
+    steps: list[tuple[Any, Any, bool, int]]  # (ufunc, itemgetter of its arguments, unary, output)
+    copies: list[tuple[int, int]]  # (output array, array holding its final value)
+    buffers: int
+    operands: list[Value | float]  # the scalar values and constants the steps read, in order
+
+
+_PLANS: dict[int, _Plan] = {}
+
+
+def _plan(program: Program) -> _Plan:
+    if id(program) in _PLANS:
+        return _PLANS[id(program)]
+    ins = program.instructions
+    end = len(ins)
+    last: dict[int, int] = {}
+    uses: dict[int, int] = {}
+    inputs: dict[str, Value] = {}
+    for i, instr in enumerate(ins):
+        for a in instr.args:
+            if isinstance(a, Value):
+                last[a.id] = i
+                uses[a.id] = uses.get(a.id, 0) + 1
+                if a.input is not None and not a.scalar:
+                    inputs[a.input] = a
+    for v in program.outputs.values():
+        last[v.id] = end
+    producer = {instr.out.id: instr for instr in ins}
+    home_of: dict[int, str] = {}  # the values that may be written into an output's own array
+    for home, v in program.outputs.items():
+        while v.input is None and v.id not in home_of:
+            home_of[v.id] = home  # then follow the operand it accumulates into
+            instr = producer[v.id]
+            tensors = [a for a in instr.args if isinstance(a, Value) and not a.scalar]
+            acc = instr.args[2] if instr.op == "where" else (tensors[0] if tensors else None)
+            if not isinstance(acc, Value) or acc.input is not None or uses.get(acc.id) != 1:
+                break
+            v = acc
+    index = {name: k for k, name in enumerate(("p", "g", *program.slots))}
+    where: dict[int, Location] = {v.id: ("in", name) for name, v in inputs.items()}
+    free: list[int] = []
+    count = 0
+    for i, instr in enumerate(ins):
+        if instr.out.scalar:
+            continue
+        dying = [a.id for a in instr.args if isinstance(a, Value) and not a.scalar and last[a.id] == i]
+        home = home_of.get(instr.out.id)
+        out: Location | None = None
+        if home is not None and (home not in inputs or last[inputs[home].id] <= i):
+            out = ("in", home)
+        else:
+            out = next((where[v] for v in dying if where[v][0] == "buf"), None)
+            if out is None:
+                if free:
+                    out = ("buf", free.pop())
+                else:
+                    out, count = ("buf", count), count + 1
+        where[instr.out.id] = out
+        free.extend({where[v][1] for v in dying if where[v][0] == "buf" and where[v] != out})
+    for v in program.outputs.values():
+        where.setdefault(v.id, ("in", v.input))
+
+    def at(loc: Location) -> int:
+        return index[loc[1]] if loc[0] == "in" else len(index) + loc[1]
+
+    buffers = max(count, 1)
+    operands: list[Value | float] = []
+
+    def arg(a: Value | float) -> int:
+        if isinstance(a, Value) and not a.scalar:
+            return at(where[a.id])
+        operands.append(a)
+        return len(index) + buffers + len(operands) - 1
+
+    steps = []
+    for instr in ins:
+        if not instr.out.scalar:
+            positions = [arg(a) for a in instr.args]
+            out = at(where[instr.out.id])
+            steps.append((_UFUNCS[instr.op], itemgetter(*positions), len(positions) == 1, out))
+    copies = [(index[h], at(where[v.id])) for h, v in program.outputs.items() if where[v.id] != ("in", h)]
+    plan = _PLANS[id(program)] = _Plan(steps, copies, buffers, operands)
+    return plan
+
+
+def _scalars(program: Program, plan: _Plan, lr: float, t: int, first: bool) -> list[Any]:
+    """The operands of ``plan`` for one step: scalars in Python floats (double) or float32 as the
+    program says, and constants."""
+    f32 = program.scalar_float32
+    values: dict[int, Any] = {}
+    inputs = {"lr": np.float32(lr) if f32 else lr, "t": t, "first": first}
+    for instr in program.instructions:
+        for a in instr.args:
+            if isinstance(a, Value) and a.scalar and a.input is not None:
+                values[a.id] = inputs[a.input]
+        if instr.out.scalar:
+            args = [values[a.id] if isinstance(a, Value) else a for a in instr.args]
+            values[instr.out.id] = evaluate_scalar(instr.op, args, f32)
+    return [values[a.id] if isinstance(a, Value) else a for a in plan.operands]
 
 
 # ---- gradient clipping -------------------------------------------------------------------------

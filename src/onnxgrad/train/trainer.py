@@ -38,7 +38,8 @@ from .data import BatchLoader, Data, as_feeds
 from .history import History, plain
 from .losses import add_loss, remove_loss
 from .onegraph import one_graph_step
-from .optim import SGD, Adam, AdamW, Optimizer, clip_grad_norm, clip_grad_value
+from .optim import OPTIMIZERS, Optimizer, clip_grad_norm, clip_grad_value
+from .optimizers import DEFAULT_OPTIMIZER
 from .schedules import LearningRate, LinearWarmup, ReduceLROnPlateau
 
 __all__ = [
@@ -54,8 +55,6 @@ __all__ = [
     "make_optimizer",
 ]
 
-
-OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
 
 
 def make_optimizer(
@@ -101,7 +100,8 @@ class Trainer:
     computes ``loss_name``. ``loss``: a kind of :func:`onnxgrad.train.add_loss` to append (its
     keyword arguments in ``loss_options``: ``output``, ``weight_name``, ``delta``, ``l1``, ``l2``...),
     or ``None`` when the model already has the ``loss_name`` output.
-    ``optimizer``: ``"sgd"``, ``"adam"``, ``"adamw"``, an Optimizer class (with ``lr`` — a number or
+    ``optimizer``: ``"adamw"`` (the default, :data:`~onnxgrad.train.optimizers.DEFAULT_OPTIMIZER`),
+    ``"adam"``, ``"sgd"``, an Optimizer class (with ``lr`` — a number or
     a schedule — and ``optimizer_options``) or a factory ``params -> Optimizer``.
     ``seed`` seeds the shuffling; ``metrics``: name -> ``fn(outputs, batch) -> float`` computed on
     the validation data (outputs by name; averaged over batches weighted by their size).
@@ -146,7 +146,7 @@ class Trainer:
         *,
         loss: str | None = None,
         loss_options: Mapping[str, Any] | None = None,
-        optimizer: str | type[Optimizer] | Callable[[dict[str, np.ndarray]], Optimizer] = "adam",
+        optimizer: str | type[Optimizer] | Callable[[dict[str, np.ndarray]], Optimizer] = DEFAULT_OPTIMIZER,
         lr: LearningRate | None = None,
         optimizer_options: Mapping[str, Any] | None = None,
         batch_size: int = 32,

@@ -33,6 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ...artifacts.optim import Param, emit_program
 from ...autodiff.compose import compose
 from ...autodiff.engine import build_gradient
 from ...autodiff.prepare import prepare
@@ -42,6 +43,7 @@ from ...model.graph import check_model, ir_version_for, unique_name, without_wei
 from ...model.load import CheckedModel
 from ...storage import PROTOBUF_LIMIT, _nbytes
 from ...train.losses import keep_outputs
+from ...train.optimizers import ORT, definition
 from . import checkpoint_file
 
 __all__ = [
@@ -401,78 +403,183 @@ def loss_model_from_eval(eval_model: onnx.ModelProto, values: Mapping[str, np.nd
 
 # ---- optimizers ------------------------------------------------------------------------------------
 ADAMW, SGD = "AdamWOptimizer", "SGDOptimizerV2"
+LEARNING_RATE, STEP = "learning_rate", "step"
+PARAMS, GRADIENTS = "params", "gradients"
+MOMENTS = ("first_order_moments", "second_order_moments")  # AdamW's momentum0 and momentum1 slots
+FLAGS = {ADAMW: "adamw.updated_flag", SGD: "sgd.updated_flag"}
+
+
+def updated(name: str) -> str:
+    """The output that carries the new value of the sequence input ``name``."""
+    return f"updated_{name}"
+
+
+def sequences(kind: str) -> list[str]:
+    """The sequence inputs of the optimizer model of ``kind``, in order."""
+    return [PARAMS, GRADIENTS, *(MOMENTS if kind == ADAMW else ())]
 
 
 def optimizer_graph(
-    kind: str, attrs: Mapping, params: Mapping[str, tuple[int, list[int]]]
+    kind: str,
+    attrs: Mapping,
+    params: Mapping[str, tuple[int, list[int]]],
+    max_norm: float | None = None,
+    *,
+    sequences: bool = False,
 ) -> onnx.ModelProto:
-    """One update of every parameter of ``params`` (name -> (ONNX type, shape)).
+    """One update of every parameter of ``params`` (name -> (ONNX type, shape)) on standard ops:
+    the registry's onnxruntime-training formula (:mod:`onnxgrad.train.optimizers`),
+    ``AdamWOptimizer`` with ``adam_mode=1`` or ``SGDOptimizerV2``. ``max_norm``: the gradients are
+    first scaled by ``min(1, max_norm / (‖g‖ + 1e-6))``, ``‖g‖`` the L2 norm of all of them
+    together (``ClipGradNorm``, :func:`clip_sequence`).
 
-    Inputs: ``learning_rate`` (float32 scalar), ``step`` (int64 scalar: the updates already made),
-    then per parameter ``p``, ``p/grad`` and for AdamW ``p/momentum0``, ``p/momentum1``. Outputs
-    ``new/<input>`` for the parameter and moments. AdamW (``adam_mode=1``, Hugging Face)::
+    ``sequences=True``: the layout of onnxruntime-training 1.19.2's optimizer model. Inputs
+    ``learning_rate`` (float32, shape [1]), for AdamW ``step`` (int64, [1]: the index of this
+    update, 1 for the first, as 1.19.2 feeds it), then the sequences ``params``, ``gradients`` and
+    for AdamW ``first_order_moments``, ``second_order_moments`` (one tensor per parameter, in the
+    order of ``params``). Outputs: the updated flag (int64 [1], always 1) and
+    ``updated_<sequence>`` for the parameters and moments (1.19.2 updates its inputs in place).
 
-        m = alpha m + (1 - alpha) g;   v = beta v + (1 - beta) g²
-        lr_t = lr sqrt(1 - beta^t) / (1 - alpha^t)  (t = step + 1, when correct_bias)
-        p = p - lr_t m / (sqrt(v) + epsilon);   p = p - lr weight_decay p  (when weight_decay > 0)
-
-    SGD: ``p = p - lr g``.
+    ``sequences=False``: one tensor per input, which every onnxruntime runs (onnxruntime-web and
+    -node take no sequences): ``learning_rate`` (float32 scalar), ``step`` (int64 scalar: the
+    updates already made), then per parameter ``p``, ``p/grad`` and for AdamW ``p/momentum0``,
+    ``p/momentum1``; outputs ``new/<input>`` for the parameter and moments, then the updated flag. The file
+    ``generate_artifacts`` writes, and what :class:`~onnxgrad.compat.training.api.Optimizer` runs.
     """
     if kind not in (ADAMW, SGD):
         raise InputError(f"unsupported optimizer {kind!r}; onnxgrad runs AdamW and SGD")
-    if kind == ADAMW and int(attrs.get("adam_mode", 0)) != 1:
-        raise InputError(
-            "AdamWOptimizer with adam_mode=0 (torch's variant) is not supported; 1.19.2 writes 1"
-        )
+    spec = definition(kind, ORT)
+    hyper = spec.resolve({k: v for k, v in attrs.items() if k in spec.defaults})
+    if max_norm is not None and not float(max_norm) > 0:
+        raise InputError(f"max_norm must be > 0, got {max_norm}")
+    bad = [n for n, (elem, _) in params.items() if elem != TensorProto.FLOAT]
+    if bad:
+        raise InputError(f"parameters {bad}: the optimizer updates float32 parameters only")
+    slots = spec.slots(hyper)
     graph = helper.make_graph([], "optimizer", [], [])
     e = Emitter(graph, 17, TensorProto.FLOAT, "opt")
-    lr = helper.make_tensor_value_info("learning_rate", TensorProto.FLOAT, [])
-    step = helper.make_tensor_value_info("step", TensorProto.INT64, [])
-    graph.input.extend([lr, step])
-    e.taken |= {"learning_rate", "step"}
-    inputs, outputs = [], []
-    scalars: dict[str, str] = {}
-    if kind == ADAMW:
-        alpha, beta = float(attrs.get("alpha", 0.9)), float(attrs.get("beta", 0.999))
-        eps, wd = float(attrs.get("epsilon", 1e-8)), float(attrs.get("weight_decay", 0.0))
-        lr_t = "learning_rate"
-        if int(attrs.get("correct_bias", 1)):
-            t = e.op("Cast", e.op("Add", "step", e.const(1, TensorProto.INT64)), to=TensorProto.FLOAT)
-            bc1 = e.op("Sub", e.const(1.0), e.op("Pow", e.const(alpha), t))
-            bc2 = e.op("Sub", e.const(1.0), e.op("Pow", e.const(beta), t))
-            lr_t = e.op("Div", e.op("Mul", "learning_rate", e.op("Sqrt", bc2)), bc1)
-        scalars = {"lr_t": lr_t}
-        if wd > 0:
-            scalars["decay"] = e.op("Mul", "learning_rate", e.const(wd))
-    for name, (elem, shape) in params.items():
-        if elem != TensorProto.FLOAT:
-            raise InputError(f"parameter {name!r}: the optimizer updates float32 parameters only")
-        names = [name, f"{name}/grad"] + ([f"{name}/momentum0", f"{name}/momentum1"] if kind == ADAMW else [])
-        for n in names:
-            inputs.append(helper.make_tensor_value_info(n, elem, shape))
-        e.taken |= set(names)
-        p, grad = names[0], names[1]
-        if kind == SGD:
-            news = {p: e.op("Sub", p, e.op("Mul", "learning_rate", grad))}
-        else:
-            m = e.op("Add", e.op("Mul", e.const(alpha), names[2]), e.op("Mul", e.const(1.0 - alpha), grad))
-            v = e.op(
-                "Add",
-                e.op("Mul", e.const(beta), names[3]),
-                e.op("Mul", e.const(1.0 - beta), e.op("Mul", grad, grad)),
-            )
-            denom = e.op("Add", e.op("Sqrt", v), e.const(eps))
-            new_p = e.op("Sub", p, e.op("Mul", scalars["lr_t"], e.op("Div", m, denom)))
-            if "decay" in scalars:
-                new_p = e.op("Sub", new_p, e.op("Mul", scalars["decay"], new_p))
-            news = {p: new_p, names[2]: m, names[3]: v}
-        for src, value in news.items():
-            out = f"new/{src}"
-            graph.node.append(helper.make_node("Identity", [value], [out], name=e.fresh("out")))
-            outputs.append(helper.make_tensor_value_info(out, elem, shape))
-    graph.input.extend(inputs)
-    graph.output.extend(outputs)
+    if sequences:
+        lr, step, items = _sequence_inputs(e, kind, params, max_norm)
+    else:
+        lr, step, items = _tensor_inputs(e, kind, params, max_norm)
+    state = {(p, slot): items[seq][i] for i, p in enumerate(params) for slot, seq in zip(slots, MOMENTS)}
+    plist = [Param(p, items[GRADIENTS][i], TensorProto.FLOAT) for i, p in enumerate(params)]
+    new_params, new_state = emit_program(
+        e, spec, hyper, plist, state, lr, step, TensorProto.FLOAT, TensorProto.FLOAT, step_base=int(sequences)
+    )
+    news = {PARAMS: [new_params[p] for p in params]}
+    news.update({seq: [new_state[(p, slot)] for p in params] for slot, seq in zip(slots, MOMENTS)})
+    if sequences:
+        _sequence_outputs(e, kind, news)
+    else:
+        for seq, values in news.items():
+            for (_, shape), source, value in zip(params.values(), items[seq], values):
+                out = f"new/{source}"
+                graph.node.append(helper.make_node("Identity", [value], [out], name=e.fresh("out")))
+                graph.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, shape))
+        _flag(e, kind)  # last: a model without parameters still has an output
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    mark(model, {"optimizer": kind, "attributes": dict(attrs)})
+    meta = {"optimizer": kind, "attributes": dict(attrs)}
+    if max_norm is not None:
+        meta["max_norm"] = float(max_norm)
+    mark(model, meta)
     check_model(model)
     return model
+
+
+def _tensor_inputs(
+    e: Emitter, kind: str, params: Mapping[str, tuple[int, list[int]]], max_norm: float | None
+) -> tuple[str, str, dict[str, list[str]]]:
+    """The inputs of the one-tensor-per-input layout: (lr, step, sequence name -> the values)."""
+    graph = e.graph
+    graph.input.extend(
+        [
+            helper.make_tensor_value_info(LEARNING_RATE, TensorProto.FLOAT, []),
+            helper.make_tensor_value_info(STEP, TensorProto.INT64, []),
+        ]
+    )
+    moments = ["momentum0", "momentum1"] if kind == ADAMW else []
+    items: dict[str, list[str]] = {PARAMS: list(params), GRADIENTS: [f"{p}/grad" for p in params]}
+    items.update({seq: [f"{p}/{m}" for p in params] for seq, m in zip(MOMENTS, moments)})
+    for p, (elem, shape) in params.items():
+        names = [p, f"{p}/grad", *(f"{p}/{m}" for m in moments)]
+        graph.input.extend(helper.make_tensor_value_info(n, elem, shape) for n in names)
+    e.taken |= {LEARNING_RATE, STEP, *(n for values in items.values() for n in values)}
+    e.taken |= {f"new/{n}" for values in items.values() for n in values} | {FLAGS[kind]}
+    if max_norm is not None and params:
+        together = e.op("SequenceConstruct", *items[GRADIENTS])
+        clipped = clip_sequence(e, together, float(max_norm))
+        items[GRADIENTS] = [
+            e.op("SequenceAt", clipped, e.const(i, TensorProto.INT64)) for i in range(len(params))
+        ]
+    return LEARNING_RATE, STEP, items
+
+
+def _sequence_inputs(
+    e: Emitter, kind: str, params: Mapping[str, tuple[int, list[int]]], max_norm: float | None
+) -> tuple[str, str, dict[str, list[str]]]:
+    """The inputs of 1.19.2's layout: (lr, step, sequence name -> its tensors, read one by one)."""
+    graph = e.graph
+    names = sequences(kind)
+    scalars = [LEARNING_RATE, *([STEP] if kind == ADAMW else [])]
+    graph.input.extend(
+        helper.make_tensor_value_info(n, TensorProto.INT64 if n == STEP else TensorProto.FLOAT, [1])
+        for n in scalars
+    )
+    graph.input.extend(helper.make_tensor_sequence_value_info(n, TensorProto.FLOAT, None) for n in names)
+    e.taken |= {*scalars, *names, FLAGS[kind], *map(updated, names), *params}
+    as_scalar = e.const(np.zeros(0, np.int64), TensorProto.INT64)  # Reshape to shape []
+    lr = e.op("Reshape", LEARNING_RATE, as_scalar)
+    step = e.op("Reshape", STEP, as_scalar) if kind == ADAMW else ""
+    read = dict(zip(names, names))
+    if max_norm is not None and params:
+        read[GRADIENTS] = clip_sequence(e, GRADIENTS, float(max_norm))
+    items = {
+        n: [e.op("SequenceAt", read[n], e.const(i, TensorProto.INT64)) for i in range(len(params))]
+        for n in names
+    }
+    for value, p in zip(items[PARAMS], params):  # the program reads each parameter by its name
+        graph.node.append(helper.make_node("Identity", [value], [p], name=e.fresh("param")))
+    items[PARAMS] = list(params)
+    return lr, step, items
+
+
+def _flag(e: Emitter, kind: str) -> None:
+    """The updated-flag output: int64 [1], always 1 (the update is never skipped)."""
+    e.op("Constant", out=FLAGS[kind], value=numpy_helper.from_array(np.ones(1, np.int64)))
+    e.graph.output.append(helper.make_tensor_value_info(FLAGS[kind], TensorProto.INT64, [1]))
+
+
+def _sequence_outputs(e: Emitter, kind: str, news: Mapping[str, list[str]]) -> None:
+    """The outputs of 1.19.2's layout: the updated flag, then each updated sequence."""
+    graph = e.graph
+    _flag(e, kind)
+    for n, values in news.items():
+        out = updated(n)
+        if values:
+            graph.node.append(helper.make_node("SequenceConstruct", values, [out], name=e.fresh("seq")))
+        else:
+            graph.node.append(helper.make_node("Identity", [n], [out], name=e.fresh("seq")))
+        graph.output.append(helper.make_tensor_sequence_value_info(out, TensorProto.FLOAT, None))
+
+
+def clip_sequence(e: Emitter, gradients: str, max_norm: float) -> str:
+    """The float32 tensor sequence ``gradients`` scaled by ``min(1, max_norm / (‖g‖ + 1e-6))``,
+    ``‖g‖`` the L2 norm of all its tensors together (onnxruntime-training's ``InplaceClipGradNorm``,
+    the rule of ``torch.nn.utils.clip_grad_norm_``), on standard ops (``SequenceMap``, opset 17)."""
+
+    def body(
+        name: str, nodes: list[onnx.NodeProto], extra: list[onnx.ValueInfoProto], out_shape
+    ) -> onnx.GraphProto:
+        g_in = helper.make_tensor_value_info("g", TensorProto.FLOAT, None)
+        out = helper.make_tensor_value_info("out", TensorProto.FLOAT, out_shape)
+        return helper.make_graph(nodes, name, [g_in, *extra], [out])
+
+    square = body("square", [helper.make_node("ReduceSumSquare", ["g"], ["out"], keepdims=0)], [], [])
+    squares = e.op("SequenceMap", gradients, body=square)
+    total = e.op("ReduceSum", e.op("ConcatFromSequence", squares, axis=0, new_axis=1), keepdims=0)
+    norm = e.op("Add", e.op("Sqrt", total), e.const(1e-6))
+    coef = e.op("Min", e.op("Div", e.const(max_norm), norm), e.const(1.0))
+    c = helper.make_tensor_value_info("c", TensorProto.FLOAT, [])
+    scale = body("scale", [helper.make_node("Mul", ["g", "c"], ["out"])], [c], None)
+    return e.op("SequenceMap", gradients, coef, body=scale)

@@ -16,19 +16,26 @@ from .module import Module, _nominal_message
 
 __all__ = ["Optimizer"]
 
-_MOMENTS = ("momentum0", "momentum1")
+_MOMENTS = ("momentum0", "momentum1")  # the checkpoint's names of AdamW's moments
 
 
-def _kind(model: onnx.ModelProto) -> tuple[str, dict]:
-    """(optimizer, attributes) of an optimizer file of onnxgrad or of onnxruntime-training."""
+def _kind(model: onnx.ModelProto) -> tuple[str, dict, float | None]:
+    """(optimizer, attributes, gradient clipping norm) of an optimizer file of onnxgrad or of
+    onnxruntime-training."""
     meta = graphs.read_meta(model)
     if meta is not None and "optimizer" in meta:
-        return meta["optimizer"], dict(meta["attributes"])
+        return meta["optimizer"], dict(meta["attributes"]), meta.get("max_norm")
+    found, max_norm = None, None
     for node in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type in (graphs.ADAMW, graphs.SGD):
-            return node.op_type, {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    ops = sorted({n.op_type for n in model.graph.node})
-    raise InputError(f"no AdamWOptimizer or SGDOptimizerV2 in the optimizer model (ops: {ops})")
+            found = node.op_type, attrs
+        elif node.op_type == "InplaceClipGradNorm":
+            max_norm = float(attrs.get("max_norm", 1.0))
+    if found is None:
+        ops = sorted({n.op_type for n in model.graph.node})
+        raise InputError(f"no AdamWOptimizer or SGDOptimizerV2 in the optimizer model (ops: {ops})")
+    return (*found, max_norm)
 
 
 class Optimizer:
@@ -36,7 +43,9 @@ class Optimizer:
 
     The learning rate starts at the checkpoint's initial learning rate (1e-3 for a new one); the
     step count and moments live in the module's :class:`CheckpointState` and are saved with
-    ``save_checkpoint(..., include_optimizer_state=True)``.
+    ``save_checkpoint(..., include_optimizer_state=True)``. The update runs the optimizer model
+    of :func:`onnxgrad.compat.training.graphs.optimizer_graph` (gradient clipping included when
+    the file asks for it).
     """
 
     def __init__(self, optimizer_uri: str | os.PathLike, module: Module) -> None:
@@ -45,7 +54,7 @@ class Optimizer:
         path = os.fspath(optimizer_uri)
         if not os.path.isfile(path):
             raise InputError(f"no optimizer model at {path!r}")
-        self._kind, self._attrs = _kind(onnx.load(path))
+        self._kind, self._attrs, max_norm = _kind(onnx.load(path))
         self._module = module
         state = module._state
         self._group = state._group()
@@ -55,8 +64,8 @@ class Optimizer:
         specs = {
             p: (helper.np_dtype_to_tensor_dtype(values[p].dtype), list(values[p].shape)) for p in self._params
         }
-        model = graphs.optimizer_graph(self._kind, self._attrs, specs)
-        # nothing to train: steps only count (onnxruntime cannot run a graph without outputs)
+        model = graphs.optimizer_graph(self._kind, self._attrs, specs, max_norm)
+        # nothing to train: steps only count
         self._session = (
             make_session(model, module._providers, module._options, label="optimizer model")
             if self._params
@@ -70,8 +79,8 @@ class Optimizer:
         state._check_loaded(_nominal_message("Cannot fetch named parameters from a nominal checkpoint state"))
         values = state._values()
         feeds = {
-            "learning_rate": np.array(self._lr, np.float32),
-            "step": np.array(group.step, np.int64),
+            graphs.LEARNING_RATE: np.array(self._lr, np.float32),
+            graphs.STEP: np.array(group.step, np.int64),  # the updates already made
         }
         for p in self._params:
             feeds[p] = values[p]
