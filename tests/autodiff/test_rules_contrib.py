@@ -1,5 +1,5 @@
-"""Gradient checks of the onnxruntime contrib ops (rules/contrib.py) and their output types
-(model/contrib_schemas.py).
+"""Gradient checks of the onnxruntime contrib ops and their output types (model/contrib_schemas.py).
+Their rules sit beside their ONNX twins: rules/elementwise.py, linalg.py, quant.py, norm.py, attention/.
 
 onnxruntime runs these ops in float32 only (FastGelu, QuickGelu and FusedMatMul in float64 too), so
 each check compares with central finite differences through onnxruntime in float32 with the
