@@ -21,7 +21,7 @@ from onnxgrad import build_gradient, supported_ops
 from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.model.graph import ir_version_for, onnx_dtype
 from onnxgrad.model.infer import infer_value_infos
-from onnxgrad.testing import check_gradients
+from onnxgrad.testing import assert_allclose_scaled, check_gradients, run_gradients
 
 MS = "com.microsoft"
 RNG = np.random.default_rng(11)
@@ -100,6 +100,65 @@ def check_op(op: str, inputs: Sequence[np.ndarray | None], attrs: dict | None = 
 )
 def test_activations(op: str, inputs: list, attrs: dict) -> None:
     check_op(op, inputs, attrs)
+
+
+def _gelu_erf_slope(u: np.ndarray) -> np.ndarray:
+    """d/du of u Phi(u), Phi the normal CDF, in float64."""
+    from math import erf, pi, sqrt
+
+    cdf = 0.5 * (1.0 + np.vectorize(erf)(u / sqrt(2.0)))
+    return cdf + u * np.exp(-0.5 * u * u) / sqrt(2.0 * pi)
+
+
+def _gelu_tanh_slope(u: np.ndarray) -> np.ndarray:
+    """d/du of u (1 + tanh(sqrt(2 / pi) (u + 0.044715 u^3))) / 2, in float64."""
+    c = np.sqrt(2.0 / np.pi)
+    t = np.tanh(c * (u + 0.044715 * u**3))
+    return 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * u * u)
+
+
+def _quick_gelu_slope(u: np.ndarray, alpha: float = 1.702) -> np.ndarray:
+    s = 1.0 / (1.0 + np.exp(-alpha * u))
+    return s + alpha * u * s * (1.0 - s)
+
+
+@pytest.mark.parametrize(
+    ("op", "slope", "bias"),
+    [
+        ("FastGelu", _gelu_tanh_slope, True),
+        ("FastGelu", _gelu_tanh_slope, False),
+        ("BiasGelu", _gelu_erf_slope, True),
+        ("Gelu", _gelu_erf_slope, False),
+        ("QuickGelu", _quick_gelu_slope, False),
+    ],
+    ids=["fastgelu-bias", "fastgelu", "biasgelu", "gelu", "quickgelu"],
+)
+def test_activation_slopes_are_the_analytic_ones(op: str, slope: Any, bias: bool) -> None:
+    """The gradients against the op's own derivative in float64, on a grid over [-4, 4].
+
+    The erf and tanh forms of Gelu have derivatives that differ by up to 8.7e-4 (at |u| = 2.02),
+    inside float32 finite differences' tolerance, so ``test_activations`` cannot tell them apart.
+    Here the bound is float32 rounding. The worst-conditioned term is the tanh form's
+    u c (1 + 3 a u^2) (1 - t^2) / 2: one unit in the last place of t moves 1 - t^2 by 2 eps, times at
+    most 5 over [-4, 4] (eps = 1.2e-7: 1.2e-6 per unit of t), plus the dozen other float32
+    operations, each within eps of the slope (at most 1.13) times dy (at most 1.5). 1e-5 of the
+    largest expected value (1.5e-5) allows ten units of error in onnxruntime's tanh and is 58 times
+    below the difference between the two forms."""
+    u = np.linspace(-4.0, 4.0, 240, dtype=np.float32).reshape(2, -1)
+    b = (np.linspace(-0.5, 0.5, u.shape[1]) ** 3).astype(np.float32) if bias else None
+    x = u if b is None else (u - b).astype(np.float32)
+    inputs = [x] if b is None else [x, b]
+    model = contrib_model(op, inputs, ["y"])
+    wrt = [f"in{i}" for i in range(len(inputs))]
+    graphs = build_gradient(model, trainable=[], inputs_requiring_grad=wrt)
+    feeds = {f"in{i}": v for i, v in enumerate(inputs)}
+    dy = np.linspace(0.5, 1.5, x.size, dtype=np.float32).reshape(x.shape)
+    _, grads = run_gradients(graphs, feeds, {"y": dy})
+    u64 = x.astype(np.float64) if b is None else x.astype(np.float64) + b.astype(np.float64)
+    want = dy * slope(u64)
+    assert_allclose_scaled(grads["in0"], want, rtol=1e-5, err_msg=f"{op} dX")
+    if b is not None:
+        assert_allclose_scaled(grads["in1"], want.sum(axis=0), rtol=1e-5, err_msg=f"{op} dbias")
 
 
 @pytest.mark.parametrize(
