@@ -492,11 +492,23 @@ def test_contrib_attention(variant: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "variant", ["gqa", "mha-presents", "padded", "empty-past", "empty-past-padded", "past", "past-presents"]
+    "variant",
+    [
+        "gqa",
+        "mha-presents",
+        "padded",
+        "empty-past",
+        "empty-past-padded",
+        "past",
+        "past-presents",
+        "decode-padded",
+    ],
 )
 def test_group_query_attention(variant: str) -> None:
     """A prompt, with or without a past (onnxruntime's CPU kernel wants head sizes that are
-    multiples of 8); the past caches take gradients too."""
+    multiples of 8); the past caches take gradients too. ``decode-padded``: one new token after a
+    past of 3 rows of which the second sequence holds 1 (its new key goes to row 1 of present_key,
+    and its past rows 1 and 2 are read by no query)."""
     b, s, heads, kv_heads, h = 2, 4, 4, 2, 8
     outputs = ["y"]
     if variant in ("mha-presents", "past-presents"):
@@ -506,11 +518,13 @@ def test_group_query_attention(variant: str) -> None:
     past = 2 if variant.startswith("past") else 0
     if past:  # onnxruntime: "batch_size must be 1 when sequence_length > 1 and past context is given"
         b = 1
+    if variant == "decode-padded":
+        s, past = 1, 3
     lengths = np.array([past + s - 1] * b, np.int32)
     if variant.endswith("padded"):
-        lengths = np.array([s - 1, s - 3], np.int32)
+        lengths = np.array([s - 1, s - 3], np.int32) if not past else np.array([past + s - 1, 1], np.int32)
     caches: list = [None, None]
-    if variant.startswith(("past", "empty-past")):
+    if variant.startswith(("past", "empty-past", "decode")):
         caches = [rnd(b, kv_heads, past, h), rnd(b, kv_heads, past, h)]
     inputs: list = [
         rnd(b, s, heads * h), rnd(b, s, kv_heads * h), rnd(b, s, kv_heads * h), *caches,
@@ -520,10 +534,15 @@ def test_group_query_attention(variant: str) -> None:
     check(contrib_model("GroupQueryAttention", inputs, outputs, attrs), inputs)
 
 
-def test_group_query_attention_rotary_refused() -> None:
-    b, s, h = 1, 2, 16
-    inputs: list = [rnd(b, s, 2 * h), rnd(b, s, h), rnd(b, s, h), None, None]
-    inputs += [np.array([s - 1], np.int32), np.array(s, np.int32), rnd(4, h // 2), rnd(4, h // 2)]
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+def test_group_query_attention_rotary(packed: bool) -> None:
+    """do_rotary=1 (onnxruntime turns Q and K itself), Q, K, V separate or packed as onnxruntime-genai's
+    builder writes them: differentiated unfused (autodiff/unfuse.py), against finite differences."""
+    b, s, h = 2, 3, 16
+    qkv = [rnd(b, s, 4 * h), None, None] if packed else [rnd(b, s, 2 * h), rnd(b, s, h), rnd(b, s, h)]
+    angles = RNG.random((8, h // 2)) * 3
+    inputs: list = [*qkv, None, None, np.array([s - 1, s - 2], np.int32), np.array(s, np.int32)]
+    inputs += [np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
     model = contrib_model(
         "GroupQueryAttention",
         inputs,
@@ -531,7 +550,4 @@ def test_group_query_attention_rotary_refused() -> None:
         {"num_heads": 2, "kv_num_heads": 1, "do_rotary": 1},
         constant=[7, 8],
     )
-    with pytest.raises(
-        GradientNotImplementedError, match=r"'GroupQueryAttention'.*do_rotary=1 is not supported"
-    ):
-        build_gradient(model, inputs_requiring_grad=["in0"])
+    check(model, inputs)

@@ -219,6 +219,43 @@ def _sum_groups(g: GradBuilder, d: Var, groups: int, kv_heads: int, size: int) -
     return g.ReduceSum(g.Reshape(d, g.const([0, kv_heads, groups, -1, size])), [2], keepdims=0)
 
 
+def _split_present(
+    g: GradBuilder,
+    n: NodeContext,
+    d: Var,
+    past: Var,
+    offset: Var,
+    s_len: Var,
+    slots: tuple[int, int],
+    grads: Grads,
+) -> None:
+    """The gradient ``d`` (B, Nkv, T, H) of GroupQueryAttention's present keys (or values), into
+    those of its new keys (slot ``slots[0]``) and past keys (``slots[1]``, (B, Nkv, P, H)).
+
+    onnxruntime writes sequence b's present rows as its first ``offset[b]`` past rows, then its S
+    new rows (offset (B, 1, 1, 1): max(seqlens_k[b] + 1 - S, 0)); a padded sequence's new rows thus
+    start before P. So the new keys' gradient is gathered from rows offset[b] .. offset[b] + S - 1,
+    and past row t gets that of present row t where t < offset[b], zero where the sequence does not
+    read it."""
+    new_slot, past_slot = slots
+    one, zero = g.const(np.int64(1)), g.const(np.int64(0))
+    if n.needs[new_slot]:
+        rows = offset + g.Unsqueeze(g.Range(zero, s_len, one), [0, 1, 3])  # (B, 1, S, 1)
+        dims = g.shape_of(d)
+        size = g.Concat(
+            g.Slice(dims, g.const([0]), g.const([2])),
+            g.Unsqueeze(s_len, [0]),
+            g.Slice(dims, g.const([3]), g.const([4])),
+            axis=0,
+        )
+        grads[new_slot] = _merge_heads(g, g.GatherElements(d, g.Expand(rows, size), axis=2))
+    if n.needs[past_slot]:
+        length = dim_of(g, past, 2)
+        read = g.Less(g.Unsqueeze(g.Range(zero, length, one), [0, 1, 3]), offset)  # (B, 1, P, 1)
+        head = g.Slice(d, g.const([0]), g.Unsqueeze(length, [0]), g.const([2]))
+        grads[past_slot] = g.Where(read, head, g.const(0.0, d.dtype), shape=past.shape)
+
+
 @rule("GroupQueryAttention", domain=MS_DOMAIN)
 def group_query_attention(g: GradBuilder, n: NodeContext) -> Grads:
     """O = softmax(scale Q K^T + attention_bias + causal and padding masks) V over the keys K =
@@ -228,10 +265,11 @@ def group_query_attention(g: GradBuilder, n: NodeContext) -> Grads:
     Sequence b has seqlens_k[b] + 1 keys: later ones are masked, and query i sees keys up to
     i + max(seqlens_k[b] + 1 - S, 0) (bottom-right with a past; a first prompt, shorter than S
     where padded, is causal from the top). The gradient of the keys (plus that of present_key)
-    splits between past_key (the first P) and the new keys, as a concatenation: with a past, every
-    sequence of the batch is taken to have all P past keys (onnxruntime packs a shorter one's new
-    keys after its own past length). Packed QKV, rotary, softcap, local windows, smooth softmax and
-    head sinks are refused.
+    splits between past_key and the new keys as onnxruntime writes present_key: sequence b's new
+    keys follow its own max(seqlens_k[b] + 1 - S, 0) past keys (:func:`_split_present`), so the
+    later rows of its past_key get no gradient. Packed QKV and rotary reach the rule unfused
+    (:mod:`onnxgrad.autodiff.unfuse`); softcap, local windows, smooth softmax and head sinks are
+    refused.
     """
     refuse_inputs(n, {9: "position_ids", 11: "head_sink"})
     refuse_output_grads(n, (3,), "qk")
@@ -278,13 +316,15 @@ def group_query_attention(g: GradBuilder, n: NodeContext) -> Grads:
     for new_slot, past_slot, d, past in ((1, 3, dk, past_k), (2, 4, dv, past_v)):
         if past is None:
             grads[new_slot] = _merge_heads(g, d) if n.needs[new_slot] else None
-            continue
-        cut = g.Slice(g.shape_of(past), g.const([2]), g.const([3]))
-        if n.needs[past_slot]:
-            grads[past_slot] = g.Slice(d, g.const([0]), cut, g.const([2]), shape=past.shape)
-        if n.needs[new_slot]:
-            end = g.const([np.iinfo(np.int64).max])
-            grads[new_slot] = _merge_heads(g, g.Slice(d, cut, end, g.const([2])))
+        elif seqlens is None:  # every sequence holds all P past keys: a concatenation
+            cut = g.Slice(g.shape_of(past), g.const([2]), g.const([3]))
+            if n.needs[past_slot]:
+                grads[past_slot] = g.Slice(d, g.const([0]), cut, g.const([2]), shape=past.shape)
+            if n.needs[new_slot]:
+                end = g.const([np.iinfo(np.int64).max])
+                grads[new_slot] = _merge_heads(g, g.Slice(d, cut, end, g.const([2])))
+        else:
+            _split_present(g, n, d, past, offset, s_len, (new_slot, past_slot), grads)
     if attn_bias is not None and n.needs[10]:
         grads[10] = g.unbroadcast(ds, attn_bias, None)
     return grads
