@@ -158,9 +158,10 @@ def test_weight_gradients_of_the_fp32_file_are_torchs(case: str) -> None:
     torch float64 autograd of the HF model, for sum(logits * C) with C zero at padded positions.
 
     The bound: float32 rounding through the two layers' products and reductions (about 20 in a
-    row, each within a few eps = 1.2e-7 of the tensor's scale) stays below 1e-6 of scale (measured
-    8.9e-7 at most); a wrong term (a rotation not undone, a key's gradient at the wrong position,
-    a missed head group) moves a gradient by 1e-2 of scale or more. 1e-5 of scale lies between."""
+    row, each within a few eps = 1.2e-7 of the tensor's scale) adds up to a few 1e-6 of scale
+    (measured: 1.9e-6 at most, padded_decode); a wrong term (a rotation not undone, a key's
+    gradient at the wrong position, a missed head group) moves a gradient by 1e-2 of scale or more
+    (the padded_decode case before its fix: 0.58). 1e-5 of scale lies between."""
     feeds = _case(case)
     r = np.random.default_rng(10)
     cotangent = (
