@@ -1,10 +1,11 @@
-"""Regenerate the tiny Llama that onnxruntime-genai's model builder writes, for tests/lora/test_genai_builder.py.
+"""Regenerate the tiny Llama that onnxruntime-genai's model builder writes (tests/lora/test_genai_builder.py).
 
 onnxruntime-genai is not a dependency of onnxgrad; this script runs in a separate virtual environment
 that has it (0.15.2 is the newest whose builder imports with transformers < 5)::
 
     python3.11 -m venv /tmp/genai-venv
-    /tmp/genai-venv/bin/pip install onnxruntime-genai==0.15.2 "transformers<5" torch==2.13.0 onnx onnx_ir safetensors
+    /tmp/genai-venv/bin/pip install onnxruntime-genai==0.15.2 "transformers<5" torch==2.13.0 \\
+        onnx onnx_ir safetensors
     /tmp/genai-venv/bin/python tools/make_genai_fixture.py
 
 It writes, under ``tests/data/``:
@@ -31,7 +32,8 @@ HF = DATA / "genai_llama_hf"
 
 CONFIG = {
     "hidden_size": 64,
-    "intermediate_size": 96,  # not the vocabulary size: the builder takes any Linear of vocab_size outputs for the LM head
+    # not the vocabulary size: the builder takes any Linear with vocab_size outputs for the LM head
+    "intermediate_size": 96,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
