@@ -18,6 +18,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxgrad import build_gradient, supported_ops
+from onnxgrad.autodiff.rewrite import rewrite_for_training
 from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.model.graph import ir_version_for, onnx_dtype
 from onnxgrad.model.infer import infer_value_infos
@@ -508,10 +509,11 @@ def test_group_query_attention(variant: str) -> None:
     """A prompt, with or without a past (onnxruntime's CPU kernel wants head sizes that are
     multiples of 8); the past caches take gradients too. ``decode-padded``: one new token after a
     past of 3 rows of which the second sequence holds 1 (its new key goes to row 1 of present_key,
-    and its past rows 1 and 2 are read by no query)."""
+    and its past rows 1 and 2 are read by no query). Without its present outputs, onnxruntime computes
+    a single new token after a past otherwise (in the past's buffer)."""
     b, s, heads, kv_heads, h = 2, 4, 4, 2, 8
     outputs = ["y"]
-    if variant in ("mha-presents", "past-presents"):
+    if variant in ("mha-presents", "past-presents", "decode-padded"):  # a new token needs them (below)
         outputs = ["y", "pk", "pv"]
     if variant == "mha-presents":
         kv_heads = 4
@@ -534,20 +536,42 @@ def test_group_query_attention(variant: str) -> None:
     check(contrib_model("GroupQueryAttention", inputs, outputs, attrs), inputs)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
-def test_group_query_attention_rotary(packed: bool) -> None:
+@pytest.mark.parametrize("variant", ["separate", "packed", "interleaved", "partial", "decode-padded"])
+def test_group_query_attention_rotary(variant: str) -> None:
     """do_rotary=1 (onnxruntime turns Q and K itself), Q, K, V separate or packed as onnxruntime-genai's
-    builder writes them: differentiated unfused (autodiff/unfuse.py), against finite differences."""
-    b, s, h = 2, 3, 16
-    qkv = [rnd(b, s, 4 * h), None, None] if packed else [rnd(b, s, 2 * h), rnd(b, s, h), rnd(b, s, h)]
-    angles = RNG.random((8, h // 2)) * 3
-    inputs: list = [*qkv, None, None, np.array([s - 1, s - 2], np.int32), np.array(s, np.int32)]
-    inputs += [np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
-    model = contrib_model(
-        "GroupQueryAttention",
-        inputs,
-        ["y"],
-        {"num_heads": 2, "kv_num_heads": 1, "do_rotary": 1},
-        constant=[7, 8],
+    builder writes them (``interleaved`` pairs; ``partial``: the first 16 of 32 dims turn; one new
+    token after a past, the second sequence's past shorter): differentiated unfused
+    (autodiff/unfuse.py), which onnxruntime computes bit for bit, against finite differences."""
+    b, s, h, rot, past = 2, 3, 16, 16, 0
+    if variant == "partial":
+        h = 32
+    if variant == "decode-padded":
+        s, past = 1, 2
+    qkv = (
+        [rnd(b, s, 4 * h), None, None]
+        if variant != "separate"
+        else [rnd(b, s, 2 * h), rnd(b, s, h), rnd(b, s, h)]
     )
+    caches = [rnd(b, 1, past, h), rnd(b, 1, past, h)] if past else [None, None]
+    lengths = np.array([s - 1, s - 2] if not past else [past + s - 1, past + s - 2], np.int32)
+    angles = RNG.random((8, rot // 2)) * 3
+    inputs: list = [*qkv, *caches, lengths, np.array(past + s, np.int32)]
+    inputs += [np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
+    attrs = {
+        "num_heads": 2,
+        "kv_num_heads": 1,
+        "do_rotary": 1,
+        "rotary_interleaved": int(variant == "interleaved"),
+    }
+    # with a past, onnxruntime computes a single new token only when the node has its present outputs
+    outputs = ["y", "pk", "pv"] if past else ["y"]
+    model = contrib_model("GroupQueryAttention", inputs, outputs, attrs, constant=[7, 8])
+    unfused = rewrite_for_training(onnx.load_from_string(model.SerializeToString()))
+    assert "RotaryEmbedding" in {n.op_type for n in unfused.graph.node}
+    feeds = {i.name: inputs[int(i.name[2:])] for i in model.graph.input}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )
+    for got, want in zip(run(unfused), run(model)):
+        np.testing.assert_array_equal(got, want)
     check(model, inputs)
