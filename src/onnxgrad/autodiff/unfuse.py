@@ -95,21 +95,31 @@ def _unfused(
     """The nodes computing ``node`` unfused (see the module docstring); ``width``: the last dim of
     the packed input when static (the split sizes are then constants, which the rules need)."""
     heads, kv_heads = _attr(node, "num_heads", 0), _attr(node, "kv_num_heads", 0)
+    if heads < 1 or kv_heads < 1:  # not a valid node: left to the rule and onnxruntime to refuse
+        return [node]
     inputs = list(node.input) + [""] * (12 - len(node.input))
     b = _Nodes(node.name or "GroupQueryAttention", taken)
     q, k, v = inputs[0], inputs[1], inputs[2]
-    shape = b.one("Shape", q)
+    shape = ""  # of the query input, made when needed
+
+    def dims(start: int) -> str:
+        """Dimension ``start`` of the query input (B, S, D), as a 1-element int64 tensor."""
+        nonlocal shape
+        shape = shape or b.one("Shape", inputs[0])
+        return b.one(
+            "Slice", shape, b.const(np.array([start], np.int64)), b.const(np.array([start + 1], np.int64))
+        )
+
     if _packed(node):  # [Q | K | V] along the last axis: head size H = D / (N + 2 Nkv)
         if width is not None:
             size = width // (heads + 2 * kv_heads)
             sizes = b.const(np.array([heads * size, kv_heads * size, kv_heads * size], np.int64))
         else:
-            hidden = b.one("Slice", shape, b.const(np.array([2], np.int64)), b.const(np.array([3], np.int64)))
-            one = b.one("Div", hidden, b.const(np.array([heads + 2 * kv_heads], np.int64)))
+            one = b.one("Div", dims(2), b.const(np.array([heads + 2 * kv_heads], np.int64)))
             sizes = b.one("Mul", one, b.const(np.array([heads, kv_heads, kv_heads], np.int64)))
         q, k, v = b.op("Split", q, sizes, outputs=3, axis=-1)
     if _attr(node, "do_rotary", 0):
-        positions = inputs[_POSITIONS] or _positions(b, shape, inputs[5], inputs[6])
+        positions = inputs[_POSITIONS] or _positions(b, dims(1), inputs[5], inputs[6])
         rotary: dict[str, object] = {"interleaved": _attr(node, "rotary_interleaved", 0)}
         cos = next((t for t in graph.initializer if t.name == inputs[_COS]), None)
         if cos is not None and len(cos.dims) == 2:
@@ -129,11 +139,10 @@ def _unfused(
     return [*b.nodes, attention]
 
 
-def _positions(b: _Nodes, shape: str, seqlens_k: str, total: str) -> str:
-    """(B, S) int64 positions of the new tokens, as onnxruntime's GroupQueryAttention numbers them
-    without a position_ids input: 0 .. S-1 on a first prompt (S = total_sequence_length), else
-    seqlens_k[b] + 1 - S + s."""
-    length = b.one("Slice", shape, b.const(np.array([1], np.int64)), b.const(np.array([2], np.int64)))
+def _positions(b: _Nodes, length: str, seqlens_k: str, total: str) -> str:
+    """(B, S) int64 positions of the new tokens (``length``: S, a 1-element int64 tensor), as
+    onnxruntime's GroupQueryAttention numbers them without a position_ids input: 0 .. S-1 on a
+    first prompt (S = total_sequence_length), else seqlens_k[b] + 1 - S + s."""
     total64 = b.one("Cast", b.one("Reshape", total, b.const(np.array([-1], np.int64))), to=TensorProto.INT64)
     first = b.one("Equal", length, total64)
     last = b.one("Cast", seqlens_k, to=TensorProto.INT64)
