@@ -11,6 +11,9 @@ rules: a kink takes the derivative of the branch torch's backward kernel picks t
 Max/Min split the gradient evenly between tied inputs (see :func:`max_min`).
 
 Dropout in training mode reads the mask its forward node draws.
+
+onnxruntime's activations (``com.microsoft``: Gelu, FastGelu, QuickGelu, BiasGelu, BiasAdd) use the
+same derivatives (FastGelu the tanh form of Gelu's), and SwiGLU (opset 28) is here too.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Matrix products: MatMul (batched, broadcast, 1-D), Gemm (every transA/transB/alpha/beta), Einsum
-(any equation) and Det; MatMulInteger is in :mod:`.quant`, QLinearMatMul carries no gradient
+(any equation) and Det, and onnxruntime's FusedMatMul (``com.microsoft``: transposes and a scale
+folded in); MatMulInteger and MatMulNBits are in :mod:`.quant`, QLinearMatMul carries no gradient
 (:mod:`.nondiff`).
 
 Gradients are written as Gemm with transposes where the operands are matrices: onnxruntime runs

@@ -8,6 +8,11 @@ training mode, MeanVarianceNormalization) or channel groups (GroupNormalization)
 are recomputed from ``x`` in the backward (:func:`standardize`): ``x`` is read anyway, and these ops
 have no output that holds them, except LayerNormalization, whose forward node computes its mean
 and inverse standard deviation anyway (the rule reads them).
+
+onnxruntime's fused normalizations compose the same pieces: SkipLayerNormalization and
+SkipSimplifiedLayerNormalization (``com.microsoft``: the residual sum normalized), the default
+domain's SimplifiedLayerNormalization (RMS) and LayerNormalization before opset 17, and
+EmbedLayerNormalization (``com.microsoft``: embeddings gathered, summed and normalized).
 """
 
 from __future__ import annotations

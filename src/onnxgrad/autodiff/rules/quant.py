@@ -1,4 +1,6 @@
-"""Quantization: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, MatMulInteger, ConvInteger.
+"""Quantization: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, MatMulInteger, ConvInteger,
+and onnxruntime's MatMulNBits (``com.microsoft``: blockwise 4/8-bit weights, frozen; see
+:func:`matmul_nbits`).
 
 A quantized tensor ``q`` stands for the real number ``(q - zero_point) * scale``; these rules
 differentiate every op as the function of real numbers it computes, so an integer tensor carries a
