@@ -1,4 +1,5 @@
-"""Gradient checks of the transformer rules (rules/attention.py): Attention, RotaryEmbedding, SwiGLU.
+"""Gradient checks of the transformer rules (rules/attention/, SwiGLU in rules/elementwise.py):
+Attention, RotaryEmbedding, SwiGLU.
 
 Against float64 central finite differences through onnxruntime (Attention; it has no float64
 RotaryEmbedding and loads no opset 28, so those and Attention-25 run on onnx.reference), plus

@@ -1,5 +1,5 @@
-"""Gradient checks of the onnxruntime contrib ops (rules/contrib.py) and their output types
-(model/contrib_schemas.py).
+"""Gradient checks of the onnxruntime contrib ops and their output types (model/contrib_schemas.py).
+Their rules sit beside their ONNX twins: rules/elementwise.py, linalg.py, quant.py, norm.py, attention/.
 
 onnxruntime runs these ops in float32 only (FastGelu, QuickGelu and FusedMatMul in float64 too), so
 each check compares with central finite differences through onnxruntime in float32 with the
@@ -18,10 +18,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxgrad import build_gradient, supported_ops
+from onnxgrad.autodiff.rewrite import rewrite_for_training
 from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.model.graph import ir_version_for, onnx_dtype
 from onnxgrad.model.infer import infer_value_infos
-from onnxgrad.testing import check_gradients
+from onnxgrad.testing import assert_allclose_scaled, check_gradients, run_gradients
 
 MS = "com.microsoft"
 RNG = np.random.default_rng(11)
@@ -100,6 +101,65 @@ def check_op(op: str, inputs: Sequence[np.ndarray | None], attrs: dict | None = 
 )
 def test_activations(op: str, inputs: list, attrs: dict) -> None:
     check_op(op, inputs, attrs)
+
+
+def _gelu_erf_slope(u: np.ndarray) -> np.ndarray:
+    """d/du of u Phi(u), Phi the normal CDF, in float64."""
+    from math import erf, pi, sqrt
+
+    cdf = 0.5 * (1.0 + np.vectorize(erf)(u / sqrt(2.0)))
+    return cdf + u * np.exp(-0.5 * u * u) / sqrt(2.0 * pi)
+
+
+def _gelu_tanh_slope(u: np.ndarray) -> np.ndarray:
+    """d/du of u (1 + tanh(sqrt(2 / pi) (u + 0.044715 u^3))) / 2, in float64."""
+    c = np.sqrt(2.0 / np.pi)
+    t = np.tanh(c * (u + 0.044715 * u**3))
+    return 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * u * u)
+
+
+def _quick_gelu_slope(u: np.ndarray, alpha: float = 1.702) -> np.ndarray:
+    s = 1.0 / (1.0 + np.exp(-alpha * u))
+    return s + alpha * u * s * (1.0 - s)
+
+
+@pytest.mark.parametrize(
+    ("op", "slope", "bias"),
+    [
+        ("FastGelu", _gelu_tanh_slope, True),
+        ("FastGelu", _gelu_tanh_slope, False),
+        ("BiasGelu", _gelu_erf_slope, True),
+        ("Gelu", _gelu_erf_slope, False),
+        ("QuickGelu", _quick_gelu_slope, False),
+    ],
+    ids=["fastgelu-bias", "fastgelu", "biasgelu", "gelu", "quickgelu"],
+)
+def test_activation_slopes_are_the_analytic_ones(op: str, slope: Any, bias: bool) -> None:
+    """The gradients against the op's own derivative in float64, on a grid over [-4, 4].
+
+    The erf and tanh forms of Gelu have derivatives that differ by up to 8.7e-4 (at |u| = 2.02),
+    inside float32 finite differences' tolerance, so ``test_activations`` cannot tell them apart.
+    Here the bound is float32 rounding. The worst-conditioned term is the tanh form's
+    u c (1 + 3 a u^2) (1 - t^2) / 2: one unit in the last place of t moves 1 - t^2 by 2 eps, times at
+    most 5 over [-4, 4] (eps = 1.2e-7: 1.2e-6 per unit of t), plus the dozen other float32
+    operations, each within eps of the slope (at most 1.13) times dy (at most 1.5). 1e-5 of the
+    largest expected value (1.5e-5) allows ten units of error in onnxruntime's tanh and is 58 times
+    below the difference between the two forms."""
+    u = np.linspace(-4.0, 4.0, 240, dtype=np.float32).reshape(2, -1)
+    b = (np.linspace(-0.5, 0.5, u.shape[1]) ** 3).astype(np.float32) if bias else None
+    x = u if b is None else (u - b).astype(np.float32)
+    inputs = [x] if b is None else [x, b]
+    model = contrib_model(op, inputs, ["y"])
+    wrt = [f"in{i}" for i in range(len(inputs))]
+    graphs = build_gradient(model, trainable=[], inputs_requiring_grad=wrt)
+    feeds = {f"in{i}": v for i, v in enumerate(inputs)}
+    dy = np.linspace(0.5, 1.5, x.size, dtype=np.float32).reshape(x.shape)
+    _, grads = run_gradients(graphs, feeds, {"y": dy})
+    u64 = x.astype(np.float64) if b is None else x.astype(np.float64) + b.astype(np.float64)
+    want = dy * slope(u64)
+    assert_allclose_scaled(grads["in0"], want, rtol=1e-5, err_msg=f"{op} dX")
+    if b is not None:
+        assert_allclose_scaled(grads["in1"], want.sum(axis=0), rtol=1e-5, err_msg=f"{op} dbias")
 
 
 @pytest.mark.parametrize(
@@ -433,25 +493,40 @@ def test_contrib_attention(variant: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "variant", ["gqa", "mha-presents", "padded", "empty-past", "empty-past-padded", "past", "past-presents"]
+    "variant",
+    [
+        "gqa",
+        "mha-presents",
+        "padded",
+        "empty-past",
+        "empty-past-padded",
+        "past",
+        "past-presents",
+        "decode-padded",
+    ],
 )
 def test_group_query_attention(variant: str) -> None:
     """A prompt, with or without a past (onnxruntime's CPU kernel wants head sizes that are
-    multiples of 8); the past caches take gradients too."""
+    multiples of 8); the past caches take gradients too. ``decode-padded``: one new token after a
+    past of 3 rows of which the second sequence holds 1 (its new key goes to row 1 of present_key,
+    and its past rows 1 and 2 are read by no query). Without its present outputs, onnxruntime computes
+    a single new token after a past otherwise (in the past's buffer)."""
     b, s, heads, kv_heads, h = 2, 4, 4, 2, 8
     outputs = ["y"]
-    if variant in ("mha-presents", "past-presents"):
+    if variant in ("mha-presents", "past-presents", "decode-padded"):  # a new token needs them (below)
         outputs = ["y", "pk", "pv"]
     if variant == "mha-presents":
         kv_heads = 4
     past = 2 if variant.startswith("past") else 0
     if past:  # onnxruntime: "batch_size must be 1 when sequence_length > 1 and past context is given"
         b = 1
+    if variant == "decode-padded":
+        s, past = 1, 3
     lengths = np.array([past + s - 1] * b, np.int32)
     if variant.endswith("padded"):
-        lengths = np.array([s - 1, s - 3], np.int32)
+        lengths = np.array([s - 1, s - 3], np.int32) if not past else np.array([past + s - 1, 1], np.int32)
     caches: list = [None, None]
-    if variant.startswith(("past", "empty-past")):
+    if variant.startswith(("past", "empty-past", "decode")):
         caches = [rnd(b, kv_heads, past, h), rnd(b, kv_heads, past, h)]
     inputs: list = [
         rnd(b, s, heads * h), rnd(b, s, kv_heads * h), rnd(b, s, kv_heads * h), *caches,
@@ -461,18 +536,42 @@ def test_group_query_attention(variant: str) -> None:
     check(contrib_model("GroupQueryAttention", inputs, outputs, attrs), inputs)
 
 
-def test_group_query_attention_rotary_refused() -> None:
-    b, s, h = 1, 2, 16
-    inputs: list = [rnd(b, s, 2 * h), rnd(b, s, h), rnd(b, s, h), None, None]
-    inputs += [np.array([s - 1], np.int32), np.array(s, np.int32), rnd(4, h // 2), rnd(4, h // 2)]
-    model = contrib_model(
-        "GroupQueryAttention",
-        inputs,
-        ["y"],
-        {"num_heads": 2, "kv_num_heads": 1, "do_rotary": 1},
-        constant=[7, 8],
+@pytest.mark.parametrize("variant", ["separate", "packed", "interleaved", "partial", "decode-padded"])
+def test_group_query_attention_rotary(variant: str) -> None:
+    """do_rotary=1 (onnxruntime turns Q and K itself), Q, K, V separate or packed as onnxruntime-genai's
+    builder writes them (``interleaved`` pairs; ``partial``: the first 16 of 32 dims turn; one new
+    token after a past, the second sequence's past shorter): differentiated unfused
+    (autodiff/unfuse.py), which onnxruntime computes bit for bit, against finite differences."""
+    b, s, h, rot, past = 2, 3, 16, 16, 0
+    if variant == "partial":
+        h = 32
+    if variant == "decode-padded":
+        s, past = 1, 2
+    qkv = (
+        [rnd(b, s, 4 * h), None, None]
+        if variant != "separate"
+        else [rnd(b, s, 2 * h), rnd(b, s, h), rnd(b, s, h)]
     )
-    with pytest.raises(
-        GradientNotImplementedError, match=r"'GroupQueryAttention'.*do_rotary=1 is not supported"
-    ):
-        build_gradient(model, inputs_requiring_grad=["in0"])
+    caches = [rnd(b, 1, past, h), rnd(b, 1, past, h)] if past else [None, None]
+    lengths = np.array([s - 1, s - 2] if not past else [past + s - 1, past + s - 2], np.int32)
+    angles = RNG.random((8, rot // 2)) * 3
+    inputs: list = [*qkv, *caches, lengths, np.array(past + s, np.int32)]
+    inputs += [np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
+    attrs = {
+        "num_heads": 2,
+        "kv_num_heads": 1,
+        "do_rotary": 1,
+        "rotary_interleaved": int(variant == "interleaved"),
+    }
+    # with a past, onnxruntime computes a single new token only when the node has its present outputs
+    outputs = ["y", "pk", "pv"] if past else ["y"]
+    model = contrib_model("GroupQueryAttention", inputs, outputs, attrs, constant=[7, 8])
+    unfused = rewrite_for_training(onnx.load_from_string(model.SerializeToString()))
+    assert "RotaryEmbedding" in {n.op_type for n in unfused.graph.node}
+    feeds = {i.name: inputs[int(i.name[2:])] for i in model.graph.input}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )
+    for got, want in zip(run(unfused), run(model)):
+        np.testing.assert_array_equal(got, want)
+    check(model, inputs)

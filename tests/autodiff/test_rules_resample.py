@@ -1,4 +1,4 @@
-"""Gradient rules of the resampling ops (rules/resample.py): Resize, Upsample, GridSample, Col2Im,
+"""Gradient rules of the resampling ops (rules/resample/): Resize, Upsample, GridSample, Col2Im,
 AffineGrid.
 
 onnxruntime has no float64 Resize, Upsample or Col2Im kernel: those are checked against float64

@@ -34,6 +34,10 @@ cheaper. They run on the model before differentiation.
   opset 1 keep the model's opset, and the Loop rule differentiates them (Scan's own rule starts
   at opset 9).
 
+- GroupQueryAttention with packed QKV or ``do_rotary=1`` (onnxruntime-genai's model builder)
+  becomes a Split, two RotaryEmbeddings and GroupQueryAttention on the turned Q and K
+  (:mod:`.unfuse`): the same outputs, each piece with its rule.
+
 Measured and left out: ``MatMul(x, W) + b`` (+ ReLU) on a batch of sequences as one ``Gemm``
 between reshapes (what onnxruntime does itself when every dim is static). onnxruntime's Gemm
 writes the broadcast bias first and accumulates onto it, and applies the ReLU in a second pass: the
@@ -50,12 +54,14 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..model.graph import ValueInfo, all_names, node_operands, np_dtype, unique_name
+from .unfuse import unfused_group_query_attention
 
 
 def rewrite_for_training(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` (changed in place and returned) with the rewrites above applied to its main graph,
     whose nodes must be in topological order (they stay so)."""
     taken = all_names(model.graph)
+    unfused_group_query_attention(model, taken)
     _relu_after_max_pool(model.graph, taken)
     _time_major_recurrences(model.graph, taken)
     if any(o.domain in ("", "ai.onnx") and o.version < 9 for o in model.opset_import):

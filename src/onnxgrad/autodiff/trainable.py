@@ -21,7 +21,9 @@ reasons that applies (:data:`RULES`, in order): what the file *declares* first, 
    weight makes it a parameter): a ``Pow`` exponent, a ``Clip`` bound, a ``Reshape``/``Expand``
    shape, ``Range`` arguments, a ``Pad`` or ``ConstantOfShape`` value, ``Dropout``'s ratio, ``Resize``
    scales, a ``BatchNormalization`` running statistic, quantization scales, an RNN's initial state
-   (table :data:`CONSTANT_SLOTS`);
+   (table :data:`CONSTANT_SLOTS`); and, in onnxruntime's ops, the ``cos_cache`` / ``sin_cache`` of
+   a ``RotaryEmbedding`` or ``GroupQueryAttention`` (the rotary tables, constants in torch; the
+   ONNX RotaryEmbedding's too): ``"rotary cache"`` (table :data:`ROTARY_CACHE_SLOTS`);
 6. it has one value and is added to the result of a reduction or a square root (the epsilon of a
    hand-written normalization): ``"epsilon"``;
 7. it is read by elementwise ops only and holds a mask: only 0 and one or more values at most
@@ -106,6 +108,12 @@ CONSTANT_SLOTS: dict[str, dict[int, str]] = {
     "GatherND": {1: "indices"},
     "ScatterND": {1: "indices"},
     "ScatterElements": {1: "indices"},
+}
+# (domain, op type) -> the input slots of the cos and sin caches of a rotary embedding
+ROTARY_CACHE_SLOTS: dict[tuple[str, str], tuple[int, ...]] = {
+    ("", "RotaryEmbedding"): (1, 2),
+    ("com.microsoft", "RotaryEmbedding"): (2, 3),
+    ("com.microsoft", "GroupQueryAttention"): (7, 8),
 }
 for _op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSumSquare",
             "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp"):  # fmt: skip
@@ -245,6 +253,15 @@ def _constant_slots(j: _Judge, name: str, t: TensorProto) -> Decision | None:
     return Decision(False, slots[0]) if slots and all(slots) else None
 
 
+def _rotary_caches(j: _Judge, name: str, t: TensorProto) -> Decision | None:
+    # read only as the cos/sin cache of a rotary embedding: onnxruntime-genai's builder stores them
+    # as initializers, torch computes them from the inverse frequencies (a buffer) without a gradient
+    uses = j.uses[name]
+    if uses and all(k in ROTARY_CACHE_SLOTS.get((n.domain or "", n.op_type), ()) for n, k in uses):
+        return Decision(False, "rotary cache")
+    return None
+
+
 def _read_as_boolean(j: _Judge, name: str, t: TensorProto) -> Decision | None:
     return Decision(False, "read as a boolean") if j.uses[name] and not j.used[name] else None
 
@@ -293,6 +310,7 @@ RULES: list[Rule] = [
     _declared_by_exporter,
     _folded_constant,
     _constant_slots,
+    _rotary_caches,
     _read_as_boolean,
     _rotary_frequencies,
     _epsilon,

@@ -56,7 +56,6 @@ __all__ = [
 ]
 
 
-
 def make_optimizer(
     optimizer: str | type[Optimizer] | Callable[[dict[str, np.ndarray]], Optimizer],
     params: dict[str, np.ndarray],
@@ -88,8 +87,6 @@ def input_infos(fb: ForwardBackward) -> dict[str, ValueInfo]:
     """Type and shape of each input ``fb.forward`` takes (parameters excluded), by name."""
     infos = {vi.name: value_info_from_proto(vi) for vi in fb.graphs.forward.graph.input}
     return {name: info for name in fb.input_names if (info := infos.get(name)) is not None}
-
-
 
 
 # ---- the trainer -------------------------------------------------------------------------------

@@ -309,3 +309,53 @@ def scan(
     if flips:
         stacked = [flip(g, s) for s in stacked]
     return finals, stacked
+
+
+# ---- refusals of optional inputs, attributes and outputs ----------------------------------------
+def unsupported(n: NodeContext, i: int, why: str) -> GradientNotImplementedError:
+    """The error for float input ``i`` of a contrib node whose gradient the rule does not give."""
+    name = n.node.input[i] if i < len(n.node.input) else f"#{i}"
+    return GradientNotImplementedError(
+        f"no gradient for input {i} ({name!r}) of node {n.node.name!r}: op {n.node.op_type!r}, "
+        f"domain {n.node.domain or 'ai.onnx'!r}: {why}. Mark it as not trainable."
+    )
+
+
+def refuse_output_grads(n: NodeContext, slots: tuple[int, ...], what: str) -> None:
+    for k in slots:
+        if k < len(n.dout) and n.dout[k] is not None:
+            raise GradientNotImplementedError(
+                f"no gradient through output {k} ({n.node.output[k]!r}, {what}) of node {n.node.name!r}: "
+                f"op {n.node.op_type!r}, domain {n.node.domain or 'ai.onnx'!r}"
+            )
+
+
+def refuse_inputs(n: NodeContext, slots: dict[int, str]) -> None:
+    """Refuse a node that has any of these optional inputs (slot -> what the rule does not cover)."""
+    for slot, what in slots.items():
+        if slot < len(n.node.input) and n.node.input[slot]:
+            raise GradientNotImplementedError(
+                f"no gradient for node {n.node.name!r}: op {n.node.op_type!r}, domain "
+                f"{n.node.domain or 'ai.onnx'!r}: input {slot} ({what}) is not supported"
+            )
+
+
+def refuse_attrs(n: NodeContext, attrs: dict[str, object]) -> None:
+    """Refuse a node whose attribute differs from the value the rule covers."""
+    for name, default in attrs.items():
+        if n.attr(name, default) != default:
+            raise GradientNotImplementedError(
+                f"no gradient for node {n.node.name!r}: op {n.node.op_type!r}, domain "
+                f"{n.node.domain or 'ai.onnx'!r}: {name}={n.attr(name)!r} is not supported"
+            )
+
+
+# ---- matrices --------------------------------------------------------------------------------------
+def swap_last(g: GradBuilder, x: Var, rank: int) -> Var:
+    """x (of rank ``rank``) with its last two axes swapped."""
+    return g.Transpose(x, perm=[*range(rank - 2), rank - 1, rank - 2])
+
+
+def dim_of(g: GradBuilder, x: Var, axis: int) -> Var:
+    """Dimension ``axis`` of x as an int64 scalar."""
+    return g.Gather(g.shape_of(x), g.const(np.int64(axis)))

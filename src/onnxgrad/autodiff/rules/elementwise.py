@@ -11,6 +11,9 @@ rules: a kink takes the derivative of the branch torch's backward kernel picks t
 Max/Min split the gradient evenly between tied inputs (see :func:`max_min`).
 
 Dropout in training mode reads the mask its forward node draws.
+
+onnxruntime's activations (``com.microsoft``: Gelu, FastGelu, QuickGelu, BiasGelu, BiasAdd) use the
+same derivatives (FastGelu the tanh form of Gelu's), and SwiGLU (opset 28) is here too.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 from onnx import TensorProto
 
 from ...errors import GradientNotImplementedError
+from ...model.contrib_schemas import MS_DOMAIN
 from ...model.graph import FLOAT_TYPES
 from ..builder import (
     GradBuilder,
@@ -39,7 +43,7 @@ from ..builder import (
     where,
 )
 from ..registry import NodeContext, formulas, rule
-from .common import Grads, first_only, node_label, sum_to_scalar
+from .common import Grads, first_only, node_label, optional_input, sum_to_scalar
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
@@ -282,3 +286,62 @@ def dropout(g: GradBuilder, n: NodeContext) -> Grads:
     scaled = dy if isinstance(scale, float) and scale == 1.0 else dy * scale
     grads[0] = where(mask, scaled, 0)
     return grads
+
+
+# ---- onnxruntime's activations (com.microsoft) ---------------------------------------------------
+# Gelu (erf form), FastGelu (tanh form): the derivative of the standard Gelu rule
+formulas("Gelu", lambda x, dy: _gelu(x, dy), domain=MS_DOMAIN)
+
+
+def _quick_gelu(x: Var, dy: Var, alpha: float = 1.702) -> Var:
+    """y = x sigmoid(alpha x): dy (s + alpha x s (1 - s))."""
+    s = sigmoid(x * alpha)
+    return dy * (s + x * alpha * s * (1 - s))
+
+
+formulas("QuickGelu", _quick_gelu, domain=MS_DOMAIN)
+
+
+def _biased(g: GradBuilder, n: NodeContext, dx: Var) -> Grads:
+    """[dX, dbias] of an op of X + bias (bias optional, broadcast over the leading axes)."""
+    bias = optional_input(n, 1)
+    db = g.unbroadcast(dx, bias, n.y.shape) if bias is not None and n.needs[1] else None
+    return [dx if n.needs[0] else None, db][: len(n.inputs)]
+
+
+@rule("FastGelu", domain=MS_DOMAIN)
+def fast_gelu(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = gelu_tanh(X + bias): dX = dy gelu_tanh'(X + bias), dbias = dX summed over the rows."""
+    u = n.x if optional_input(n, 1) is None else n.x + n.inputs[1]
+    return _biased(g, n, _gelu(u, n.dy, approximate="tanh"))
+
+
+@rule("BiasGelu", domain=MS_DOMAIN)
+def bias_gelu(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = gelu(A + B) (erf form): dA = dy gelu'(A + B), dB = dA summed over the rows."""
+    return _biased(g, n, _gelu(n.x + n.inputs[1], n.dy))
+
+
+@rule("BiasAdd", domain=MS_DOMAIN)
+def bias_add(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = X + bias + skip: dX = dskip = dy, dbias = dy summed over (N, S)."""
+    dy = n.dy
+    bias, skip = n.inputs[1], n.inputs[2]
+    return [
+        dy if n.needs[0] else None,
+        g.unbroadcast(dy, bias, n.y.shape) if n.needs[1] else None,  # type: ignore[arg-type]
+        g.unbroadcast(dy, skip, n.y.shape) if n.needs[2] else None,  # type: ignore[arg-type]
+    ]
+
+
+# ---- SwiGLU ---------------------------------------------------------------------------------
+@rule("SwiGLU", since=28)
+def swiglu(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = a sigmoid(alpha a) b: da = dy b s (1 + alpha a (1 - s)), db = dy a s, s = sigmoid(alpha a)."""
+    a, b = n.inputs[0], n.inputs[1]
+    assert a is not None and b is not None
+    alpha = float(n.attr("alpha", 1.0))
+    s = sigmoid(a * alpha if alpha != 1.0 else a)
+    da = n.dy * b * s * (a * alpha * (1.0 - s) + 1.0) if n.needs[0] else None
+    db = n.dy * a * s if n.needs[1] else None
+    return [da, db]

@@ -1,5 +1,6 @@
 """Matrix products: MatMul (batched, broadcast, 1-D), Gemm (every transA/transB/alpha/beta), Einsum
-(any equation) and Det; MatMulInteger is in :mod:`.quant`, QLinearMatMul carries no gradient
+(any equation) and Det, and onnxruntime's FusedMatMul (``com.microsoft``: transposes and a scale
+folded in); MatMulInteger and MatMulNBits are in :mod:`.quant`, QLinearMatMul carries no gradient
 (:mod:`.nondiff`).
 
 Gradients are written as Gemm with transposes where the operands are matrices: onnxruntime runs
@@ -16,14 +17,10 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from ...errors import GradientNotImplementedError
+from ...model.contrib_schemas import MS_DOMAIN
 from ..builder import GradBuilder, Var
 from ..registry import NodeContext, rule
-from .common import Grads, need_rank, node_label
-
-
-def _swap_last(g: GradBuilder, x: Var, rank: int) -> Var:
-    perm = [*range(rank - 2), rank - 1, rank - 2]
-    return g.Transpose(x, perm=perm)
+from .common import Grads, need_rank, node_label, swap_last, unsupported
 
 
 def _rows_of(g: GradBuilder, b: Var, axis: int) -> Var:
@@ -67,13 +64,13 @@ def matmul(g: GradBuilder, n: NodeContext) -> Grads:
     dy2 = g.Unsqueeze(dy2, [-1]) if b.rank == 1 else dy2
     batch = n.y.shape[:nb] if n.y.shape is not None else None
     if n.needs[0]:
-        da = g.MatMul(dy2, _swap_last(g, b2, max(b.rank, 2)))
+        da = g.MatMul(dy2, swap_last(g, b2, max(b.rank, 2)))
         if a.rank == 1:  # (batch..., 1, k) -> (k)
             da = g.reduce_sum(da, [*range(nb), nb], keepdims=False)
         else:
             da = g.unbroadcast(da, a, None if batch is None else batch + a.shape[-2:])
     if n.needs[1]:
-        db = g.MatMul(_swap_last(g, a2, max(a.rank, 2)), dy2)
+        db = g.MatMul(swap_last(g, a2, max(a.rank, 2)), dy2)
         if b.rank == 1:  # (batch..., k, 1) -> (k)
             db = g.reduce_sum(db, [*range(nb), nb + 1], keepdims=False)
         else:
@@ -312,3 +309,46 @@ def _cofactors(g: GradBuilder, x: Var, m: int | None) -> Var:
     minors = g.Gather(g.Gather(x, keep, axis=r - 2), keep, axis=r)  # (..., i, M-1, j, M-1)
     minors = g.Transpose(minors, perm=[*range(r - 2), r - 2, r, r - 1, r + 1])
     return g.Det(minors) * signs
+
+
+# ---- FusedMatMul (com.microsoft) ------------------------------------------------------------------
+@rule("FusedMatMul", domain=MS_DOMAIN)
+def fused_matmul(g: GradBuilder, n: NodeContext) -> Grads:
+    """Y = alpha op(A) op(B), op a transpose of the last two axes where transA / transB say.
+
+    With A' = op(A), B' = op(B): dA' = alpha dY B'^T, dB' = alpha A'^T dY (summed where the batch
+    broadcast), then transposed back where op transposed. transBatchA / transBatchB are refused.
+    """
+    a, b = n.inputs[0], n.inputs[1]
+    assert a is not None and b is not None
+    for k, flag in enumerate(("transBatchA", "transBatchB")):
+        if int(n.attr(flag, 0)) and n.needs[k]:
+            raise unsupported(n, k, f"{flag}=1")
+    need_rank(n, a)
+    need_rank(n, b)
+    if a.rank < 2 or b.rank < 2:  # type: ignore[operator]
+        raise unsupported(n, 0 if a.rank < 2 else 1, "A and B must have 2 dimensions or more")  # type: ignore[operator]
+    ra, rb = a.rank, b.rank
+    ry = max(ra, rb)  # type: ignore[type-var]
+    ta, tb = int(n.attr("transA", 0)), int(n.attr("transB", 0))
+    alpha = float(n.attr("alpha", 1.0))
+    dy = n.dy * alpha if alpha != 1.0 else n.dy
+    a1 = swap_last(g, a, ra) if ta else a  # type: ignore[arg-type]
+    b1 = swap_last(g, b, rb) if tb else b  # type: ignore[arg-type]
+    grads: Grads = [None, None]
+    if n.needs[0]:
+        da = g.MatMul(dy, swap_last(g, b1, rb))  # type: ignore[arg-type]
+        da = swap_last(g, da, ry) if ta else da  # type: ignore[arg-type]
+        grads[0] = g.unbroadcast(da, a, _batched(n, a))
+    if n.needs[1]:
+        db = g.MatMul(swap_last(g, a1, ra), dy)  # type: ignore[arg-type]
+        db = swap_last(g, db, ry) if tb else db  # type: ignore[arg-type]
+        grads[1] = g.unbroadcast(db, b, _batched(n, b))
+    return grads
+
+
+def _batched(n: NodeContext, x: Var) -> tuple | None:
+    """The shape of a gradient before it is summed to ``x``: the output's batch dims, x's matrix dims."""
+    if n.y.shape is None or x.shape is None:
+        return None
+    return (*n.y.shape[:-2], *x.shape[-2:])

@@ -8,6 +8,11 @@ training mode, MeanVarianceNormalization) or channel groups (GroupNormalization)
 are recomputed from ``x`` in the backward (:func:`standardize`): ``x`` is read anyway, and these ops
 have no output that holds them, except LayerNormalization, whose forward node computes its mean
 and inverse standard deviation anyway (the rule reads them).
+
+onnxruntime's fused normalizations compose the same pieces: SkipLayerNormalization and
+SkipSimplifiedLayerNormalization (``com.microsoft``: the residual sum normalized), the default
+domain's SimplifiedLayerNormalization (RMS) and LayerNormalization before opset 17, and
+EmbedLayerNormalization (``com.microsoft``: embeddings gathered, summed and normalized).
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ import numpy as np
 from onnx import TensorProto
 
 from ...errors import GradientNotImplementedError
+from ...model.contrib_schemas import MS_DOMAIN
 from ..builder import GradBuilder, Var, cast, sign, where
 from ..registry import NodeContext, rule
-from .common import Grads, node_label
+from .common import Grads, as_int64, node_label, optional_input, refuse_output_grads, zeros
 
 Reducer = Callable[[Var], Var]  # the mean over the normalized elements, dims kept
 
@@ -395,3 +401,142 @@ def _running_stats_grads(
     assert dx is not None
     dx = dx * ((1.0 - momentum) / count)
     grads[0] = dx if grads[0] is None else grads[0] + dx
+
+
+# ---- onnxruntime's fused normalizations ----------------------------------------------------------
+_SKIP_LN_EPS = 1e-12  # onnxruntime's default epsilon of SkipLayerNormalization and EmbedLayerNormalization
+
+
+def _skip_norm(g: GradBuilder, n: NodeContext, centered: bool) -> Grads:
+    """SkipLayerNormalization (centered) and SkipSimplifiedLayerNormalization: y = norm(s) gamma (+
+    beta) with s = input + skip (+ bias) over the last axis; outputs 1 and 2 are the mean (centered
+    only) and inverse standard deviation of s, output 3 s itself.
+
+    ds = normalize_backward(dy gamma) + (dmean - dinv inv^2 xh) / D (as the LayerNormalization rule)
+    + the gradient of output 3; dinput = ds, dskip and dbias = ds summed to their shapes;
+    dgamma = sum(dy xh), dbeta = sum(dy). s is the forward's output 3 (added when the model leaves
+    it unused); the statistics are recomputed from it.
+    """
+    if not centered:
+        refuse_output_grads(n, (1,), "mean")
+    x = n.inputs[0]
+    assert x is not None
+    gamma = n.inputs[2]
+    beta = optional_input(n, 3) if centered else None
+    bias = optional_input(n, 4) if centered else optional_input(n, 3)
+    bias_slot = 4 if centered else 3
+    grads: Grads = [None] * len(n.inputs)
+    dy = n.dout[0]
+    d_mean, d_inv, d_sum = (n.dout[k] if len(n.dout) > k else None for k in (1, 2, 3))
+    if dy is not None and beta is not None and n.needs[3]:
+        grads[3] = g.unbroadcast(dy, beta, x.shape)
+    s = g.extra_output(n.node, 3, x.dtype, x.shape)
+    mean = mean_over(g, [-1])
+    ds = d_sum
+    if dy is not None or d_mean is not None or d_inv is not None:
+        xh, inv = standardize(g, s, mean, float(n.attr("epsilon", _SKIP_LN_EPS)), centered=centered)
+        if dy is not None:
+            if n.needs[2]:
+                grads[2] = g.unbroadcast(dy * xh, gamma, x.shape)  # type: ignore[arg-type]
+            dn = normalize_backward(dy * gamma, xh, inv, mean, centered=centered)
+            ds = dn if ds is None else ds + dn
+        if d_mean is not None or d_inv is not None:  # d inv / ds = -inv^3 (s - mean) / D
+            extra = cast(d_mean, x) if d_mean is not None else None
+            if d_inv is not None:
+                term = cast(d_inv, x) * inv * inv * xh
+                extra = -term if extra is None else extra - term
+            stat = d_mean if d_mean is not None else d_inv
+            extra = extra / normalized_count(g, x, [-1], stat)  # type: ignore[operator,arg-type]
+            ds = extra if ds is None else ds + extra
+    if ds is None:
+        return grads
+    if n.needs[0]:
+        grads[0] = ds
+    skip = n.inputs[1]
+    if skip is not None and n.needs[1]:
+        grads[1] = g.unbroadcast(ds, skip, x.shape)
+    if bias is not None and n.needs[bias_slot]:
+        grads[bias_slot] = g.unbroadcast(ds, bias, x.shape)
+    return grads
+
+
+@rule("SkipLayerNormalization", domain=MS_DOMAIN)
+def skip_layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
+    """LayerNormalization(input + skip + bias) gamma + beta over the last axis (see :func:`_skip_norm`)."""
+    return _skip_norm(g, n, centered=True)
+
+
+@rule("SkipSimplifiedLayerNormalization", domain=MS_DOMAIN)
+def skip_simplified_layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
+    """RMSNormalization(input + skip + bias) gamma over the last axis (see :func:`_skip_norm`)."""
+    return _skip_norm(g, n, centered=False)
+
+
+@rule("SimplifiedLayerNormalization")
+def simplified_layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
+    """onnxruntime's RMS normalization of the default domain (``axis``, ``epsilon``; no ONNX opset
+    has it): the RMSNormalization rule; its
+    inv_std_var output carries no gradient here (refused where the model differentiates it)."""
+    refuse_output_grads(n, (1,), "the inverse standard deviation")
+    if n.dy is None:
+        return [None] * len(n.inputs)
+    return rms_norm(g, n)
+
+
+# onnxruntime runs LayerNormalization at any opset (its own kernel before ONNX's opset 17): the
+# same op, the same rule
+rule("LayerNormalization", since=1)(layer_norm)
+
+
+@rule("EmbedLayerNormalization", domain=MS_DOMAIN)
+def embed_layer_norm(g: GradBuilder, n: NodeContext) -> Grads:
+    """y = LayerNormalization(word[ids] + position[pos] + segment[segment_ids]) gamma + beta, pos
+    the position_ids input or 0..S-1; output 2 is the sum, mask_index (output 1) is integer.
+
+    dsum = normalize_backward(dy gamma) (+ the gradient of output 2); each table's gradient is dsum
+    scatter-added at the rows it gathered (positions 0..S-1: dsum summed over the batch, padded with
+    zero rows); dgamma = sum(dy xh), dbeta = sum(dy).
+    """
+    ids, seg_ids, words, positions, segments = (optional_input(n, k) for k in range(5))
+    gamma, beta, pos_ids = optional_input(n, 5), optional_input(n, 6), optional_input(n, 8)
+    assert ids is not None and words is not None and gamma is not None
+    grads: Grads = [None] * len(n.inputs)
+    dy = n.dout[0]
+    d_sum = n.dout[2] if len(n.dout) > 2 else None
+    out_shape = n.y.shape
+    s = g.extra_output(n.node, 2, words.dtype, out_shape)
+    mean = mean_over(g, [-1])
+    ds = d_sum
+    if dy is not None:
+        if beta is not None and n.needs[6]:
+            grads[6] = g.unbroadcast(dy, beta, out_shape)
+        xh, inv = standardize(g, s, mean, float(n.attr("epsilon", _SKIP_LN_EPS)))
+        if n.needs[5]:
+            grads[5] = g.unbroadcast(dy * xh, gamma, out_shape)
+        dn = normalize_backward(dy * gamma, xh, inv, mean)
+        ds = dn if ds is None else ds + dn
+    if ds is None:
+        return grads
+    if n.needs[2]:
+        grads[2] = _scatter_rows(g, words, ids, ds)
+    if segments is not None and seg_ids is not None and n.needs[4]:
+        grads[4] = _scatter_rows(g, segments, seg_ids, ds)
+    if positions is not None and n.needs[3]:
+        if pos_ids is not None:  # (B, S), or (1, S) shared by the batch
+            shared = pos_ids.shape is not None and pos_ids.shape[0] == 1
+            grads[3] = _scatter_rows(
+                g, positions, pos_ids, g.ReduceSum(ds, [0], keepdims=1) if shared else ds
+            )
+        else:  # rows 0..S-1, the same for every sequence of the batch
+            per_pos = g.ReduceSum(ds, [0], keepdims=0)  # (S, hidden)
+            length = g.Gather(g.shape_of(per_pos), g.const(np.int64(0)))
+            rows = g.Range(g.const(np.int64(0)), length, g.const(np.int64(1)))
+            grads[3] = _scatter_rows(g, positions, rows, per_pos)
+    return grads
+
+
+def _scatter_rows(g: GradBuilder, table: Var, ids: Var, d: Var) -> Var:
+    """The gradient of ``table[ids]`` (rows gathered): ``d`` scatter-added into zero rows."""
+    rows = g.Unsqueeze(as_int64(g, ids), [-1])
+    dx = g.ScatterND(zeros(g, g.shape_of(table), d.dtype), rows, d, reduction="add")
+    return g.reshape(dx, table)

@@ -1,4 +1,6 @@
-"""Quantization: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, MatMulInteger, ConvInteger.
+"""Quantization: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, MatMulInteger, ConvInteger,
+and onnxruntime's MatMulNBits (``com.microsoft``: blockwise 4/8-bit weights, frozen; see
+:func:`matmul_nbits`).
 
 A quantized tensor ``q`` stands for the real number ``(q - zero_point) * scale``; these rules
 differentiate every op as the function of real numbers it computes, so an integer tensor carries a
@@ -44,10 +46,12 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from ...errors import GradientNotImplementedError
+from ...model.contrib_schemas import MS_DOMAIN
+from ...model.nbits import default_zero_point, pack_bits, unpack_bits
 from ..backward import quantized_mode, version_of
 from ..builder import GradBuilder, Var, cast, where
 from ..registry import NodeContext, lookup, rule
-from .common import Grads, need_rank, nonneg_axis, optional_input, refuse
+from .common import Grads, need_rank, nonneg_axis, optional_input, refuse, unsupported
 
 # The integer range of each quantized type: values rounding outside it are clamped.
 _INT_RANGES = {
@@ -262,3 +266,130 @@ def conv_integer(g: GradBuilder, n: NodeContext) -> Grads:
     return _as_product(
         g, n, "Conv", _centered(g, x, optional_input(n, 2), dy), _centered(g, w, optional_input(n, 3), dy, 0)
     )
+
+
+# ---- MatMulNBits (com.microsoft): blockwise 4/8-bit weights ----------------------------------------
+def _unpack(g: GradBuilder, packed: Var, bits: int, count: Var | int) -> Var:
+    """uint8 bytes (..., m) -> int32 values (..., m * 8 / bits), low bits first, cut to ``count``
+    values along the last axis (a Var: a 1-element int64)."""
+    values = g.Cast(packed, to=TensorProto.INT32)
+    if bits == 4:
+        high = values / 16  # integer division
+        low = values - high * 16
+        values = g.Reshape(g.Concat(g.Unsqueeze(low, [-1]), g.Unsqueeze(high, [-1]), axis=-1), [0, 0, -1])
+    end = g.const([count]) if isinstance(count, int) else count
+    return g.Slice(values, g.const([0]), end, g.const([-1]))
+
+
+def _packed_tensor(g: GradBuilder, dtype: int, dims: list[int], raw: bytes) -> Var:
+    """A new initializer of the backward graph, of ``dtype`` (uint4 / uint8) from its raw bytes."""
+    name = g.fresh("packed")
+    g.initializers[name] = helper.make_tensor(name, dtype, dims, raw, raw=True)
+    return Var(g, name, dtype, tuple(dims))
+
+
+def _packed_weight(g: GradBuilder, n: NodeContext, bits: int, blocks: int, block: int) -> Var | None:
+    """W (N, n_blocks block) for dA when B is an initializer: a ``com.microsoft`` DequantizeLinear
+    (per axis, one scale per block row) of B's own bytes, re-typed as a uint4 / uint8 initializer
+    (N n_blocks, block); None when B or uint8 zero points are fed at run time.
+
+    Dequantizing with plain ops (unpacking, ``(q - zero point) scale``) from initializers is
+    constant-folded by onnxruntime into a float (N, K) initializer per weight: the backward session
+    would hold every 4-bit weight in float. onnxruntime does not fold DequantizeLinear (it keeps
+    quantized weights quantized), so the backward holds B packed (the same bytes) and dequantizes one
+    weight at a time at run time. Float zero points are applied after: W = DQ(q) - zero point scale.
+    """
+    scales, zp = n.inputs[2], optional_input(n, 3)
+    assert scales is not None
+    packed = n.const_input(1)
+    if packed is None or scales.dtype not in (TensorProto.FLOAT, TensorProto.FLOAT16):
+        return None
+    n_dim = int(n.attr("N"))
+    rows = n_dim * blocks
+    qtype = TensorProto.UINT4 if bits == 4 else TensorProto.UINT8
+    if zp is None:
+        zeros = np.full(rows, default_zero_point(bits), np.uint8)
+    elif zp.dtype == TensorProto.UINT8:
+        values = n.const_input(3)
+        if values is None:
+            return None
+        zeros = unpack_bits(values.reshape(n_dim, -1), bits, blocks).reshape(-1)
+    else:
+        zeros = None  # float zero points: subtracted after the DequantizeLinear
+    q = _packed_tensor(g, qtype, [rows, block], np.ascontiguousarray(packed, np.uint8).tobytes())
+    scale = g.Reshape(scales, [-1])
+    if zeros is None:
+        w = g.DequantizeLinear(q, scale, domain=MS_DOMAIN, axis=0, dtype=scales.dtype)
+        w = w - g.Reshape(zp * scales, [rows, 1])  # type: ignore[operator]
+    else:
+        zero = _packed_tensor(g, qtype, [rows], pack_bits(zeros, bits).tobytes())
+        w = g.DequantizeLinear(q, scale, zero, domain=MS_DOMAIN, axis=0, dtype=scales.dtype)
+    return g.Reshape(w, [n_dim, blocks * block])
+
+
+@rule("MatMulNBits", domain=MS_DOMAIN)
+def matmul_nbits(g: GradBuilder, n: NodeContext) -> Grads:
+    """Y = A W^T + bias, W (N, K) the blockwise dequantization of the frozen packed weight B.
+
+    B is uint8 (N, n_blocks, blob_size), ``bits`` values per byte, low bits first; ``scales``
+    (N n_blocks); ``zero_points`` uint8 packed like B (N, ceil(n_blocks bits / 8)) or of the scales'
+    type (N n_blocks), absent meaning 2^(bits - 1). The backward dequantizes W (a ``com.microsoft``
+    DequantizeLinear of B's bytes when B is an initializer, see :func:`_packed_weight`, else plain
+    ops: integer unpacking, (q - zero point) scale per block), keeps the K columns and gives
+    dA = dY W, dbias = dY summed over the rows. B (integers) gets none; float scales and zero
+    points, when trained, get theirs from dW = dY^T A (rows of every batch) per block:
+    dscale = sum(dW (q - zero point)), dzero_point = -scale sum(dW).
+    """
+    a, b, scales = n.inputs[0], n.inputs[1], n.inputs[2]
+    zp, g_idx, bias = optional_input(n, 3), optional_input(n, 4), optional_input(n, 5)
+    assert a is not None and b is not None and scales is not None
+    bits, block = int(n.attr("bits", 4)), int(n.attr("block_size"))
+    k_dim, n_dim = int(n.attr("K")), int(n.attr("N"))
+    grads: Grads = [None] * len(n.inputs)
+    if bias is not None and n.needs[5]:
+        grads[5] = g.unbroadcast(n.dy, bias, n.y.shape)
+    need_scales = n.needs[2]
+    need_zero = zp is not None and n.needs[3] and zp.dtype != TensorProto.UINT8
+    if not (n.needs[0] or need_scales or need_zero):
+        return grads
+    if bits not in (4, 8):
+        raise unsupported(n, 0, f"bits={bits} (the rule unpacks 4 and 8)")
+    if g_idx is not None:
+        raise unsupported(n, 0, "a g_idx input (act-order) is not supported")
+    blocks = -(-k_dim // block)
+
+    def plain() -> tuple[Var, Var, Var]:
+        """q (N, n_blocks, block), its zero points and scales (N, n_blocks, 1), in A's type."""
+        q = g.Cast(_unpack(g, b, bits, block), to=a.dtype)
+        if zp is None:
+            zero = g.const(float(2 ** (bits - 1)), a.dtype)
+        elif zp.dtype == TensorProto.UINT8:
+            zero = g.Cast(_unpack(g, g.Reshape(zp, [n_dim, 1, -1]), bits, blocks), to=a.dtype)
+            zero = g.Reshape(zero, [n_dim, blocks, 1])
+        else:
+            zero = g.Reshape(g.Cast(zp, to=a.dtype), [n_dim, blocks, 1])
+        return q, zero, g.Reshape(g.Cast(scales, to=a.dtype), [n_dim, blocks, 1])
+
+    if n.needs[0]:
+        w = _packed_weight(g, n, bits, blocks, block)
+        if w is None:  # B or its zero points fed at run time: nothing onnxruntime could fold
+            q, zero, scale = plain()
+            w = g.Reshape((q - zero) * scale, [n_dim, blocks * block])
+        if blocks * block != k_dim:
+            w = g.Slice(w, g.const([0]), g.const([k_dim]), g.const([1]))
+        grads[0] = g.MatMul(n.dy, cast(w, a), shape=a.shape)  # (..., N) @ (N, K)
+    if need_scales or need_zero:
+        rows_dy, rows_a = g.Reshape(n.dy, g.const([-1, n_dim])), g.Reshape(a, g.const([-1, k_dim]))
+        dw = g.Gemm(rows_dy, rows_a, transA=1)  # (N, K)
+        if blocks * block != k_dim:
+            dw = g.Pad(dw, g.const([0, 0, 0, blocks * block - k_dim]))
+        dw = g.Reshape(dw, g.const([n_dim, blocks, block]))
+        q, zero, scale = plain()
+        if need_scales:
+            grads[2] = g.Cast(
+                g.Reshape(g.ReduceSum(dw * (q - zero), [2], keepdims=0), g.shape_of(scales)), to=scales.dtype
+            )
+        if need_zero:
+            d_zero = g.ReduceSum(dw, [2], keepdims=1) * scale * -1.0
+            grads[3] = g.Cast(g.Reshape(d_zero, g.shape_of(zp)), to=zp.dtype)  # type: ignore[arg-type]
+    return grads
