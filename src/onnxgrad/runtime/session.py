@@ -240,11 +240,16 @@ class ForwardBackward:
         if training and self._running_stats:  # keep the running statistics running
             for stat, out in self._running_stats.items():
                 np.copyto(self._buffers[stat], by_name[out].numpy())
-        if saved is not None:
-            # OrtValues do not own numpy buffers: keep the fed arrays and the parameter arrays of
-            # this step alive until the backward (set_parameters may replace them meanwhile)
-            saved["__inputs__"] = (bound, dict(self._params))  # type: ignore[assignment]
-        return ForwardResult(self, [by_name[o].numpy() for o in self.output_names], saved)
+        if saved is None:
+            return ForwardResult(self, [by_name[o].numpy() for o in self.output_names], None)
+        # OrtValues do not own numpy buffers: keep the fed arrays and the parameter arrays of
+        # this step alive until the backward (set_parameters may replace them meanwhile)
+        saved["__inputs__"] = (bound, dict(self._params))  # type: ignore[assignment]
+        # an output's array shares its OrtValue's buffer: where the backward saved that value too,
+        # the caller gets a copy, so that changing the array in place cannot change the gradient
+        outputs = [by_name[o].numpy() for o in self.output_names]
+        outputs = [a.copy() if o in saved else a for o, a in zip(self.output_names, outputs)]
+        return ForwardResult(self, outputs, saved)
 
     def _backward(self, saved: dict[str, Any], grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = {out: from_numpy(arr) for out, arr in grads.items()}
