@@ -22,7 +22,7 @@ from ..autodiff.engine import GradientGraphs
 from ..autodiff.params import untie
 from ..autodiff.prepare import ModelLike, PreparedModel, prepare
 from ..errors import InputError, OnnxGradRuntimeError
-from ..model.graph import ValueInfo, np_dtype, to_array
+from ..model.graph import ValueInfo, inputs_read_only_in_branches, np_dtype, to_array
 from ..model.load import CheckedModel
 from .runner import BaseRunner, make_runner
 from .values import check_dims_agree, contiguous, from_numpy
@@ -149,6 +149,9 @@ class ForwardBackward:
         self._runner = make_runner(graphs, self.providers, session_options)
         self._eval_runner: BaseRunner | None = None  # inference-mode graphs, made on first use
         self._inputs = {k: v for k, v in self._runner.inputs.items() if k not in self._stat_names()}
+        # the declarations whose symbolic dimensions the given arrays must agree on
+        branch_only = inputs_read_only_in_branches(graphs.forward.graph)
+        self._agreeing = {k: v for k, v in self._inputs.items() if k not in branch_only}
         self._params: dict[str, np.ndarray] = self._runner.initial_values
         self._param_values = {k: from_numpy(v) for k, v in self._params.items()}
         inits = {i.name: i for i in graphs.forward.graph.initializer}
@@ -266,7 +269,7 @@ class ForwardBackward:
         if missing:
             raise InputError(f"missing input(s) {missing}; the model's inputs are {list(self._inputs)}")
         arrays = {name: check_array(name, feeds[name], self._inputs[name]) for name in self._inputs}
-        check_dims_agree({k: a.shape for k, a in arrays.items()}, self._inputs)
+        check_dims_agree({k: a.shape for k, a in arrays.items()}, self._agreeing)
         return arrays
 
     def _grad_feeds(self, grad_outputs: Any, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
