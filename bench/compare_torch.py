@@ -19,7 +19,13 @@ figures carry the machine they were taken on (CPU, cores, vector extensions, loa
 versions). Medians and fastest steps are both printed: on a shared machine the fastest step is the
 steadier of the two.
 
-    python bench/compare_torch.py [--models mlp cnn transformer tiny vgg] [--steps 30] [--json out.json]
+    python bench/compare_torch.py [--models mlp cnn transformer tiny vgg] [--steps 30] [--threads 2]
+                                  [--json out.json]
+
+``--threads N`` sets both torch's and onnxruntime's intra-op threads (default 2, the project
+machine's cores). It runs with any torch: where the installed one is outside onnxgrad's supported
+range, ``onnxgrad.torch`` does not import, the ``OnnxModule`` row is left out and the reason printed
+(the numpy path, the one-graph step and torch eager are still timed).
 """
 
 from __future__ import annotations
@@ -34,16 +40,27 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import onnxruntime as ort
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import onnxgrad
 from bench import anchors
+from onnxgrad.deps import DependencyError
 from onnxgrad.runtime.runner import default_options
-from onnxgrad.torch import OnnxModule
 
 THREADS = 2
+"""intra-op threads of torch and onnxruntime (``--threads``)."""
+
+
+def onnx_module_class() -> tuple[type | None, str | None]:
+    """``OnnxModule``, or ``None`` and why where the installed torch is outside onnxgrad's range."""
+    try:
+        from onnxgrad.torch import OnnxModule
+    except DependencyError as exc:
+        return None, str(exc)
+    return OnnxModule, None
 
 
 def machine() -> dict:
@@ -112,9 +129,7 @@ def setup(name: str, only: str | None = None) -> dict[str, Callable[[], None]]:
     """The step function of each contender for model ``name`` (or of contender ``only``)."""
     module, x = _model(name)
     model = anchors.export(module, x[:1])
-    opts = default_options()  # no spinning pool threads (they would also steal torch's cores)
-    opts.intra_op_num_threads = THREADS
-    opts.inter_op_num_threads = 1
+    opts = _options()  # no spinning pool threads (they would also steal torch's cores)
     with torch.no_grad():  # a training step's saved activations must not hide under this peak
         ones = torch.ones_like(module(x))
     fns: dict[str, Callable[[], None]] = {}
@@ -124,8 +139,9 @@ def setup(name: str, only: str | None = None) -> dict[str, Callable[[], None]]:
         feeds = {"input": x.numpy()}
         fns["onnxgrad numpy"] = lambda: fb.forward(feeds).backward() and None
 
-    if only in (None, "onnxgrad OnnxModule"):
-        om = OnnxModule(model, session_options=opts)
+    onnx_module, _ = onnx_module_class()
+    if only in (None, "onnxgrad OnnxModule") and onnx_module is not None:
+        om = onnx_module(model, session_options=opts)
 
         def module_step() -> None:
             om.zero_grad(set_to_none=True)
@@ -143,6 +159,14 @@ def setup(name: str, only: str | None = None) -> dict[str, Callable[[], None]]:
     return fns
 
 
+def _options() -> ort.SessionOptions:
+    """onnxgrad's default session options at :data:`THREADS` intra-op threads."""
+    opts = default_options()
+    opts.intra_op_num_threads = THREADS
+    opts.inter_op_num_threads = 1
+    return opts
+
+
 FULL_LR, FULL_WD = 1e-3, 1e-2
 
 
@@ -158,9 +182,7 @@ def setup_full(name: str, keep: list | None = None) -> dict[str, Callable[[], No
     model = anchors.export(module, x[:1])
     with torch.no_grad():
         target = torch.randn(module(x).shape, generator=torch.Generator().manual_seed(2))
-    opts = default_options()
-    opts.intra_op_num_threads = THREADS
-    opts.inter_op_num_threads = 1
+    opts = _options()
     batch = {"input": x.numpy(), "target": target.numpy()}
     fns: dict[str, Callable[[], None]] = {}
 
@@ -237,7 +259,8 @@ def peak_memory(name: str, contender: str, steps: int = 5) -> float:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = (
         f"import resource, sys, torch; sys.path.insert(0, {root!r}); torch.set_num_threads({THREADS});"
-        f"from bench.compare_torch import setup; fn = setup({name!r}, {contender!r})[{contender!r}];"
+        f"import bench.compare_torch as bench; bench.THREADS = {THREADS};"
+        f"fn = bench.setup({name!r}, {contender!r})[{contender!r}];"
         "import os; page = os.sysconf('SC_PAGE_SIZE');"
         "base = int(open('/proc/self/statm').read().split()[1]) * page / 1024;"  # resident KiB now
         f"[fn() for _ in range({steps})];"
@@ -306,6 +329,8 @@ def _isolated(name: str, args: argparse.Namespace) -> dict:
             str(args.full_steps),
             "--build-layers",
             "0",
+            "--threads",
+            str(THREADS),
             "--in-process",
             "--json",
             path,
@@ -318,9 +343,13 @@ def _isolated(name: str, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global THREADS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "mlp", "cnn", "transformer", "vgg"])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--threads", type=int, default=THREADS, help="intra-op threads of torch and onnxruntime (default 2)"
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     parser.add_argument(
         "--full-steps", type=int, default=20, help="steps of the full-step comparison (0: skip it)"
@@ -335,9 +364,16 @@ def main(argv: list[str] | None = None) -> int:
         help="time every model in this process (default: one process each)",
     )
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    THREADS = args.threads
     torch.set_num_threads(THREADS)
     figures: dict = {"machine": machine(), "threads": THREADS, "steps": args.steps, "models": {}}
-    print(", ".join(f"{k}: {v}" for k, v in figures["machine"].items()))
+    _, skipped = onnx_module_class()
+    figures["onnx_module_skipped"] = skipped
+    print(", ".join(f"{k}: {v}" for k, v in figures["machine"].items()) + f", threads: {THREADS}")
+    if skipped:
+        print(f"onnxgrad OnnxModule not timed: {skipped}")
     for name in args.models:
         figures["models"][name] = run_model(name, args) if args.in_process else _isolated(name, args)
     cols = ("median ms", "vs torch", "min ms", "vs torch", "peak MiB")

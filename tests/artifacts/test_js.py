@@ -1,5 +1,6 @@
 """The JavaScript runner (js/) on onnxruntime-node: the digits MLP's 200 losses equal the Python
-runner's. Skipped when node or npm is missing, or when js/'s dependencies cannot be installed."""
+runner's. Skipped when node or npm is missing; fails when js/'s dependencies cannot be installed
+(tests/_node.py installs them once, under a lock)."""
 
 from __future__ import annotations
 

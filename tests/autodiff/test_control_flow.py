@@ -140,6 +140,40 @@ def test_if_branch_output_named_like_the_if_output():
         check(model, {"x": np.array([0.3, -0.2, 0.7]), "c": np.array(taken)})
 
 
+def test_if_branches_defining_one_name_with_different_types():
+    # optimum's merged decoder: '/transformer/Add_1_output_0' is an int64 position in one branch
+    # and float embeddings in the other. Here 'a' is int64 in then (a count, cast back to float),
+    # float in else, where a nested If reads it from its enclosing branch
+    then = graph(
+        "then",
+        [const("k", np.array([2], np.int64)), node("Add", ["k", "k"], ["a"]),
+         node("Cast", ["a"], ["af"], to=F64), node("Mul", ["x", "af"], ["t"]), node("Tanh", ["t"], ["out"])],
+        [],
+        [vi("out", F64, [3])],
+    )  # fmt: skip
+    inner = graph("inner", [node("Mul", ["a", "W"], ["i"])], [], [vi("i", F64, [3])])
+    inner_else = graph("inner_else", [node("Neg", ["a"], ["i"])], [], [vi("i", F64, [3])])
+    other = graph(
+        "else",
+        [node("Mul", ["x", "W"], ["a"]), node("If", ["c2"], ["n"], then_branch=inner, else_branch=inner_else),
+         node("Tanh", ["n"], ["out"])],
+        [],
+        [vi("out", F64, [3])],
+    )  # fmt: skip
+    model = make_model(
+        [node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
+        [("x", np.float64, [3]), ("c", np.bool_, []), ("c2", np.bool_, [])],
+        [("y", np.float64, [3])],
+        {"W": np.array([0.5, -1.0, 2.0])},
+    )
+    for taken in (True, False):
+        graphs = check(model, {"x": np.array([0.3, -0.2, 0.7]), "c": np.array(taken), "c2": np.array(True)})
+    check(model, {"x": np.array([0.3, -0.2, 0.7]), "c": np.array(False), "c2": np.array(False)})
+    # the main graph keeps its names; each branch value has one name of its own
+    assert [i.name for i in graphs.forward.graph.input][:3] == ["x", "c", "c2"]
+    assert graphs.outputs == ["y"]
+
+
 def test_if_branch_with_dynamic_shapes():
     # the then-branch's ReduceSum needs the shape of exp(x), known only at run time: computed in the
     # forward branch and exported through the If like any value the backward reads

@@ -131,6 +131,27 @@ def test_gathered_copy_expanded_over_the_batch_is_one_gather():
     assert (tie.source, tie.how) == ("bias_core", "gather of 98 entries over [2, 2, 16, 16]")
 
 
+def t5_copy(positions: int, heads: int = 4, buckets: int = 32, causal: bool = False) -> np.ndarray:
+    """T5's position bias over ``positions`` tokens, (1, heads, q, k): one bucket per offset k - q
+    (a table of ``buckets`` entries per head), float32's lowest above the diagonal when ``causal``."""
+    table = rnd(buckets, heads)
+    offset = np.arange(positions)[None, :] - np.arange(positions)[:, None]
+    copy = table[offset + positions].transpose(2, 0, 1)[None]
+    if causal:
+        copy = np.where(offset > 0, np.finfo(F32).min, copy)
+    return np.ascontiguousarray(copy, dtype=F32)
+
+
+def test_relative_position_bias_over_few_positions_is_a_gathered_copy():
+    # 5 positions: 36 distinct values in 100, too few repeats to count, but constant along diagonals
+    bias = t5_copy(5)
+    decoder = np.broadcast_to(t5_copy(3, causal=True), (2, 4, 3, 3)).copy()  # 13 distinct values
+    (tie,) = select_parameters(added({"bias": bias}, shape=bias.shape)).ties
+    assert (tie.name, tie.source, tie.how) == ("bias", "bias_core", "gather of 36 entries over [1, 4, 5, 5]")
+    (tie,) = select_parameters(added({"dec": decoder}, shape=decoder.shape)).ties
+    assert (tie.source, tie.how) == ("dec_core", "gather of 13 entries over [2, 4, 3, 3]")
+
+
 def test_no_gather_tie_without_repeats_or_distinct_entries():
     _, index, _ = swin_copy()
     few = np.arange(8, dtype=F32)[index % 8][None, None]  # 8 distinct values: too few to tell
@@ -138,6 +159,11 @@ def test_no_gather_tie_without_repeats_or_distinct_entries():
     weight = rnd(1, 2, 16, 16)  # no repeats
     model = added({"few": few.repeat(2, 1), "zeros": zeros, "weight": weight}, shape=(1, 2, 16, 16))
     assert select_parameters(model).ties == []
+    # constant along the diagonals, as a relative-position bias is, but an initialisation: identity,
+    # banded (three values)
+    eye = np.broadcast_to(np.eye(16, dtype=F32), (1, 2, 16, 16)).copy()
+    banded = (eye + 0.5 * np.roll(eye, 1, axis=-1) - 0.25 * np.roll(eye, -1, axis=-1)).astype(F32)
+    assert select_parameters(added({"eye": eye, "banded": banded}, shape=(1, 2, 16, 16))).ties == []
 
 
 # ---- aliases ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """onnxruntime-web's former training API in js/ (src/ort_training.js) on onnxruntime-node: the
-numbers of the Python API on the same folder. Skipped when node or npm is missing, or when js/'s
-dependencies cannot be installed."""
+numbers of the Python API on the same folder. Skipped when node or npm is missing; fails when js/'s
+dependencies cannot be installed (tests/_node.py installs them once, under a lock)."""
 
 from __future__ import annotations
 

@@ -36,6 +36,18 @@ def test_forward_matches_plain_onnxruntime_and_backward_matches_numpy():
         np.testing.assert_allclose(grads[k], v, rtol=1e-10, atol=1e-12)
 
 
+def test_in_place_change_of_an_output_the_backward_saved_leaves_the_gradients_alone():
+    model = mlp()  # its output is Sigmoid's, which the backward reads
+    fb = onnxgrad.ForwardBackward(model, inputs_requiring_grad=["x"])
+    assert "y" in fb.graphs.saved
+    x, dy = RNG.standard_normal((7, 4)), RNG.standard_normal((7, 3))
+    res = fb.forward({"x": x})
+    res.outputs[0] += 1.0  # the caller's array is its own
+    grads = res.backward([dy])
+    for k, v in numpy_mlp_grads(model, x, dy).items():
+        np.testing.assert_allclose(grads[k], v, rtol=1e-10, atol=1e-12)
+
+
 def test_saved_values_stay_in_onnxruntime_and_inputs_are_not_copied():
     fb = onnxgrad.ForwardBackward(mlp())
     x = np.ascontiguousarray(RNG.standard_normal((3, 4)))

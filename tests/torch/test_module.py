@@ -6,6 +6,7 @@ import copy
 import pickle
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -300,6 +301,36 @@ def test_in_place_change_of_a_saved_input_is_reported_by_torch(net64):
     x.add_(1.0)  # x is saved for the weight gradient of the first layer
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_in_place_change_of_an_output_the_backward_saved_is_reported_as_torch_does():
+    # mlp's output is Sigmoid's, which its backward reads: torch saves it, and so does onnxgrad
+    from tests.models import mlp
+
+    model = mlp()
+    m = OnnxModule(model)
+    assert "y" in m._variant(("W1", "b1", "W2", "b2"), ()).saved_names
+    w = {i.name: torch.tensor(onnx.numpy_helper.to_array(i)) for i in model.graph.initializer}
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def eager(x):
+        return torch.sigmoid(torch.relu(x @ w["W1"] + w["b1"]) @ w["W2"] + w["b2"])
+
+    w["W1"].requires_grad_()
+    want = eager(x)
+    want.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as torch_error:
+        want.sum().backward()
+    y = m(x)
+    y.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as ours:
+        y.sum().backward()
+    assert "output 0 of _OnnxFunction, is at version 1; expected version 0" in str(ours.value)
+    assert "is at version 1; expected version 0" in str(torch_error.value)
+    # left alone, the output's gradient is torch's
+    (g,) = torch.autograd.grad(m(x).pow(2).sum(), m.W1)
+    (g_want,) = torch.autograd.grad(eager(x).pow(2).sum(), w["W1"])
+    torch.testing.assert_close(g, g_want)
 
 
 def _two_outputs_model():

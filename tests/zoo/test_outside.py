@@ -34,3 +34,10 @@ def test_onnxmodule_training_follows_torch(name, exporter):
 @pytest.mark.parametrize(("name", "exporter"), cases([*MODELS, "bert_fresh"], "forwardbackward"))
 def test_forwardbackward_training_follows_torch(name, exporter):
     check_training(name, exporter, "forwardbackward")
+
+
+def test_t5_short_sequences_dynamo_training_follows_torch():
+    # the dynamo exporter folds the encoder's position bias into ``slice_1`` (36 distinct values in
+    # 100, too few repeats for the count rule): trained elementwise, its copies of one bucket drift
+    # apart and the losses leave torch's (1.5e-4 relative at step 8); rebuilt as one table they follow
+    check_training("t5_short", "dynamo", "forwardbackward")

@@ -38,6 +38,7 @@ from ..model.graph import (
     sort_nodes,
     to_array,
     topological_order,
+    unique_scope_names,
 )
 from ..model.infer import infer_value_infos
 from ..model.load import CheckedModel, load_model
@@ -268,6 +269,7 @@ def _prepare(model: onnx.ModelProto) -> onnx.ModelProto:
     copy.graph.node.extend(ordered)
     complete_class_names(copy.graph)  # PythonOp nodes of files that have func_name but no name
     check_model(copy)
+    unique_scope_names(copy.graph)  # sibling branches may reuse a name (optimum's merged decoders)
     if copy.functions:  # model-local functions: differentiate their bodies
         from onnx import inliner
 

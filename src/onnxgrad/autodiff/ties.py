@@ -47,12 +47,16 @@ length 1 along its repeated axes), which is the parameter; :func:`untie` writes 
 exporters fold the gather and keep only the copy, one per layer, the table gone. An initializer
 ``B`` left untied by the rules above is such a copy when its elements take few values, each many
 times: at least :data:`BROADCAST_MIN_DISTINCT` distinct values, at most 1/:data:`GATHER_MIN_REPEAT`
-as many as ``B`` has elements, all finite. The table is rebuilt as a new initializer ``B_core`` (one
-entry per distinct value, in order of first appearance) and ``B`` is computed from it by a
-``Gather`` with the constant index map, so each entry trains once, its gradient summed over every
-position that reads it, as torch sums it into its table (perturbed or trained tables hold distinct
-entries; a table whose entries are equal, such as Swin's all-zero table at initialization, cannot be
-told from a constant and is trained elementwise).
+as many as ``B`` has elements, all finite; or, fewer repeats, when ``B`` is a bias over 1-D
+relative positions (constant along the diagonals of its last two axes, at least
+:data:`RELATIVE_MIN_DISTINCT` distinct values: T5's buckets over a short sequence, 36 distinct
+values in 100 for 5 positions, which the dynamo exporter keeps as a folded ``slice_1``). The table
+is rebuilt as a new initializer ``B_core`` (one entry per distinct value, in order of first
+appearance) and ``B`` is computed from it by a ``Gather`` with the constant index map, so each
+entry trains once, its gradient summed over every position that reads it, as torch sums it into its
+table (perturbed or trained tables hold distinct entries; a table whose entries are equal, such as
+Swin's all-zero table at initialization, cannot be told from a constant and is trained
+elementwise).
 """
 
 from __future__ import annotations
@@ -76,6 +80,11 @@ BROADCAST_MIN_DISTINCT = 16
 
 GATHER_MIN_REPEAT = 4
 """A gathered copy holds at most 1/this as many distinct values as elements (see above)."""
+
+RELATIVE_MIN_DISTINCT = 8
+"""The fewest distinct values of a bias over 1-D relative positions that repeats too little for
+:data:`GATHER_MIN_REPEAT` (an identity or banded initialisation, constant along its diagonals too,
+holds two or three)."""
 
 
 @dataclass(frozen=True)
@@ -238,25 +247,38 @@ def _gather_ties(model: onnx.ModelProto, wanted: list[str], ties: list[Tie]) -> 
     out: list[Tie] = []
     for n in wanted:
         t = inits[n]
-        size = int(np.prod(t.dims, dtype=np.int64))
-        if (
-            n in grouped
-            or t.data_type not in FLOAT_TYPES
-            or size < GATHER_MIN_REPEAT * BROADCAST_MIN_DISTINCT
-        ):
+        if n in grouped or t.data_type not in FLOAT_TYPES or int(np.prod(t.dims, dtype=np.int64)) < 4:
             continue
         v = np.ascontiguousarray(to_array(t))
         if not np.isfinite(v).all():
             continue
         _, first, inverse = np.unique(_bits(v).ravel(), return_index=True, return_inverse=True)
         k = first.size
-        if k < BROADCAST_MIN_DISTINCT or k * GATHER_MIN_REPEAT > size:
+        if not _gathered(v, k):
             continue
         rank = np.empty(k, np.int64)
         rank[np.argsort(first)] = np.arange(k)  # entries in order of first appearance
         index = rank[inverse.ravel()].reshape(v.shape)
         out.append(Tie(n, unique_name(f"{n}_core", taken), made=True, gather=index))
     return out
+
+
+def _gathered(v: np.ndarray, distinct: int) -> bool:
+    """Whether ``v``, holding ``distinct`` distinct values, is a gathered copy of a table (see the
+    module's documentation): few values each many times, or a bias over 1-D relative positions."""
+    if distinct >= BROADCAST_MIN_DISTINCT and distinct * GATHER_MIN_REPEAT <= v.size:
+        return True
+    return RELATIVE_MIN_DISTINCT <= distinct < v.size and _relative_positions(v)
+
+
+def _relative_positions(v: np.ndarray) -> bool:
+    """Whether ``v`` is constant, bit for bit, along every diagonal of its last two axes (each
+    square of them at least 2 x 2): ``v[..., i, j]`` depends on ``j - i`` only, the form of a bias
+    over 1-D relative positions (T5's buckets), which no trained weight takes by accident."""
+    if v.ndim < 2 or v.shape[-1] < 2 or v.shape[-2] < 2:
+        return False
+    b = _bits(v)
+    return bool((b[..., 1:, 1:] == b[..., :-1, :-1]).all())
 
 
 def _bits(v: np.ndarray) -> np.ndarray:
@@ -339,7 +361,7 @@ def _broadcast_ties(
             break
         # no initializer holds the core: it becomes a new one, the parameter; unless the core is
         # itself a gathered copy (T5's decoder position bias expanded over the batch): a gather then
-        if not matched and np.unique(core).size * GATHER_MIN_REPEAT > core.size:
+        if not matched and not _gathered(core, np.unique(core).size):
             source = unique_name(f"{b}_core", taken)
             out.append(Tie(b, source, shape=tuple(core.shape), expand=tuple(values[b].shape), made=True))
     return out

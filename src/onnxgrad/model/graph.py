@@ -7,7 +7,7 @@ never touch raw protobuf type fields.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -379,6 +379,80 @@ def all_names(graph: onnx.GraphProto) -> set[str]:
         names |= local_names(g)
         names.update(v.name for v in [*g.value_info, *g.output])
     return names
+
+
+def unique_scope_names(graph: onnx.GraphProto) -> dict[str, list[str]]:
+    """Rename, in place, the values a subgraph defines under a name another scope defines too, so
+    that every value name of the model is defined once; returns old name -> its new names.
+
+    ONNX lets sibling subgraphs define the same name: optimum's merged decoders hold the decoder
+    without past and the one with past as the two branches of an If, each with its own
+    ``/transformer/Add_1_output_0`` (an int64 position in one, the float embeddings in the other).
+    Whatever keys values by name (types, what the backward saves from a branch) would mix them.
+    The first definition met (the main graph first, then the subgraphs in node order) keeps its
+    name; a later one becomes ``<name>_2``, ``_3``... in its scope and in the subgraphs nested in it
+    that read it. The main graph's names (inputs, outputs, initializers) never change, and an If's
+    branch outputs bind by position, so the model computes the same.
+    """
+    taken = all_names(graph)
+    defined: set[str] = set()
+    renamed: dict[str, list[str]] = {}
+
+    def visit(g: onnx.GraphProto, outer: dict[str, str]) -> None:
+        mapping = dict(outer)
+        for name in sorted(local_names(g), key=_definition_order(g)):
+            if name in defined:
+                mapping[name] = unique_name(name, taken)
+                renamed.setdefault(name, []).append(mapping[name])
+            else:
+                defined.add(name)
+                mapping.pop(name, None)  # defined here: not the outer value of that name
+        if mapping:
+            _apply_names(g, mapping)
+        for node in g.node:
+            for sub in subgraphs(node):
+                visit(sub, mapping)
+
+    visit(graph, {})
+    return renamed
+
+
+def _definition_order(graph: onnx.GraphProto) -> Callable[[str], int]:
+    """Sort key: where ``graph`` defines a name (inputs, initializers, then node outputs)."""
+    order = [i.name for i in graph.input] + [i.name for i in graph.initializer]
+    order += [o for node in graph.node for o in node.output if o]
+    first = {}
+    for k, name in enumerate(order):
+        first.setdefault(name, k)
+    return first.__getitem__
+
+
+def _apply_names(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
+    """Rename the values of ``graph`` itself (not of its subgraphs) by ``mapping``."""
+    for node in graph.node:
+        node.input[:] = [mapping.get(n, n) for n in node.input]
+        node.output[:] = [mapping.get(n, n) for n in node.output]
+    for info in [*graph.input, *graph.output, *graph.value_info]:
+        info.name = mapping.get(info.name, info.name)
+    for init in graph.initializer:
+        init.name = mapping.get(init.name, init.name)
+
+
+def inputs_read_only_in_branches(graph: onnx.GraphProto) -> set[str]:
+    """The inputs of ``graph`` that only If branches read (a Shape node reads no value, only a
+    shape, and does not count). Each branch may read such an input under its own contract on its
+    dimensions: optimum's merged decoders declare the attention mask as long as ``input_ids``
+    (``sequence_length``, the no-past branch's contract), and the cache branch reads one of past +
+    new positions."""
+    inputs = {i.name for i in graph.input} - {i.name for i in graph.initializer}
+    elsewhere: set[str] = set()
+    in_branches: set[str] = set()
+    for node in graph.node:
+        if node.op_type != "Shape":
+            elsewhere.update(node.input)
+        captured = set(captured_names(node))
+        (in_branches if node.op_type == "If" else elsewhere).update(captured)
+    return (inputs & in_branches) - elsewhere
 
 
 def _node_reads(node: onnx.NodeProto) -> list[str]:

@@ -22,7 +22,7 @@ from ..autodiff.engine import GradientGraphs
 from ..autodiff.params import untie
 from ..autodiff.prepare import ModelLike, PreparedModel, prepare
 from ..errors import InputError, OnnxGradRuntimeError
-from ..model.graph import ValueInfo, np_dtype, to_array
+from ..model.graph import ValueInfo, inputs_read_only_in_branches, np_dtype, to_array
 from ..model.load import CheckedModel
 from .providers import resolve_providers
 from .runner import BaseRunner, make_runner
@@ -123,6 +123,9 @@ class ForwardBackward:
         self._runner = make_runner(graphs, self.providers, session_options)
         self._eval_runner: BaseRunner | None = None  # inference-mode graphs, made on first use
         self._inputs = {k: v for k, v in self._runner.inputs.items() if k not in self._stat_names()}
+        # the declarations whose symbolic dimensions the given arrays must agree on
+        branch_only = inputs_read_only_in_branches(graphs.forward.graph)
+        self._agreeing = {k: v for k, v in self._inputs.items() if k not in branch_only}
         self._params: dict[str, np.ndarray] = self._runner.initial_values
         self._param_values = {k: from_numpy(v) for k, v in self._params.items()}
         inits = {i.name: i for i in graphs.forward.graph.initializer}
@@ -214,11 +217,16 @@ class ForwardBackward:
         if training and self._running_stats:  # keep the running statistics running
             for stat, out in self._running_stats.items():
                 np.copyto(self._buffers[stat], by_name[out].numpy())
-        if saved is not None:
-            # OrtValues do not own numpy buffers: keep the fed arrays and the parameter arrays of
-            # this step alive until the backward (set_parameters may replace them meanwhile)
-            saved["__inputs__"] = (bound, dict(self._params))  # type: ignore[assignment]
-        return ForwardResult(self, [by_name[o].numpy() for o in self.output_names], saved)
+        if saved is None:
+            return ForwardResult(self, [by_name[o].numpy() for o in self.output_names], None)
+        # OrtValues do not own numpy buffers: keep the fed arrays and the parameter arrays of
+        # this step alive until the backward (set_parameters may replace them meanwhile)
+        saved["__inputs__"] = (bound, dict(self._params))  # type: ignore[assignment]
+        # an output's array shares its OrtValue's buffer: where the backward saved that value too,
+        # the caller gets a copy, so that changing the array in place cannot change the gradient
+        outputs = [by_name[o].numpy() for o in self.output_names]
+        outputs = [a.copy() if o in saved else a for o, a in zip(self.output_names, outputs)]
+        return ForwardResult(self, outputs, saved)
 
     def _backward(self, saved: dict[str, Any], grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = {out: from_numpy(arr) for out, arr in grads.items()}
@@ -235,7 +243,7 @@ class ForwardBackward:
         if missing:
             raise InputError(f"missing input(s) {missing}; the model's inputs are {list(self._inputs)}")
         arrays = {name: check_array(name, feeds[name], self._inputs[name]) for name in self._inputs}
-        check_dims_agree({k: a.shape for k, a in arrays.items()}, self._inputs)
+        check_dims_agree({k: a.shape for k, a in arrays.items()}, self._agreeing)
         return arrays
 
     def _grad_feeds(self, grad_outputs: Any, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:

@@ -125,18 +125,24 @@ class _Variant:
             self._fwd_run = session_run(runner.fwd)
             self._fwd_wanted = list(runner.fwd_outputs)  # the training forward's results
             where = {n: i for i, n in enumerate(self._fwd_wanted)}
-            intermediates = [n for n, i in zip(self.saved_names, self.saved_feeds) if i is None]
+            out_at = self.output_index
+            intermediates = [
+                n for n, i in zip(self.saved_names, self.saved_feeds) if i is None and n not in out_at
+            ]
             # the user outputs then the saved intermediates, as indices into the results
             self._fwd_take = [where[o] for o in graphs.outputs] + [where[n] for n in intermediates]
-            # each saved value: (True, feed position) or (False, index into the taken results)
+            # each saved value: (True, feed position) or (False, index into the taken results); a
+            # saved value that is also an output is saved as the output's own tensor (see _OnnxFunction)
             n_out, k = len(graphs.outputs), 0
             self._saved_from: list[tuple[bool, int]] = []
-            for i in self.saved_feeds:
-                if i is None:
+            for n, i in zip(self.saved_names, self.saved_feeds):
+                if i is not None:
+                    self._saved_from.append((True, i))
+                elif n in out_at:
+                    self._saved_from.append((False, out_at[n]))
+                else:
                     self._saved_from.append((False, n_out + k))
                     k += 1
-                else:
-                    self._saved_from.append((True, i))
             self._infer_wanted = list(graphs.outputs)
             self._infer_take = list(range(n_out))
             # the backward's feeds: the saved values, then the gradients of the outputs
@@ -154,11 +160,16 @@ class _Variant:
         if not self.direct:
             feeds = dict(zip(self.feed_names, map(from_torch, tensors)))
             outs, saved = self.runner.forward(feeds, True)
+            results = list(map(to_torch, outs))
             kept = [
-                tensors[i] if i is not None else to_torch(saved[n])  # type: ignore[index]
+                tensors[i]
+                if i is not None
+                else results[self.output_index[n]]
+                if n in self.output_index
+                else to_torch(saved[n])  # type: ignore[index]
                 for n, i in zip(self.saved_names, self.saved_feeds)
             ]
-            return list(map(to_torch, outs)), kept
+            return results, kept
         feeds = dict(zip(self.feed_names, self._to_ortvalues(tensors)))
         try:
             res = self._fwd_run(feeds, self._fwd_wanted, None)
@@ -206,7 +217,10 @@ class _OnnxFunction(torch.autograd.Function):
     The values the backward needs are handed to ``ctx.save_for_backward`` as tensors that share
     onnxruntime's buffers (DLPack): PyTorch then owns their lifetime, frees them after a backward
     without ``retain_graph``, reports a second backward with its usual error, and detects in-place
-    changes of saved inputs and parameters.
+    changes of saved inputs and parameters. A saved value that is also an output is saved as the
+    returned output tensor itself, not as a second tensor on the same buffer: an in-place change of
+    the output (``out.add_(1)``) then bumps the version PyTorch checks, and the backward raises
+    PyTorch's own error ("... modified by an inplace operation") instead of using the changed value.
     """
 
     @staticmethod
