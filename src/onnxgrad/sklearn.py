@@ -32,7 +32,6 @@ from sklearn.metrics import accuracy_score, r2_score
 from sklearn.model_selection import train_test_split
 from sklearn.utils.validation import check_array, check_is_fitted
 
-from .autodiff.params import select_parameters
 from .errors import InputError
 from .model.graph import np_dtype, unique_name
 from .model.infer import infer_value_infos
@@ -120,6 +119,7 @@ class _OnnxEstimator(BaseEstimator):
         l1: float = 0.0,
         l2: float = 0.0,
         trainable: Iterable[str] | None = None,
+        frozen: Iterable[str] = (),
         shuffle: bool = True,
         random_state: int | None = 0,
         warm_start: bool = False,
@@ -139,6 +139,7 @@ class _OnnxEstimator(BaseEstimator):
         self.l1 = l1
         self.l2 = l2
         self.trainable = trainable
+        self.frozen = frozen
         self.shuffle = shuffle
         self.random_state = random_state
         self.warm_start = warm_start
@@ -326,15 +327,9 @@ class _OnnxEstimator(BaseEstimator):
         """A trainer on the training model, its weights taken from ``start``; with ``resume``, its
         history (``loss_curve_``, ``n_iter_``) continues the previous fit's, as scikit-learn's
         warm starts do."""
-        if self.trainable is None:  # the parameters: not skl2onnx's `unity` and other constants
-            trainable = select_parameters(self._train_model_).trainable
-        else:
-            trainable = list(self.trainable)
-        if not trainable:
-            raise InputError("the model has no floating-point initializer to train")
-        weights = {
-            i.name: onnx.numpy_helper.to_array(i) for i in start.graph.initializer if i.name in trainable
-        }
+        # the weights reached so far (only the trained ones differ from the model's)
+        names = {i.name for i in self._train_model_.graph.initializer}
+        weights = {i.name: onnx.numpy_helper.to_array(i) for i in start.graph.initializer if i.name in names}
         trainer = Trainer(
             CheckedModel(with_parameters(CheckedModel(self._train_model_), weights)),
             optimizer=self.optimizer,
@@ -343,7 +338,8 @@ class _OnnxEstimator(BaseEstimator):
             shuffle=self.shuffle,
             seed=self.random_state,
             progress=bool(self.verbose),
-            trainable=trainable,
+            trainable=self.trainable,
+            frozen=self.frozen,
             loss_name=self._train_model_.graph.output[0].name,
         )
         if resume:
@@ -430,7 +426,8 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
     model output to train (default: the first floating-point one). ``l1`` / ``l2``: penalties on
     the initializers of rank >= 2 (skl2onnx stores MLP intercepts as ``(1, n)`` matrices: they are
     penalized too). ``trainable``: initializer names (default: the model's parameters,
-    see :mod:`onnxgrad.autodiff.params`).
+    see :mod:`onnxgrad.autodiff.params`); ``frozen``: names left out of those (the choice of every
+    front end, :func:`onnxgrad.autodiff.params.select_parameters`).
 
     Stopping, with the meaning of ``MLPRegressor``'s parameters of the same names: at most
     ``max_iter`` epochs (a :class:`~sklearn.exceptions.ConvergenceWarning` when reached), fewer
@@ -466,6 +463,7 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
         l1: float = 0.0,
         l2: float = 0.0,
         trainable: Iterable[str] | None = None,
+        frozen: Iterable[str] = (),
         shuffle: bool = True,
         random_state: int | None = 0,
         warm_start: bool = False,
@@ -486,6 +484,7 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
             l1=l1,
             l2=l2,
             trainable=trainable,
+            frozen=frozen,
             shuffle=shuffle,
             random_state=random_state,
             warm_start=warm_start,
@@ -553,6 +552,7 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
         l1: float = 0.0,
         l2: float = 0.0,
         trainable: Iterable[str] | None = None,
+        frozen: Iterable[str] = (),
         shuffle: bool = True,
         random_state: int | None = 0,
         warm_start: bool = False,
@@ -573,6 +573,7 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
             l1=l1,
             l2=l2,
             trainable=trainable,
+            frozen=frozen,
             shuffle=shuffle,
             random_state=random_state,
             warm_start=warm_start,

@@ -12,7 +12,7 @@ from ..train.optimizers import DEFAULT_OPTIMIZER
 from .optim import OPTIMIZERS
 from .targets import DEFAULT_TARGETS, MISSING_KERNELS
 
-__all__ = ["add_deprecated", "add_parser"]
+__all__ = ["add_deprecated", "add_parameter_arguments", "add_parser"]
 
 
 class _Deprecated(argparse.Action):
@@ -32,6 +32,24 @@ class _Deprecated(argparse.Action):
 def add_deprecated(parser: argparse.ArgumentParser, old: str, new: str, dest: str, **kwargs: Any) -> None:
     """Accept ``old`` as a hidden spelling of option ``new`` (destination ``dest``), with a note."""
     parser.add_argument(old, dest=dest, action=_Deprecated, new=new, help=argparse.SUPPRESS, **kwargs)
+
+
+def add_parameter_arguments(parser: argparse.ArgumentParser, verb: str = "train") -> None:
+    """``--trainable NAME...`` and ``--frozen NAME...``, the ``trainable=`` / ``frozen=`` of every
+    front end (:func:`onnxgrad.autodiff.params.select_parameters`), on a subcommand."""
+    parser.add_argument(
+        "--trainable",
+        nargs="+",
+        metavar="NAME",
+        help=f"initializers to {verb} (default: the parameters `onnxgrad info` lists)",
+    )
+    parser.add_argument(
+        "--frozen",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="initializers left out of those (a tied one: all its copies)",
+    )
 
 
 def add_parser(sub: Any) -> None:
@@ -63,20 +81,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--nesterov", action="store_true", help="SGD Nesterov momentum")
     p.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam/AdamW betas")
     p.add_argument("--eps", type=float, help="Adam/AdamW epsilon")
-    p.add_argument(
-        "--trainable",
-        nargs="+",
-        metavar="NAME",
-        help="initializers to train (default: the parameters `onnxgrad info` lists)",
-    )
+    add_parameter_arguments(p)
     add_deprecated(p, "--requires-grad", "--trainable", "trainable", nargs="+")
-    p.add_argument(
-        "--frozen",
-        nargs="+",
-        default=[],
-        metavar="NAME",
-        help="initializers left out of those (a tied one: all its copies)",
-    )
     p.add_argument(
         "--target",
         nargs="+",

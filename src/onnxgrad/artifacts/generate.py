@@ -135,7 +135,7 @@ def generate(
         raise InputError(f"the model has no output {loss_name!r}; pass loss= to append one")
     # the parameters every front end trains, chosen and tied once (as OnnxModule chooses them)
     selected = prepared.select(trainable, frozen=frozen)
-    params = require_trainable(selected.selection).trainable  # type: ignore[arg-type]
+    params = require_trainable(selected.selection.trainable)  # type: ignore[union-attr]
     stats = selected.running_stats
     graphs = selected.gradient_graphs(trainable=params, outputs=[loss_name], tie_weights=False)
     inits = {i.name: i for i in selected.training.proto.graph.initializer}

@@ -152,12 +152,14 @@ def select_parameters(
     return selection
 
 
-def require_trainable(selection: Selection) -> Selection:
-    """``selection``, checked to hold a parameter: a training step (``generate``, the trainer, the
-    scikit-learn estimators) raises :class:`InputError` when there is nothing to train."""
-    if not selection.trainable:
+def require_trainable(names: Iterable[str]) -> list[str]:
+    """``names`` (the parameters chosen), checked to hold one: a training step (``generate``, the
+    ``Trainer``, the scikit-learn estimators) raises :class:`InputError` when there is nothing to
+    train."""
+    names = list(names)
+    if not names:
         raise InputError("nothing to train: the model has no trainable initializer")
-    return selection
+    return names
 
 
 def running_statistics(model: onnx.ModelProto) -> list[str]:
