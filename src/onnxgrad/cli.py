@@ -36,8 +36,7 @@ import onnx
 from onnx import helper
 
 from ._version import __version__
-from .artifacts.cli import add_deprecated
-from .artifacts.cli import add_parameter_arguments
+from .artifacts.cli import add_deprecated, add_parameter_arguments
 from .artifacts.cli import add_parser as add_artifacts_parser
 from .autodiff import build_gradient, rules_table, supported_ops
 from .autodiff.params import padding_rows, select_parameters

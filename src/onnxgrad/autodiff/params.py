@@ -49,7 +49,8 @@ __all__ = [
     "BROADCAST_MIN_DISTINCT", "CONSTANT_SLOTS", "GATHER_MIN_REPEAT", "MASK_NEGATIVE", "RULES",
     "TIE_MIN_SIZE", "TRAINABLE_KEY", "Decision", "Selection", "Tie", "checked_names", "decisions",
     "declared_trainable", "default_trainable", "find_ties", "padding_rows", "parameter_reasons",
-    "require_trainable", "running_statistics", "select_parameters", "split_aliases", "tie_parameters", "untie",
+    "require_trainable", "running_statistics", "select_parameters", "split_aliases", "tie_parameters",
+    "untie",
 ]  # fmt: skip
 
 

@@ -248,9 +248,10 @@ class OnnxModule(nn.Module):
     constants; see :mod:`onnxgrad.autodiff.params`); other floating-point initializers become
     buffers. ``frozen``: names left out of those, buffers too (freezing any copy of a tied
     parameter freezes the parameter; the choice of every front end,
-    :func:`onnxgrad.autodiff.params.select_parameters`). ``tie_weights``: initializers holding one parameter (equal, or equal up to a transpose
-    or a cast, such as GPT-2's embedding and its folded transposed copy) become one ``nn.Parameter``,
-    the others computed from it in the graph (``tied``); ``False`` keeps them apart.
+    :func:`onnxgrad.autodiff.params.select_parameters`). ``tie_weights``: initializers holding
+    one parameter (equal, or equal up to a transpose or a cast, such as GPT-2's embedding and its
+    folded transposed copy) become one ``nn.Parameter``, the others computed from it in the graph
+    (``tied``); ``False`` keeps them apart.
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     ``quantized``: the gradient through quantization ops, ``"ste"``, ``"zero"`` or ``"refuse"`` (see
     ``build_gradient``).
