@@ -10,6 +10,7 @@ a BatchNormalization (running statistics: never trained).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -201,3 +202,49 @@ def test_three_sgd_steps_agree_across_doors(make, frozen, tmp_path):
     for name, value in want_params.items():
         if name in start:
             assert not np.array_equal(value, start[name]), f"{name} did not train"
+
+
+# ---- the doors above: the command line and the scikit-learn estimators -------------------------
+def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+
+
+def test_command_line_freezes_as_every_door(tmp_path, capsys):
+    from onnxgrad.cli import main
+
+    path = tmp_path / "tied.onnx"
+    onnx.save(tied_model(), path)
+    assert main(["grad", str(path), "-o", str(tmp_path / "g"), "--frozen", "head"]) == 0
+    assert "trainable (1): b\n" in capsys.readouterr().out
+    np.savez(tmp_path / "d.npz", **_batch(tied_model))
+    out = tmp_path / "trained.onnx"
+    argv = ["train", str(path), "--data", str(tmp_path / "d.npz"), "--target", "target", "--loss", "mse"]
+    argv += ["--epochs", "2", "--optimizer", "sgd", "--lr", "0.1", "-o", str(out), "--no-progress"]
+    assert main([*argv, "--frozen", "emb"]) == 0
+    before, after = _initializers(tied_model()), _initializers(onnx.load(out))
+    np.testing.assert_array_equal(after["emb"], before["emb"])  # both copies of the frozen parameter
+    np.testing.assert_array_equal(after["head"], before["head"])
+    assert not np.array_equal(after["b"], before["b"])
+    capsys.readouterr()
+    assert main([*argv, "--frozen", "nope"]) == 2
+    assert "error: frozen names ['nope'] are not floating-point initializers" in capsys.readouterr().err
+
+
+def test_estimators_freeze_as_every_door():
+    from onnxgrad.demo import build_mlp
+    from onnxgrad.sklearn import OnnxRegressor
+
+    model = build_mlp((8, 16, 1), np.random.default_rng(0))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 8)).astype(np.float32)
+    y = x[:, 0] - 2 * x[:, 1]
+    est = OnnxRegressor(model, frozen=["fc1.weight"], epochs=2, lr=1e-2).fit(x, y)
+    assert est.get_params()["frozen"] == ["fc1.weight"]
+    assert sorted(est.trainer_.parameters) == sorted(by_build_gradient(model, None, ["fc1.weight"]))
+    before, after = _initializers(model), _initializers(est.onnx_model_)
+    np.testing.assert_array_equal(after["fc1.weight"], before["fc1.weight"])
+    assert not np.array_equal(after["fc2.weight"], before["fc2.weight"])
+    with pytest.raises(InputError) as info:
+        OnnxRegressor(model, frozen=["nope"], epochs=1).fit(x, y)
+    with pytest.raises(InputError, match=re.escape(str(info.value))):
+        by_build_gradient(model, None, ["nope"])
