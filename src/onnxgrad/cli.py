@@ -36,7 +36,7 @@ import onnx
 from onnx import helper
 
 from ._version import __version__
-from .artifacts.cli import add_deprecated, add_parameter_arguments
+from .artifacts.cli import add_deprecated, add_parameter_arguments, registry_defaults
 from .artifacts.cli import add_parser as add_artifacts_parser
 from .autodiff import build_gradient, rules_table, supported_ops
 from .autodiff.params import padding_rows, select_parameters
@@ -377,9 +377,11 @@ def _add_train_parser(sub: Any) -> None:
         choices=list(OPTIMIZERS),
         help=f"optimizer (default {DEFAULT_OPTIMIZER})",
     )
-    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+    p.add_argument("--momentum", type=float, help=f"SGD momentum (default {registry_defaults('momentum')})")
     p.add_argument(
-        "--weight-decay", type=float, help="weight decay (default: the optimizer's, AdamW 0.01, others 0)"
+        "--weight-decay",
+        type=float,
+        help=f"weight decay (default: the optimizer's, {registry_defaults('weight_decay')})",
     )
     p.add_argument(
         "--clip-norm", type=float, metavar="X", help="scale the gradients to this global L2 norm at most"
@@ -481,7 +483,7 @@ def _train(args: argparse.Namespace) -> int:
     target_input = next(n for n in ("target", "onnxgrad_target", "onnxgrad_target_2") if n not in taken)
     model = add_loss(checked, args.loss, output=args.loss_output, target_name=target_input)
     options: dict[str, Any] = {} if args.weight_decay is None else {"weight_decay": args.weight_decay}
-    if args.optimizer == "sgd":
+    if args.optimizer == "sgd" and args.momentum is not None:  # else the registry's default
         options["momentum"] = args.momentum
     providers = [p.strip() for p in args.providers.split(",") if p.strip()] if args.providers else None
     fb = ForwardBackward(
