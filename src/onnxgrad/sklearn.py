@@ -36,6 +36,7 @@ from .errors import InputError
 from .model.graph import np_dtype, unique_name
 from .model.infer import infer_value_infos
 from .model.load import CheckedModel, load_checked
+from .runtime.providers import resolve_providers
 from .runtime.runner import default_options, make_session
 from .train.callbacks import Callback
 from .train.history import History
@@ -384,7 +385,7 @@ class _OnnxEstimator(BaseEstimator):
                 model.graph.input.append(info)
             options = default_options()
             options.log_severity_level = 3  # not the warning that these initializers are inputs
-            self._val_session_ = session = make_session(model, ["CPUExecutionProvider"], options)
+            self._val_session_ = session = make_session(model, trainer.fb.providers, options)
             self._val_session_key_ = trainer
             self._val_inputs_ = set(overridden)
         feeds = {k: v for k, v in _weights(trainer).items() if k in self._val_inputs_}
@@ -404,7 +405,7 @@ class _OnnxEstimator(BaseEstimator):
         X = self._check_X(X, reset=False)
         if getattr(self, "_session_", None) is None:
             model = keep_outputs(CheckedModel(self.onnx_model_), [self._output_])  # fit's own model
-            self._session_ = make_session(model, ["CPUExecutionProvider"])
+            self._session_ = make_session(model, resolve_providers())
         dtype = np_dtype(self._input_dtype_)
         return self._session_.run(None, {self.input_name_: X.astype(dtype, copy=False)})[0]
 
