@@ -127,6 +127,21 @@ def test_running_statistics_are_refused_by_every_training_door():
     assert by_build_gradient(batchnorm_model(), ["W1", "mean"], ()) == ["W1", "mean"]
 
 
+def test_a_door_given_chosen_parameters_refuses_another_choice():
+    """Graphs and a ForwardBackward have their parameters: a trainable= or frozen= given with them
+    is an error, not ignored."""
+    with pytest.raises(InputError, match=r"^trainable= and frozen= need a model: GradientGraphs"):
+        ForwardBackward(build_gradient(tied_model()), frozen=["b"])
+    fb = ForwardBackward(CheckedModel(add_loss(tied_model(), "mse")), outputs=["loss"])
+    with pytest.raises(InputError, match=r"^trainable= and frozen= go to the ForwardBackward given"):
+        Trainer(fb, frozen=["b"], progress=False)
+    with pytest.raises(InputError, match=r"^nothing to train: the model has no trainable initializer$"):
+        inputs_only = ForwardBackward(
+            CheckedModel(add_loss(aliased_model(), "mse")), trainable=[], inputs_requiring_grad=["x"]
+        )
+        Trainer(inputs_only, progress=False)
+
+
 # ---- training through three doors: the same losses ---------------------------------------------
 STEPS, LR = 3, 0.1
 # float32 losses of the same computation in another order (one graph against two sessions,
