@@ -1,8 +1,10 @@
 """What to train in a model: the one selection every front end makes.
 
 Every front end (:func:`~onnxgrad.autodiff.engine.build_gradient`, ``ForwardBackward``,
-``OnnxModule``, the compat and scikit-learn layers, ``onnxgrad info``) chooses what to train with
-:func:`select_parameters`, which asks two modules:
+``OnnxModule``, ``Trainer``, ``generate``, the scikit-learn estimators, the command line,
+``onnxgrad info``) chooses what to train with :func:`select_parameters`, their ``trainable=`` and
+``frozen=`` handed as they are (the freezing of tied copies, the refusal of running statistics and
+the "nothing to train" errors are decided here, once), which asks two modules:
 
 - :mod:`onnxgrad.autodiff.trainable`: which initializers train by default, each with the reason
   that decided (what the file declares first, then how the graph uses the value);
