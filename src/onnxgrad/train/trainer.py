@@ -106,7 +106,7 @@ class Trainer:
     ``one_graph``: run each step as one onnxruntime run (forward, loss, backward and the update of
     SGD, Adam or AdamW in one graph, :mod:`onnxgrad.train.onegraph`) where the model allows; the
     numpy optimizer keeps the state, so the numbers, checkpoints and callbacks are the same. Models
-    with PythonOp, Dropout, BatchNormalization or tied weights, and other optimizers, run forward,
+    with PythonOp, Dropout or BatchNormalization, and other optimizers, run forward,
     backward and the numpy update (a debug log of ``onnxgrad.train.onegraph`` says why);
     :attr:`step_path` tells which runs.
     ``trainable`` / ``frozen``: the parameters, chosen as every front end chooses them
