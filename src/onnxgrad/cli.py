@@ -36,7 +36,7 @@ import onnx
 from onnx import helper
 
 from ._version import __version__
-from .artifacts.cli import add_deprecated
+from .artifacts.cli import add_deprecated, add_parameter_arguments, registry_defaults
 from .artifacts.cli import add_parser as add_artifacts_parser
 from .autodiff import build_gradient, rules_table, supported_ops
 from .autodiff.params import padding_rows, select_parameters
@@ -79,12 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder for forward.onnx and backward.onnx (required)",
     )
     add_deprecated(p, "--output-dir", "--out-dir", "out_dir")
-    p.add_argument(
-        "--trainable",
-        nargs="+",
-        metavar="NAME",
-        help="initializers to differentiate (default: the parameters `onnxgrad info` lists)",
-    )
+    add_parameter_arguments(p, "differentiate")
     p.add_argument(
         "--no-tie-weights",
         action="store_true",
@@ -196,6 +191,7 @@ def _grad(args: argparse.Namespace) -> int:
     graphs = build_gradient(
         args.model,
         trainable=args.trainable,
+        frozen=args.frozen,
         inputs_requiring_grad=args.inputs_requiring_grad,
         outputs=args.outputs,
         tie_weights=not args.no_tie_weights,
@@ -364,6 +360,7 @@ def _add_train_parser(sub: Any) -> None:
         "--loss-output", metavar="NAME", help="model output the loss reads (default: the first output)"
     )
     add_deprecated(p, "--output", "--loss-output", "loss_output")
+    add_parameter_arguments(p)
     p.add_argument("--epochs", type=int, default=10, help="most epochs to run (default 10)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 0.001)")
     p.add_argument("--batch-size", type=int, default=32, metavar="B", help="mini-batch size (default 32)")
@@ -380,9 +377,11 @@ def _add_train_parser(sub: Any) -> None:
         choices=list(OPTIMIZERS),
         help=f"optimizer (default {DEFAULT_OPTIMIZER})",
     )
-    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+    p.add_argument("--momentum", type=float, help=f"SGD momentum (default {registry_defaults('momentum')})")
     p.add_argument(
-        "--weight-decay", type=float, help="weight decay (default: the optimizer's, AdamW 0.01, others 0)"
+        "--weight-decay",
+        type=float,
+        help=f"weight decay (default: the optimizer's, {registry_defaults('weight_decay')})",
     )
     p.add_argument(
         "--clip-norm", type=float, metavar="X", help="scale the gradients to this global L2 norm at most"
@@ -484,10 +483,16 @@ def _train(args: argparse.Namespace) -> int:
     target_input = next(n for n in ("target", "onnxgrad_target", "onnxgrad_target_2") if n not in taken)
     model = add_loss(checked, args.loss, output=args.loss_output, target_name=target_input)
     options: dict[str, Any] = {} if args.weight_decay is None else {"weight_decay": args.weight_decay}
-    if args.optimizer == "sgd":
+    if args.optimizer == "sgd" and args.momentum is not None:  # else the registry's default
         options["momentum"] = args.momentum
     providers = [p.strip() for p in args.providers.split(",") if p.strip()] if args.providers else None
-    fb = ForwardBackward(CheckedModel(model), outputs=["loss"], providers=providers)
+    fb = ForwardBackward(
+        CheckedModel(model),
+        trainable=args.trainable,
+        frozen=args.frozen,
+        outputs=["loss"],
+        providers=providers,
+    )
     loss_reads = args.loss_output or base.graph.output[0].name
     features = [c.strip() for c in args.features.split(",")] if args.features else None
     data = load_dataset(

@@ -32,11 +32,11 @@ from sklearn.metrics import accuracy_score, r2_score
 from sklearn.model_selection import train_test_split
 from sklearn.utils.validation import check_array, check_is_fitted
 
-from .autodiff.params import select_parameters
 from .errors import InputError
 from .model.graph import np_dtype, unique_name
 from .model.infer import infer_value_infos
 from .model.load import CheckedModel, load_checked
+from .runtime.providers import resolve_providers
 from .runtime.runner import default_options, make_session
 from .train.callbacks import Callback
 from .train.history import History
@@ -120,6 +120,7 @@ class _OnnxEstimator(BaseEstimator):
         l1: float = 0.0,
         l2: float = 0.0,
         trainable: Iterable[str] | None = None,
+        frozen: Iterable[str] = (),
         shuffle: bool = True,
         random_state: int | None = 0,
         warm_start: bool = False,
@@ -139,6 +140,7 @@ class _OnnxEstimator(BaseEstimator):
         self.l1 = l1
         self.l2 = l2
         self.trainable = trainable
+        self.frozen = frozen
         self.shuffle = shuffle
         self.random_state = random_state
         self.warm_start = warm_start
@@ -326,15 +328,9 @@ class _OnnxEstimator(BaseEstimator):
         """A trainer on the training model, its weights taken from ``start``; with ``resume``, its
         history (``loss_curve_``, ``n_iter_``) continues the previous fit's, as scikit-learn's
         warm starts do."""
-        if self.trainable is None:  # the parameters: not skl2onnx's `unity` and other constants
-            trainable = select_parameters(self._train_model_).trainable
-        else:
-            trainable = list(self.trainable)
-        if not trainable:
-            raise InputError("the model has no floating-point initializer to train")
-        weights = {
-            i.name: onnx.numpy_helper.to_array(i) for i in start.graph.initializer if i.name in trainable
-        }
+        # the weights reached so far (only the trained ones differ from the model's)
+        names = {i.name for i in self._train_model_.graph.initializer}
+        weights = {i.name: onnx.numpy_helper.to_array(i) for i in start.graph.initializer if i.name in names}
         trainer = Trainer(
             CheckedModel(with_parameters(CheckedModel(self._train_model_), weights)),
             optimizer=self.optimizer,
@@ -343,7 +339,8 @@ class _OnnxEstimator(BaseEstimator):
             shuffle=self.shuffle,
             seed=self.random_state,
             progress=bool(self.verbose),
-            trainable=trainable,
+            trainable=self.trainable,
+            frozen=self.frozen,
             loss_name=self._train_model_.graph.output[0].name,
         )
         if resume:
@@ -388,7 +385,7 @@ class _OnnxEstimator(BaseEstimator):
                 model.graph.input.append(info)
             options = default_options()
             options.log_severity_level = 3  # not the warning that these initializers are inputs
-            self._val_session_ = session = make_session(model, ["CPUExecutionProvider"], options)
+            self._val_session_ = session = make_session(model, trainer.fb.providers, options)
             self._val_session_key_ = trainer
             self._val_inputs_ = set(overridden)
         feeds = {k: v for k, v in _weights(trainer).items() if k in self._val_inputs_}
@@ -408,7 +405,7 @@ class _OnnxEstimator(BaseEstimator):
         X = self._check_X(X, reset=False)
         if getattr(self, "_session_", None) is None:
             model = keep_outputs(CheckedModel(self.onnx_model_), [self._output_])  # fit's own model
-            self._session_ = make_session(model, ["CPUExecutionProvider"])
+            self._session_ = make_session(model, resolve_providers())
         dtype = np_dtype(self._input_dtype_)
         return self._session_.run(None, {self.input_name_: X.astype(dtype, copy=False)})[0]
 
@@ -430,7 +427,8 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
     model output to train (default: the first floating-point one). ``l1`` / ``l2``: penalties on
     the initializers of rank >= 2 (skl2onnx stores MLP intercepts as ``(1, n)`` matrices: they are
     penalized too). ``trainable``: initializer names (default: the model's parameters,
-    see :mod:`onnxgrad.autodiff.params`).
+    see :mod:`onnxgrad.autodiff.params`); ``frozen``: names left out of those (the choice of every
+    front end, :func:`onnxgrad.autodiff.params.select_parameters`).
 
     Stopping, with the meaning of ``MLPRegressor``'s parameters of the same names: at most
     ``max_iter`` epochs (a :class:`~sklearn.exceptions.ConvergenceWarning` when reached), fewer
@@ -466,6 +464,7 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
         l1: float = 0.0,
         l2: float = 0.0,
         trainable: Iterable[str] | None = None,
+        frozen: Iterable[str] = (),
         shuffle: bool = True,
         random_state: int | None = 0,
         warm_start: bool = False,
@@ -486,6 +485,7 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
             l1=l1,
             l2=l2,
             trainable=trainable,
+            frozen=frozen,
             shuffle=shuffle,
             random_state=random_state,
             warm_start=warm_start,
@@ -553,6 +553,7 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
         l1: float = 0.0,
         l2: float = 0.0,
         trainable: Iterable[str] | None = None,
+        frozen: Iterable[str] = (),
         shuffle: bool = True,
         random_state: int | None = 0,
         warm_start: bool = False,
@@ -573,6 +574,7 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
             l1=l1,
             l2=l2,
             trainable=trainable,
+            frozen=frozen,
             shuffle=shuffle,
             random_state=random_state,
             warm_start=warm_start,

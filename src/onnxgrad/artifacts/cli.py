@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..train.losses import LOSSES
-from ..train.optimizers import DEFAULT_OPTIMIZER
+from ..train.optimizers import DEFAULT_OPTIMIZER, definition
 from .optim import OPTIMIZERS
 from .targets import DEFAULT_TARGETS, MISSING_KERNELS
 
-__all__ = ["add_deprecated", "add_parser"]
+__all__ = ["add_deprecated", "add_parameter_arguments", "add_parser", "registry_defaults"]
 
 
 class _Deprecated(argparse.Action):
@@ -32,6 +32,31 @@ class _Deprecated(argparse.Action):
 def add_deprecated(parser: argparse.ArgumentParser, old: str, new: str, dest: str, **kwargs: Any) -> None:
     """Accept ``old`` as a hidden spelling of option ``new`` (destination ``dest``), with a note."""
     parser.add_argument(old, dest=dest, action=_Deprecated, new=new, help=argparse.SUPPRESS, **kwargs)
+
+
+def registry_defaults(option: str, names: Sequence[str] = ("adamw", "adam", "sgd")) -> str:
+    """Each optimizer's default of ``option``, read from the registry (:mod:`onnxgrad.train.optimizers`)
+    for a help text: ``"adamw 0.01, adam 0, sgd 0"``."""
+    found = [(n, definition(n).defaults[option]) for n in names if option in definition(n).defaults]
+    return ", ".join(f"{n} {v:g}" for n, v in found)
+
+
+def add_parameter_arguments(parser: argparse.ArgumentParser, verb: str = "train") -> None:
+    """``--trainable NAME...`` and ``--frozen NAME...``, the ``trainable=`` / ``frozen=`` of every
+    front end (:func:`onnxgrad.autodiff.params.select_parameters`), on a subcommand."""
+    parser.add_argument(
+        "--trainable",
+        nargs="+",
+        metavar="NAME",
+        help=f"initializers to {verb} (default: the parameters `onnxgrad info` lists)",
+    )
+    parser.add_argument(
+        "--frozen",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="initializers left out of those (a tied one: all its copies)",
+    )
 
 
 def add_parser(sub: Any) -> None:
@@ -57,26 +82,16 @@ def add_parser(sub: Any) -> None:
         help=f"optimizer of the step (default {DEFAULT_OPTIMIZER})",
     )
     p.add_argument("--lr", type=float, default=1e-3, help="default learning rate (an input of the step)")
-    p.add_argument("--weight-decay", type=float, help="default: the optimizer's (AdamW 0.01, others 0)")
-    p.add_argument("--momentum", type=float, help="SGD momentum")
+    p.add_argument(
+        "--weight-decay", type=float, help=f"default: the optimizer's ({registry_defaults('weight_decay')})"
+    )
+    p.add_argument("--momentum", type=float, help=f"SGD momentum (default {registry_defaults('momentum')})")
     p.add_argument("--dampening", type=float, help="SGD dampening")
     p.add_argument("--nesterov", action="store_true", help="SGD Nesterov momentum")
     p.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam/AdamW betas")
     p.add_argument("--eps", type=float, help="Adam/AdamW epsilon")
-    p.add_argument(
-        "--trainable",
-        nargs="+",
-        metavar="NAME",
-        help="initializers to train (default: the parameters `onnxgrad info` lists)",
-    )
+    add_parameter_arguments(p)
     add_deprecated(p, "--requires-grad", "--trainable", "trainable", nargs="+")
-    p.add_argument(
-        "--frozen",
-        nargs="+",
-        default=[],
-        metavar="NAME",
-        help="initializers left out of those (a tied one: all its copies)",
-    )
     p.add_argument(
         "--target",
         nargs="+",

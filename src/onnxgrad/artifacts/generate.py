@@ -29,9 +29,10 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..autodiff.prepare import PreparedModel, prepare
+from ..autodiff.params import require_trainable
+from ..autodiff.prepare import prepare
 from ..errors import InputError, InputTypeError
-from ..model.graph import FLOAT_TYPES, check_model, np_dtype, to_array
+from ..model.graph import check_model, np_dtype, to_array
 from ..model.load import CheckedModel
 from ..train.losses import add_loss, keep_outputs
 from ..train.optimizers import DEFAULT_OPTIMIZER
@@ -133,8 +134,8 @@ def generate(
     elif loss_name not in prepared.output_names:
         raise InputError(f"the model has no output {loss_name!r}; pass loss= to append one")
     # the parameters every front end trains, chosen and tied once (as OnnxModule chooses them)
-    selected = _select(prepared, trainable, frozen)
-    params = selected.selection.trainable  # type: ignore[union-attr]
+    selected = prepared.select(trainable, frozen=frozen)
+    params = require_trainable(selected.selection.trainable)  # type: ignore[union-attr]
     stats = selected.running_stats
     graphs = selected.gradient_graphs(trainable=params, outputs=[loss_name], tie_weights=False)
     inits = {i.name: i for i in selected.training.proto.graph.initializer}
@@ -203,56 +204,6 @@ def _deprecated_names(
         raise InputTypeError("generate() got trainable= and its deprecated name requires_grad both")
     warnings.warn(message, DeprecationWarning, stacklevel=3)
     return requires_grad, frozen
-
-
-def _select(prepared: PreparedModel, trainable: Iterable[str] | None, frozen: Iterable[str]) -> PreparedModel:
-    """``prepared`` with its parameters chosen and tied (:meth:`PreparedModel.select`): those
-    ``trainable`` names (``None``: the default set), less the ``frozen`` ones.
-
-    A frozen name may be an initializer of the model, or a name the choice made (an alias trained
-    apart, a table rebuilt as ``<name>_core``); freezing any copy of a tied parameter freezes the
-    parameter, and its copies stay constants. Running statistics are never trained.
-    """
-    stats = set(prepared.running_stats)
-    if trainable is not None:
-        trainable = [trainable] if isinstance(trainable, str) else list(trainable)
-        fed = [n for n in trainable if n in stats]
-        if fed:
-            raise InputError(
-                f"{fed} are running statistics (BatchNormalization updates them in training); they cannot be "
-                "trained"
-            )
-    selected = prepared.select(trainable)
-    frozen = [frozen] if isinstance(frozen, str) else list(dict.fromkeys(frozen))
-    if not frozen:
-        return _nonempty(selected)
-    selection = selected.selection
-    assert selection is not None
-    groups: dict[str, set[str]] = {}  # any name of a tied parameter -> every name of it
-    for source, ties in selection.groups.items():
-        names = {source, *(t.name for t in ties)}
-        for n in names:
-            groups[n] = names
-    known = {i.name for i in prepared.checked.proto.graph.initializer if i.data_type in FLOAT_TYPES}
-    known |= set(selection.trainable) | set(groups)
-    unknown = [n for n in frozen if n not in known]
-    if unknown:
-        raise InputError(
-            f"frozen names {unknown} are not floating-point initializers of the model (trainable: "
-            f"{selection.trainable})"
-        )
-    off = set().union(*(groups.get(n, {n}) for n in frozen))
-    made = {t.source: t.name for t in selection.ties if t.made}  # a rebuilt table: named by its copy
-    kept = [made.get(n, n) for n in selection.trainable if n not in off]
-    if not kept:
-        raise InputError("nothing to train: every parameter is frozen")
-    return prepared.select(kept)
-
-
-def _nonempty(selected: PreparedModel) -> PreparedModel:
-    if not selected.selection or not selected.selection.trainable:
-        raise InputError("nothing to train: the model has no trainable initializer")
-    return selected
 
 
 def _with_fed_initializers(model: onnx.ModelProto, names: Iterable[str], *, remove: bool) -> onnx.ModelProto:

@@ -113,12 +113,16 @@ def build_gradient(
     tie_weights: bool = True,
     recompute: Recompute = None,
     quantized: str = "ste",
+    frozen: Iterable[str] = (),
 ) -> GradientGraphs:
     """Build the forward and backward graphs of ``model``.
 
     ``trainable``: initializer names to differentiate (``None``: the model's parameters, leaving
     out exponents, epsilons, shapes, masks and other constants; see
-    :mod:`onnxgrad.autodiff.params`). ``tie_weights``: initializers that hold one parameter (equal,
+    :mod:`onnxgrad.autodiff.params`). ``frozen``: names left out of those (freezing any copy of a
+    tied parameter freezes the parameter; the rules of
+    :func:`~onnxgrad.autodiff.params.select_parameters`, which every front end shares).
+    ``tie_weights``: initializers that hold one parameter (equal,
     or equal up to a transpose or a cast) are trained as one, the others computed from it
     (``GradientGraphs.ties``); ``False`` trains them apart.
     ``inputs_requiring_grad``: graph inputs whose gradients the backward also returns.
@@ -136,7 +140,9 @@ def build_gradient(
     """
     if quantized not in QUANTIZED_MODES:
         raise InputError(f"quantized must be one of {list(QUANTIZED_MODES)}, got {quantized!r}")
-    selection = select_parameters(_prepare(load_model(model)), trainable, tie_weights=tie_weights)
+    selection = select_parameters(
+        _prepare(load_model(model)), trainable, frozen=frozen, tie_weights=tie_weights
+    )
     model = selection.model
     graph = model.graph
     nodes = list(graph.node)

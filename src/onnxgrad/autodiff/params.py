@@ -1,8 +1,10 @@
 """What to train in a model: the one selection every front end makes.
 
 Every front end (:func:`~onnxgrad.autodiff.engine.build_gradient`, ``ForwardBackward``,
-``OnnxModule``, the compat and scikit-learn layers, ``onnxgrad info``) chooses what to train with
-:func:`select_parameters`, which asks two modules:
+``OnnxModule``, ``Trainer``, ``generate``, the scikit-learn estimators, the command line,
+``onnxgrad info``) chooses what to train with :func:`select_parameters`, their ``trainable=`` and
+``frozen=`` handed as they are (the freezing of tied copies, the refusal of running statistics and
+the "nothing to train" errors are decided here, once), which asks two modules:
 
 - :mod:`onnxgrad.autodiff.trainable`: which initializers train by default, each with the reason
   that decided (what the file declares first, then how the graph uses the value);
@@ -49,7 +51,8 @@ __all__ = [
     "BROADCAST_MIN_DISTINCT", "CONSTANT_SLOTS", "GATHER_MIN_REPEAT", "MASK_NEGATIVE", "RULES",
     "TIE_MIN_SIZE", "TRAINABLE_KEY", "Decision", "Selection", "Tie", "checked_names", "decisions",
     "declared_trainable", "default_trainable", "find_ties", "padding_rows", "parameter_reasons",
-    "select_parameters", "split_aliases", "tie_parameters", "untie",
+    "require_trainable", "running_statistics", "select_parameters", "split_aliases", "tie_parameters",
+    "untie",
 ]  # fmt: skip
 
 
@@ -96,12 +99,87 @@ def select_parameters(
     model: onnx.ModelProto,
     trainable: Iterable[str] | str | None = None,
     *,
+    frozen: Iterable[str] | str = (),
     tie_weights: bool = True,
+    buffers: Iterable[str] = (),
 ) -> Selection:
     """What to train in ``model``: the default set (``trainable=None``) or the named initializers,
-    checked; with ``tie_weights``, initializers that are one parameter become one (see the module's
-    documentation). Raises :class:`InputError` for a name that is not a floating-point initializer.
+    checked, less the ``frozen`` ones; with ``tie_weights``, initializers that are one parameter
+    become one (see the module's documentation). Every front end's ``trainable=`` / ``frozen=``
+    comes here.
+
+    ``frozen``: names left out: an initializer of the model or a name the selection made (an alias
+    trained apart, a table rebuilt as ``<name>_core``); freezing any copy of a tied parameter
+    freezes the parameter, and its copies stay constants. ``buffers``: running statistics, never
+    trained (those a BatchNormalization in training mode reads are found in ``model`` too).
+
+    Raises :class:`InputError` for a ``trainable`` name that is not a floating-point initializer
+    or is a running statistic, for a ``frozen`` name that is none of the names above, and when
+    ``frozen`` leaves nothing to train.
     """
+    stats = set(buffers) | set(running_statistics(model))
+    if trainable is not None:
+        trainable = [trainable] if isinstance(trainable, str) else list(trainable)
+        fed = [n for n in trainable if n in stats]
+        if fed:
+            raise InputError(
+                f"{fed} are running statistics (BatchNormalization updates them in training); they cannot be "
+                "trained"
+            )
+    selection = _select(model, trainable, tie_weights)
+    frozen = [frozen] if isinstance(frozen, str) else list(dict.fromkeys(frozen))
+    if not frozen:
+        return selection
+    groups: dict[str, set[str]] = {}  # any name of a tied parameter -> every name of it
+    for source, ties in selection.groups.items():
+        names = {source, *(t.name for t in ties)}
+        for n in names:
+            groups[n] = names
+    known = {i.name for i in model.graph.initializer if i.data_type in FLOAT_TYPES}
+    known |= set(selection.trainable) | set(groups)
+    unknown = [n for n in frozen if n not in known]
+    if unknown:
+        raise InputError(
+            f"frozen names {unknown} are not floating-point initializers of the model (trainable: "
+            f"{selection.trainable})"
+        )
+    off = set().union(*(groups.get(n, {n}) for n in frozen))
+    made = {t.source: t.name for t in selection.ties if t.made}  # a rebuilt table: named by its copy
+    kept = [made.get(n, n) for n in selection.trainable if n not in off]
+    if not kept:
+        raise InputError("nothing to train: every parameter is frozen")
+    selection = _select(model, kept, tie_weights)
+    names = {i.name for i in selection.model.graph.initializer}
+    for n in sorted(off & names):
+        selection.reasons.setdefault(n, "frozen (frozen=)")
+    return selection
+
+
+def require_trainable(names: Iterable[str]) -> list[str]:
+    """``names`` (the parameters chosen), checked to hold one: a training step (``generate``, the
+    ``Trainer``, the scikit-learn estimators) raises :class:`InputError` when there is nothing to
+    train."""
+    names = list(names)
+    if not names:
+        raise InputError("nothing to train: the model has no trainable initializer")
+    return names
+
+
+def running_statistics(model: onnx.ModelProto) -> list[str]:
+    """The running statistics of the BatchNormalization nodes in training mode (their mean and
+    variance inputs, which the node updates and no gradient reaches), in node order."""
+    found: list[str] = []
+    for node in model.graph.node:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        training = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
+        if training:
+            found += [n for n in node.input[3:5] if n and n not in found]
+    return found
+
+
+def _select(model: onnx.ModelProto, trainable: list[str] | None, tie_weights: bool) -> Selection:
+    """The selection of the names ``trainable`` (``None``: the default set), tied or not."""
     model, aliases = split_aliases(model)  # several parameters stored once: apart first
     inits = {i.name: i for i in model.graph.initializer}
     # named initializers, untied: the reasons are not needed (a front end building a variant)

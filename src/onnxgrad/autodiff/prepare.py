@@ -104,16 +104,31 @@ class PreparedModel:
         return [o.name for o in self.checked.proto.graph.output]
 
     # ---- parameters and graphs ------------------------------------------------------------------
-    def select(self, trainable: Iterable[str] | None = None, *, tie_weights: bool = True) -> PreparedModel:
+    def select(
+        self,
+        trainable: Iterable[str] | None = None,
+        *,
+        frozen: Iterable[str] = (),
+        tie_weights: bool = True,
+    ) -> PreparedModel:
         """The prepared model of the parameters chosen now, before the modes are switched: tied
-        initializers are computed from their parameter in both variants (:attr:`selection`)."""
-        selection = select_parameters(self.checked.proto, trainable, tie_weights=tie_weights)
+        initializers are computed from their parameter in both variants (:attr:`selection`).
+
+        ``trainable`` / ``frozen`` / ``tie_weights``: the choice every front end makes
+        (:func:`~onnxgrad.autodiff.params.select_parameters`): ``trainable=None`` the default set,
+        less the ``frozen`` names (freezing any copy of a tied parameter freezes the parameter);
+        running statistics are never trained. :class:`InputError` for a bad name, or when
+        ``frozen`` leaves nothing to train."""
+        buffers = self.buffers if trainable is not None else ()  # checked against named ones only
+        selection = select_parameters(
+            self.checked.proto, trainable, frozen=frozen, tie_weights=tie_weights, buffers=buffers
+        )
         tied = CheckedModel(selection.model)  # onnxgrad's own rewrite of a checked model
         return PreparedModel(tied, modes=self.follows_training, selection=selection)
 
     def gradient_graphs(self, *, outputs: Iterable[str] | None = None, **options: Any) -> GradientGraphs:
         """The gradient graphs of the training variant: ``options`` are the keywords of
-        ``build_gradient`` (``trainable``, ``inputs_requiring_grad``, ``tie_weights``,
+        ``build_gradient`` (``trainable``, ``frozen``, ``inputs_requiring_grad``, ``tie_weights``,
         ``recompute``, ``quantized``). ``outputs=None``: the floating-point outputs of the model as given (not
         the running statistics)."""
         if outputs is None and self.follows_training:

@@ -72,6 +72,9 @@ class ForwardBackward:
 
     ``model_or_graphs``: a model (proto, path or bytes, a :class:`PreparedModel`) or the
     :class:`GradientGraphs` of one.
+    ``trainable`` / ``frozen`` / ``tie_weights``: the parameters, chosen as every front end chooses
+    them (``build_gradient``, :func:`onnxgrad.autodiff.params.select_parameters`): ``None`` the
+    model's parameters, less the ``frozen`` names (any copy of a tied parameter freezes it).
     Several forwards may be alive at once, and forwards/backwards may run from several threads.
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     ``quantized``: the gradient through quantization ops, ``"ste"``, ``"zero"`` or ``"refuse"`` (see
@@ -90,10 +93,15 @@ class ForwardBackward:
         tie_weights: bool = True,
         recompute: Any = None,
         quantized: str = "ste",
+        frozen: Iterable[str] = (),
     ) -> None:
         # Dropout / BatchNormalization follow `training`: the model's training and inference variants
         self._prepared: PreparedModel | None = None
         if isinstance(model_or_graphs, GradientGraphs):
+            if trainable is not None or frozen:
+                raise InputError(
+                    "trainable= and frozen= need a model: GradientGraphs have their parameters chosen"
+                )
             graphs = model_or_graphs
             user_outputs = list(graphs.outputs)
         else:
@@ -102,6 +110,7 @@ class ForwardBackward:
             # running statistics are buffers, left out of the default set by how they are used
             graphs = prepared.gradient_graphs(
                 trainable=trainable,
+                frozen=frozen,
                 inputs_requiring_grad=inputs_requiring_grad,
                 outputs=outputs,
                 tie_weights=tie_weights,

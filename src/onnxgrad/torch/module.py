@@ -260,9 +260,12 @@ class OnnxModule(nn.Module):
     ``trainable``: initializer names that become ``nn.Parameter``s (``None``: the model's
     parameters, leaving out exponents, epsilons, shapes, masks, running statistics and other
     constants; see :mod:`onnxgrad.autodiff.params`); other floating-point initializers become
-    buffers. ``tie_weights``: initializers holding one parameter (equal, or equal up to a transpose
-    or a cast, such as GPT-2's embedding and its folded transposed copy) become one ``nn.Parameter``,
-    the others computed from it in the graph (``tied``); ``False`` keeps them apart.
+    buffers. ``frozen``: names left out of those, buffers too (freezing any copy of a tied
+    parameter freezes the parameter; the choice of every front end,
+    :func:`onnxgrad.autodiff.params.select_parameters`). ``tie_weights``: initializers holding
+    one parameter (equal, or equal up to a transpose or a cast, such as GPT-2's embedding and its
+    folded transposed copy) become one ``nn.Parameter``, the others computed from it in the graph
+    (``tied``); ``False`` keeps them apart.
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     ``quantized``: the gradient through quantization ops, ``"ste"``, ``"zero"`` or ``"refuse"`` (see
     ``build_gradient``).
@@ -292,6 +295,7 @@ class OnnxModule(nn.Module):
         recompute: Any = None,
         quantized: str = "ste",
         master_weights: MasterWeightsChoice = False,
+        frozen: Iterable[str] = (),
     ) -> None:
         super().__init__()
         self._recompute = recompute  # build_gradient(recompute=): activations rebuilt in the backward
@@ -299,7 +303,7 @@ class OnnxModule(nn.Module):
             raise InputError(f"quantized must be one of {list(QUANTIZED_MODES)}, got {quantized!r}")
         self._quantized = quantized  # build_gradient(quantized=): the gradient through quantization
         # the one validation; the parameters are chosen (and tied) before the modes are switched
-        prepared = prepare(model).select(trainable, tie_weights=tie_weights)
+        prepared = prepare(model).select(trainable, frozen=frozen, tie_weights=tie_weights)
         selection = prepared.selection
         assert selection is not None
         self.tied = selection.ties  # initializers computed from a parameter

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ..autodiff.params import require_trainable
 from ..autodiff.prepare import prepare
 from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import ValueInfo, value_info_from_proto
@@ -105,9 +106,12 @@ class Trainer:
     ``one_graph``: run each step as one onnxruntime run (forward, loss, backward and the update of
     SGD, Adam or AdamW in one graph, :mod:`onnxgrad.train.onegraph`) where the model allows; the
     numpy optimizer keeps the state, so the numbers, checkpoints and callbacks are the same. Models
-    with PythonOp, Dropout, BatchNormalization or tied weights, and other optimizers, run forward,
+    with PythonOp, Dropout or BatchNormalization, and other optimizers, run forward,
     backward and the numpy update (a debug log of ``onnxgrad.train.onegraph`` says why);
     :attr:`step_path` tells which runs.
+    ``trainable`` / ``frozen``: the parameters, chosen as every front end chooses them
+    (:func:`onnxgrad.autodiff.params.select_parameters`): ``None`` the model's parameters, less
+    the ``frozen`` names (any copy of a tied parameter freezes it).
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     ``accumulate``: optimizer updates every ``accumulate`` mini-batches, with the gradient of the
     mean loss over those samples (the same update as one batch of their concatenation). The last
@@ -166,6 +170,7 @@ class Trainer:
         quantized: str = "ste",
         master_weights: MasterWeightsChoice = "auto",
         loss_scale: str | float | LossScaler | None = "auto",
+        frozen: Iterable[str] = (),
     ) -> None:
         if not (isinstance(accumulate, int) and accumulate >= 1):
             raise InputError(f"accumulate must be an integer >= 1, got {accumulate!r}")
@@ -179,6 +184,11 @@ class Trainer:
                 raise InputError(
                     "session_options= and providers= go to the ForwardBackward given as the model "
                     "(its sessions are made)"
+                )
+            if trainable is not None or frozen:
+                raise InputError(
+                    "trainable= and frozen= go to the ForwardBackward given as the model (its "
+                    "parameters are chosen)"
                 )
             fb = model
         else:
@@ -194,6 +204,7 @@ class Trainer:
             fb = ForwardBackward(
                 prepared,
                 trainable=trainable,
+                frozen=frozen,
                 outputs=[loss_name],
                 providers=providers,
                 session_options=session_options,
@@ -205,6 +216,7 @@ class Trainer:
                 f"the model has no output {loss_name!r} taking a gradient (outputs: {fb.output_names}); "
                 f"pass loss= to append one"
             )
+        require_trainable(fb.graphs.trainable)  # inputs alone give an optimizer nothing to update
         self.fb, self.loss_name, self.added_loss = fb, loss_name, loss is not None
         self.loss_index = fb.output_names.index(loss_name)
         self.amp = mixed_precision(fb.parameters, master_weights, loss_scale)

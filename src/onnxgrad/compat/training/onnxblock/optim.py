@@ -133,6 +133,12 @@ def _require_opset(model: onnx.ModelProto, version: int) -> None:
         model.ir_version = max(model.ir_version, ir_version_for(model.opset_import))
 
 
+_KERNEL = definition(graphs.ADAMW, ORT).defaults  # the registry's AdamWOptimizer: its defaults
+ONNXBLOCK_EPS = 1e-6
+"""onnxblock's ``AdamW(eps=)`` default (Hugging Face's), where the ``AdamWOptimizer`` kernel's
+attribute defaults to the registry's 1e-8: the one default of this API that the registry does not hold."""
+
+
 @dataclass
 class AdamW(_OptimizerBlock):
     """AdamW as onnxruntime-training runs it (``adam_mode=1``): the bias corrections folded into
@@ -140,9 +146,9 @@ class AdamW(_OptimizerBlock):
     ``clip_grad``: a :class:`ClipGradNorm`, applied to the gradients first."""
 
     bias_correction: bool = True
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-6
-    weight_decay: float = 0.0
+    betas: tuple[float, float] = (_KERNEL["alpha"], _KERNEL["beta"])
+    eps: float = ONNXBLOCK_EPS
+    weight_decay: float = _KERNEL["weight_decay"]
     clip_grad: ClipGradNorm | None = None
     kind = graphs.ADAMW
 
