@@ -12,9 +12,9 @@ pytest.importorskip("sklearn")
 from sklearn.base import clone
 from sklearn.utils import estimator_checks
 
-from onnxgrad.sklearn import OnnxClassifier, OnnxRegressor
+from onnxgrad.sklearn import OnnxClassifier, OnnxRegressor, _OnnxEstimator
 
-# every parameter both estimators take, with a value other than its default
+# parameters both estimators take, each with a value other than its default
 SHARED = {
     "output": "y",
     "optimizer": "sgd",
@@ -38,10 +38,17 @@ OWN = {OnnxRegressor: {"loss": "huber"}, OnnxClassifier: {"scores": "logits"}}
 DEFAULTS = {OnnxRegressor: {"loss": "mse"}, OnnxClassifier: {"scores": "auto"}}
 
 
+def _shared_names() -> set[str]:
+    """The keyword-only parameters of the base estimator: those both estimators take."""
+    params = inspect.signature(_OnnxEstimator.__init__).parameters.values()
+    return {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+
+
 @pytest.mark.parametrize("cls", [OnnxRegressor, OnnxClassifier])
 def test_signature_lists_every_parameter(cls):
     sig = inspect.signature(cls)
-    assert set(sig.parameters) == {"model", *SHARED, *OWN[cls]}
+    assert set(SHARED) <= _shared_names()
+    assert set(sig.parameters) == {"model", *_shared_names(), *OWN[cls]}
     assert [p.name for p in sig.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD] == ["model"]
     assert all(p.kind is p.KEYWORD_ONLY for n, p in sig.parameters.items() if n != "model")
     assert sorted(cls().get_params()) == sorted(sig.parameters)
@@ -55,7 +62,7 @@ def test_signature_lists_every_parameter(cls):
 def test_params_round_trip(cls):
     values = {**SHARED, **OWN[cls]}
     est = cls(None, **values)
-    assert est.get_params() == {"model": None, **values}
+    assert est.get_params() == {**cls().get_params(), **values}
     twin = clone(est)
     assert twin is not est and twin.get_params() == est.get_params()
     fresh = cls()
