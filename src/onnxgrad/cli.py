@@ -62,6 +62,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _model_command(sub: Any, name: str, help: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """The parser of a subcommand that reads one model: its ``MODEL`` argument added."""
+    p = sub.add_parser(name, help=help, **kwargs)
+    p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(
@@ -70,8 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"onnxgrad {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("grad", help="write the forward and backward graphs of a model")
-    p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
+    p = _model_command(sub, "grad", "write the forward and backward graphs of a model")
     p.add_argument(
         "-o",
         "--out-dir",
@@ -100,14 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_grad)
 
-    p = sub.add_parser(
+    p = _model_command(
+        sub,
         "check",
         help="check the gradients of each node and of the whole model against finite differences",
         description="Feed random inputs, then compare onnxgrad's gradients with central finite "
         "differences, node by node (each node as a one-node model, in float64 when it can) and for "
         "the whole model. Exit code 1 when a check fails.",
     )
-    p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
     p.add_argument(
         "--shape",
         action="append",
@@ -128,13 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.set_defaults(func=_coverage)
 
-    p = sub.add_parser("info", help="inputs, outputs, parameters and ops of a model")
-    p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
+    p = _model_command(sub, "info", "inputs, outputs, parameters and ops of a model")
     p.set_defaults(func=_info)
 
     _add_train_parser(sub)
 
-    p = sub.add_parser(
+    p = _model_command(
+        sub,
         "bench",
         help="time the training step of a model and show where the time goes",
         description="Time forward + backward (output gradient of ones, gradients of every trainable "
@@ -142,7 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
         "then the time per op type of the forward and backward graphs and the slowest backward nodes, "
         "from onnxruntime's profiler.",
     )
-    p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
     p.add_argument(
         "--batch-size",
         type=int,
@@ -341,7 +346,8 @@ def _add_train_parser(sub: Any) -> None:
     from .train import LOSSES, OPTIMIZERS
     from .train.optimizers import DEFAULT_OPTIMIZER
 
-    p = sub.add_parser(
+    p = _model_command(
+        sub,
         "train",
         help="fine-tune a model on a .csv or .npz file and save the trained model",
         description="Append a loss to MODEL, train it with onnxruntime on the data file and save the "
@@ -349,7 +355,6 @@ def _add_train_parser(sub: Any) -> None:
         "other columns (or --features) feed the model's single input. NPZ: one array per model input, "
         "named after it, plus the --target array.",
     )
-    p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
     p.add_argument("--data", required=True, metavar="FILE", help="training data, .csv or .npz")
     p.add_argument("--target", required=True, metavar="NAME", help="target column (CSV) or array (NPZ)")
     p.add_argument(

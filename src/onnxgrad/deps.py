@@ -19,7 +19,8 @@ results to torch            ``OrtValueVector.dlpack_at(i)`` (no OrtValue object 
                             each ``OrtValue.to_dlpack()``
 many tensors at once        torch's capsules straight to ``from_dlpack(capsule)`` where it
                             refuses strided ones (probed), else one tensor at a time
-OrtValue from numpy         ``OrtValue.ortvalue_from_numpy(array, OrtDevice)``
+OrtValue from numpy         ``OrtValue.ortvalue_from_numpy(array, OrtDevice)``; bfloat16, which
+                            the numpy bridge lacks both ways, as uint16 bits
 CPU device                  ``OrtDevice(type, memory type, id)`` or with a vendor id
 torch DLPack                ``torch._C._from_dlpack`` (no protocol checks) or
                             ``torch.from_dlpack``; ``torch.utils.dlpack.to_dlpack``
@@ -34,10 +35,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
@@ -51,6 +55,7 @@ __all__ = [
     "DependencyError",
     "ortvalue_from_capsule",
     "ortvalue_from_numpy",
+    "ortvalue_to_numpy",
     "require_onnxruntime",
     "require_torch",
     "run_with_ort_values",
@@ -130,9 +135,32 @@ def _cpu_device() -> Any:
 CPU: Any = _cpu_device()
 
 
+_BFLOAT16 = ml_dtypes.bfloat16  # the numpy type onnx gives bfloat16 tensors
+_ONNX_BFLOAT16 = 16  # TensorProto.BFLOAT16
+
+
 def ortvalue_from_numpy(arr: np.ndarray) -> Any:
-    """A C-level OrtValue sharing ``arr``'s buffer (``arr`` must be C-contiguous and kept alive)."""
+    """A C-level OrtValue sharing ``arr``'s buffer (``arr`` must be C-contiguous and kept alive).
+
+    onnxruntime's numpy bridge knows no bfloat16: such an array (``ml_dtypes.bfloat16``) goes as
+    its bits (uint16) with the ONNX element type."""
+    if arr.dtype.type is _BFLOAT16:
+        return C.OrtValue.ortvalue_from_numpy_with_onnx_type(arr.view(np.uint16), _ONNX_BFLOAT16)
     return C.OrtValue.ortvalue_from_numpy(arr, CPU)
+
+
+def ortvalue_to_numpy(value: Any) -> np.ndarray:
+    """The array of a C-level OrtValue on the CPU: ``value.numpy()``, or for bfloat16, which
+    onnxruntime has no numpy type for, a copy of its bits as an ``ml_dtypes.bfloat16`` array."""
+    try:
+        return value.numpy()
+    except RuntimeError:
+        if value.data_type() != "tensor(bfloat16)" or value.device_name().lower() != "cpu":
+            raise
+    shape = tuple(value.shape())
+    n = math.prod(shape)
+    bits = np.frombuffer((ctypes.c_uint16 * n).from_address(value.data_ptr()), np.uint16) if n else ()
+    return np.array(bits, dtype=np.uint16).reshape(shape).view(_BFLOAT16)
 
 
 FromCapsule = Callable[[Any, bool], Any]  # (capsule, is_bool) -> OrtValue

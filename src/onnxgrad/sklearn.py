@@ -17,6 +17,7 @@ Needs scikit-learn, and skl2onnx to convert scikit-learn models.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import os
@@ -420,6 +421,20 @@ class _OnnxEstimator(BaseEstimator):
         return state
 
 
+def _shares_params(init: Callable[..., None]) -> Callable[..., None]:
+    """Give an estimator's ``__init__(self, model=None, *, <own>=..., **params)`` the explicit
+    signature scikit-learn reads (``get_params``, ``set_params``, ``clone``, ``repr``): its own
+    parameters, then the keyword-only ones of ``_OnnxEstimator.__init__``, which ``**params`` passes
+    on. The parameters both estimators share are so written once, with their defaults and types."""
+    signature = inspect.signature(init)
+    own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    shared = inspect.signature(_OnnxEstimator.__init__).parameters.values()
+    init.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[*own, *(p for p in shared if p.kind is p.KEYWORD_ONLY)]
+    )
+    return init
+
+
 class OnnxRegressor(RegressorMixin, _OnnxEstimator):
     """Fits an ONNX regression model further (``loss``: ``"mse"``, ``"l1"`` or ``"huber"``).
 
@@ -446,51 +461,9 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
     only, else ``None``), ``history_``, ``n_iter_`` (epochs), ``n_features_in_``.
     """
 
-    def __init__(
-        self,
-        model: Any = None,
-        *,
-        loss: str = "mse",
-        output: str | None = None,
-        optimizer: str | Callable[[dict[str, np.ndarray]], Optimizer] = "adam",
-        lr: float = 1e-3,
-        max_iter: int = 200,
-        tol: float = 1e-4,
-        n_iter_no_change: int = 10,
-        early_stopping: bool = False,
-        validation_fraction: float = 0.1,
-        epochs: int | None = None,
-        batch_size: int | str = "auto",
-        l1: float = 0.0,
-        l2: float = 0.0,
-        trainable: Iterable[str] | None = None,
-        frozen: Iterable[str] = (),
-        shuffle: bool = True,
-        random_state: int | None = 0,
-        warm_start: bool = False,
-        verbose: bool = False,
-    ) -> None:
-        super().__init__(
-            model,
-            output=output,
-            optimizer=optimizer,
-            lr=lr,
-            max_iter=max_iter,
-            tol=tol,
-            n_iter_no_change=n_iter_no_change,
-            early_stopping=early_stopping,
-            validation_fraction=validation_fraction,
-            epochs=epochs,
-            batch_size=batch_size,
-            l1=l1,
-            l2=l2,
-            trainable=trainable,
-            frozen=frozen,
-            shuffle=shuffle,
-            random_state=random_state,
-            warm_start=warm_start,
-            verbose=verbose,
-        )
+    @_shares_params
+    def __init__(self, model: Any = None, *, loss: str = "mse", **params: Any) -> None:
+        super().__init__(model, **params)
         self.loss = loss
 
     def _loss_for(self, base: onnx.ModelProto, infos: dict, y: np.ndarray) -> tuple[str, str, dict[str, Any]]:
@@ -535,51 +508,9 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
     (``loss_curve_``: the mean cross-entropy of each epoch).
     """
 
-    def __init__(
-        self,
-        model: Any = None,
-        *,
-        output: str | None = None,
-        scores: str = "auto",
-        optimizer: str | Callable[[dict[str, np.ndarray]], Optimizer] = "adam",
-        lr: float = 1e-3,
-        max_iter: int = 200,
-        tol: float = 1e-4,
-        n_iter_no_change: int = 10,
-        early_stopping: bool = False,
-        validation_fraction: float = 0.1,
-        epochs: int | None = None,
-        batch_size: int | str = "auto",
-        l1: float = 0.0,
-        l2: float = 0.0,
-        trainable: Iterable[str] | None = None,
-        frozen: Iterable[str] = (),
-        shuffle: bool = True,
-        random_state: int | None = 0,
-        warm_start: bool = False,
-        verbose: bool = False,
-    ) -> None:
-        super().__init__(
-            model,
-            output=output,
-            optimizer=optimizer,
-            lr=lr,
-            max_iter=max_iter,
-            tol=tol,
-            n_iter_no_change=n_iter_no_change,
-            early_stopping=early_stopping,
-            validation_fraction=validation_fraction,
-            epochs=epochs,
-            batch_size=batch_size,
-            l1=l1,
-            l2=l2,
-            trainable=trainable,
-            frozen=frozen,
-            shuffle=shuffle,
-            random_state=random_state,
-            warm_start=warm_start,
-            verbose=verbose,
-        )
+    @_shares_params
+    def __init__(self, model: Any = None, *, scores: str = "auto", **params: Any) -> None:
+        super().__init__(model, **params)
         self.scores = scores
 
     def _loss_for(

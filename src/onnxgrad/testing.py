@@ -12,6 +12,7 @@ results of one computation done in different orders, with a bound that scales wi
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections import Counter
@@ -361,35 +362,30 @@ def node_model(
     return onnx.shape_inference.infer_shapes(model)
 
 
+# the keywords of node_model, which check_op passes on to it
+_NODE_MODEL_OPTIONS = frozenset(
+    p.name for p in inspect.signature(node_model).parameters.values() if p.kind is p.KEYWORD_ONLY
+)
+
+
 def check_op(
     op_type: str,
     inputs: Sequence[np.ndarray | None],
     *,
-    attrs: Mapping[str, Any] | None = None,
-    n_outputs: int = 1,
-    opset: int = 18,
-    constant: Iterable[int] = (),
-    dynamic: bool = False,
     backend: Backend = "onnxruntime",
-    output_dtypes: Sequence[np.dtype | type] | None = None,
-    **tolerances: Any,
+    **options: Any,
 ) -> GradCheckResult:
-    """Check the rule of ``op_type`` on these inputs; raises ``AssertionError`` with a report on failure."""
-    model = node_model(
-        op_type,
-        inputs,
-        attrs=attrs,
-        n_outputs=n_outputs,
-        opset=opset,
-        constant=constant,
-        dynamic=dynamic,
-        output_dtypes=output_dtypes,
-    )
+    """Check the rule of ``op_type`` on these inputs; raises ``AssertionError`` with a report on failure.
+
+    ``options``: those of :func:`node_model` (``attrs``, ``n_outputs``, ``opset``, ``domain``,
+    ``constant``, ``dynamic``, ``output_dtypes``) make the one-node model; the others (``eps``,
+    ``rtol``, ``atol``, ``max_elements``, ``seed``) are :func:`check_gradients`'s."""
+    model = node_model(op_type, inputs, **{k: options.pop(k) for k in _NODE_MODEL_OPTIONS & options.keys()})
     feeds = {i.name: np.asarray(inputs[int(i.name[2:])]) for i in model.graph.input}
     wrt = [i.name for i in model.graph.input] + [
         t.name for t in model.graph.initializer if t.data_type in FLOAT_TYPES
     ]
-    result = check_gradients(model, feeds, wrt=wrt, backend=backend, **tolerances)
+    result = check_gradients(model, feeds, wrt=wrt, backend=backend, **options)
     if not result.ok:
         raise AssertionError(f"gradient check of {op_type} failed:\n{result.report()}")
     return result

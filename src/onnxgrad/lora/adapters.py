@@ -17,7 +17,7 @@ from onnx import helper, numpy_helper
 
 from ..autodiff.params import TRAINABLE_KEY
 from ..errors import InputError
-from ..model.graph import FLOAT_TYPES, np_dtype, unique_name
+from ..model.graph import FLOAT_TYPES, np_dtype, to_array, unique_name
 from ..model.load import load_model
 from .quantized import _attr, _quantized_alias, _quantized_weight, _readers, _Weight
 
@@ -289,6 +289,17 @@ def _adapters(model: onnx.ModelProto) -> tuple[dict[str, Any], list[_Adapter]]:
 def adapter_names(model: onnx.ModelProto) -> list[str]:
     """The adapters' initializer names (A and B of each adapted weight)."""
     return [n for ad in _adapters(model)[1] for n in (ad.a, ad.b)]
+
+
+def _adapter_arrays(model: onnx.ModelProto, values: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """The adapters' arrays (A and B of each adapted weight, by name), C-contiguous: the value in
+    ``values`` (e.g. ``ForwardBackward.parameters``) where it has one, else the model's initializer."""
+    inits = {t.name: t for t in model.graph.initializer}
+    values = values or {}
+    return {
+        n: np.ascontiguousarray(values[n] if n in values else to_array(inits[n]))
+        for n in adapter_names(model)
+    }
 
 
 def with_values(model: onnx.ModelProto, values: Mapping[str, Any]) -> onnx.ModelProto:

@@ -13,8 +13,7 @@ import onnx
 
 from ..errors import InputError
 from ..model import safetensors
-from ..model.graph import to_array
-from .adapters import LORA_KEY, _adapters, add_adapters, with_values
+from .adapters import LORA_KEY, _adapter_arrays, _adapters, add_adapters, with_values
 
 
 def save_adapters(
@@ -23,14 +22,8 @@ def save_adapters(
     """Write the adapters of ``model`` (or ``values``, e.g. ``ForwardBackward.parameters``, for the
     same names) to ``path``: a ``.npz`` archive, else the safetensors layout (the adapters' settings
     in its ``__metadata__``)."""
-    info, adapters = _adapters(model)
-    inits = {t.name: t for t in model.graph.initializer}
-    values = dict(values or {})
-    arrays = {}
-    for ad in adapters:
-        for n in (ad.a, ad.b):
-            arrays[n] = np.ascontiguousarray(values[n] if n in values else to_array(inits[n]))
-    meta = json.dumps(info)
+    arrays = _adapter_arrays(model, values)
+    meta = json.dumps(_adapters(model)[0])
     path = os.fspath(path)
     if path.endswith(".npz"):
         np.savez(path, __lora__=np.array(meta), **arrays)

@@ -13,9 +13,9 @@ from onnx import helper, numpy_helper
 
 from ..deps import require_onnxruntime
 from ..errors import InputError
-from ..model.graph import np_dtype, to_array
+from ..model.graph import np_dtype
 from ..model.load import load_model
-from .adapters import _adapters
+from .adapters import _adapter_arrays, _adapters
 
 
 # ---- onnxruntime's own adapter format --------------------------------------------------------
@@ -63,20 +63,15 @@ def save_ort_adapter(
     require_onnxruntime()
     import onnxruntime as ort
 
-    _, adapters = _adapters(model)
     inits = {t.name: t for t in model.graph.initializer}
-    values = dict(values or {})
     params = {}
-    for ad in adapters:
-        for n in (ad.a, ad.b):
-            arr = np.ascontiguousarray(values[n] if n in values else to_array(inits[n]))
-            want = (tuple(inits[n].dims), np_dtype(inits[n].data_type))
-            if (arr.shape, arr.dtype) != want:
-                raise InputError(
-                    f"adapter {n!r} must be {want[1]} of shape {list(want[0])}, "
-                    f"got {arr.dtype} {list(arr.shape)}"
-                )
-            params[n] = ort.OrtValue.ortvalue_from_numpy(arr)
+    for n, arr in _adapter_arrays(model, values).items():
+        want = (tuple(inits[n].dims), np_dtype(inits[n].data_type))
+        if (arr.shape, arr.dtype) != want:
+            raise InputError(
+                f"adapter {n!r} must be {want[1]} of shape {list(want[0])}, got {arr.dtype} {list(arr.shape)}"
+            )
+        params[n] = ort.OrtValue.ortvalue_from_numpy(arr)
     fmt = ort.AdapterFormat()
     fmt.set_adapter_version(adapter_version)
     fmt.set_model_version(model_version)

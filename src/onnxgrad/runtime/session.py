@@ -26,7 +26,7 @@ from ..model.graph import ValueInfo, inputs_read_only_in_branches, np_dtype, to_
 from ..model.load import CheckedModel
 from .providers import resolve_providers
 from .runner import BaseRunner, make_runner
-from .values import check_dims_agree, contiguous, from_numpy
+from .values import check_dims_agree, contiguous, from_numpy, to_numpy
 
 Feeds = Mapping[str, Any]
 
@@ -225,21 +225,21 @@ class ForwardBackward:
         by_name = dict(zip(runner.graphs.outputs, outs))
         if training and self._running_stats:  # keep the running statistics running
             for stat, out in self._running_stats.items():
-                np.copyto(self._buffers[stat], by_name[out].numpy())
+                np.copyto(self._buffers[stat], to_numpy(by_name[out]))
         if saved is None:
-            return ForwardResult(self, [by_name[o].numpy() for o in self.output_names], None)
+            return ForwardResult(self, [to_numpy(by_name[o]) for o in self.output_names], None)
         # OrtValues do not own numpy buffers: keep the fed arrays and the parameter arrays of
         # this step alive until the backward (set_parameters may replace them meanwhile)
         saved["__inputs__"] = (bound, dict(self._params))  # type: ignore[assignment]
         # an output's array shares its OrtValue's buffer: where the backward saved that value too,
         # the caller gets a copy, so that changing the array in place cannot change the gradient
-        outputs = [by_name[o].numpy() for o in self.output_names]
+        outputs = [to_numpy(by_name[o]) for o in self.output_names]
         outputs = [a.copy() if o in saved else a for o, a in zip(self.output_names, outputs)]
         return ForwardResult(self, outputs, saved)
 
     def _backward(self, saved: dict[str, Any], grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = {out: from_numpy(arr) for out, arr in grads.items()}
-        return {w: ov.numpy() for w, ov in zip(self._runner.wrt, self._runner.backward(saved, values))}
+        return {w: to_numpy(ov) for w, ov in zip(self._runner.wrt, self._runner.backward(saved, values))}
 
     # ---- validation --------------------------------------------------------------------------
     def _check_feeds(self, feeds: Feeds) -> dict[str, np.ndarray]:

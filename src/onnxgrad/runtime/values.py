@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..deps import C, ortvalue_from_numpy, run_with_ort_values, torch_interop
+from ..deps import C, ortvalue_from_numpy, ortvalue_to_numpy, run_with_ort_values, torch_interop
 from ..errors import InputError
 from ..model.graph import ValueInfo, dtype_name
 
@@ -26,6 +26,7 @@ __all__ = [
     "from_numpy",
     "from_torch",
     "run",
+    "to_numpy",
     "to_torch",
     "unwrap",
 ]
@@ -34,6 +35,7 @@ OrtValueLike = Any  # a C-level OrtValue or the onnxruntime.OrtValue wrapper aro
 _C_ORTVALUE = C.OrtValue
 
 from_numpy = ortvalue_from_numpy
+to_numpy = ortvalue_to_numpy
 run = run_with_ort_values
 
 

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -48,6 +49,22 @@ def torch_name(onnx_name: str, taken: set[str]) -> str:
     if not name or name[0].isdigit():
         name = f"p_{name}"
     return unique_name(name, taken)
+
+
+def _tensor_from_numpy(arr: np.ndarray) -> torch.Tensor:
+    """A torch tensor holding a copy of ``arr``. bfloat16 (``ml_dtypes.bfloat16``, onnx's type for
+    it, which ``torch.from_numpy`` does not know) crosses as its bits, a uint16 view."""
+    arr = np.array(arr, copy=True)
+    if arr.dtype.type is ml_dtypes.bfloat16:
+        return torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def _numpy_from_tensor(tensor: torch.Tensor) -> np.ndarray:
+    """The array of a CPU tensor; a bfloat16 tensor (no numpy type in torch) as ``ml_dtypes.bfloat16``."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
 
 
 class _Variant:
@@ -337,7 +354,7 @@ class OnnxModule(nn.Module):
         for n in floats:
             tname = torch_name(n, taken)
             self.onnx_names[tname] = n
-            value = torch.from_numpy(np.array(to_array(inits[n]), copy=True))
+            value = _tensor_from_numpy(to_array(inits[n]))
             if n in params:
                 if masters and is_half(value.dtype):
                     self._master_dtypes[tname] = value.dtype
@@ -492,7 +509,7 @@ class OnnxModule(nn.Module):
             value = getattr(self, t).detach().cpu()
             values[n] = value.to(masters[t]) if t in masters else value  # the model's type again
         inits = [
-            numpy_helper.from_array(values[i.name].numpy(), i.name) if i.name in values else i
+            numpy_helper.from_array(_numpy_from_tensor(values[i.name]), i.name) if i.name in values else i
             for i in proto.graph.initializer
         ]
         del proto.graph.initializer[:]

@@ -306,8 +306,21 @@ def _ort_sgd(o: Ops, h: Mapping[str, Any], p: Value, g: Value, s: dict[str, Valu
     return o.sub(p, o.mul(o.lr, g)), {}  # SGDOptimizerV2: p = p - lr g
 
 
-_BETAS = (0.9, 0.999)
-_ADAM_SLOTS = ("exp_avg", "exp_avg_sq")
+def _torch_adam(name: str, *, decoupled: bool, weight_decay: float, doc: str) -> Definition:
+    """torch.optim.Adam (``decoupled=False``) or AdamW: the same moments, state, checks and
+    defaults but ``weight_decay``'s."""
+    return Definition(
+        name=name,
+        family=TORCH,
+        defaults={"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": weight_decay},
+        slots=lambda h: ("exp_avg", "exp_avg_sq"),
+        formula=_adam_formula(decoupled=decoupled),
+        validate=_validate_adam,
+        counts_steps=True,
+        doc=doc,
+    )
+
+
 DEFINITIONS: dict[str, Definition] = {
     d.name: d
     for d in (
@@ -320,24 +333,16 @@ DEFINITIONS: dict[str, Definition] = {
             validate=_validate_sgd,
             doc="torch.optim.SGD: momentum, dampening, Nesterov, L2 weight decay",
         ),
-        Definition(
-            name="adam",
-            family=TORCH,
-            defaults={"betas": _BETAS, "eps": 1e-8, "weight_decay": 0.0},
-            slots=lambda h: _ADAM_SLOTS,
-            formula=_adam_formula(decoupled=False),
-            validate=_validate_adam,
-            counts_steps=True,
+        _torch_adam(
+            "adam",
+            decoupled=False,
+            weight_decay=0.0,
             doc="torch.optim.Adam: bias-corrected moments, L2 weight decay",
         ),
-        Definition(
-            name="adamw",
-            family=TORCH,
-            defaults={"betas": _BETAS, "eps": 1e-8, "weight_decay": 1e-2},
-            slots=lambda h: _ADAM_SLOTS,
-            formula=_adam_formula(decoupled=True),
-            validate=_validate_adam,
-            counts_steps=True,
+        _torch_adam(
+            "adamw",
+            decoupled=True,
+            weight_decay=1e-2,
             doc="torch.optim.AdamW: Adam with decoupled weight decay (p *= 1 - lr wd)",
         ),
         Definition(

@@ -47,14 +47,18 @@ class Block(ABC):
         """Append this block's nodes to ``self.base``; return the name(s) of its output(s)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Build on the current base model and check that it is still a valid ONNX model."""
+        """Build on the current base model, then :meth:`_finish`; return the build's output(s)."""
         self.base = _accessor.current().model
         output = self.build(*args, **kwargs)
+        self._finish(output)
+        return output
+
+    def _finish(self, output: Any) -> None:
+        """After the build: check that the base is still a valid ONNX model."""
         try:
             onnx.checker.check_model(without_weights(self.base))  # weights over 2 GB cannot be serialized
         except onnx.checker.ValidationError as exc:
             raise InputError(f"block {type(self).__name__} made an invalid model: {exc}") from exc
-        return output
 
     def infer_shapes_on_base(self) -> onnx.ModelProto:
         """The base model with its shapes inferred (its weights as inputs when they would not fit
@@ -78,40 +82,23 @@ def _float_initializer(model: onnx.ModelProto, hint: str, value: float) -> str:
 
 
 class _BinaryOp(Block):
-    def __init__(self, op_name: str) -> None:
-        super().__init__()
-        self._op_name = op_name
+    """The ONNX op ``_op_name`` on two inputs (subclasses made by :func:`_binary`)."""
+
+    _op_name: str
 
     def build(self, input_name1: str, input_name2: str) -> str:
         return _node(self.base, self._op_name, [input_name1, input_name2])
 
 
-class Add(_BinaryOp):
-    """``a + b``."""
-
-    def __init__(self) -> None:
-        super().__init__("Add")
+def _binary(name: str, doc: str) -> type[_BinaryOp]:
+    """The block class ``name`` of the binary ONNX op of that name."""
+    return type(name, (_BinaryOp,), {"_op_name": name, "__doc__": doc, "__module__": __name__})
 
 
-class Sub(_BinaryOp):
-    """``a - b``."""
-
-    def __init__(self) -> None:
-        super().__init__("Sub")
-
-
-class Mul(_BinaryOp):
-    """``a * b``."""
-
-    def __init__(self) -> None:
-        super().__init__("Mul")
-
-
-class Div(_BinaryOp):
-    """``a / b``."""
-
-    def __init__(self) -> None:
-        super().__init__("Div")
+Add = _binary("Add", "``a + b``.")
+Sub = _binary("Sub", "``a - b``.")
+Mul = _binary("Mul", "``a * b``.")
+Div = _binary("Div", "``a / b``.")
 
 
 class Pow(Block):
@@ -140,7 +127,7 @@ def _unary(name: str, doc: str, **fixed: Any) -> type[_UnaryOp]:
     def __init__(self, **attributes: Any) -> None:
         _UnaryOp.__init__(self, name, **{**fixed, **attributes})
 
-    return type(name, (_UnaryOp,), {"__init__": __init__, "__doc__": doc})
+    return type(name, (_UnaryOp,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
 
 
 class _Reduce(_UnaryOp):

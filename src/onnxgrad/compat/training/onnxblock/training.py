@@ -13,7 +13,6 @@ from onnx import numpy_helper
 
 from ....errors import InputError, OnnxGradRuntimeError
 from .. import checkpoint_file, graphs
-from . import _accessor
 from .blocks import Block
 
 __all__ = ["ForwardBlock", "TrainingBlock", "load_checkpoint_to_model", "save_checkpoint"]
@@ -40,14 +39,12 @@ class ForwardBlock(Block):
     def build(self, *args: Any, **kwargs: Any) -> Any:
         """Append the nodes; return the output name(s)."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.base = _accessor.current().model
-        output = self.build(*args, **kwargs)
+    def _finish(self, output: Any) -> None:
+        """The model of this block: a copy of the base, the build's outputs as its outputs."""
         model = onnx.ModelProto()
         model.CopyFrom(self.base)
         graphs.set_outputs(model, _names(output))
         self._model = model
-        return output
 
     def to_model_proto(self) -> onnx.ModelProto:
         """The model built by the call."""
@@ -98,9 +95,10 @@ class TrainingBlock(Block):
             )
         return self._training_model, self._eval_model
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        base = self.base = _accessor.current().model
-        output = self.build(*args, **kwargs)
+    def _finish(self, output: Any) -> None:
+        """The training and eval models from the base and the loss output(s); the base becomes
+        the training model."""
+        base = self.base
         outputs = _names(output)
         graphs.set_outputs(base, outputs)
         inits = {i.name: i for i in base.graph.initializer}
@@ -127,7 +125,6 @@ class TrainingBlock(Block):
         self._parameters = ([_copy(inits[n]) for n in trainable], [_copy(inits[n]) for n in frozen])
         self._training_model = training.model
         base.CopyFrom(training.model)  # as onnxruntime-training: the base becomes the training model
-        return output
 
 
 def _copy(tensor: onnx.TensorProto) -> onnx.TensorProto:
