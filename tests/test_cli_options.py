@@ -89,7 +89,7 @@ def test_old_spellings_still_work_with_a_note(capsys, argv, dest, value, note):
         ("train", ["--loss-output", "--out-file", "--batch-size", "--patience", "--providers",
                    "--accumulate", "--clip-norm", "--clip-value", "--history"],
          ["--out ", "--output ", "--output-file"]),
-        ("artifacts", ["--trainable", "--loss-output", "--output-dir"], ["--requires-grad"]),
+        ("artifacts", ["--trainable", "--loss-output", "--out-dir"], ["--requires-grad", "--output-dir"]),
         ("bench", ["--batch-size"], ["--batch "]),
         ("demo", ["--out-file"], ["--output ", "--output-file"]),
         ("grad", ["--trainable", "--out-dir"], ["--output-dir"]),

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import InputError
 from ..train.losses import LOSSES
 from ..train.optimizers import DEFAULT_OPTIMIZER, definition
 from .optim import OPTIMIZERS
@@ -70,7 +71,8 @@ def add_parser(sub: Any) -> None:
         ),
     )
     p.add_argument("model", metavar="MODEL", help="path of the ONNX model")
-    p.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="the folder to write")
+    p.add_argument("-o", "--out-dir", dest="out_dir", metavar="DIR", help="the folder to write (required)")
+    add_deprecated(p, "--output-dir", "--out-dir", "out_dir")
     p.add_argument("--loss", required=True, choices=[*LOSSES, "none"], help="loss appended to the model")
     p.add_argument(
         "--loss-output", metavar="NAME", help="model output the loss reads (default: the first output)"
@@ -106,6 +108,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.out_dir is None:  # not required=True: the deprecated --output-dir fills it too
+        raise InputError("-o/--out-dir DIR is required: the folder to write the artifacts to")
     from .generate import generate
 
     options = {
@@ -130,12 +134,12 @@ def _run(args: argparse.Namespace) -> int:
         loss_options=loss_options,
         optimizer=args.optimizer,
         lr=args.lr,
-        out_dir=args.output_dir,
+        out_dir=args.out_dir,
         targets=args.targets,
         optimizer_options=options,
     )
     m = art.manifest
-    print(f"wrote {args.output_dir}: {', '.join(m['files'].values())}")
+    print(f"wrote {args.out_dir}: {', '.join(m['files'].values())}")
     print(f"opset {m['opset']}, IR {m['ir_version']}, {len(art.train_step.graph.node)} nodes in the step")
     print(f"batch: {', '.join(b['name'] for b in m['batch'])}")
     print(f"parameters ({len(m['parameters'])}): {', '.join(p['name'] for p in m['parameters'])}")
