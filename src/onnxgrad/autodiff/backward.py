@@ -72,6 +72,28 @@ def quantized_mode(g: GradBuilder) -> str:
     return str(getattr(g, "quantized", "ste"))
 
 
+def note_straight_through(g: GradBuilder, node: str) -> None:
+    """Record that rounding node ``node`` passed its gradient straight through (``quantized="ste"``),
+    for the build's one :class:`~onnxgrad.errors.GradientWarning` (a child scope tells its root)."""
+    while g.parent is not None:
+        g = g.parent  # type: ignore[assignment]
+    noted = getattr(g, "straight_through", None)
+    if noted is not None and node not in noted:
+        noted.append(node)
+
+
+def straight_through_message(nodes: list[str]) -> str:
+    """The :class:`~onnxgrad.errors.GradientWarning` text for the rounding nodes a build passed
+    straight through."""
+    shown = ", ".join(repr(n) for n in nodes[:4]) + (f" and {len(nodes) - 4} more" if len(nodes) > 4 else "")
+    return (
+        f"{len(nodes)} rounding node(s) ({shown}) pass the gradient straight through "
+        "(quantized='ste', the estimator of quantization-aware training, with LSQ's scale gradient): "
+        "not the derivative almost everywhere, which is zero through a rounding (docs/quantized.md); "
+        "quantized='zero' stops these gradients, quantized='refuse' raises"
+    )
+
+
 @dataclass
 class Marks:
     """Which values require a gradient, and which reach an output that takes one."""

@@ -43,7 +43,7 @@ from ..model.graph import (
 from ..model.infer import infer_value_infos
 from ..model.load import CheckedModel, load_model
 from ..model.pythonop_spec import complete_class_names
-from .backward import QUANTIZED_MODES, cut_message, cut_paths, mark, reverse_pass
+from .backward import QUANTIZED_MODES, cut_message, cut_paths, mark, reverse_pass, straight_through_message
 from .builder import GradBuilder, Var
 from .params import Tie, checked_names, padding_rows, select_parameters
 from .recompute import MARK as RECOMPUTE_MARK
@@ -171,6 +171,7 @@ def build_gradient(
     g = GradBuilder(infos, consts, taken, max(opset, MIN_BACKWARD_OPSET))
     g.versions = versions
     g.quantized = quantized  # type: ignore[attr-defined]  # read by rules/quant.py (quantized_mode)
+    g.straight_through = []  # type: ignore[attr-defined]  # rounding nodes passed through (rules/quant.py)
     g.padding_rows = padding_rows(model, trainable_names)  # torch Embedding(padding_idx=...)
     g.producers = {o: node for node in nodes for o in node.output if o}
     grads: dict[str, list[Var]] = {}
@@ -185,6 +186,8 @@ def build_gradient(
     cuts = cut_paths(nodes, ungraded, grad_outs, marks, stopped, versions, quantized) if ungraded else {}
     if cuts:
         warnings.warn(cut_message(cuts, quantized), GradientWarning, stacklevel=2)
+    if g.straight_through:  # type: ignore[attr-defined]
+        warnings.warn(straight_through_message(g.straight_through), GradientWarning, stacklevel=2)  # type: ignore[attr-defined]
 
     grad_outputs: dict[str, str] = {}
     final: list[tuple[str, Var]] = []

@@ -48,7 +48,7 @@ from onnx import TensorProto, helper
 from ...errors import GradientNotImplementedError
 from ...model.contrib_schemas import MS_DOMAIN
 from ...model.nbits import default_zero_point, pack_bits, unpack_bits
-from ..backward import quantized_mode, version_of
+from ..backward import note_straight_through, quantized_mode, version_of
 from ..builder import GradBuilder, Var, cast, where
 from ..registry import NodeContext, lookup, rule
 from .common import Grads, need_rank, nonneg_axis, optional_input, refuse, unsupported
@@ -88,6 +88,8 @@ def _rounding(g: GradBuilder, n: NodeContext) -> bool:
             "(quantized='refuse'); quantized='ste' passes it straight through as quantization-aware "
             "training does, quantized='zero' stops it"
         )
+    if mode == "ste":
+        note_straight_through(g, n.node.name or n.node.output[0])
     return mode == "ste"
 
 
