@@ -431,3 +431,59 @@ def test_generate_options_come_in_optimizer_options_and_the_old_keywords_warn():
         pytest.raises(InputError, match=r"\['momentum'\] given both as keywords and in optimizer_options"),
     ):
         generate(mlp(), loss="mse", optimizer="sgd", optimizer_options={"momentum": 0.9}, momentum=0.5)
+
+
+# ---- many small parameters updated as one -----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "options"), [TORCH_CASES[2], TORCH_CASES[3], TORCH_CASES[5], TORCH_CASES[7]]
+)
+def test_small_parameters_updated_together_give_each_ones_own_update(name, options):
+    """The numpy optimizers update small parameters of one type as one flat buffer. Against one
+    optimizer per parameter (nothing to group), the same bits for every parameter and state
+    tensor: float32 and float64 parameters, one too large to join, a step where some parameters
+    get no gradient, and an earlier state loaded from a checkpoint."""
+    rng = np.random.default_rng(9)
+    shapes = {"a": (3, 4), "b": (4,), "c": (5,), "d": (2, 2, 2), "big": (300, 100)}
+    start = {k: rng.standard_normal(s) for k, s in shapes.items()}
+    start.update(
+        e=rng.standard_normal(6).astype(np.float32), f=rng.standard_normal((2, 3)).astype(np.float32)
+    )
+    together = {k: v.copy() for k, v in start.items()}
+    opt = OPTIMIZERS[name](together, lr=0.05, **options)
+    alone = {k: v.copy() for k, v in start.items()}
+    singles = {k: OPTIMIZERS[name]({k: alone[k]}, lr=0.05, **options) for k in alone}
+    for step in range(6):
+        given = list(start) if step != 2 else ["a", "c", "e", "big"]
+        grads = {k: rng.standard_normal(start[k].shape).astype(start[k].dtype) for k in given}
+        if step == 1:
+            saved = opt.state_dict()
+        if step == 4:  # the state of step 1, loaded into both
+            opt.load_state_dict(saved)
+            for k, single in singles.items():
+                single.load_state_dict({"iterations": saved["iterations"], "state": {k: saved["state"][k]}})
+        opt.step(grads)
+        for k in given:
+            singles[k].step({k: grads[k]})
+        for k in start:
+            np.testing.assert_array_equal(together[k], alone[k])
+            assert set(opt.state[k]) == set(singles[k].state[k])
+            for key, value in opt.state[k].items():
+                np.testing.assert_array_equal(value, singles[k].state[k][key])
+    assert len(opt._groups) == 2  # float64 a-d, float32 e-f: the grouped path ran
+
+
+def test_parameters_sharing_memory_are_updated_one_after_the_other():
+    """Two names for one array (or overlapping views) are not gathered together: each update
+    applies in turn, as with one optimizer per name applied in order."""
+    rng = np.random.default_rng(10)
+    w = rng.standard_normal(8)
+    params = {"w": w, "w_again": w, "head": w[:3], "other": rng.standard_normal(8)}
+    expected = {k: v.copy() for k, v in params.items()}
+    expected["w_again"] = expected["w"]
+    expected["head"] = expected["w"][:3]
+    grads = {k: rng.standard_normal(v.shape) for k, v in params.items()}
+    OPTIMIZERS["adamw"](params, lr=0.1).step(grads)
+    for k in params:
+        OPTIMIZERS["adamw"]({k: expected[k]}, lr=0.1).step({k: grads[k]})
+    for k in params:
+        np.testing.assert_array_equal(params[k], expected[k])
