@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from operator import is_
 from typing import Any
 
 import numpy as np
@@ -175,39 +176,50 @@ class _Defined(Optimizer):
     def _operands_for(self, t: int, first: bool) -> list[Any]:
         """``[(lr, t, first), the operands of the plan for them]``: the per-step scalars and
         constants, computed once for all the parameters."""
-        key = (self.lr, t, first)
+        plan = self._plan
+        key = (self.lr, t if plan.reads_t else 0, first and plan.reads_first)
         if self._operands[0] != key:
-            self._operands = [key, _scalars(self._program, self._plan, *key)]
+            self._operands = [key, _scalars(self._program, plan, *key)]
         return self._operands
 
     def _update(self, name: str, p: np.ndarray, grad: np.ndarray) -> None:
-        state, plan, slots = self.state[name], self._plan, self._program.slots
-        counts = self.definition.counts_steps
-        if counts:
-            t = state.get("step", 0) + 1
-            first = t == 1
+        state, plan = self.state[name], self._plan
+        slots = plan.slots
+        if slots or plan.reads_t:  # else the operands are the same for every parameter and step
+            t, first = self._index(state)
+            if first:
+                for slot in slots:
+                    state.setdefault(slot, np.zeros_like(p))
         else:
-            t, first = self.iterations + 1, bool(slots) and slots[0] not in state
-        if first:
-            for slot in slots:
-                state.setdefault(slot, np.zeros_like(p))
+            t, first = 0, False
         scratch = self._scratch[name]
         if len(scratch) < plan.buffers:  # allocated on first use
             self._buffer(name, plan.buffers - 1)
         operands = self._operands
-        if operands[0] != (self.lr, t, first):
+        if operands[0] != (self.lr, t if plan.reads_t else 0, first and plan.reads_first):
             operands = self._operands_for(t, first)
         if slots:
             plan.run(p, grad, *[state[s] for s in slots], *scratch, *operands[1])
         else:
             plan.run(p, grad, *scratch, *operands[1])
-        if counts:
+        if self.definition.counts_steps:
             state["step"] = t
 
     def _apply(self, checked: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
         if self._groups is None:
             self._groups = _groups(self.params, self._plan, self._program.slots)
             self._group_of = {n: g for g in self._groups for n in g.names}
+        plan = self._plan
+        if not self._groups and not (plan.slots or plan.reads_t or plan.reads_first):
+            operands, scratch = self._operands_for(0, False)[1], self._scratch  # one set: no state
+            for name, p, grad in checked:
+                if len(scratch[name]) < plan.buffers:
+                    self._buffer(name, plan.buffers - 1)
+                plan.run(p, grad, *scratch[name], *operands)
+            return
+        if not self._groups:
+            super()._apply(checked)
+            return
         pending: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
         for name, p, grad in checked:
             group = self._group_of.get(name)
@@ -290,6 +302,13 @@ class _Plan:
     steps: list[str]  # the calls ``run`` makes, one line each (its source)
     buffers: int
     operands: list[Value | float]  # the scalar values and constants the steps read, in order
+    slots: tuple[str, ...]  # the program's
+    # the scalar instructions the operands need, in order: (op, arguments (a value's id or a
+    # constant), output id); the scalar inputs they read, by id
+    scalar_steps: list[tuple[str, tuple[Any, ...], int]]
+    scalar_inputs: dict[int, str]
+    reads_t: bool  # whether the operands depend on t (else they are the same at every step)
+    reads_first: bool
 
 
 _PLANS: dict[int, _Plan] = {}
@@ -379,8 +398,29 @@ def _plan(program: Program) -> _Plan:
         if where[v.id] != ("in", h)
     ]
     steps = [s for s in steps if s]
+    needed = {a.id for a in operands if isinstance(a, Value)}
+    scalar_steps: list[tuple[str, tuple[Any, ...], int]] = []
+    scalar_inputs: dict[int, str] = {}
+    for instr in reversed(ins):  # the scalar instructions the operands need, last first
+        if instr.out.id in needed:
+            scalar_steps.append(
+                (instr.op, tuple(a.id if isinstance(a, Value) else a for a in instr.args), instr.out.id)
+            )
+            needed |= {a.id for a in instr.args if isinstance(a, Value)}
+    for instr in ins:
+        for a in instr.args:
+            if isinstance(a, Value) and a.scalar and a.input is not None and a.id in needed:
+                scalar_inputs[a.id] = a.input
     plan = _PLANS[id(program)] = _Plan(
-        _compile(steps, len(index) + buffers, len(operands)), steps, buffers, operands
+        _compile(steps, len(index) + buffers, len(operands)),
+        steps,
+        buffers,
+        operands,
+        program.slots,
+        scalar_steps[::-1],
+        scalar_inputs,
+        "t" in scalar_inputs.values(),
+        "first" in scalar_inputs.values(),
     )
     return plan
 
@@ -404,6 +444,11 @@ _GROUP_ELEMENTS_PER_CALL = 512
 """A parameter joins a group when it has at most this many elements per call of the program:
 gathering it and copying it back (three copies) costs about what the program's calls over it
 alone cost in Python (about half a microsecond each) at that size."""
+
+
+_GROUP_MIN_CALLS = 32
+"""A group is made when it saves at least this many calls a step: its own cost (the gathering
+and copying back, the checks) is about that of one call per member and ten calls more."""
 
 
 class _Group:
@@ -431,43 +476,46 @@ class _Group:
     def run(self, opt: _Defined, given: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> bool:
         """One update of every parameter of the group; False (nothing done) when it cannot be one
         call: a parameter without a gradient, replaced, or at another step than the others."""
-        if len(given) != len(self.names):
+        names = self.names
+        if len(given) != len(names):
             return False
-        arrays = [given[n][0] for n in self.names]
-        if any(a is not b for a, b in zip(arrays, self.arrays)):
+        pairs = [given[n] for n in names]
+        if not all(map(is_, [pg[0] for pg in pairs], self.arrays)):
             return False
-        states = [opt.state[n] for n in self.names]
-        index = opt._index(states[0])
-        if any(opt._index(s) != index for s in states[1:]):
+        states = [opt.state[n] for n in names]
+        index = opt._index
+        indices = [index(s) for s in states]
+        if indices.count(indices[0]) != len(indices):
             return False
-        slots = opt._program.slots
-        for slot, views in zip(slots, self.slot_views):
+        t, first = indices[0]
+        for slot, views in zip(opt._program.slots, self.slot_views):
+            if all(map(is_, [s.get(slot) for s in states], views)):
+                continue
             for state, view in zip(states, views):
                 current = state.get(slot)
-                if current is view:
-                    continue
                 if current is None:
-                    if not index[1]:
+                    if not first:
                         return False  # as the parameter's own update: its state is incomplete
                     view.fill(0)
-                else:  # replaced from outside: adopt its values
+                elif current is not view:  # replaced from outside: adopt its values
                     np.copyto(view, current)
                 state[slot] = view
         np.concatenate(self.sources, out=self.p)
-        np.concatenate([given[n][1].reshape(-1) for n in self.names], out=self.g)
-        opt._plan.run(self.p, self.g, *self.slots, *self.scratch, *opt._operands_for(*index)[1])
-        for dst, src in zip(arrays, self.p_views):
+        np.concatenate([pg[1] for pg in pairs], axis=None, out=self.g)
+        opt._plan.run(self.p, self.g, *self.slots, *self.scratch, *opt._operands_for(t, first)[1])
+        for dst, src in zip(self.arrays, self.p_views):
             np.copyto(dst, src)
         if opt.definition.counts_steps:
             for state in states:
-                state["step"] = index[0]
+                state["step"] = t
         return True
 
 
 def _groups(params: Mapping[str, np.ndarray], plan: _Plan, slots: tuple[str, ...]) -> list[_Group]:
-    """The groups of the small parameters of ``params``, one per type of two or more: contiguous
-    arrays of at most ``_GROUP_ELEMENTS_PER_CALL`` elements per call of ``plan``, sharing no
-    memory with another parameter (tied arrays keep their own updates, one after the other)."""
+    """The groups of the small parameters of ``params``, one per type: contiguous arrays of at
+    most ``_GROUP_ELEMENTS_PER_CALL`` elements per call of ``plan``, sharing no memory with another
+    parameter (tied arrays keep their own updates, one after the other), enough of them to save
+    ``_GROUP_MIN_CALLS`` calls."""
     shared, end, last = set(), -1, None
     for start, size, name in sorted(
         (p.__array_interface__["data"][0], p.nbytes, name) for name, p in params.items() if p.nbytes
@@ -476,15 +524,15 @@ def _groups(params: Mapping[str, np.ndarray], plan: _Plan, slots: tuple[str, ...
             shared |= {name, last}
         if start + size > end:
             end, last = start + size, name
-    limit = _GROUP_ELEMENTS_PER_CALL * max(len(plan.steps), 1)
+    calls = max(len(plan.steps), 1)
     by_type: dict[np.dtype, list[str]] = {}
     for name, p in params.items():
-        if 0 < p.size <= limit and p.flags.c_contiguous and name not in shared:
+        if 0 < p.size <= _GROUP_ELEMENTS_PER_CALL * calls and p.flags.c_contiguous and name not in shared:
             by_type.setdefault(p.dtype, []).append(name)
     return [
         _Group(names, [params[n] for n in names], slots, plan.buffers)
         for names in by_type.values()
-        if len(names) > 1
+        if len(names) > 1 and len(names) * calls >= _GROUP_MIN_CALLS
     ]
 
 
@@ -492,15 +540,10 @@ def _scalars(program: Program, plan: _Plan, lr: float, t: int, first: bool) -> l
     """The operands of ``plan`` for one step: scalars in Python floats (double) or float32 as the
     program says, and constants."""
     f32 = program.scalar_float32
-    values: dict[int, Any] = {}
     inputs = {"lr": np.float32(lr) if f32 else lr, "t": t, "first": first}
-    for instr in program.instructions:
-        for a in instr.args:
-            if isinstance(a, Value) and a.scalar and a.input is not None:
-                values[a.id] = inputs[a.input]
-        if instr.out.scalar:
-            args = [values[a.id] if isinstance(a, Value) else a for a in instr.args]
-            values[instr.out.id] = evaluate_scalar(instr.op, args, f32)
+    values: dict[Any, Any] = {k: inputs[name] for k, name in plan.scalar_inputs.items()}
+    for op, args, out in plan.scalar_steps:
+        values[out] = evaluate_scalar(op, [values[a] if isinstance(a, int) else a for a in args], f32)
     return [values[a.id] if isinstance(a, Value) else a for a in plan.operands]
 
 
