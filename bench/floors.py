@@ -250,13 +250,14 @@ def _update_model(shapes: list[tuple[int, ...]], variant: str) -> onnx.ModelProt
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-UPDATE_VARIANTS = ("program", "torch's order", "flat", "program, 1 thread")
+UPDATE_VARIANTS = ("program", "torch's order", "flat", "program, 1 thread", "program, in place")
 
 
 def update(variants: tuple[str, ...] = UPDATE_VARIANTS) -> dict:
     """The AdamW update alone: the one-graph step's nodes (and other ways to write them: see
-    :func:`_update_model`) against torch's foreach AdamW; each variant's largest difference from
-    the one-graph step's numbers, in float32 ulps of the values."""
+    :func:`_update_model`; ``", 1 thread"``: one intra-op thread; ``", in place"``: the new
+    values written over the inputs' buffers) against torch's foreach AdamW and onnxgrad's numpy
+    AdamW; each variant's largest difference from the one-graph step's numbers (``diff_eps``)."""
     out: dict = {}
     for name in ("mlp", "cnn", "transformer"):
         shapes = [tuple(p.shape) for p in anchors.build(name).parameters()]
@@ -281,8 +282,15 @@ def update(variants: tuple[str, ...] = UPDATE_VARIANTS) -> dict:
             binding = sess.io_binding()  # as the one-graph step: every output in a buffer of its own
             for k, v in feeds.items():
                 binding.bind_ortvalue_input(k, ort.OrtValue.ortvalue_from_numpy(v))
-            for o, v in zip(sess.get_outputs(), got):
-                binding.bind_ortvalue_output(o.name, ort.OrtValue.ortvalue_from_numpy(np.empty_like(v)))
+            if variant.endswith("in place"):  # new p, m, v written over p, m, v (copies of the feeds)
+                own = {k: ort.OrtValue.ortvalue_from_numpy(feeds[k].copy()) for k in feeds if k[0] in "pmv"}
+                for k, v in own.items():
+                    binding.bind_ortvalue_input(k, v)
+                for j, o in enumerate(sess.get_outputs()):
+                    binding.bind_ortvalue_output(o.name, own[f"{'pmv'[j % 3]}{j // 3}"])
+            else:
+                for o, v in zip(sess.get_outputs(), got):
+                    binding.bind_ortvalue_output(o.name, ort.OrtValue.ortvalue_from_numpy(np.empty_like(v)))
             fns[variant] = lambda s=sess, b=binding: s.run_with_iobinding(b)
         tparams = [torch.nn.Parameter(torch.from_numpy(feeds[f"p{i}"]).clone()) for i in range(len(shapes))]
         for i, p in enumerate(tparams):
