@@ -443,8 +443,9 @@ def test_small_parameters_updated_together_give_each_ones_own_update(name, optio
     """The numpy optimizers update small parameters of one type as one flat buffer. Against one
     optimizer per parameter (nothing to group), the same bits for every parameter and state
     tensor: float32 and float64 parameters (16 of each: enough to be grouped for every
-    optimizer), one too large to join, a step where some parameters get no gradient, and
-    earlier states loaded from checkpoints."""
+    optimizer), one too large to join, a step where some parameters get no gradient, earlier
+    states loaded from checkpoints, new values copied into the parameters, and one parameter
+    array replaced."""
     rng = np.random.default_rng(9)
     start = {"big": rng.standard_normal((300, 100))}
     for i in range(16):
@@ -465,6 +466,12 @@ def test_small_parameters_updated_together_give_each_ones_own_update(name, optio
             opt.load_state_dict(back)
             for k, single in singles.items():
                 single.load_state_dict({"iterations": back["iterations"], "state": {k: back["state"][k]}})
+        if step == 3:  # new values copied into the live arrays, as Trainer.set_parameters does
+            for k in start:
+                together[k][...] = alone[k][...] = rng.standard_normal(start[k].shape)
+        if step == 5:  # one array replaced in the optimizer's own mapping: it updates that one
+            opt.params["a3"] = together["a3"] = together["a3"].copy()
+            singles["a3"].params["a3"] = alone["a3"] = alone["a3"].copy()
         opt.step(grads)
         for k in given:
             singles[k].step({k: grads[k]})

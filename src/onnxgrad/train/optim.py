@@ -1,13 +1,17 @@
 """Optimizers that update numpy parameter arrays in place, with the math of ``torch.optim``.
 
 Their hyperparameters, defaults and updates are the definitions of the optimizer registry
-(:mod:`onnxgrad.train.optimizers`), whose programs this module runs on numpy arrays.
+(:mod:`onnxgrad.train.optimizers`), whose programs this module compiles once into a function of
+in-place numpy calls and runs on numpy arrays; small parameters of one type are updated together,
+as one flat buffer.
 
 They work on the live buffers of :attr:`onnxgrad.ForwardBackward.parameters`: an update made by
-:meth:`Optimizer.step` is what the next forward sees, with no copy. Apart from the optimizer state
-(momentum, moments), each parameter gets at most two scratch buffers, allocated once; a step
-allocates nothing else. ``lr`` is a number or a schedule (:mod:`onnxgrad.train.schedules`, or any
-callable ``step -> lr``), read once per step: changing it never rebuilds anything.
+:meth:`Optimizer.step` is what the next forward sees, with no copy (small parameters are gathered
+and their new values copied back into them). Apart from the optimizer state (momentum, moments),
+each parameter gets at most two scratch buffers (a group of small ones: its flat buffers),
+allocated once; a step allocates nothing else. ``lr`` is a number or a schedule
+(:mod:`onnxgrad.train.schedules`, or any callable ``step -> lr``), read once per step: changing it
+never rebuilds anything.
 """
 
 from __future__ import annotations
