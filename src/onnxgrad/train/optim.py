@@ -315,12 +315,12 @@ class _Plan:
     reads_first: bool
 
 
-_PLANS: dict[int, _Plan] = {}
+_PLANS: dict[int, tuple[Program, _Plan]] = {}  # by id; holding the program keeps its id unique
 
 
 def _plan(program: Program) -> _Plan:
     if id(program) in _PLANS:
-        return _PLANS[id(program)]
+        return _PLANS[id(program)][1]
     ins = program.instructions
     end = len(ins)
     last: dict[int, int] = {}
@@ -415,7 +415,7 @@ def _plan(program: Program) -> _Plan:
         for a in instr.args:
             if isinstance(a, Value) and a.scalar and a.input is not None and a.id in needed:
                 scalar_inputs[a.id] = a.input
-    plan = _PLANS[id(program)] = _Plan(
+    plan = _Plan(
         _compile(steps, len(index) + buffers, len(operands)),
         steps,
         buffers,
@@ -426,6 +426,7 @@ def _plan(program: Program) -> _Plan:
         "t" in scalar_inputs.values(),
         "first" in scalar_inputs.values(),
     )
+    _PLANS[id(program)] = (program, plan)
     return plan
 
 
