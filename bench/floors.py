@@ -10,7 +10,9 @@ calls in turn, the first call of a block not counted; the fastest and median cal
   one-op model exported from torch) against torch autograd on the same op: LayerNorm, softmax,
   ReLU (the elementwise backward passes), MaxPool 2x2 and the CNN's first convolution;
 * ``update``: the AdamW update of each anchor's parameters as the one-graph step writes it
-  (:func:`onnxgrad.artifacts.optim.emit_updates`) against ``torch.optim.AdamW(foreach=True)``;
+  (:func:`onnxgrad.artifacts.optim.emit_program`), and other ways to write it, against
+  ``torch.optim.AdamW(foreach=True)``; then the numpy ``AdamW`` step on the same parameters
+  (``numpy``), and on 200 float64 parameters of 64 values (``many small``);
 * ``call``: the fixed cost of an ``OnnxModule`` call on a tiny model against a torch ``Linear`` and
   against a ``torch.autograd.Function`` that does nothing (the floor any autograd bridge pays).
 
@@ -26,6 +28,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx
@@ -41,6 +44,7 @@ from bench.compare_torch import interleave, machine
 from onnxgrad.runtime.runner import default_options
 
 THREADS = 2
+F32_EPS = float(np.finfo(np.float32).eps)
 
 
 def interleaved(fns: dict[str, Callable[[], object]], calls: int = 40, block: int = 4) -> dict[str, dict]:
@@ -168,58 +172,164 @@ def ops() -> dict:
     return out
 
 
-def update() -> dict:
-    """The AdamW update alone: the one-graph step's nodes against torch's foreach AdamW."""
-    from onnxgrad.artifacts.optim import Param, emit_updates
-    from onnxgrad.model.emit import Emitter
+def _adamw_torch_order(o: Any, h: Any, p: Any, g: Any, s: dict) -> tuple[Any, dict]:
+    """AdamW in torch's order, 14 passes: ``p += (-lr / (1-β1^t)) m / (√v / √(1-β2^t) + eps)``
+    (the registry's formula until 2026-11-27; it now moves ``√(1-β2^t)`` into the scalars)."""
+    beta1, beta2 = h["betas"]
+    p_in = o.mul(p, o.sub(1.0, o.mul(o.lr, h["weight_decay"])))
+    m, v = s["exp_avg"], s["exp_avg_sq"]
+    new_m = o.add(m, o.mul(o.sub(g, m), 1.0 - beta1))
+    new_v = o.add(o.mul(v, beta2), o.mul(o.mul(g, g), 1.0 - beta2))
+    denom = o.add(o.div(o.sqrt(new_v), o.sqrt(o.one_minus_pow(beta2, o.t))), h["eps"])
+    step_size = o.div(o.neg(o.lr), o.one_minus_pow(beta1, o.t))
+    return o.add(p_in, o.mul(o.div(new_m, denom), step_size)), {"exp_avg": new_m, "exp_avg_sq": new_v}
 
-    hyper = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 1e-2}
-    out = {}
+
+def _update_model(shapes: list[tuple[int, ...]], variant: str) -> onnx.ModelProto:
+    """One AdamW update of parameters of ``shapes`` (float32), inputs ``p{i} g{i} m{i} v{i}``,
+    ``lr`` (double), ``step`` (int64), as the one-graph step writes it (``"program"``), in
+    torch's order of operations (``"torch's order"``, one pass more), or over all parameters
+    concatenated into one flat tensor (``"flat"``)."""
+    from dataclasses import replace
+
+    from onnxgrad.artifacts.optim import Param, emit_program
+    from onnxgrad.model.emit import Emitter
+    from onnxgrad.train.optimizers import definition
+
+    hyper = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+    spec = definition("adamw")
+    if variant == "torch's order":
+        spec = replace(spec, formula=_adamw_torch_order, _programs={})
+    f32 = TensorProto.FLOAT
+    graph = helper.make_graph([], "update", [], [])
+    graph.input.extend(
+        [
+            helper.make_tensor_value_info("lr", TensorProto.DOUBLE, []),
+            helper.make_tensor_value_info("step", TensorProto.INT64, []),
+        ]
+    )
+    for i, s in enumerate(shapes):
+        graph.input.extend(helper.make_tensor_value_info(f"{k}{i}", f32, list(s)) for k in "pgmv")
+    e = Emitter(graph, 17, f32, "optimizer")
+    outputs: dict[str, str] = {}
+    if variant == "flat":
+        flat = e.const(np.array([-1]), TensorProto.INT64)
+        cat = {
+            k: e.op("Concat", *(e.op("Reshape", f"{k}{i}", flat) for i in range(len(shapes))), axis=0)
+            for k in "pgmv"
+        }
+        params = [Param(cat["p"], cat["g"], f32)]
+        state = {(cat["p"], "exp_avg"): cat["m"], (cat["p"], "exp_avg_sq"): cat["v"]}
+        new_p, new_s = emit_program(e, spec, hyper, params, state, "lr", "step")
+        sizes = e.const(np.array([int(np.prod(s)) for s in shapes]), TensorProto.INT64)
+        for k, value in (
+            ("p", new_p[cat["p"]]),
+            ("m", new_s[(cat["p"], "exp_avg")]),
+            ("v", new_s[(cat["p"], "exp_avg_sq")]),
+        ):
+            parts = [e.fresh(f"split_{k}") for _ in shapes]
+            graph.node.append(helper.make_node("Split", [value, sizes], parts, axis=0))
+            for i, (part, s) in enumerate(zip(parts, shapes)):
+                outputs[f"new_{k}{i}"] = e.op("Reshape", part, e.const(np.array(s), TensorProto.INT64))
+        outputs = {f"new_{k}{i}": outputs[f"new_{k}{i}"] for i in range(len(shapes)) for k in "pmv"}
+    else:
+        params = [Param(f"p{i}", f"g{i}", f32) for i in range(len(shapes))]
+        state = {
+            (f"p{i}", k): f"{x}{i}"
+            for i in range(len(shapes))
+            for k, x in (("exp_avg", "m"), ("exp_avg_sq", "v"))
+        }
+        new_p, new_s = emit_program(e, spec, hyper, params, state, "lr", "step")
+        for i in range(len(shapes)):
+            outputs[f"new_p{i}"] = new_p[f"p{i}"]
+            outputs[f"new_m{i}"], outputs[f"new_v{i}"] = (
+                new_s[(f"p{i}", "exp_avg")],
+                new_s[(f"p{i}", "exp_avg_sq")],
+            )
+    graph.output.extend(helper.make_tensor_value_info(v, f32, None) for v in outputs.values())
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+UPDATE_VARIANTS = ("program", "torch's order", "flat", "program, 1 thread", "program, in place")
+
+
+def update(variants: tuple[str, ...] = UPDATE_VARIANTS) -> dict:
+    """The AdamW update alone: the one-graph step's nodes (and other ways to write them: see
+    :func:`_update_model`; ``", 1 thread"``: one intra-op thread; ``", in place"``: the new
+    values written over the inputs' buffers) against torch's foreach AdamW and onnxgrad's numpy
+    AdamW; each variant's largest difference from the one-graph step's numbers (``diff_eps``)."""
+    out: dict = {}
     for name in ("mlp", "cnn", "transformer"):
         shapes = [tuple(p.shape) for p in anchors.build(name).parameters()]
-        graph = helper.make_graph([], "update", [], [])
-        graph.input.extend(
-            [
-                helper.make_tensor_value_info("lr", TensorProto.DOUBLE, []),
-                helper.make_tensor_value_info("step", TensorProto.INT64, []),
-            ]
-        )
-        params, state = [], {}
-        for i, s in enumerate(shapes):
-            graph.input.extend(
-                helper.make_tensor_value_info(f"{k}{i}", TensorProto.FLOAT, list(s)) for k in "pgmv"
-            )
-            params.append(Param(f"p{i}", f"g{i}", TensorProto.FLOAT))
-            state[(f"p{i}", "exp_avg")], state[(f"p{i}", "exp_avg_sq")] = f"m{i}", f"v{i}"
-        e = Emitter(graph, 17, TensorProto.FLOAT, "optimizer")
-        new_params, new_state = emit_updates(e, "adamw", hyper, params, state, "lr", "step")
-        graph.output.extend(
-            helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
-            for o in (*new_params.values(), *new_state.values())
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-        opts = default_options()
-        opts.intra_op_num_threads, opts.inter_op_num_threads = THREADS, 1
-        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(0)
         feeds = {"lr": np.array(1e-3), "step": np.array(3, np.int64)}
         for i, s in enumerate(shapes):
             for k in "pgm":
                 feeds[f"{k}{i}"] = rng.standard_normal(s, dtype=np.float32)
             feeds[f"v{i}"] = np.abs(rng.standard_normal(s, dtype=np.float32))
-        binding = sess.io_binding()
-        for k, v in feeds.items():
-            binding.bind_ortvalue_input(k, ort.OrtValue.ortvalue_from_numpy(v))
-        for o in sess.get_outputs():
-            binding.bind_output(o.name)
+        opts = default_options()
+        opts.intra_op_num_threads, opts.inter_op_num_threads = THREADS, 1
+        fns: dict[str, Callable[[], object]] = {}
+        results: dict[str, dict[str, np.ndarray]] = {}
+        nodes: dict[str, int] = {}
+        for variant in variants:
+            model = _update_model(shapes, variant.split(",")[0])
+            nodes[variant] = sum(n.op_type != "Constant" for n in model.graph.node)
+            opts.intra_op_num_threads = 1 if variant.endswith("1 thread") else THREADS
+            sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+            got = sess.run(None, feeds)  # outputs in order: p, m, v of each parameter
+            results[variant] = dict(enumerate(got))
+            binding = sess.io_binding()  # as the one-graph step: every output in a buffer of its own
+            for k, v in feeds.items():
+                binding.bind_ortvalue_input(k, ort.OrtValue.ortvalue_from_numpy(v))
+            if variant.endswith("in place"):  # new p, m, v written over p, m, v (copies of the feeds)
+                own = {k: ort.OrtValue.ortvalue_from_numpy(feeds[k].copy()) for k in feeds if k[0] in "pmv"}
+                for k, v in own.items():
+                    binding.bind_ortvalue_input(k, v)
+                for j, o in enumerate(sess.get_outputs()):
+                    binding.bind_ortvalue_output(o.name, own[f"{'pmv'[j % 3]}{j // 3}"])
+            else:
+                for o, v in zip(sess.get_outputs(), got):
+                    binding.bind_ortvalue_output(o.name, ort.OrtValue.ortvalue_from_numpy(np.empty_like(v)))
+            fns[variant] = lambda s=sess, b=binding: s.run_with_iobinding(b)
         tparams = [torch.nn.Parameter(torch.from_numpy(feeds[f"p{i}"]).clone()) for i in range(len(shapes))]
         for i, p in enumerate(tparams):
             p.grad = torch.from_numpy(feeds[f"g{i}"]).clone()
         opt = torch.optim.AdamW(tparams, lr=1e-3, weight_decay=1e-2, foreach=True)
-        res = interleaved({"onnxgrad": lambda s=sess, b=binding: s.run_with_iobinding(b), "torch": opt.step})
-        nodes = sum(n.op_type != "Constant" for n in graph.node)
-        out[name] = {**res, "values": int(sum(np.prod(s) for s in shapes)), "nodes": nodes}
+        fns["torch"] = opt.step
+        fns["numpy"] = _numpy_adamw(
+            [feeds[f"p{i}"] for i in range(len(shapes))], [feeds[f"g{i}"] for i in range(len(shapes))]
+        )
+        res = interleaved(fns)
+        base = results[variants[0]]
+        for variant in variants:  # the largest difference, in float32 eps of max(|value|, |change|)
+            diff = 0.0
+            for k, v in results[variant].items():
+                old, new = feeds[f"{'pmv'[k % 3]}{k // 3}"], base[k]
+                scale = np.maximum(np.abs(new), np.abs(new - old)) * F32_EPS
+                diff = max(diff, float(np.max(np.abs(v - new) / np.maximum(scale, 1e-37))))
+            res[variant] = {**res[variant], "nodes": nodes[variant], "diff_eps": diff}
+        out[name] = {**res, "values": int(sum(np.prod(s) for s in shapes))}
+    rng = np.random.default_rng(1)
+    small = [rng.standard_normal(64) for _ in range(200)]
+    grads = [rng.standard_normal(64) for _ in range(200)]
+    tparams = [torch.nn.Parameter(torch.from_numpy(p).clone()) for p in small]
+    for p, g in zip(tparams, grads):
+        p.grad = torch.from_numpy(g).clone()
+    opt = torch.optim.AdamW(tparams, lr=1e-3, weight_decay=1e-2, foreach=True)
+    out["200 float64 parameters of 64 values"] = interleaved(
+        {"numpy": _numpy_adamw(small, grads), "torch": opt.step}
+    )
     return out
+
+
+def _numpy_adamw(params: list[np.ndarray], grads: list[np.ndarray]) -> Callable[[], None]:
+    """A step of onnxgrad's numpy ``AdamW`` on copies of ``params`` with gradients ``grads``."""
+    from onnxgrad.train import AdamW
+
+    opt = AdamW({f"p{i}": p.copy() for i, p in enumerate(params)}, lr=1e-3)
+    named = {f"p{i}": g for i, g in enumerate(grads)}
+    return lambda: opt.step(named)
 
 
 def call() -> dict:
