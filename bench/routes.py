@@ -733,6 +733,32 @@ def _stale_external() -> dict:
     return res
 
 
+def blocked() -> dict:
+    """The numpy forward + backward of vgg and cnn with :func:`onnxgrad.runtime.blocked_conv.blocked_convs`
+    (Convs fed their weight on the NCHWc kernels) and without (the pass replaced by the identity
+    while the sessions are made)."""
+    import onnxgrad.runtime.runner as runner_module
+
+    real = runner_module.blocked_convs
+    out = {}
+    for name in ("vgg", "cnn"):
+        fns = {}
+        for label, on in (
+            ("generic Conv kernels (before)", False),
+            ("blocked_convs (after)", True),
+            ("A/A control: before again", False),
+        ):
+            runner_module.blocked_convs = real if on else (lambda model, providers, shapes_from=None: model)
+            try:
+                fn = _numpy_step(name, _opts())
+                fn()  # makes the backward session under the same setting
+            finally:
+                runner_module.blocked_convs = real
+            fns[label] = fn
+        out[f"{name} forward+backward {THREADS}t"] = timed(fns, calls=30, block=3)
+    return out
+
+
 SECTIONS = {
     "rules": rules,
     "adamw": adamw,
@@ -740,6 +766,7 @@ SECTIONS = {
     "threads": threads,
     "globalpool": global_pool,
     "nchwc": nchwc,
+    "blocked": blocked,
 }
 
 

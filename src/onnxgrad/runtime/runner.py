@@ -25,6 +25,7 @@ from ..autodiff.recompute import runs_in_graph_order
 from ..deps import require_onnxruntime
 from ..errors import OnnxGradRuntimeError
 from ..model.graph import ValueInfo, to_array, value_info_from_proto
+from .blocked_conv import blocked_convs
 from .values import C, OrtValueLike, run
 
 __all__ = [
@@ -62,6 +63,8 @@ def make_session(
     require_onnxruntime()
     if options is None:
         options = default_options()
+    if not isinstance(model, str):
+        model = blocked_convs(model, providers)  # Convs fed their weight: onnxruntime's fast kernels
     if not isinstance(model, str) and runs_in_graph_order(model):  # recomputed activations
         options = copy_options(options)  # the caller's options stay as they are
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
@@ -293,7 +296,10 @@ class Runner(BaseRunner):
         """The backward session, made on first use (inference-only users never pay for it)."""
         with self._lock:
             if self._bwd is None:
-                self._bwd = make_session(self.graphs.backward, self._providers, self._options)
+                backward = blocked_convs(
+                    self.graphs.backward, self._providers, shapes_from=self.graphs.forward
+                )
+                self._bwd = make_session(backward, self._providers, self._options)
         return self._bwd
 
     def _run_backward(self, feeds: Mapping[str, OrtValueLike], wanted: list[str]) -> Mapping[str, C.OrtValue]:
