@@ -14,7 +14,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad.runtime.blocked_conv import NCHWC, block_size, blocked_convs
+from onnxgrad.runtime.blocked_conv import NCHWC, _agrees, block_size, blocked_convs
 from onnxgrad.runtime.runner import default_options, make_session
 
 CPU = ["CPUExecutionProvider"]
@@ -82,6 +82,14 @@ def test_conv_and_conv_transpose_agree_with_the_generic_kernels(pads: list[int])
         terms = c_in * 9  # each result a sum of these many products, each at most |x|max |w|max
         bound = terms * EPS32 * np.abs(x).max() * np.abs(feeds["w"]).max()
         np.testing.assert_allclose(got, generic, rtol=0, atol=bound)
+
+
+@needs_blocks
+def test_a_layout_for_another_block_is_refused() -> None:
+    """The once-per-process check of the blocked form on random data passes for this CPU's block
+    and fails for another: a weight layout that does not match the kernels is never used."""
+    assert _agrees(block_size())
+    assert not _agrees(8 if block_size() == 16 else 16)
 
 
 def test_convs_the_blocked_kernels_do_not_take_are_left_alone() -> None:

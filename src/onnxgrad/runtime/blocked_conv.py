@@ -39,11 +39,15 @@ NCHWC = "com.microsoft.nchwc"
 @functools.cache
 def block_size() -> int:
     """MLAS's NCHWc channel block on this CPU (16 with AVX-512, 8 with AVX2); 0 where onnxruntime
-    has no NCHWc kernels. Read once from the graph onnxruntime's optimizer writes for a probe Conv
-    of 8 channels (its reordered weight is padded to one block)."""
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 4, 4])
+    has no NCHWc kernels, or where the blocked form written here does not give the generic kernels'
+    results (checked once on random data, so a layout this module does not know is never used).
+
+    Read once from the graph onnxruntime's optimizer writes for a probe Conv of 4 output channels
+    (its reordered weight is padded to one block).
+    """
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 4, 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
-    w = numpy_helper.from_array(np.ones((8, 8, 3, 3), np.float32), "w")
+    w = numpy_helper.from_array(np.ones((4, 4, 3, 3), np.float32), "w")
     graph = helper.make_graph(
         [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "probe", [x], [y], [w]
     )
@@ -60,8 +64,43 @@ def block_size() -> int:
     inits = {t.name: t for t in optimized.graph.initializer}
     for node in optimized.graph.node:
         if node.domain == NCHWC and node.op_type == "Conv" and node.input[1] in inits:
-            return int(inits[node.input[1]].dims[0])
+            block = int(inits[node.input[1]].dims[0])
+            return block if block > 1 and _agrees(block) else 0
     return 0
+
+
+def _agrees(block: int) -> bool:
+    """Whether the blocked Conv and ConvTranspose written for ``block`` give the generic kernels'
+    results on random data (a sum of 18 block products each: float32 rounding allowed)."""
+    c = 2 * block
+    shapes = {"x": [2, c, 5, 6], "w": [c, c, 3, 3], "b": [c], "v": [c, c, 3, 3]}
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["h"], pads=[1, 0, 1, 2]),
+        helper.make_node("ConvTranspose", ["h", "v"], ["y"], pads=[0, 1, 2, 1]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "check",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, s) for k, s in shapes.items()],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    blocked = _rewrite(model, block, None)
+    if blocked is model:
+        return False
+    rng = np.random.default_rng(0)
+    feeds = {k: rng.uniform(-1, 1, s).astype(np.float32) for k, s in shapes.items()}
+    try:
+        want, got = (
+            ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[
+                0
+            ]
+            for m in (model, blocked)
+        )
+    except Exception:
+        return False
+    terms = 9 * c  # products per result of each Conv; the second sums the first's
+    return bool(np.allclose(got, want, rtol=0, atol=4 * terms * terms * np.finfo(np.float32).eps))
 
 
 def _cpu_only(providers: Sequence[Any]) -> bool:
@@ -200,12 +239,17 @@ def blocked_convs(
     ``shapes_from``: a model whose initializers and inputs give the static shapes of weights that
     ``model`` declares without dims (a backward graph's, from its forward).
     """
-    block = block_size() if _cpu_only(providers) else 0
-    if not block or not any(
-        n.op_type in ("Conv", "ConvTranspose") and not n.domain for n in model.graph.node
-    ):
+    if not _cpu_only(providers):
         return model
-    r = _Rewriter(model.graph, block, shapes_from.graph if shapes_from is not None else None)
+    if not any(n.op_type in ("Conv", "ConvTranspose") and not n.domain for n in model.graph.node):
+        return model
+    block = block_size()  # probed once, for the first model that has a Conv
+    return _rewrite(model, block, shapes_from.graph if shapes_from is not None else None) if block else model
+
+
+def _rewrite(model: onnx.ModelProto, block: int, shapes_from: onnx.GraphProto | None) -> onnx.ModelProto:
+    """``model`` with the Convs :class:`_Rewriter` takes blocked for ``block``; itself when none."""
+    r = _Rewriter(model.graph, block, shapes_from)
     changed = False
     for node in model.graph.node:
         done = False
