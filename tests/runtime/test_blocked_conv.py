@@ -57,13 +57,17 @@ def test_session_runs_the_blocked_conv_kernel(tmp_path) -> None:
 
 @needs_blocks
 @pytest.mark.parametrize("pads", [[1, 1, 1, 1], [0, 2, 2, 0], [0, 0, 0, 0]])
-def test_conv_and_conv_transpose_agree_with_the_generic_kernels(pads: list[int]) -> None:
+@pytest.mark.parametrize("channels", ["blocks", "nchw input", "padded outputs"])
+def test_conv_and_conv_transpose_agree_with_the_generic_kernels(pads: list[int], channels: str) -> None:
     """Conv(x, w, b) and a stride-1 ConvTranspose(dy, w, b) (the input gradient's form), the weight
-    fed at run time: the blocked form's results are the generic kernels' up to float32 rounding of
-    sums of C k^2 = 288 products."""
+    fed at run time, inputs in whole blocks or fewer channels than a block (read as NCHW), outputs
+    padded to whole blocks: the blocked form's results are the generic kernels' up to float32
+    rounding of sums of C k^2 products."""
     rng = np.random.default_rng(0)
     block = block_size()
-    c_in, c_out = 2 * block, block
+    c_in, c_out = {"blocks": (2 * block, block), "nchw input": (3, block), "padded outputs": (block, 6)}[
+        channels
+    ]
     x = rng.standard_normal((2, c_in, 7, 9), dtype=np.float32)
     w = rng.standard_normal((c_out, c_in, 3, 3), dtype=np.float32)
     b = rng.standard_normal(c_out, dtype=np.float32)
@@ -76,9 +80,11 @@ def test_conv_and_conv_transpose_agree_with_the_generic_kernels(pads: list[int])
         before = copy.deepcopy(model)
         blocked = blocked_convs(model, CPU)
         assert model == before  # never modified in place
-        assert _nchwc_ops(blocked) == ["ReorderInput", "Conv", "ReorderOutput"]
+        ops = _nchwc_ops(blocked)
+        assert ops[-2:] == ["Conv", "ReorderOutput"] and ("ReorderInput" in ops) == (c_in % block == 0)
         generic = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, feeds)[0]
         got = make_session(model, CPU).run(None, feeds)[0]
+        assert got.shape == generic.shape
         terms = c_in * 9  # each result a sum of these many products, each at most |x|max |w|max
         bound = terms * EPS32 * np.abs(x).max() * np.abs(feeds["w"]).max()
         np.testing.assert_allclose(got, generic, rtol=0, atol=bound)
