@@ -11,13 +11,16 @@ ordinary ops (Reshape, Transpose: a small tensor) at every run:
 * the input gradient ``ConvTranspose(dY, W)`` of a stride-1 Conv -> the same, a Conv of dY with W
   flipped and its channel axes swapped.
 
-Measured on VGG-style 3x3 convolutions (``bench/routes.py``, batch 32, 32-64 channels): the
-forward Conv 0.73-0.81x the time of the generic kernel (as fast as the initializer form), the input
-gradient 0.79-0.85x; results within float32 rounding (4e-7 relative).
+Measured (``bench/routes.py``, docs/performance.md): on VGG-style 3x3 convolutions (batch 32,
+32-64 channels) the forward Conv 0.73-0.81x the time of the generic kernel (as fast as the
+initializer form), the input gradient 0.79-0.85x, the whole forward + backward about 0.9x; results
+within float32 rounding (4e-7 relative).
 
-Only Convs the blocked kernels take without padding are rewritten: 2-D, ``group`` 1, dilations 1,
-explicit pads, float32, a static weight shape with both channel counts multiples of the block.
-Sessions on other execution providers, and CPUs without NCHWc kernels, are left alone.
+Rewritten: 2-D Convs with ``group`` 1, dilations 1, explicit pads, float32 and a static weight
+shape whose input channels are whole blocks (reordered) or fewer than one block (read as NCHW, as
+onnxruntime does for a first layer); output channels are padded with zero filters to whole blocks
+and dropped by ``ReorderOutput``. Sessions on other execution providers, and CPUs without NCHWc
+kernels or whose kernels disagree with this layout (checked once per process), are left alone.
 """
 
 from __future__ import annotations
