@@ -66,7 +66,7 @@ def make_session(
     require_onnxruntime()
     if options is None:
         options = default_options()
-    if not isinstance(model, str):
+    if isinstance(model, onnx.ModelProto):
         model = blocked_convs(model, providers)  # Convs fed their weight: onnxruntime's fast kernels
     if not isinstance(model, str) and runs_in_graph_order(model):  # recomputed activations
         options = copy_options(options)  # the caller's options stay as they are
