@@ -26,6 +26,7 @@ from ..autodiff.recompute import runs_in_graph_order
 from ..deps import require_onnxruntime
 from ..errors import OnnxGradRuntimeError
 from ..model.graph import ValueInfo, to_array, value_info_from_proto
+from .blocked_conv import blocked_convs
 from .options import (
     NBITS_ACCURACY_KEY,
     SESSION_FIELDS,
@@ -77,9 +78,14 @@ def make_session(
     running; measured: the mlp step 8.9 ms with spinning, 4.2 ms without), and a model whose
     blocked 4-bit ``DequantizeLinear -> MatMul`` onnxruntime would fuse into an
     activation-quantizing ``MatMulNBits`` computes it in float, as differentiated.
+
+    On CPU-only sessions, Convs fed their weight run on onnxruntime's blocked (NCHWc) kernels
+    (:func:`~onnxgrad.runtime.blocked_conv.blocked_convs`).
     """
     require_onnxruntime()
     options = session_options_for(model, options)
+    if isinstance(model, onnx.ModelProto):
+        model = blocked_convs(model, providers)  # Convs fed their weight: onnxruntime's fast kernels
     if not isinstance(model, str) and runs_in_graph_order(model):  # recomputed activations
         options = copy_options(options)  # the caller's options stay as they are
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
@@ -207,7 +213,10 @@ class Runner(BaseRunner):
         """The backward session, made on first use (inference-only users never pay for it)."""
         with self._lock:
             if self._bwd is None:
-                self._bwd = make_session(self.graphs.backward, self._providers, self._options)
+                backward = blocked_convs(
+                    self.graphs.backward, self._providers, shapes_from=self.graphs.forward
+                )
+                self._bwd = make_session(backward, self._providers, self._options)
         return self._bwd
 
     def _run_backward(self, feeds: Mapping[str, OrtValueLike], wanted: list[str]) -> Mapping[str, C.OrtValue]:
