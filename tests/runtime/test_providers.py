@@ -113,3 +113,28 @@ def test_front_ends_take_every_spelling() -> None:
     assert fb.providers == CPU
     with pytest.raises(InputError, match="unknown device 'tpu'"):
         onnxgrad.ForwardBackward(mlp(), providers="tpu")
+
+
+def test_newest_opset_is_one_onnx_defines_and_onnxruntime_loads() -> None:
+    """empty_base() and other models written from nothing stamp it: onnx 1.23 defines opset 28, which
+    onnxruntime 1.31 (the oldest supported) refuses, so onnx's current opset is not enough."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    from onnxgrad.model.graph import ir_version_for
+    from onnxgrad.runtime.runner import make_session, newest_opset
+
+    opset = newest_opset()
+    assert 17 < opset <= onnx.defs.onnx_opset_version()
+    imports = [helper.make_opsetid("", opset)]
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    model = helper.make_model(graph, opset_imports=imports, ir_version=ir_version_for(imports))
+    session = make_session(model, ["CPUExecutionProvider"], None)
+    out = session.run(None, {"x": np.array([-1.0, 2.0], np.float32)})
+    np.testing.assert_array_equal(out[0], [0.0, 2.0])

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,7 +26,7 @@ from ..autodiff.engine import GradientGraphs
 from ..autodiff.recompute import runs_in_graph_order
 from ..deps import require_onnxruntime
 from ..errors import OnnxGradRuntimeError
-from ..model.graph import ValueInfo, to_array, value_info_from_proto
+from ..model.graph import ValueInfo, ir_version_for, to_array, value_info_from_proto
 from .blocked_conv import blocked_convs
 from .options import (
     NBITS_ACCURACY_KEY,
@@ -53,6 +54,7 @@ __all__ = [
     "make_runner",
     "make_session",
     "nbits_accuracy_set",
+    "newest_opset",
     "options_from_state",
     "options_state",
     "register_runner",
@@ -96,6 +98,28 @@ def make_session(
         if label is None:
             label = f"the {model!r} file" if isinstance(model, str) else f"the {model.graph.name!r} graph"
         raise OnnxGradRuntimeError(f"onnxruntime cannot load {label}: {exc}") from exc
+
+
+@functools.cache
+def newest_opset() -> int:
+    """The newest default-domain opset that the installed onnx defines and the installed onnxruntime
+    loads (onnx 1.23 defines 28; onnxruntime 1.31 loads 26 at most): what a model onnxgrad writes from
+    nothing stamps when no opset is asked for. Probed once per process on a one-node model."""
+    for opset in range(onnx.defs.onnx_opset_version(), 17, -1):
+        graph = onnx.helper.make_graph(
+            [onnx.helper.make_node("Identity", ["x"], ["y"])],
+            "opset_probe",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+        )
+        imports = [onnx.helper.make_opsetid("", opset)]
+        model = onnx.helper.make_model(graph, opset_imports=imports, ir_version=ir_version_for(imports))
+        try:
+            make_session(model, ["CPUExecutionProvider"], None, label=f"an opset {opset} probe")
+        except OnnxGradRuntimeError:
+            continue
+        return opset
+    return 17
 
 
 def split_forward(

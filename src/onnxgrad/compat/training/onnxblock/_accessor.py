@@ -10,6 +10,7 @@ import onnx
 from onnx import helper
 
 from ....errors import InputError
+from ....runtime.runner import newest_opset
 
 __all__ = ["ModelAccessor", "base", "current", "custom_op_library", "empty_base", "generate_graph_name"]
 
@@ -61,8 +62,10 @@ def base(model: onnx.ModelProto, model_path: str | None = None) -> Iterator[Mode
 
 @contextlib.contextmanager
 def empty_base(opset_version: int | None = None) -> Iterator[ModelAccessor]:
-    """Build blocks on an empty model (opset ``opset_version``, default onnx's current one)."""
-    opset = opset_version or onnx.defs.onnx_opset_version()
+    """Build blocks on an empty model (opset ``opset_version``; by default onnx's current one, as
+    1.19.2, but at most what the installed onnxruntime loads:
+    :func:`~onnxgrad.runtime.runner.newest_opset`)."""
+    opset = opset_version or newest_opset()
     model = helper.make_model(
         helper.make_graph([], "empty", [], []),
         opset_imports=[helper.make_opsetid("", opset)],
