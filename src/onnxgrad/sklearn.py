@@ -43,6 +43,7 @@ from .train.callbacks import Callback
 from .train.history import History
 from .train.losses import add_loss, keep_outputs, with_parameters
 from .train.optim import Optimizer
+from .train.optimizers import DEFAULT_LR
 from .train.trainer import Trainer
 
 __all__ = ["OnnxClassifier", "OnnxRegressor", "to_onnx_model"]
@@ -110,7 +111,7 @@ class _OnnxEstimator(BaseEstimator):
         *,
         output: str | None = None,
         optimizer: str | Callable[[dict[str, np.ndarray]], Optimizer] = "adam",
-        lr: float = 1e-3,
+        lr: float = DEFAULT_LR,
         max_iter: int = 200,
         tol: float = 1e-4,
         n_iter_no_change: int = 10,
