@@ -84,7 +84,10 @@ def add_parser(sub: Any) -> None:
         help=f"optimizer of the step (default {DEFAULT_OPTIMIZER})",
     )
     p.add_argument(
-        "--lr", type=float, default=DEFAULT_LR, help=f"default learning rate (an input of the step; default {DEFAULT_LR:g})"
+        "--lr",
+        type=float,
+        default=DEFAULT_LR,
+        help=f"default learning rate (an input of the step; default {DEFAULT_LR:g})",
     )
     p.add_argument(
         "--weight-decay", type=float, help=f"default: the optimizer's ({registry_defaults('weight_decay')})"

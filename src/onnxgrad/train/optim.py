@@ -259,7 +259,9 @@ class Adam(_Defined):
 
     definition = definition("adam")
 
-    def __init__(self, params: Mapping[str, np.ndarray], lr: LearningRate = DEFAULT_LR, **options: Any) -> None:
+    def __init__(
+        self, params: Mapping[str, np.ndarray], lr: LearningRate = DEFAULT_LR, **options: Any
+    ) -> None:
         super().__init__(params, lr, **options)
 
 
@@ -270,7 +272,9 @@ class AdamW(_Defined):
 
     definition = definition("adamw")
 
-    def __init__(self, params: Mapping[str, np.ndarray], lr: LearningRate = DEFAULT_LR, **options: Any) -> None:
+    def __init__(
+        self, params: Mapping[str, np.ndarray], lr: LearningRate = DEFAULT_LR, **options: Any
+    ) -> None:
         super().__init__(params, lr, **options)
 
 
