@@ -38,7 +38,7 @@ from .model.graph import np_dtype, unique_name
 from .model.infer import infer_value_infos
 from .model.load import CheckedModel, load_checked
 from .runtime.providers import resolve_providers
-from .runtime.runner import default_options, make_session
+from .runtime.runner import make_session, session_options_for
 from .train.callbacks import Callback
 from .train.history import History
 from .train.losses import add_loss, keep_outputs, with_parameters
@@ -385,7 +385,7 @@ class _OnnxEstimator(BaseEstimator):
                 init = inits[name]
                 info = onnx.helper.make_tensor_value_info(name, init.data_type, list(init.dims))
                 model.graph.input.append(info)
-            options = default_options()
+            options = session_options_for(model)  # the policy's options for this model, quiet:
             options.log_severity_level = 3  # not the warning that these initializers are inputs
             self._val_session_ = session = make_session(model, trainer.fb.providers, options)
             self._val_session_key_ = trainer
