@@ -344,7 +344,7 @@ SPLIT_KEYS = ("data", "val_split", "seed")
 
 def _add_train_parser(sub: Any) -> None:
     from .train import LOSSES, OPTIMIZERS
-    from .train.optimizers import DEFAULT_OPTIMIZER
+    from .train.optimizers import DEFAULT_LR, DEFAULT_OPTIMIZER
 
     p = _model_command(
         sub,
@@ -367,7 +367,7 @@ def _add_train_parser(sub: Any) -> None:
     add_deprecated(p, "--output", "--loss-output", "loss_output")
     add_parameter_arguments(p)
     p.add_argument("--epochs", type=int, default=10, help="most epochs to run (default 10)")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 0.001)")
+    p.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"learning rate (default {DEFAULT_LR:g})")
     p.add_argument("--batch-size", type=int, default=32, metavar="B", help="mini-batch size (default 32)")
     p.add_argument(
         "--accumulate",

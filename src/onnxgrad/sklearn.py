@@ -38,11 +38,12 @@ from .model.graph import np_dtype, unique_name
 from .model.infer import infer_value_infos
 from .model.load import CheckedModel, load_checked
 from .runtime.providers import resolve_providers
-from .runtime.runner import default_options, make_session
+from .runtime.runner import make_session, session_options_for
 from .train.callbacks import Callback
 from .train.history import History
 from .train.losses import add_loss, keep_outputs, with_parameters
 from .train.optim import Optimizer
+from .train.optimizers import DEFAULT_LR
 from .train.trainer import Trainer
 
 __all__ = ["OnnxClassifier", "OnnxRegressor", "to_onnx_model"]
@@ -110,7 +111,7 @@ class _OnnxEstimator(BaseEstimator):
         *,
         output: str | None = None,
         optimizer: str | Callable[[dict[str, np.ndarray]], Optimizer] = "adam",
-        lr: float = 1e-3,
+        lr: float = DEFAULT_LR,
         max_iter: int = 200,
         tol: float = 1e-4,
         n_iter_no_change: int = 10,
@@ -384,7 +385,7 @@ class _OnnxEstimator(BaseEstimator):
                 init = inits[name]
                 info = onnx.helper.make_tensor_value_info(name, init.data_type, list(init.dims))
                 model.graph.input.append(info)
-            options = default_options()
+            options = session_options_for(model)  # the policy's options for this model, quiet:
             options.log_severity_level = 3  # not the warning that these initializers are inputs
             self._val_session_ = session = make_session(model, trainer.fb.providers, options)
             self._val_session_key_ = trainer

@@ -236,6 +236,23 @@ def test_training_model_with_missing_external_data(tmp_path, low_threshold):
         og.api.Module(os.path.join(folder, "training_model.onnx"), state)
 
 
+def test_module_takes_its_options_from_the_large_state_policy(tmp_path, monkeypatch):
+    from onnxgrad.runtime import options as policy
+
+    folder = str(tmp_path / "artifacts")
+    og.artifacts.generate_artifacts(
+        wide_mlp(8, 1),
+        requires_grad=["w0", "w1"],
+        loss=og.artifacts.LossType.MSELoss,
+        artifact_directory=folder,
+    )
+    state = og.api.CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    train = os.path.join(folder, "training_model.onnx")
+    assert og.api.Module(train, state)._options is None  # small: the default policy
+    monkeypatch.setattr(policy, "NO_ARENA_BYTES", 1)  # the policy's threshold, not the file format's
+    assert og.api.Module(train, state)._options.enable_cpu_mem_arena is False
+
+
 @pytest.mark.skipif(os.environ.get("ONNXGRAD_BIG") != "1", reason="ONNXGRAD_BIG=1 runs the 2.1 GB model")
 def test_model_over_2gb(tmp_path):
     # 8 weights of [8192, 8192] float32 (256 MB each) and two thin ones: 2.1 GB of random weights

@@ -119,3 +119,21 @@ def test_artifacts_runner_without_options_computes_the_float_product(
     y = onnxgrad.ForwardBackward(ref).forward({"x": _x()}, training=False).outputs[0]
     want = float(np.mean((y.astype(np.float64) - target) ** 2))
     assert loss == pytest.approx(want, rel=RTOL)
+
+
+def test_estimators_validation_session_keeps_the_policy(tmp_path: Path) -> None:
+    """The estimators' validation session is quiet (its initializers are also inputs), and still
+    computes the float product of a quantized model: no fused level-4 kernel, no warning."""
+    import warnings
+
+    from onnxgrad.sklearn import OnnxRegressor
+
+    q, _ = _pair(tmp_path)
+    X = _x()
+    y = np.tanh(2 * X[:, :OUT]).astype(F32)
+    est = OnnxRegressor(q, trainable=lora.adapter_names(q), early_stopping=True, max_iter=2, batch_size=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est.fit(X, y)
+    assert not [w for w in caught if "MatMulNBits" in str(w.message)]
+    assert _level(est._val_session_) == "1"

@@ -419,6 +419,38 @@ def test_every_front_end_defaults_to_the_registry_default():
     assert art.manifest["optimizer"]["name"] == DEFAULT_OPTIMIZER
 
 
+def test_every_front_end_defaults_to_the_registry_learning_rate(monkeypatch):
+    """Each door's default learning rate is the registry's DEFAULT_LR object itself (``is``: a door
+    writing its own ``1e-3`` holds an equal but distinct float, and would drift if the default moved)."""
+    import inspect
+
+    from onnxgrad import sklearn as og_sklearn
+    from onnxgrad.cli import build_parser
+    from onnxgrad.train import optim as optim_mod
+    from onnxgrad.train import trainer as trainer_mod
+    from onnxgrad.train.optimizers import DEFAULT_LR
+
+    assert DEFAULT_LR == 1e-3  # torch.optim.Adam's and AdamW's
+    doors = {
+        "Adam": optim_mod.Adam.__init__,
+        "AdamW": optim_mod.AdamW.__init__,
+        "generate": generate,
+        "OnnxRegressor": og_sklearn.OnnxRegressor,
+        "OnnxClassifier": og_sklearn.OnnxClassifier,
+    }
+    for door, fn in doors.items():
+        assert inspect.signature(fn).parameters["lr"].default is DEFAULT_LR, door
+    parser = build_parser()
+    train = parser.parse_args(["train", "m.onnx", "--data", "d.csv", "--target", "y"])
+    artifacts = parser.parse_args(["artifacts", "m.onnx", "--loss", "mse"])
+    assert train.lr is DEFAULT_LR and artifacts.lr is DEFAULT_LR
+    # Trainer (make_optimizer) reads it when called: a moved default moves the trainer's
+    monkeypatch.setattr(trainer_mod, "DEFAULT_LR", 0.25)
+    params = {"w": np.zeros(3, np.float32)}
+    assert trainer_mod.make_optimizer("adam", params).lr == 0.25
+    assert trainer_mod.make_optimizer("adam", params, lr=0.5).lr == 0.5
+
+
 def test_generate_options_come_in_optimizer_options_and_the_old_keywords_warn():
     new = generate(mlp(), loss="mse", optimizer="sgd", optimizer_options={"momentum": 0.9})
     with pytest.warns(

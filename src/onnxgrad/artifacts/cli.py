@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..train.losses import LOSSES
-from ..train.optimizers import DEFAULT_OPTIMIZER, definition
+from ..train.optimizers import DEFAULT_LR, DEFAULT_OPTIMIZER, definition
 from .optim import OPTIMIZERS
 from .targets import DEFAULT_TARGETS, MISSING_KERNELS
 
@@ -83,7 +83,12 @@ def add_parser(sub: Any) -> None:
         choices=list(OPTIMIZERS),
         help=f"optimizer of the step (default {DEFAULT_OPTIMIZER})",
     )
-    p.add_argument("--lr", type=float, default=1e-3, help="default learning rate (an input of the step)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=DEFAULT_LR,
+        help=f"default learning rate (an input of the step; default {DEFAULT_LR:g})",
+    )
     p.add_argument(
         "--weight-decay", type=float, help=f"default: the optimizer's ({registry_defaults('weight_decay')})"
     )

@@ -35,7 +35,7 @@ from ..errors import InputError, InputTypeError
 from ..model.graph import check_model, np_dtype, to_array
 from ..model.load import CheckedModel
 from ..train.losses import add_loss, keep_outputs
-from ..train.optimizers import DEFAULT_OPTIMIZER
+from ..train.optimizers import DEFAULT_LR, DEFAULT_OPTIMIZER
 from ..train.optimizers import optimizer_options as optimizer_options_of
 from . import tensors
 from .optim import hyperparameters
@@ -88,7 +88,7 @@ def generate(
     loss: str | None,
     optimizer: str = DEFAULT_OPTIMIZER,
     out_dir: str | os.PathLike | None = None,
-    lr: float = 1e-3,
+    lr: float = DEFAULT_LR,
     loss_options: Mapping[str, Any] | None = None,
     loss_name: str = "loss",
     target_name: str = "target",

@@ -9,9 +9,10 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto
 
-from ..deps import C, copy_into_ortvaluevector
+from ..deps import C
 from ..errors import InputError, InputTypeError
 from ..model.graph import ValueInfo
+from ..runtime.ortvaluevector import copy_into_ortvaluevector
 
 
 def ort_type(dtype: int) -> str:
@@ -91,10 +92,10 @@ class OrtValueVector(C.OrtValueVector):
         """Replace the content by ``values``, as the original's agents overwrote an output cache.
 
         The C++ storage is rewritten in place when it holds as many CPU tensors of the same types
-        and shapes (:func:`onnxgrad.deps.copy_into_ortvaluevector`: the buffers receive the new
-        data). Otherwise (the last, smaller batch of an epoch) only the Python side can change:
-        ``len``, indexing, iteration and the DLPack methods then read the new values, and the C++
-        storage, which no Python call can empty, is no longer used by them.
+        and shapes (:func:`onnxgrad.runtime.ortvaluevector.copy_into_ortvaluevector`: the buffers
+        receive the new data). Otherwise (the last, smaller batch of an epoch) only the Python side
+        can change: ``len``, indexing, iteration and the DLPack methods then read the new values,
+        and the C++ storage, which no Python call can empty, is no longer used by them.
         """
         new = [None if v is None else c_value(v) for v in values]
         keep = [v for v in values if isinstance(v, ort.OrtValue)]

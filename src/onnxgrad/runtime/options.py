@@ -9,6 +9,8 @@ means to copy and carry them.
   float, the graph onnxgrad differentiates (:func:`exact_nbits_options`). Options given without
   that setting are used as they are, with a warning. This holds for every front end
   (``ForwardBackward``, ``OnnxModule``, ``Trainer``, ``artifacts.Runner``, ``compat``...).
+* Sessions over a large training state (:data:`NO_ARENA_BYTES` and more of parameters) run without
+  onnxruntime's CPU memory arena (:func:`options_for_state`).
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import onnxruntime as ort
 
 __all__ = [
     "NBITS_ACCURACY_KEY",
+    "NO_ARENA_BYTES",
     "SESSION_FIELDS",
     "copy_options",
     "default_options",
     "exact_nbits_options",
     "fuses_blocked_dequantize",
     "nbits_accuracy_set",
+    "options_for_state",
     "options_from_state",
     "options_state",
     "session_options_for",
@@ -164,4 +168,21 @@ def session_options_for(
             UserWarning,
             stacklevel=3,
         )
+    return options
+
+
+# onnxruntime's CPU arena keeps the largest buffers it ever gave (every gradient and update) for
+# the session's life: over this much training state that doubles the memory of a step
+NO_ARENA_BYTES = 1800 * 2**20
+
+
+def options_for_state(options: ort.SessionOptions | None, state_bytes: int) -> ort.SessionOptions | None:
+    """The options for the sessions of a training state of ``state_bytes`` bytes: from
+    :data:`NO_ARENA_BYTES` on, a copy of ``options`` (or of :func:`default_options`) with the CPU
+    memory arena off; below it, ``options`` as given (``None`` stays ``None``, for
+    :func:`session_options_for` to decide)."""
+    if state_bytes < NO_ARENA_BYTES:
+        return options
+    options = copy_options(options if options is not None else default_options())
+    options.enable_cpu_mem_arena = False
     return options

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from .optimizers import Definition, Program, Value, definition, evaluate_scalar
+from .optimizers import DEFAULT_LR, Definition, Program, Value, definition, evaluate_scalar
 from .schedules import LearningRate, as_schedule
 
 __all__ = [
@@ -259,7 +259,9 @@ class Adam(_Defined):
 
     definition = definition("adam")
 
-    def __init__(self, params: Mapping[str, np.ndarray], lr: LearningRate = 1e-3, **options: Any) -> None:
+    def __init__(
+        self, params: Mapping[str, np.ndarray], lr: LearningRate = DEFAULT_LR, **options: Any
+    ) -> None:
         super().__init__(params, lr, **options)
 
 
@@ -270,7 +272,9 @@ class AdamW(_Defined):
 
     definition = definition("adamw")
 
-    def __init__(self, params: Mapping[str, np.ndarray], lr: LearningRate = 1e-3, **options: Any) -> None:
+    def __init__(
+        self, params: Mapping[str, np.ndarray], lr: LearningRate = DEFAULT_LR, **options: Any
+    ) -> None:
         super().__init__(params, lr, **options)
 
 

@@ -18,8 +18,10 @@ onnxruntime-training family whose learning rate is a float32, then cast once to 
 type, as numpy rounds a Python float meeting a float32 array). The scalar inputs are ``lr``, ``t``
 (the 1-based index of this update) and ``first`` (whether no update was made yet).
 
-:data:`DEFAULT_OPTIMIZER` (``"adamw"``) is the optimizer every front end uses when none is named;
-options are always passed as one mapping, ``optimizer_options=`` (:func:`optimizer_options`).
+:data:`DEFAULT_OPTIMIZER` (``"adamw"``) is the optimizer every front end uses when none is named,
+and :data:`DEFAULT_LR` (1e-3, the default of ``torch.optim.Adam`` and ``AdamW``) its learning rate
+when none is given; options are always passed as one mapping, ``optimizer_options=``
+(:func:`optimizer_options`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 from ..errors import InputError
 
 __all__ = [
+    "DEFAULT_LR",
     "DEFAULT_OPTIMIZER",
     "DEFINITIONS",
     "ORT",
@@ -49,6 +52,7 @@ __all__ = [
 ]
 
 DEFAULT_OPTIMIZER = "adamw"
+DEFAULT_LR = 1e-3  # torch.optim.Adam's and AdamW's: every front end's learning rate when none is given
 TORCH, ORT = "torch", "onnxruntime-training"  # the formula families
 SCALAR_INPUTS = ("lr", "t", "first")
 

@@ -40,7 +40,7 @@ from .history import History, plain
 from .losses import add_loss, remove_loss
 from .onegraph import one_graph_step
 from .optim import OPTIMIZERS, Optimizer, clip_grad_norm, clip_grad_value
-from .optimizers import DEFAULT_OPTIMIZER
+from .optimizers import DEFAULT_LR, DEFAULT_OPTIMIZER
 from .schedules import LearningRate, LinearWarmup, ReduceLROnPlateau
 
 __all__ = [
@@ -71,7 +71,7 @@ def make_optimizer(
             raise InputError(f"unknown optimizer {optimizer!r}; expected one of {list(OPTIMIZERS)}")
         optimizer = OPTIMIZERS[optimizer.lower()]
     if isinstance(optimizer, type) and issubclass(optimizer, Optimizer):
-        return optimizer(params, lr=1e-3 if lr is None else lr, **options)
+        return optimizer(params, lr=DEFAULT_LR if lr is None else lr, **options)
     if not callable(optimizer):
         raise InputError(f"optimizer must be a name, an Optimizer class or a factory, got {optimizer!r}")
     if lr is not None or options:

@@ -46,6 +46,7 @@ from ...storage import save_model, tensor_bytes
 
 __all__ = [
     "EXTERNAL_DATA_THRESHOLD",
+    "INITIAL_LR",
     "VERSION",
     "CheckpointData",
     "OptimizerGroup",
@@ -64,6 +65,10 @@ _MAX_DTYPE = 23
 # default for checkpoints, 1800 MB: under the 2 GB a FlatBuffer or a protobuf can hold)
 EXTERNAL_DATA_THRESHOLD = 1800 * 2**20
 _MIN_EXTERNAL = 64  # smaller tensors stay in the FlatBuffer, as in 1.19.2
+# the initial learning rate of a new optimizer group: onnxruntime-training 1.19.2's own
+# (GroupOptimizerState::initial_lr = 0.001f), part of its checkpoint contract and kept even if
+# onnxgrad's DEFAULT_LR (onnxgrad.train.optimizers) changes
+INITIAL_LR = 1e-3
 
 
 def data_path(path: str | os.PathLike) -> str:
@@ -85,7 +90,7 @@ class OptimizerGroup:
 
     name: str = "group0"
     step: int = 0
-    initial_lr: float = 1e-3
+    initial_lr: float = INITIAL_LR
     states: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 

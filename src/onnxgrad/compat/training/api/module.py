@@ -12,7 +12,8 @@ from onnx.external_data_helper import _get_all_tensors, load_external_data_for_m
 
 from ....errors import InputError, OnnxGradRuntimeError
 from ....model.graph import check_model
-from ....runtime.runner import copy_options, default_options, make_session
+from ....runtime.options import options_for_state
+from ....runtime.runner import make_session
 from ....runtime.session import resolve_providers
 from .. import checkpoint_file, graphs
 from .checkpoint_state import CheckpointState
@@ -82,11 +83,9 @@ class Module:
         self._state = state
         self._providers = resolve_providers("cpu" if device.startswith("cpu") else device)
         values = state._values()
-        self._big = sum(v.nbytes for v in values.values()) >= checkpoint_file.EXTERNAL_DATA_THRESHOLD
-        if self._big:  # onnxruntime's arena would keep a buffer of every gradient and update per session
-            session_options = copy_options(session_options or default_options())
-            session_options.enable_cpu_mem_arena = False
-        self._options = session_options
+        nbytes = sum(v.nbytes for v in values.values())
+        self._big = nbytes >= checkpoint_file.EXTERNAL_DATA_THRESHOLD
+        self._options = options_for_state(session_options, nbytes)  # the policy: no arena when large
         train, train_path = _load(train_model_uri, "training model")
         self._eval_file, self._eval_path = (
             (None, None) if eval_model_uri is None else _load(eval_model_uri, "eval model")
