@@ -190,7 +190,7 @@ def test_artifacts_reexports_the_ort_format_converter(tmp_path):
     from onnxruntime.tools import convert_onnx_models_to_ort as stock
 
     assert og.artifacts.OptimizationStyle is stock.OptimizationStyle
-    assert og.artifacts.convert_onnx_models_to_ort is stock.convert_onnx_models_to_ort
+    assert og.artifacts.convert_onnx_models_to_ort.__wrapped__ is stock.convert_onnx_models_to_ort
     assert [s.name for s in og.artifacts.OptimizationStyle] == ["Fixed", "Runtime"]
     path = tmp_path / "mlp.onnx"
     onnx.save(scenarios.mlp(), path)

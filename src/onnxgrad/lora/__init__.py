@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from .adapters import LORA_KEY, Targets, adapter_names, add_adapters, with_values
 from .files import load_adapters, read_adapters, save_adapters
-from .merge import merge
+from .merging import merge
 from .quantized import dequantized_weight, session_options
 from .serving import read_ort_adapter, save_ort_adapter, serving_model
 

@@ -14,15 +14,30 @@ from __future__ import annotations
 import os
 import pathlib
 from enum import Enum
+from typing import Any
 
 import onnx
-from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
+from onnxruntime.tools import convert_onnx_models_to_ort as _ort_format
 
 from ...errors import InputError
 from ...model.graph import FLOAT_TYPES
 from . import checkpoint_file, onnxblock
 
 __all__ = ["LossType", "OptimType", "OptimizationStyle", "convert_onnx_models_to_ort", "generate_artifacts"]
+
+OptimizationStyle = _ort_format.OptimizationStyle
+"""How the ORT-format converter optimizes (``Fixed`` or ``Runtime``): stock onnxruntime's enum,
+``onnxruntime.tools.convert_onnx_models_to_ort.OptimizationStyle``, re-exported as 1.19.2 did."""
+
+
+def convert_onnx_models_to_ort(*args: Any, **kwargs: Any) -> Any:
+    """Stock onnxruntime's ORT-format converter
+    (``onnxruntime.tools.convert_onnx_models_to_ort.convert_onnx_models_to_ort``), re-exported as
+    1.19.2 did; ``generate_artifacts(ort_format=True)`` calls it on each written model."""
+    return _ort_format.convert_onnx_models_to_ort(*args, **kwargs)
+
+
+convert_onnx_models_to_ort.__wrapped__ = _ort_format.convert_onnx_models_to_ort  # type: ignore[attr-defined]
 
 
 class LossType(Enum):
