@@ -66,11 +66,9 @@ def test_the_one_graph_step_of_an_artifacts_folder_runs_the_blocked_convs(tmp_pa
     np.testing.assert_allclose(blocked, generic, rtol=4 * STEPS * terms * EPS32, atol=0)
 
 
-@needs_blocks
-def test_a_file_with_external_data_is_read_whole_only_when_a_conv_is_rewritten(tmp_path, monkeypatch) -> None:
-    """A Conv model whose bias is external data: the session from its path runs the blocked Conv
-    with the proto's results (the data read from the file's folder); a model without a Conv that
-    can be rewritten is handed to onnxruntime as its path, its external data never read here."""
+def _external_conv(tmp_path) -> tuple[onnx.ModelProto, str, dict[str, np.ndarray]]:
+    """A Conv (one block of channels, weight fed) whose bias is external data: the model, the path
+    of its file, feeds."""
     c = block_size()
     bias = numpy_helper.from_array(np.linspace(-1, 1, c, dtype=np.float32), "b")
     graph = helper.make_graph(
@@ -89,12 +87,21 @@ def test_a_file_with_external_data_is_read_whole_only_when_a_conv_is_rewritten(t
     rng = np.random.default_rng(1)
     feeds = {"x": rng.standard_normal((2, c, 6, 6), dtype=np.float32)}
     feeds["w"] = rng.standard_normal((c, c, 3, 3), dtype=np.float32)
+    return model, path, feeds
+
+
+@needs_blocks
+def test_a_file_with_external_data_is_read_whole_only_when_a_conv_is_rewritten(tmp_path, monkeypatch) -> None:
+    """A Conv model whose bias is external data: the session from its path runs the blocked Conv
+    with the proto's results (the data read from the file's folder); a model without a Conv that
+    can be rewritten is handed to onnxruntime as its path, its external data never read here."""
+    model, path, feeds = _external_conv(tmp_path)
     options = default_options()
     options.optimized_model_filepath = os.path.join(tmp_path, "optimized.onnx")
     got = make_session(path, CPU, options).run(None, feeds)[0]
     assert (NCHWC, "Conv") in _ops(options.optimized_model_filepath)
     want = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, feeds)[0]
-    terms = c * 9  # as in tests/runtime/test_blocked_conv.py: sums of C k^2 products
+    terms = feeds["x"].shape[1] * 9  # as in tests/runtime/test_blocked_conv.py: sums of C k^2 products
     bound = terms * EPS32 * np.abs(feeds["x"]).max() * np.abs(feeds["w"]).max()
     np.testing.assert_allclose(got, want, rtol=0, atol=bound)
 
@@ -107,3 +114,17 @@ def test_a_file_with_external_data_is_read_whole_only_when_a_conv_is_rewritten(t
     dilated_path = os.path.join(tmp_path, "dilated.onnx")
     onnx.save(dilated, dilated_path)  # its bias still points at conv.onnx.data
     make_session(dilated_path, CPU).run(None, feeds)
+
+
+@needs_blocks
+def test_a_file_over_one_protobuf_runs_as_it_is(tmp_path, monkeypatch) -> None:
+    """Where the file's tensors would not fit in one protobuf (the limit lowered here to 0 bytes),
+    the file goes to onnxruntime by its path, unrewritten: the generic Conv, the same results."""
+    model, path, feeds = _external_conv(tmp_path)
+    monkeypatch.setattr(runner_module, "PROTOBUF_LIMIT", 0)
+    options = default_options()
+    options.optimized_model_filepath = os.path.join(tmp_path, "optimized.onnx")
+    got = make_session(path, CPU, options).run(None, feeds)[0]
+    assert (NCHWC, "Conv") not in _ops(options.optimized_model_filepath)
+    want = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, feeds)[0]
+    np.testing.assert_array_equal(got, want)  # the same kernel on the same data
