@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,12 +22,14 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx.external_data_helper import _get_all_tensors, load_external_data_for_model
 
 from ..autodiff.engine import GradientGraphs
 from ..autodiff.recompute import runs_in_graph_order
 from ..deps import require_onnxruntime
 from ..errors import OnnxGradRuntimeError
 from ..model.graph import ValueInfo, ir_version_for, to_array, value_info_from_proto
+from ..storage import PROTOBUF_LIMIT
 from .blocked_conv import blocked_convs
 from .options import (
     NBITS_ACCURACY_KEY,
@@ -64,7 +67,7 @@ __all__ = [
 
 
 def make_session(
-    model: onnx.ModelProto | str,
+    model: onnx.ModelProto | str | os.PathLike,
     providers: list[Any],
     options: ort.SessionOptions | None = None,
     *,
@@ -82,22 +85,52 @@ def make_session(
     activation-quantizing ``MatMulNBits`` computes it in float, as differentiated.
 
     On CPU-only sessions, Convs fed their weight run on onnxruntime's blocked (NCHWc) kernels
-    (:func:`~onnxgrad.runtime.blocked_conv.blocked_convs`).
+    (:func:`~onnxgrad.runtime.blocked_conv.blocked_convs`). A file (the one-graph step of an
+    artifacts folder) is read without its external data; only when that rewrites a Conv is it read
+    whole (its external data from its folder) and the rewritten model handed over as bytes, and not
+    where its tensors exceed one protobuf (2 GB): that file runs as it is, on the generic kernels.
     """
     require_onnxruntime()
+    path = os.fspath(model) if isinstance(model, str | os.PathLike) else None
+    if path is not None:
+        model = onnx.load(path, load_external_data=False)  # the graph; its big tensors stay on disk
     options = session_options_for(model, options)
-    if isinstance(model, onnx.ModelProto):
-        model = blocked_convs(model, providers)  # Convs fed their weight: onnxruntime's fast kernels
-    if not isinstance(model, str) and runs_in_graph_order(model):  # recomputed activations
+    blocked = blocked_convs(model, providers)  # Convs fed their weight: onnxruntime's fast kernels
+    if runs_in_graph_order(model):  # recomputed activations
         options = copy_options(options)  # the caller's options stay as they are
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-    source = model if isinstance(model, str) else model.SerializeToString()
+    source: str | bytes
+    if path is None:
+        source = blocked.SerializeToString()
+    else:  # the file as it is, unless its Convs were rewritten
+        full = _with_external_data(blocked, path) if blocked is not model else None
+        source = path if full is None else full.SerializeToString()
     try:
         return ort.InferenceSession(source, sess_options=options, providers=providers)
     except Exception as exc:
         if label is None:
-            label = f"the {model!r} file" if isinstance(model, str) else f"the {model.graph.name!r} graph"
+            label = f"the {path!r} file" if path is not None else f"the {model.graph.name!r} graph"
         raise OnnxGradRuntimeError(f"onnxruntime cannot load {label}: {exc}") from exc
+
+
+def _with_external_data(model: onnx.ModelProto, path: str) -> onnx.ModelProto | None:
+    """``model`` (read from ``path`` without its external data, then rewritten) with its external
+    tensors read from ``path``'s folder, to be handed to onnxruntime as bytes; None (run the file as
+    it is) where they would not fit in one protobuf or cannot be read (onnxruntime then says why)."""
+    external = [t for t in _get_all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not external:
+        return model
+    size = sum(
+        int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        for t in external
+    )
+    if size + model.ByteSize() > PROTOBUF_LIMIT:
+        return None
+    try:
+        load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
+    except Exception:  # a missing or short data file, a location outside the folder
+        return None
+    return model
 
 
 @functools.cache
