@@ -72,9 +72,9 @@ def _opts(threads: int = THREADS) -> ort.SessionOptions:
 
 
 # ---- rules: other forms of the LayerNorm, softmax and ReLU backward ---------------------------
-def _ln_recomputed(g, n):
-    """LayerNorm's backward with xh made by one LayerNormalization(x, ones) instead of (x - mean) inv."""
-    from onnxgrad.autodiff.rules.norm import mean_over, norm_axes, normalize_backward
+def _ln_start(g, n):
+    """What both LayerNorm variants start from: the inputs, the bias gradient, the axes and 1/std."""
+    from onnxgrad.autodiff.rules.norm import norm_axes
 
     x, scale = n.inputs[0], n.inputs[1]
     b = n.inputs[2] if len(n.inputs) > 2 else None
@@ -87,6 +87,14 @@ def _ln_recomputed(g, n):
     stash = int(n.attr("stash_type", TensorProto.FLOAT))
     stat_shape = (*x.shape[: axes[0] % len(x.shape)], *(1,) * len(axes))
     inv = cast(g.extra_output(n.node, 2, stash, stat_shape), x)
+    return x, scale, dy, grads, axis, axes, stash, stat_shape, inv
+
+
+def _ln_recomputed(g, n):
+    """LayerNorm's backward with xh made by one LayerNormalization(x, ones) instead of (x - mean) inv."""
+    from onnxgrad.autodiff.rules.norm import mean_over, normalize_backward
+
+    x, scale, dy, grads, axis, axes, stash, _stat_shape, inv = _ln_start(g, n)
     ones = g.const(np.ones(scale.shape, np.float32), x.dtype)
     xh = g.LayerNormalization(x, ones, axis=axis, epsilon=n.attr("epsilon", 1e-5), stash_type=stash)
     if n.needs[1]:
@@ -99,20 +107,9 @@ def _ln_recomputed(g, n):
 def _ln_matvec(recompute: bool):
     """LayerNorm's backward with the row means mean(dxh xh) = (dy xh) @ (scale / D) and
     mean(dxh) = dy @ (scale / D): one (D, 1) matrix-vector product each instead of Mul + ReduceMean."""
-    from onnxgrad.autodiff.rules.norm import norm_axes
 
     def fn(g, n):
-        x, scale = n.inputs[0], n.inputs[1]
-        b = n.inputs[2] if len(n.inputs) > 2 else None
-        dy = n.dy
-        grads = [None] * len(n.inputs)
-        if b is not None and n.needs[2]:
-            grads[2] = g.unbroadcast(dy, b, x.shape)
-        axis = int(n.attr("axis", -1))
-        axes = norm_axes(n, x, axis)
-        stash = int(n.attr("stash_type", TensorProto.FLOAT))
-        stat_shape = (*x.shape[: axes[0] % len(x.shape)], *(1,) * len(axes))
-        inv = cast(g.extra_output(n.node, 2, stash, stat_shape), x)
+        x, scale, dy, grads, axis, _axes, stash, stat_shape, inv = _ln_start(g, n)
         if recompute:
             ones = g.const(np.ones(scale.shape, np.float32), x.dtype)
             xh = g.LayerNormalization(x, ones, axis=axis, epsilon=n.attr("epsilon", 1e-5), stash_type=stash)

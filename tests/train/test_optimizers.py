@@ -80,6 +80,16 @@ def _update_model(name: str, hyper: dict, dtype: int) -> tuple[onnx.ModelProto, 
     return model, keys
 
 
+def _graph_step(session, model, keys, params, state, grads, lr, step):
+    """One run of the ONNX update graph: (new parameters, new state)."""
+    feeds = {"lr": np.array(lr), "step": np.array(step, np.int64)}
+    for p in SHAPES:
+        feeds[p], feeds[f"{p}.grad"] = params[p], grads[p]
+        feeds.update({f"{p}.{k}": state[(p, k)] for k in keys})
+    out = dict(zip([o.name for o in model.graph.output], session.run(None, feeds)))
+    return {p: out[f"new.{p}"] for p in SHAPES}, {(p, k): out[f"new.{p}.{k}"] for p in SHAPES for k in keys}
+
+
 @pytest.mark.parametrize(("name", "options"), TORCH_CASES)
 def test_numpy_onnx_and_torch_updates_agree(name, options):
     """Five updates in float64 of the same parameters with the same gradients: the numpy optimizer
@@ -102,13 +112,9 @@ def test_numpy_onnx_and_torch_updates_agree(name, options):
     for step in range(STEPS):
         grads = {k: rng.standard_normal(s) for k, s in SHAPES.items()}
         numpy_opt.step(grads)
-        feeds = {"lr": np.array(0.05), "step": np.array(step, np.int64)}
-        for p in SHAPES:
-            feeds[p], feeds[f"{p}.grad"] = graph_params[p], grads[p]
-            feeds.update({f"{p}.{k}": graph_state[(p, k)] for k in keys})
-        out = dict(zip([o.name for o in model.graph.output], session.run(None, feeds)))
-        graph_params = {p: out[f"new.{p}"] for p in SHAPES}
-        graph_state = {(p, k): out[f"new.{p}.{k}"] for p in SHAPES for k in keys}
+        graph_params, graph_state = _graph_step(
+            session, model, keys, graph_params, graph_state, grads, 0.05, step
+        )
         for p, t in tparams.items():
             t.grad = torch.tensor(grads[p])
         torch_opt.step()
@@ -137,13 +143,9 @@ def test_float32_numpy_and_onnx_updates_are_the_same_bits(name, options):
     for step in range(STEPS):
         grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
         numpy_opt.step(grads)
-        feeds = {"lr": np.array(0.01), "step": np.array(step, np.int64)}
-        for p in SHAPES:
-            feeds[p], feeds[f"{p}.grad"] = graph_params[p], grads[p]
-            feeds.update({f"{p}.{k}": graph_state[(p, k)] for k in keys})
-        out = dict(zip([o.name for o in model.graph.output], session.run(None, feeds)))
-        graph_params = {p: out[f"new.{p}"] for p in SHAPES}
-        graph_state = {(p, k): out[f"new.{p}.{k}"] for p in SHAPES for k in keys}
+        graph_params, graph_state = _graph_step(
+            session, model, keys, graph_params, graph_state, grads, 0.01, step
+        )
         for p in SHAPES:
             np.testing.assert_array_equal(ours[p], graph_params[p])
 
