@@ -506,3 +506,33 @@ def test_conv_weight_grad_keeps_the_conv_form(xs: tuple, ws: tuple, dtype: Any) 
     inputs = [rnd(*xs, dtype=dtype), rnd(*ws, dtype=dtype)]
     graphs = build_gradient(node_model("Conv", inputs, attrs={}), inputs_requiring_grad=["in0", "in1"])
     assert not _one_hot_convs(graphs)
+
+
+def test_conv_weight_grad_by_im2col_when_dy_has_no_declared_shape() -> None:
+    """Conv -> Relu -> Conv: the first Conv's dY is the ReLU mask times a ConvTranspose, a value
+    with no declared shape; its weight gradient still takes the im2col form (the forward output's
+    shape is dY's) and equals torch's."""
+    import onnxgrad
+
+    xs, w1s, w2s = (3, 2, 8, 7), (4, 2, 3, 3), (5, 4, 3, 3)
+    w1, w2 = rnd(*w1s, dtype=F32), rnd(*w2s, dtype=F32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "w1"], ["h"], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["h"], ["r"]),
+            helper.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1]),
+        ],
+        "two_convs",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *xs[1:]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", w2s[0], *xs[2:]])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    fb = onnxgrad.ForwardBackward(model)
+    assert len(_one_hot_convs(fb.graphs)) == 2
+    x, dy = rnd(*xs, dtype=F32), rnd(xs[0], w2s[0], *xs[2:], dtype=F32)
+    grads = fb.forward({"x": x}).backward({"y": dy})
+    tx, t1, t2 = (torch.from_numpy(a).double().requires_grad_() for a in (x, w1, w2))
+    F.conv2d(torch.relu(F.conv2d(tx, t1, padding=1)), t2, padding=1).backward(torch.from_numpy(dy).double())
+    assert_allclose_scaled(np.asarray(grads["w1"]), t1.grad.numpy(), rtol=2e-6)
+    assert_allclose_scaled(np.asarray(grads["w2"]), t2.grad.numpy(), rtol=2e-6)
