@@ -96,12 +96,12 @@ def _unfolded_weight_grad(
     Conv of X with a one-hot kernel (one output channel per input channel and kernel position,
     ``group=C``, the forward's strides, dilations and pads, so that L = the positions of Y), then
     dW = sum_n dY[n] P[n]^T, one batched MatMul (dY as (N, M, L)) and the sum over N as a product
-    by ones(N) (``sum_leading``: vgg-style 3x3 layers,
-    batch 32, 0.80-0.88x the time of a ``ReduceSum`` over N).
+    by ones(N) (``sum_leading``; ``bench/conv_weight_grad.py``:
+    the fastest calls 0.85-0.99x those of a ``ReduceSum`` over N on vgg-style 3x3 layers, batch 32).
 
     ``y_shape``: the forward output's shape, which dY shares; the shape to go by when dY's own is
     unknown (a gradient summed from a ReLU mask and a ConvTranspose declares none), without which
-    the second Conv of every VGG block took the slower form below (3.5 -> 1.0 ms and 9.9 -> 4.2 ms
+    the first Conv of every VGG block took the slower form below (3.5 -> 1.0 ms and 9.9 -> 4.2 ms
     for the vgg bench model's 3 -> 32 and 32 -> 64 layers).
 
     onnxruntime's Conv with dY as the kernel (:func:`_conv_weight_grad`) im2cols X for a kernel as
