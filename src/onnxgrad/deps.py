@@ -343,6 +343,21 @@ class TorchInterop:
                     out[k] = t.view(self._bool)
         return out
 
+    def fast_forms(self) -> tuple[Callable[[Any], Any], Callable[[Any], Any] | None, Callable[[Any], Any] | None]:
+        """The plain functions behind :meth:`to_ortvalues` and :meth:`tensors_at`, for a hot loop
+        that writes their common case inline (a Python call and a few lookups fewer each way):
+        ``(to_capsule, to_ortvalue, to_tensor)``.
+
+        ``to_ortvalue(to_capsule(t))`` is what :meth:`to_ortvalues` does first; it raises on a
+        tensor it cannot take as it is (a strided view), where the caller hands the tensors to
+        :meth:`to_ortvalues`. ``to_tensor(vector.dlpack_at(i))`` is :meth:`tensors_at` for a
+        vector of results. ``to_ortvalue`` is ``None`` where every tensor must go through
+        :meth:`to_ortvalues`, and ``to_tensor`` where every result must go through
+        :meth:`tensors_at` (older forms of the exchange).
+        """
+        in_place = self._at and not self.bool_as_uint8
+        return self._to_dlpack, self._direct, self._from_dlpack if in_place else None
+
     def to_tensor(self, value: Any) -> Any:
         """A tensor sharing a C-level OrtValue's buffer (the tensor keeps the value alive)."""
         t = self._from_dlpack(value.to_dlpack())
