@@ -168,6 +168,7 @@ def ortvalue_to_numpy(value: Any) -> np.ndarray:
 
 
 FromCapsule = Callable[[Any, bool], Any]  # (capsule, is_bool) -> OrtValue
+_Converter = Callable[[Any], Any]  # one object (capsule, tensor) to another
 
 
 def probe_from_dlpack(
@@ -343,7 +344,7 @@ class TorchInterop:
                     out[k] = t.view(self._bool)
         return out
 
-    def fast_forms(self) -> tuple[Callable[[Any], Any], Callable[[Any], Any] | None, Callable[[Any], Any] | None]:
+    def fast_forms(self) -> tuple[Callable[[Any], Any], _Converter | None, _Converter | None]:
         """The plain functions behind :meth:`to_ortvalues` and :meth:`tensors_at`, for a hot loop
         that writes their common case inline (a Python call and a few lookups fewer each way):
         ``(to_capsule, to_ortvalue, to_tensor)``.
