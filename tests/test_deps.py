@@ -224,3 +224,38 @@ def test_function_apply_observed_in_both_forms(monkeypatch, form):
     assert torch.autograd.Function.__dict__["apply"] is before  # put back
     Double.apply(x)
     assert len(seen) == 1  # no longer observed
+
+
+@pytest.mark.parametrize("form", ["classmethod", "classmethod_descriptor"])
+def test_function_apply_direct_in_both_forms(monkeypatch, form):
+    """torch 2.13's Python ``Function.apply`` is skipped (the C method, bound to the class); where
+    ``Function.apply`` is the C method itself (torch 2.14) the class's own ``apply`` is kept."""
+    descriptor = torch._C._FunctionBase.__dict__["apply"]
+    if form == "classmethod_descriptor":
+        monkeypatch.setattr(torch.autograd.Function, "apply", descriptor)
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    apply, active = deps.function_apply_direct(Square)
+    if form == "classmethod":
+        assert apply.__self__ is Square and apply != Square.apply  # the C method, not the Python layer
+    else:
+        assert apply == Square.apply
+    x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    y = apply(x)
+    y.sum().backward()
+    assert y.tolist() == [1.0, 4.0, 9.0] and x.grad.tolist() == [2.0, -4.0, 6.0]
+    assert active() is False
+    if form == "classmethod":  # a functorch transform is seen as one
+        seen = []
+        torch.func.vmap(lambda t: seen.append(active()) or t)(torch.ones(2, 3))
+        assert seen == [True]

@@ -24,6 +24,9 @@ OrtValue from numpy         ``OrtValue.ortvalue_from_numpy(array, OrtDevice)``; 
 CPU device                  ``OrtDevice(type, memory type, id)`` or with a vendor id
 torch DLPack                ``torch._C._from_dlpack`` (no protocol checks) or
                             ``torch.from_dlpack``; ``torch.utils.dlpack.to_dlpack``
+``Function.apply``          a Python classmethod in front of ``_C._FunctionBase.apply``
+                            (torch <= 2.13: functorch's checks), or that C method itself
+                            (2.14)
 ==========================  ==============================================================
 
 A release outside the supported range, or one missing a capability, raises
@@ -53,6 +56,7 @@ __all__ = [
     "SUPPORTED",
     "C",
     "DependencyError",
+    "function_apply_direct",
     "ortvalue_from_capsule",
     "ortvalue_from_numpy",
     "ortvalue_to_numpy",
@@ -164,6 +168,7 @@ def ortvalue_to_numpy(value: Any) -> np.ndarray:
 
 
 FromCapsule = Callable[[Any, bool], Any]  # (capsule, is_bool) -> OrtValue
+_Converter = Callable[[Any], Any]  # one object (capsule, tensor) to another
 
 
 def probe_from_dlpack(
@@ -339,6 +344,21 @@ class TorchInterop:
                     out[k] = t.view(self._bool)
         return out
 
+    def fast_forms(self) -> tuple[Callable[[Any], Any], _Converter | None, _Converter | None]:
+        """The plain functions behind :meth:`to_ortvalues` and :meth:`tensors_at`, for a hot loop
+        that writes their common case inline (a Python call and a few lookups fewer each way):
+        ``(to_capsule, to_ortvalue, to_tensor)``.
+
+        ``to_ortvalue(to_capsule(t))`` is what :meth:`to_ortvalues` does first; it raises on a
+        tensor it cannot take as it is (a strided view), where the caller hands the tensors to
+        :meth:`to_ortvalues`. ``to_tensor(vector.dlpack_at(i))`` is :meth:`tensors_at` for a
+        vector of results. ``to_ortvalue`` is ``None`` where every tensor must go through
+        :meth:`to_ortvalues`, and ``to_tensor`` where every result must go through
+        :meth:`tensors_at` (older forms of the exchange).
+        """
+        in_place = self._at and not self.bool_as_uint8
+        return self._to_dlpack, self._direct, self._from_dlpack if in_place else None
+
     def to_tensor(self, value: Any) -> Any:
         """A tensor sharing a C-level OrtValue's buffer (the tensor keeps the value alive)."""
         t = self._from_dlpack(value.to_dlpack())
@@ -415,6 +435,28 @@ def _probe_torch(interop: TorchInterop) -> None:
         if not ok:
             what = f"a DLPack exchange of {sample.dtype} with torch {interop.version}"
             raise _missing("onnxruntime", ORT_VERSION, what)
+
+
+def function_apply_direct(cls: type) -> tuple[Callable[..., Any], Callable[[], bool]]:
+    """``cls.apply`` for a ``torch.autograd.Function`` subclass without the Python layer that
+    torch <= 2.13 puts in front of the C method (1.4 µs a call), and the test of when that layer is
+    needed: ``(apply, transforms_active)``. Call ``cls.apply`` itself while ``transforms_active()``
+    (a functorch transform, vmap or grad, is running: the layer then routes the call, or refuses a
+    class without ``setup_context``); outside one the layer only unwraps tensors left over from
+    a finished transform.
+
+    Where ``Function.apply`` is the C method itself (torch 2.14), or the C method is not found,
+    ``apply`` is ``cls.apply``. Either way a ``Function.apply`` patched later
+    (:func:`function_apply_wrapped`) is not seen by ``apply``: it is bound now.
+    """
+    torch = require_torch()
+    base = getattr(torch._C, "_FunctionBase", None)
+    descriptor = getattr(base, "__dict__", {}).get("apply")
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    own = torch.autograd.Function.__dict__.get("apply")
+    if descriptor is None or active is None or not isinstance(own, classmethod):
+        return cls.apply, lambda: False  # type: ignore[attr-defined]
+    return descriptor.__get__(None, cls), active
 
 
 @contextlib.contextmanager

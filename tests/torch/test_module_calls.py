@@ -184,3 +184,70 @@ def test_the_direct_form_is_refused_to_a_reader_that_takes_strided_capsules():
     assert deps.direct_from_dlpack(torch, real, "capsule+flag") is None
     if deps.DLPACK_FORM == "capsule":
         assert deps.direct_from_dlpack(torch) is real
+
+
+# ---- the fixed cost of a call: zero_grad, Function.apply, the crossings written inline ----------
+def _step_grads(m, x):
+    m.zero_grad()
+    m(x).pow(2).sum().backward()
+    return {t: p.grad.clone() for t, p in m.named_parameters()}
+
+
+def test_zero_grad_clears_own_and_submodule_gradients_or_zeros_them(net64):
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    first = _step_grads(m, x)
+    m(x).sum().backward()  # accumulates onto the first step's gradients
+    assert not torch.equal(m.p_0_weight.grad, first["p_0_weight"])
+    assert _step_grads(m, x).keys() == first.keys()  # zero_grad dropped them: no accumulation
+    for t, g in _step_grads(m, x).items():
+        torch.testing.assert_close(g, first[t])
+    m.zero_grad(set_to_none=False)  # zeros, of each parameter's shape, as nn.Module gives
+    assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
+    m.zero_grad()
+    assert all(p.grad is None for p in m.parameters())
+    # a submodule's parameters (here a head added on top) are cleared too
+    m.head = torch.nn.Linear(3, 1).double()
+    m.head(m(x)).sum().backward()
+    assert m.head.weight.grad is not None
+    m.zero_grad()
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_functorch_transforms_get_torchs_own_refusal(net64):
+    """Outside functorch transforms the Function is applied without torch's Python layer; inside
+    one (vmap, grad) the call goes through ``Function.apply``, whose refusal names what is missing
+    (applied directly, torch fails an internal assert instead)."""
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="must override the setup_context staticmethod"):
+        torch.func.vmap(m)(x.unsqueeze(0).expand(2, 3, 4))
+    with pytest.raises(RuntimeError, match="must override the setup_context staticmethod"):
+        torch.func.grad(lambda t: m(t).sum())(x)
+    torch.testing.assert_close(m(x), net64(x))  # and the module works as before afterwards
+
+
+@pytest.mark.parametrize("form", ["fast", "no direct from_dlpack", "no dlpack_at"])
+def test_calls_without_the_inline_forms_give_torch_values(form, net64, monkeypatch):
+    """The crossings written inline in a run fall back on TorchInterop's methods where the
+    installed onnxruntime lacks their forms (the interop is patched before the module is built)."""
+    interop = deps.torch_interop()
+    if form == "no direct from_dlpack":
+        monkeypatch.setattr(interop, "_direct", None)
+    elif form == "no dlpack_at":
+        monkeypatch.setattr(interop, "_at", False)
+    to_capsule, to_value, to_tensor = interop.fast_forms()
+    assert to_capsule is not None
+    assert (to_value is None) == (form == "no direct from_dlpack")
+    assert (to_tensor is None) == (form == "no dlpack_at")
+    m = OnnxModule(_export(net64, torch.randn(2, 4, dtype=torch.float64)))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    got = _step_grads(m, x)
+    net64.zero_grad()
+    net64(x).pow(2).sum().backward()
+    want = {t: dict(net64.named_parameters())[n].grad for t, n in m.onnx_names.items()}
+    assert got.keys() == want.keys()
+    for t in got:
+        torch.testing.assert_close(got[t], want[t], msg=t)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), net64(x))

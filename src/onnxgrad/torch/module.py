@@ -26,7 +26,7 @@ from ..autodiff.backward import QUANTIZED_MODES
 from ..autodiff.engine import build_gradient
 from ..autodiff.params import untie
 from ..autodiff.prepare import float_outputs, prepare
-from ..deps import session_run, torch_interop
+from ..deps import function_apply_direct, session_run, torch_interop
 from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import FLOAT_TYPES, np_dtype, to_array, unique_name, value_info_from_proto
 from ..model.load import CheckedModel
@@ -139,6 +139,8 @@ class _Variant:
             runner = self.runner
             interop = torch_interop()  # its conversions, bound: one call per run each way
             self._to_ortvalues, self._tensors_at = interop.to_ortvalues, interop.tensors_at
+            # and their common case, written inline in _run
+            self._to_capsule, self._to_value, self._to_tensor = interop.fast_forms()
             self._fwd_run = session_run(runner.fwd)
             self._fwd_wanted = list(runner.fwd_outputs)  # the training forward's results
             where = {n: i for i, n in enumerate(self._fwd_wanted)}
@@ -187,12 +189,7 @@ class _Variant:
                 for n, i in zip(self.saved_names, self.saved_feeds)
             ]
             return results, kept
-        feeds = dict(zip(self.feed_names, self._to_ortvalues(tensors)))
-        try:
-            res = self._fwd_run(feeds, self._fwd_wanted, None)
-        except Exception as exc:
-            raise OnnxGradRuntimeError(f"{FORWARD_FAILED}: {exc}") from exc
-        got = self._tensors_at(res, self._fwd_take)
+        got = self._run(self._fwd_run, self.feed_names, tensors, self._fwd_wanted, self._fwd_take)
         kept = [tensors[i] if feed else got[i] for feed, i in self._saved_from]
         return got[: len(self.output_index)], kept
 
@@ -201,12 +198,7 @@ class _Variant:
         if not self.direct:
             feeds = dict(zip(self.feed_names, map(from_torch, tensors)))
             return list(map(to_torch, self.runner.forward(feeds, training=False)[0]))
-        feeds = dict(zip(self.feed_names, self._to_ortvalues(tensors)))
-        try:
-            res = self._fwd_run(feeds, self._infer_wanted, None)
-        except Exception as exc:
-            raise OnnxGradRuntimeError(f"{FORWARD_FAILED}: {exc}") from exc
-        return self._tensors_at(res, self._infer_take)
+        return self._run(self._fwd_run, self.feed_names, tensors, self._infer_wanted, self._infer_take)
 
     def backward(self, saved: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run the backward on the saved values (in :attr:`saved_names` order) and the gradients
@@ -220,12 +212,40 @@ class _Variant:
             run = self._bwd_run = session_run(self.runner.backward_session())  # type: ignore[attr-defined]
         if not self._all_grads:
             grads = [grads[i] for i in self._grad_positions]
-        values = self._to_ortvalues((*saved, *grads))
+        return self._run(run, self._bwd_feeds, (*saved, *grads), self._bwd_wanted, self._bwd_take, True)
+
+    def _run(
+        self,
+        run: Any,
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        wanted: list[str],
+        take: list[int],
+        backward: bool = False,
+    ) -> list[torch.Tensor]:
+        """One C-level run of a plain Runner's session: ``tensors`` fed as ``names``, the results
+        ``wanted`` computed and those at ``take`` returned as tensors, each crossing without a copy
+        and written inline (one Python call per run: a step of a Linear(16, 16), batch 4, spends
+        its fixed cost in calls like these, not in onnxruntime's kernels)."""
+        to_value = self._to_value
+        values = None
+        if to_value is not None:
+            to_capsule = self._to_capsule
+            try:
+                values = [to_value(to_capsule(t)) for t in tensors]
+            except Exception:  # a strided view...: to_ortvalues copies it, or raises what it cannot take
+                values = None
+        if values is None:
+            values = self._to_ortvalues(tensors)
         try:
-            res = run(dict(zip(self._bwd_feeds, values)), self._bwd_wanted, None)
+            res = run(dict(zip(names, values)), wanted, None)
         except Exception as exc:
-            raise OnnxGradRuntimeError(f"{BACKWARD_FAILED}: {exc}") from exc
-        return self._tensors_at(res, self._bwd_take)
+            raise OnnxGradRuntimeError(f"{BACKWARD_FAILED if backward else FORWARD_FAILED}: {exc}") from exc
+        to_tensor = self._to_tensor
+        if to_tensor is None:
+            return self._tensors_at(res, take)
+        at = res.dlpack_at
+        return [to_tensor(at(i)) for i in take]
 
 
 class _OnnxFunction(torch.autograd.Function):
@@ -269,6 +289,10 @@ class _OnnxFunction(torch.autograd.Function):
         res = variant.backward(ctx.saved_tensors, grads)
         # None for the variant argument, then each feed's gradient (None: not differentiated)
         return (None, *[None if j is None else res[j] for j in variant.grad_slots])
+
+
+# _OnnxFunction.apply without torch's Python layer in front of it, outside functorch transforms
+_apply, _transforms_active = function_apply_direct(_OnnxFunction)
 
 
 class OnnxModule(nn.Module):
@@ -484,13 +508,29 @@ class OnnxModule(nn.Module):
             plan = self._plans.get(signature)
         variant, recorded = plan or self._plan(signature, tensors, values)
         if recorded:
-            outs = _OnnxFunction.apply(variant, *tensors, *values)
+            apply = _OnnxFunction.apply if _transforms_active() else _apply
+            outs = apply(variant, *tensors, *values)
         else:  # nothing requires grad: inference, nothing is kept for a backward
             outs = variant.infer((*tensors, *values))
         if self._stat_attrs and self.training:
             self._update_running_stats(variant, outs)
         n = len(self.output_names)
         return outs[0] if n == 1 else tuple(outs[:n])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``: the gradients of the parameters reset (``None``, or zeros with
+        ``set_to_none=False``).
+
+        A module with no submodules drops its own parameters' gradients directly: the same
+        result as ``nn.Module.zero_grad`` without its walk over the module tree (a few µs a step
+        on a small model, 4 µs alone and 15 µs inside a training step on a Linear(16, 16)).
+        """
+        if not set_to_none or self._modules or self.__dict__.get("_is_replica"):
+            super().zero_grad(set_to_none)  # submodules, zeros, DataParallel's warning: torch's own
+            return
+        for p in self._parameters.values():
+            if p is not None and p.grad is not None:
+                p.grad = None
 
     def _update_running_stats(self, variant: _Variant, outs: Sequence[torch.Tensor]) -> None:
         index = variant.output_index
