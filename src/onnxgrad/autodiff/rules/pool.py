@@ -55,6 +55,9 @@ def max_pool(g: GradBuilder, n: NodeContext) -> Grads:
         )
     x, dy = n.x, n.dy
     nsp = spatial_rank(n, x, n.y)
+    tiles = _tiling(n, x, nsp)
+    if tiles is not None:
+        return [_tiled_grad(g, x, dy, _window_argmax(g, x, tiles), tiles)]
     # With ceil_mode, ONNX shape inference and onnxruntime can disagree on the output size.
     shape = n.y.shape
     if shape is not None and n.attr("ceil_mode", 0):
@@ -78,6 +81,70 @@ def max_pool(g: GradBuilder, n: NodeContext) -> Grads:
         zeros(g, size, x.dtype), g.Reshape(idx, [-1]), g.Reshape(dy, [-1]), axis=0, reduction="add"
     )
     return [g.Reshape(flat, g.shape_of(x), shape=x.shape)]
+
+
+def _tiling(n: NodeContext, x: Var, nsp: int) -> _Tiles | None:
+    """The geometry of a 2-D float32 MaxPool whose windows tile X, when the model leaves its
+    Indices unused: kernel equal to strides, no padding, dilation 1, floor mode, row-major,
+    static spatial sizes. None for any other MaxPool."""
+    if nsp != 2 or x.dtype != TensorProto.FLOAT or n.opset < 11:
+        return None
+    if len(n.node.output) > 1 and n.node.output[1]:
+        return None
+    sizes = static_dims(spatial_dims(x, nsp))
+    kernel = [int(k) for k in n.attr("kernel_shape")]
+    if sizes is None or [int(s) for s in (n.attr("strides") or [1] * nsp)] != kernel:
+        return None
+    if any(int(d) != 1 for d in (n.attr("dilations") or [1] * nsp)) or any(n.attr("pads") or [0]):
+        return None
+    if (n.attr("auto_pad", "NOTSET") or "NOTSET") not in ("NOTSET", "VALID"):
+        return None
+    if n.attr("ceil_mode", 0) or n.attr("storage_order", 0):
+        return None
+    if any(s < k for s, k in zip(sizes, kernel)):
+        return None
+    return _Tiles((sizes[0], sizes[1]), (kernel[0], kernel[1]))
+
+
+class _Tiles:
+    """kh x kw windows tiling an H x W plane (the last rows and columns no window reaches left out)."""
+
+    def __init__(self, sizes: tuple[int, int], kernel: tuple[int, int]) -> None:
+        self.sizes, self.kernel = sizes, kernel
+        self.rows = (sizes[0] // kernel[0], sizes[1] // kernel[1])
+
+
+def _window_argmax(g: GradBuilder, x: Var, t: _Tiles) -> Var:
+    """In the forward: the position of each window's first maximum, row-major within the window
+    (ArgMax keeps the first of equal values, as MaxPool's Indices do), int64 (N, C, Ho, Wo)."""
+    (h, w), (kh, kw), (ho, wo) = t.sizes, t.kernel, t.rows
+    f32 = TensorProto.FLOAT
+    if (ho * kh, wo * kw) != (h, w):
+        x = g.fwd_op("Slice", x, g.fwd_const([0, 0]), g.fwd_const([ho * kh, wo * kw]), g.fwd_const([2, 3]),
+                     dtype=f32)  # fmt: skip
+    x6 = g.fwd_op("Reshape", x, g.fwd_const([0, 0, ho, kh, wo, kw]), dtype=f32)
+    xt = g.fwd_op("Transpose", x6, dtype=f32, perm=[0, 1, 2, 4, 3, 5])
+    x5 = g.fwd_op("Reshape", xt, g.fwd_const([0, 0, ho, wo, kh * kw]), dtype=f32)
+    return g.fwd_op("ArgMax", x5, dtype=INT64, shape=(*x.shape[:2], ho, wo), axis=4, keepdims=0)
+
+
+def _tiled_grad(g: GradBuilder, x: Var, dy: Var, arg: Var, t: _Tiles) -> Var:
+    """dX: dY written at each window's argmax (``arg``, see :func:`_window_argmax`) by one MaxUnpool."""
+    (h, w), (kh, kw), (ho, wo) = t.sizes, t.kernel, t.rows
+    # the argmax's offset in the plane from its window's corner: row (arg // kw) * W + column
+    if kh == 1:
+        offset = arg
+    elif kh == 2:
+        offset = arg + where(g.GreaterOrEqual(arg, g.const(np.int64(kw))), g.const(np.int64(w - kw)), 0)
+    else:
+        offset = arg + g.Div(arg, g.const(np.int64(kw))) * g.const(np.int64(w - kw))
+    corners = (np.arange(ho)[:, None] * kh * w + np.arange(wo)[None, :] * kw).astype(np.int64)
+    nc = g.ReduceProd(g.Slice(g.shape_of(dy), [0], [2]), keepdims=0, dtype=INT64, shape=())
+    start = g.Range(g.const(np.int64(0)), nc * g.const(np.int64(h * w)), g.const(np.int64(h * w)))
+    plane = g.Reshape(start, g.shape_vector([*[g.dim(dy, 0), g.dim(dy, 1)], 1, 1]))
+    idx = offset + (plane + g.const(corners))
+    ones = [1, 1]
+    return g.MaxUnpool(dy, idx, g.shape_of(x), kernel_shape=ones, strides=ones, shape=x.shape)
 
 
 def _disjoint_windows(n: NodeContext, x: Var, nsp: int) -> bool:
