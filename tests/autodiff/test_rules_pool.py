@@ -143,6 +143,94 @@ def test_max_pool_dilated_windows_sharing_their_maximum_versus_torch(dtype: type
     versus_torch("MaxPool", [x], attrs, lambda t: F.max_pool2d(t, 2, stride=2, dilation=2))
 
 
+# ---- float32 MaxPool whose windows tile X: argmax from the forward, the pool without Indices -------
+TILED_CASES = [
+    ((3, 2, 6, 8), [2, 2]),
+    ((2, 2, 7, 5), [2, 2]),  # floor mode: the last row and column belong to no window
+    ((2, 2, 6, 7), [3, 3]),
+    ((2, 2, 4, 9), [1, 3]),
+    ((2, 2, 9, 4), [3, 2]),
+]
+
+
+def _tied(shape: tuple[int, ...]) -> np.ndarray:
+    """Small integers (ties in most windows), with the 2 x 2 windows of channel 0, image 0 tied on
+    chosen positions (row-major 0..3): all four, 1 and 3, 2 and 3, 0 and 3, 1 and 2."""
+    x = rng().integers(-2, 3, shape).astype(np.float32)
+    patterns = [[5, 5, 5, 5], [1, 5, 0, 5], [1, 0, 5, 5], [5, 1, 0, 5], [0, 5, 5, 1]]
+    for j, p in enumerate(patterns[: shape[3] // 2]):
+        x[0, 0, :2, 2 * j : 2 * j + 2] = np.reshape(p, (2, 2))
+    return x
+
+
+def _tiled_pool(x: np.ndarray, kernel: list[int], symbolic_batch: bool) -> Any:
+    attrs = {"kernel_shape": kernel, "strides": kernel}
+    model = node_model("MaxPool", [x], attrs=attrs)
+    return symbolic(model, {0: [0, 1]}) if symbolic_batch else model
+
+
+@pytest.mark.parametrize("symbolic_batch", [False, True], ids=["static", "symbolic N C"])
+@pytest.mark.parametrize(("xs", "kernel"), TILED_CASES, ids=[f"{xs}-{k}" for xs, k in TILED_CASES])
+def test_tiled_max_pool_routes_ties_like_torch_and_onnxruntime(
+    xs: tuple, kernel: list[int], symbolic_batch: bool
+) -> None:
+    """Each window's dY goes to its first maximum in row-major order, all of it, ties or not: what
+    torch's max_pool2d and onnxruntime's MaxPool Indices pick. The values are copies of dY, so the
+    gradient must equal theirs exactly."""
+    x = _tied(xs)
+    model = _tiled_pool(x, kernel, symbolic_batch)
+    graphs = build_gradient(model, inputs_requiring_grad=["in0"])
+    pools = [node for node in graphs.forward.graph.node if node.op_type == "MaxPool"]
+    assert [len(node.output) for node in pools] == [1]  # no Indices: the fast kernel
+    assert "ArgMax" in {node.op_type for node in graphs.forward.graph.node}
+    assert "MaxUnpool" in {node.op_type for node in graphs.backward.graph.node}
+    y, cot, ours = grads(model, {"in0": x}, ["in0"])
+    t = torch.tensor(x.astype(np.float64), requires_grad=True)
+    ty = F.max_pool2d(t, kernel)
+    ty.backward(torch.tensor(cot.astype(np.float64)))
+    np.testing.assert_array_equal(y, ty.detach().numpy())
+    np.testing.assert_array_equal(ours["in0"], t.grad.numpy())
+    # onnxruntime's own choice: dY scattered at its MaxPool's Indices
+    indices = testing.run_model(node_model("MaxPool", [x], attrs={"kernel_shape": kernel, "strides": kernel},
+                                           n_outputs=2, output_dtypes=[np.float32, np.int64]))({"in0": x})["out1"]
+    expected = np.zeros(x.size, np.float32)
+    expected[indices.ravel()] = cot.ravel()
+    np.testing.assert_array_equal(ours["in0"], expected.reshape(x.shape))
+    assert np.count_nonzero(ours["in0"]) == np.count_nonzero(cot)  # one element per window
+
+
+def test_tiled_max_pool_windows_of_the_example_ties() -> None:
+    """The chosen tie patterns of :func:`_tied` by hand: first maximum of each window gets dY."""
+    x = _tied((1, 1, 2, 10))
+    model = _tiled_pool(x, [2, 2], symbolic_batch=False)
+    _, cot, ours = grads(model, {"in0": x}, ["in0"])
+    first = [0, 1, 2, 0, 1]  # row-major position of the first maximum of each pattern
+    expected = np.zeros((2, 10), np.float32)
+    for j, p in enumerate(first):
+        expected[p // 2, 2 * j + p % 2] = cot[0, 0, 0, j]
+    np.testing.assert_array_equal(ours["in0"][0, 0], expected)
+
+
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [0, 0, 1, 1]},
+        {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1},
+        {"kernel_shape": [2, 2], "strides": [3, 3]},
+        {"kernel_shape": [2, 2], "strides": [2, 2], "storage_order": 1},
+        {"kernel_shape": [2, 2], "strides": [2, 2], "dilations": [1, 2]},
+    ],
+)
+def test_max_pool_other_windows_keep_the_indices(attrs: dict) -> None:
+    """Windows that do not tile X (padding, ceil mode, gaps, column-major Indices, dilation) keep
+    the forward's Indices output."""
+    x = _tied((1, 2, 7, 9))
+    model = node_model("MaxPool", [x], attrs=attrs)
+    forward = build_gradient(model, inputs_requiring_grad=["in0"]).forward
+    assert [len(n.output) for n in forward.graph.node if n.op_type == "MaxPool"] == [2]
+    assert "ArgMax" not in {n.op_type for n in forward.graph.node}
+
+
 def test_max_pool_versus_torch() -> None:
     versus_torch(
         "MaxPool",

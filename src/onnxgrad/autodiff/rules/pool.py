@@ -115,17 +115,20 @@ class _Tiles:
 
 
 def _window_argmax(g: GradBuilder, x: Var, t: _Tiles) -> Var:
-    """In the forward: the position of each window's first maximum, row-major within the window
-    (ArgMax keeps the first of equal values, as MaxPool's Indices do), int64 (N, C, Ho, Wo)."""
+    """In the forward: the position of each window's first maximum, row-major within the window,
+    int64 (N, C, Ho, Wo). ArgMax keeps the first of equal values, as MaxPool's Indices do; it reads
+    X viewed as (N, C, Ho, Wo, kh kw), one Transpose away."""
     (h, w), (kh, kw), (ho, wo) = t.sizes, t.kernel, t.rows
     f32 = TensorProto.FLOAT
+    tiled = x
     if (ho * kh, wo * kw) != (h, w):
-        x = g.fwd_op("Slice", x, g.fwd_const([0, 0]), g.fwd_const([ho * kh, wo * kw]), g.fwd_const([2, 3]),
-                     dtype=f32)  # fmt: skip
-    x6 = g.fwd_op("Reshape", x, g.fwd_const([0, 0, ho, kh, wo, kw]), dtype=f32)
+        ends = g.fwd_const([ho * kh, wo * kw])
+        tiled = g.fwd_op("Slice", x, g.fwd_const([0, 0]), ends, g.fwd_const([2, 3]), dtype=f32)
+    x6 = g.fwd_op("Reshape", tiled, g.fwd_const([0, 0, ho, kh, wo, kw]), dtype=f32)
     xt = g.fwd_op("Transpose", x6, dtype=f32, perm=[0, 1, 2, 4, 3, 5])
     x5 = g.fwd_op("Reshape", xt, g.fwd_const([0, 0, ho, wo, kh * kw]), dtype=f32)
-    return g.fwd_op("ArgMax", x5, dtype=INT64, shape=(*x.shape[:2], ho, wo), axis=4, keepdims=0)
+    shape = None if x.shape is None else (*x.shape[:2], ho, wo)
+    return g.fwd_op("ArgMax", x5, dtype=INT64, shape=shape, axis=4, keepdims=0)
 
 
 def _tiled_grad(g: GradBuilder, x: Var, dy: Var, arg: Var, t: _Tiles) -> Var:
@@ -135,7 +138,7 @@ def _tiled_grad(g: GradBuilder, x: Var, dy: Var, arg: Var, t: _Tiles) -> Var:
     if kh == 1:
         offset = arg
     elif kh == 2:
-        offset = arg + where(g.GreaterOrEqual(arg, g.const(np.int64(kw))), g.const(np.int64(w - kw)), 0)
+        offset = arg + g.Cast(g.GreaterOrEqual(arg, g.const(np.int64(kw))), to=INT64) * g.const(np.int64(w - kw))
     else:
         offset = arg + g.Div(arg, g.const(np.int64(kw))) * g.const(np.int64(w - kw))
     corners = (np.arange(ho)[:, None] * kh * w + np.arange(wo)[None, :] * kw).astype(np.int64)
