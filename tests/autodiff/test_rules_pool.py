@@ -169,6 +169,17 @@ def _tiled_pool(x: np.ndarray, kernel: list[int], symbolic_batch: bool) -> Any:
     return symbolic(model, {0: [0, 1]}) if symbolic_batch else model
 
 
+def _at_indices(x: np.ndarray, kernel: list[int], dy: np.ndarray) -> np.ndarray:
+    """dY scattered where onnxruntime's MaxPool (windows ``kernel``, stride ``kernel``) puts its
+    Indices: the gradient the Indices route."""
+    attrs = {"kernel_shape": kernel, "strides": kernel}
+    model = node_model("MaxPool", [x], attrs=attrs, n_outputs=2, output_dtypes=[x.dtype, np.int64])
+    indices = testing.run_model(model)({"in0": x})["out1"]
+    out = np.zeros(x.size, dy.dtype)
+    out[indices.ravel()] = dy.ravel()
+    return out.reshape(x.shape)
+
+
 @pytest.mark.parametrize("symbolic_batch", [False, True], ids=["static", "symbolic N C"])
 @pytest.mark.parametrize(("xs", "kernel"), TILED_CASES, ids=[f"{xs}-{k}" for xs, k in TILED_CASES])
 def test_tiled_max_pool_routes_ties_like_torch_and_onnxruntime(
@@ -190,12 +201,7 @@ def test_tiled_max_pool_routes_ties_like_torch_and_onnxruntime(
     ty.backward(torch.tensor(cot.astype(np.float64)))
     np.testing.assert_array_equal(y, ty.detach().numpy())
     np.testing.assert_array_equal(ours["in0"], t.grad.numpy())
-    # onnxruntime's own choice: dY scattered at its MaxPool's Indices
-    indices = testing.run_model(node_model("MaxPool", [x], attrs={"kernel_shape": kernel, "strides": kernel},
-                                           n_outputs=2, output_dtypes=[np.float32, np.int64]))({"in0": x})["out1"]
-    expected = np.zeros(x.size, np.float32)
-    expected[indices.ravel()] = cot.ravel()
-    np.testing.assert_array_equal(ours["in0"], expected.reshape(x.shape))
+    np.testing.assert_array_equal(ours["in0"], _at_indices(x, kernel, cot))  # onnxruntime's choice
     assert np.count_nonzero(ours["in0"]) == np.count_nonzero(cot)  # one element per window
 
 
@@ -209,6 +215,15 @@ def test_tiled_max_pool_windows_of_the_example_ties() -> None:
     for j, p in enumerate(first):
         expected[p // 2, 2 * j + p % 2] = cot[0, 0, 0, j]
     np.testing.assert_array_equal(ours["in0"][0, 0], expected)
+
+
+def test_tiled_max_pool_nan_goes_where_the_indices_point() -> None:
+    """A NaN in a window: the gradient lands where onnxruntime's Indices point (the first element
+    when it is the NaN, else the first maximum after it: both scans start from the first element
+    and move on a strictly greater one)."""
+    x = np.array([[[[np.nan, 1, 0, 2, 1, 4], [0, 0, 1, np.nan, np.nan, 0]]]], np.float32)
+    _, cot, ours = grads(_tiled_pool(x, [2, 2], symbolic_batch=False), {"in0": x}, ["in0"])
+    np.testing.assert_array_equal(ours["in0"], _at_indices(x, [2, 2], cot))
 
 
 @pytest.mark.parametrize(
