@@ -205,13 +205,18 @@ def test_tiled_max_pool_routes_ties_like_torch_and_onnxruntime(
     assert np.count_nonzero(ours["in0"]) == np.count_nonzero(cot)  # one element per window
 
 
-def test_tiled_max_pool_windows_of_the_example_ties() -> None:
-    """The chosen tie patterns of :func:`_tied` by hand: first maximum of each window gets dY."""
-    x = _tied((1, 1, 2, 10))
-    model = _tiled_pool(x, [2, 2], symbolic_batch=False)
+@pytest.mark.parametrize("opset", [10, 18])  # 10: the first whose Slice takes starts and ends as inputs
+def test_tiled_max_pool_windows_of_the_example_ties(opset: int) -> None:
+    """The chosen tie patterns of :func:`_tied` by hand: first maximum of each window gets dY; the
+    last row and column, in no window, get nothing."""
+    x = _tied((1, 1, 3, 11))
+    model = node_model("MaxPool", [x], attrs={"kernel_shape": [2, 2], "strides": [2, 2]}, opset=opset)
+    assert "ArgMax" in {
+        n.op_type for n in build_gradient(model, inputs_requiring_grad=["in0"]).forward.graph.node
+    }
     _, cot, ours = grads(model, {"in0": x}, ["in0"])
     first = [0, 1, 2, 0, 1]  # row-major position of the first maximum of each pattern
-    expected = np.zeros((2, 10), np.float32)
+    expected = np.zeros((3, 11), np.float32)
     for j, p in enumerate(first):
         expected[p // 2, 2 * j + p % 2] = cot[0, 0, 0, j]
     np.testing.assert_array_equal(ours["in0"][0, 0], expected)

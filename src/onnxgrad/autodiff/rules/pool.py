@@ -93,7 +93,7 @@ def _tiling(n: NodeContext, x: Var, nsp: int) -> _Tiles | None:
     """The geometry of a 2-D float32 MaxPool whose windows tile X, when the model leaves its
     Indices unused: kernel equal to strides, no padding, dilation 1, floor mode, row-major,
     static spatial sizes. None for any other MaxPool."""
-    if nsp != 2 or x.dtype != TensorProto.FLOAT or n.opset < 11:
+    if nsp != 2 or x.dtype != TensorProto.FLOAT or n.opset < 10:  # Slice with inputs: opset 10
         return None
     if len(n.node.output) > 1 and n.node.output[1]:
         return None
