@@ -14,9 +14,11 @@ median and fastest call of each and their ratios to the first variant (what onnx
   shared by the forward and backward sessions, on the anchors' numpy forward + backward;
 * ``nchwc``: whether onnxruntime's optimizer writes the blocked-layout (``com.microsoft.nchwc``)
   Conv when the weight is an input rather than an initializer, and what the initializer form
-  (pre-packed, blocked) would save on the cnn/vgg forward Convs.
+  (pre-packed, blocked) would save on the cnn/vgg forward Convs;
+* ``maxpool``: MaxPool's gradient from a forward window ArgMax against the Indices output, on the
+  cnn and vgg one-graph steps and numpy forward + backward.
 
-    python bench/routes.py [--sections rules adamw denormal threads nchwc] [--rounds 3]
+    python bench/routes.py [--sections rules adamw denormal threads nchwc maxpool] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -756,6 +758,35 @@ def blocked() -> dict:
     return out
 
 
+# ---- maxpool: each window's argmax from a forward ArgMax instead of MaxPool's Indices ----------------
+def maxpool() -> dict:
+    """The one-graph step and the numpy forward + backward of cnn and vgg with MaxPool's gradient
+    routed from a forward window ArgMax (``rules/pool.py``, windows that tile X) and from the
+    forward's Indices output (the rule's tiling test answering None while the graphs are built)."""
+    from onnxgrad.autodiff.rules import pool
+
+    real = pool._tiling
+    out = {}
+    keep: list = []
+    for name, calls in (("cnn", 40), ("vgg", 15)):
+        steps, fbs = {}, {}
+        for label, on in (
+            ("Indices (before)", False),
+            ("window ArgMax (after)", True),
+            ("A/A control: before again", False),
+        ):
+            pool._tiling = real if on else (lambda n, x, nsp: None)
+            try:
+                steps[label] = _onegraph_step(name, _opts(), keep)
+                fbs[label] = _numpy_step(name, _opts())
+                fbs[label]()  # builds the gradient graphs under the same setting
+            finally:
+                pool._tiling = real
+        out[f"{name} one-graph step {THREADS}t"] = timed(steps, calls=calls, block=3)
+        out[f"{name} forward+backward {THREADS}t"] = timed(fbs, calls=calls, block=3)
+    return out
+
+
 SECTIONS = {
     "rules": rules,
     "adamw": adamw,
@@ -764,6 +795,7 @@ SECTIONS = {
     "globalpool": global_pool,
     "nchwc": nchwc,
     "blocked": blocked,
+    "maxpool": maxpool,
 }
 
 

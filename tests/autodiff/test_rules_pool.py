@@ -143,6 +143,114 @@ def test_max_pool_dilated_windows_sharing_their_maximum_versus_torch(dtype: type
     versus_torch("MaxPool", [x], attrs, lambda t: F.max_pool2d(t, 2, stride=2, dilation=2))
 
 
+# ---- float32 MaxPool whose windows tile X: argmax from the forward, the pool without Indices -------
+TILED_CASES = [
+    ((3, 2, 6, 8), [2, 2]),
+    ((2, 2, 7, 5), [2, 2]),  # floor mode: the last row and column belong to no window
+    ((2, 2, 6, 7), [3, 3]),
+    ((2, 2, 4, 9), [1, 3]),
+    ((2, 2, 9, 4), [3, 2]),
+]
+
+
+def _tied(shape: tuple[int, ...]) -> np.ndarray:
+    """Small integers (ties in most windows), with the 2 x 2 windows of channel 0, image 0 tied on
+    chosen positions (row-major 0..3): all four, 1 and 3, 2 and 3, 0 and 3, 1 and 2."""
+    x = rng().integers(-2, 3, shape).astype(np.float32)
+    patterns = [[5, 5, 5, 5], [1, 5, 0, 5], [1, 0, 5, 5], [5, 1, 0, 5], [0, 5, 5, 1]]
+    for j, p in enumerate(patterns[: shape[3] // 2]):
+        x[0, 0, :2, 2 * j : 2 * j + 2] = np.reshape(p, (2, 2))
+    return x
+
+
+def _tiled_pool(x: np.ndarray, kernel: list[int], symbolic_batch: bool) -> Any:
+    attrs = {"kernel_shape": kernel, "strides": kernel}
+    model = node_model("MaxPool", [x], attrs=attrs)
+    return symbolic(model, {0: [0, 1]}) if symbolic_batch else model
+
+
+def _at_indices(x: np.ndarray, kernel: list[int], dy: np.ndarray) -> np.ndarray:
+    """dY scattered where onnxruntime's MaxPool (windows ``kernel``, stride ``kernel``) puts its
+    Indices: the gradient the Indices route."""
+    attrs = {"kernel_shape": kernel, "strides": kernel}
+    model = node_model("MaxPool", [x], attrs=attrs, n_outputs=2, output_dtypes=[x.dtype, np.int64])
+    indices = testing.run_model(model)({"in0": x})["out1"]
+    out = np.zeros(x.size, dy.dtype)
+    out[indices.ravel()] = dy.ravel()
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("symbolic_batch", [False, True], ids=["static", "symbolic N C"])
+@pytest.mark.parametrize(("xs", "kernel"), TILED_CASES, ids=[f"{xs}-{k}" for xs, k in TILED_CASES])
+def test_tiled_max_pool_routes_ties_like_torch_and_onnxruntime(
+    xs: tuple, kernel: list[int], symbolic_batch: bool
+) -> None:
+    """Each window's dY goes to its first maximum in row-major order, all of it, ties or not: what
+    torch's max_pool2d and onnxruntime's MaxPool Indices pick. The values are copies of dY, so the
+    gradient must equal theirs exactly."""
+    x = _tied(xs)
+    model = _tiled_pool(x, kernel, symbolic_batch)
+    graphs = build_gradient(model, inputs_requiring_grad=["in0"])
+    pools = [node for node in graphs.forward.graph.node if node.op_type == "MaxPool"]
+    assert [len(node.output) for node in pools] == [1]  # no Indices: the fast kernel
+    assert "ArgMax" in {node.op_type for node in graphs.forward.graph.node}
+    assert "MaxUnpool" in {node.op_type for node in graphs.backward.graph.node}
+    y, cot, ours = grads(model, {"in0": x}, ["in0"])
+    t = torch.tensor(x.astype(np.float64), requires_grad=True)
+    ty = F.max_pool2d(t, kernel)
+    ty.backward(torch.tensor(cot.astype(np.float64)))
+    np.testing.assert_array_equal(y, ty.detach().numpy())
+    np.testing.assert_array_equal(ours["in0"], t.grad.numpy())
+    np.testing.assert_array_equal(ours["in0"], _at_indices(x, kernel, cot))  # onnxruntime's choice
+    assert np.count_nonzero(ours["in0"]) == np.count_nonzero(cot)  # one element per window
+
+
+@pytest.mark.parametrize("opset", [10, 18])  # 10: the first whose Slice takes starts and ends as inputs
+def test_tiled_max_pool_windows_of_the_example_ties(opset: int) -> None:
+    """The chosen tie patterns of :func:`_tied` by hand: first maximum of each window gets dY; the
+    last row and column, in no window, get nothing."""
+    x = _tied((1, 1, 3, 11))
+    model = node_model("MaxPool", [x], attrs={"kernel_shape": [2, 2], "strides": [2, 2]}, opset=opset)
+    assert "ArgMax" in {
+        n.op_type for n in build_gradient(model, inputs_requiring_grad=["in0"]).forward.graph.node
+    }
+    _, cot, ours = grads(model, {"in0": x}, ["in0"])
+    first = [0, 1, 2, 0, 1]  # row-major position of the first maximum of each pattern
+    expected = np.zeros((3, 11), np.float32)
+    for j, p in enumerate(first):
+        expected[p // 2, 2 * j + p % 2] = cot[0, 0, 0, j]
+    np.testing.assert_array_equal(ours["in0"][0, 0], expected)
+
+
+def test_tiled_max_pool_nan_goes_where_the_indices_point() -> None:
+    """A NaN in a window: the gradient lands where onnxruntime's Indices point (the first element
+    when it is the NaN, else the first maximum after it: both scans start from the first element
+    and move on a strictly greater one)."""
+    x = np.array([[[[np.nan, 1, 0, 2, 1, 4], [0, 0, 1, np.nan, np.nan, 0]]]], np.float32)
+    _, cot, ours = grads(_tiled_pool(x, [2, 2], symbolic_batch=False), {"in0": x}, ["in0"])
+    np.testing.assert_array_equal(ours["in0"], _at_indices(x, [2, 2], cot))
+
+
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [0, 0, 1, 1]},
+        {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1},
+        {"kernel_shape": [2, 2], "strides": [3, 3]},
+        {"kernel_shape": [2, 2], "strides": [2, 2], "storage_order": 1},
+        {"kernel_shape": [2, 2], "strides": [2, 2], "dilations": [1, 2]},
+    ],
+)
+def test_max_pool_other_windows_keep_the_indices(attrs: dict) -> None:
+    """Windows that do not tile X (padding, ceil mode, gaps, column-major Indices, dilation) keep
+    the forward's Indices output."""
+    x = _tied((1, 2, 7, 9))
+    model = node_model("MaxPool", [x], attrs=attrs)
+    forward = build_gradient(model, inputs_requiring_grad=["in0"]).forward
+    assert [len(n.output) for n in forward.graph.node if n.op_type == "MaxPool"] == [2]
+    assert "ArgMax" not in {n.op_type for n in forward.graph.node}
+
+
 def test_max_pool_versus_torch() -> None:
     versus_torch(
         "MaxPool",

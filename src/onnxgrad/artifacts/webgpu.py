@@ -8,8 +8,9 @@ compute right and keep on the GPU (found by running the digits MLP and CNN in he
 * ``MatMul(ones[M], rows)``, a bias gradient (``GradBuilder.sum_leading``: 1.7-5x faster than
   ReduceSum on the CPU), becomes ``ReduceSum(rows, axes=[0])``: WebGPU's MatMul refuses a 1-D
   operand ("Can't use matmul on the given tensors"); any other 1-D operand is unsqueezed to 2-D.
-* MaxPool's gradient routes dY with the ``Indices`` output and a ``MaxUnpool``; WebGPU's MaxPool
-  computes no ``Indices`` and has no MaxUnpool. For windows that tile the input (strides equal to the
+* MaxPool's gradient routes dY with a ``MaxUnpool``, at the ``Indices`` output or, for windows that
+  tile X, at an ArgMax of each window computed in the forward; WebGPU's MaxPool computes no
+  ``Indices`` and has no MaxUnpool. For windows that tile the input (strides equal to the
   kernel, no padding, dilation 1) the window's argmax is recomputed from X and Y: each window's
   elements equal to Y, the first of them in row-major order (onnxruntime's choice on ties, its
   ``>`` comparison keeps the first maximum) receives dY. Other MaxPools are refused.
@@ -85,6 +86,8 @@ def lower_for_webgpu(model: onnx.ModelProto) -> None:
             nodes.append(kept)
         elif n.op_type == "MaxUnpool" and n.input[1] in pools:
             emit(lambda n=n: _pool_grad(e, pools[n.input[1]], n, infos))
+        elif n.op_type == "MaxUnpool" and _argmax_pool(n, producers, readers) is not None:
+            emit(lambda n=n: _pool_grad(e, _argmax_pool(n, producers, readers), n, infos))
         elif n.op_type == "LogSoftmax":
             emit(lambda n=n: _log_softmax(e, n, rank(n.input[0])))
         elif n.op_type == "Conv" and _flat_depth_kernel(n, producers, g) is not None:
@@ -267,6 +270,31 @@ def _pool_refusal(n: onnx.NodeProto, why: str) -> str:
         f"and {why}; its gradient without Indices needs windows that tile the input (strides equal "
         "to kernel_shape, no padding, dilations 1, storage_order 0, known spatial sizes)"
     )
+
+
+def _argmax_pool(unpool: onnx.NodeProto, producers: dict, readers: dict) -> onnx.NodeProto | None:
+    """The MaxPool whose windows' argmax places ``unpool``'s indices, when they come from one.
+
+    For windows that tile X, the MaxPool rule (``rules/pool.py``) leaves the forward MaxPool without
+    Indices and computes each window's first maximum with an ArgMax over X viewed window by window
+    (Slice, Reshape, Transpose); the indices are that argmax plus int64 offsets (Add, Mul, Cast,
+    GreaterOrEqual, Div). Trace back through those to the ArgMax, then to X and the MaxPool reading
+    it. None for any other MaxUnpool.
+    """
+    todo, arg = [unpool.input[1]], None
+    while todo and arg is None:
+        node = producers.get(todo.pop())
+        if node is not None and node.op_type == "ArgMax":
+            arg = node
+        elif node is not None and node.op_type in ("Add", "Mul", "Cast", "GreaterOrEqual", "Div"):
+            todo.extend(i for i in node.input if i)
+    if arg is None:
+        return None
+    x = arg.input[0]
+    while (node := producers.get(x)) is not None and node.op_type in ("Reshape", "Transpose", "Slice"):
+        x = node.input[0]
+    pools = [r for r in readers.get(x, []) if r.op_type == "MaxPool" and len([o for o in r.output if o]) == 1]
+    return pools[0] if len(pools) == 1 else None
 
 
 def _pool_grad(e: Emitter, pool: onnx.NodeProto, unpool: onnx.NodeProto, infos) -> None:

@@ -2,7 +2,8 @@
 MaxRoiPool and RoiAlign, and MaxUnpool.
 
 Pooling reuses what the forward knows: MaxPool's own ``Indices`` output routes dY back with one
-MaxUnpool (windows that do not overlap) or scatter-add. AveragePool and LpPool spread a per-window
+MaxUnpool (windows that do not overlap) or scatter-add; windows that tile X get their argmax from a
+forward ArgMax instead, which costs less than the Indices. AveragePool and LpPool spread a per-window
 factor back over their windows with a ``ConvTranspose`` of ones (:func:`spread_windows`). The
 region ops sample X at positions known only at run time; their backward recomputes those positions
 and bilinear weights from the saved inputs and routes dY with dense selection matrices (RoiAlign) or
@@ -46,6 +47,11 @@ def max_pool(g: GradBuilder, n: NodeContext) -> Grads:
     The forward node's ``Indices`` output (added to it when the model does not use it) holds those
     positions, flattened over the whole NCHW tensor by onnxruntime and onnx.reference alike, with
     padding not counted; ``storage_order=1`` numbers each plane column-major instead.
+
+    Windows that tile a 2-D float32 X (kernel = strides, no padding, dilation 1, floor mode) skip
+    the Indices: onnxruntime's MaxPool computes them 7-10x slower than Y alone. The forward instead
+    runs an ArgMax over X viewed window by window (:func:`_window_argmax`): it picks the same element
+    as the Indices, the first maximum in row-major order, ties included (docs/performance.md).
     """
     if not n.needs[0]:
         return [None]
@@ -55,6 +61,9 @@ def max_pool(g: GradBuilder, n: NodeContext) -> Grads:
         )
     x, dy = n.x, n.dy
     nsp = spatial_rank(n, x, n.y)
+    tiles = _tiling(n, x, nsp)
+    if tiles is not None:
+        return [_tiled_grad(g, x, dy, _window_argmax(g, x, tiles), tiles)]
     # With ceil_mode, ONNX shape inference and onnxruntime can disagree on the output size.
     shape = n.y.shape
     if shape is not None and n.attr("ceil_mode", 0):
@@ -78,6 +87,75 @@ def max_pool(g: GradBuilder, n: NodeContext) -> Grads:
         zeros(g, size, x.dtype), g.Reshape(idx, [-1]), g.Reshape(dy, [-1]), axis=0, reduction="add"
     )
     return [g.Reshape(flat, g.shape_of(x), shape=x.shape)]
+
+
+def _tiling(n: NodeContext, x: Var, nsp: int) -> _Tiles | None:
+    """The geometry of a 2-D float32 MaxPool whose windows tile X, when the model leaves its
+    Indices unused: kernel equal to strides, no padding, dilation 1, floor mode, row-major,
+    static spatial sizes. None for any other MaxPool."""
+    if nsp != 2 or x.dtype != TensorProto.FLOAT or n.opset < 10:  # Slice with inputs: opset 10
+        return None
+    if len(n.node.output) > 1 and n.node.output[1]:
+        return None
+    sizes = static_dims(spatial_dims(x, nsp))
+    kernel = [int(k) for k in n.attr("kernel_shape")]
+    if sizes is None or [int(s) for s in (n.attr("strides") or [1] * nsp)] != kernel:
+        return None
+    if any(int(d) != 1 for d in (n.attr("dilations") or [1] * nsp)) or any(n.attr("pads") or [0]):
+        return None
+    if (n.attr("auto_pad", "NOTSET") or "NOTSET") not in ("NOTSET", "VALID"):
+        return None
+    if n.attr("ceil_mode", 0) or n.attr("storage_order", 0):
+        return None
+    if any(s < k for s, k in zip(sizes, kernel)):
+        return None
+    return _Tiles((sizes[0], sizes[1]), (kernel[0], kernel[1]))
+
+
+class _Tiles:
+    """kh x kw windows tiling an H x W plane (the last rows and columns no window reaches left out)."""
+
+    def __init__(self, sizes: tuple[int, int], kernel: tuple[int, int]) -> None:
+        self.sizes, self.kernel = sizes, kernel
+        self.rows = (sizes[0] // kernel[0], sizes[1] // kernel[1])
+
+
+def _window_argmax(g: GradBuilder, x: Var, t: _Tiles) -> Var:
+    """In the forward: the position of each window's first maximum, row-major within the window,
+    int64 (N, C, Ho, Wo). ArgMax keeps the first of equal values, as MaxPool's Indices do; it reads
+    X viewed as (N, C, Ho, Wo, kh kw), one Transpose away."""
+    (h, w), (kh, kw), (ho, wo) = t.sizes, t.kernel, t.rows
+    f32 = TensorProto.FLOAT
+    tiled = x
+    if (ho * kh, wo * kw) != (h, w):
+        ends = g.fwd_const([ho * kh, wo * kw])
+        tiled = g.fwd_op("Slice", x, g.fwd_const([0, 0]), ends, g.fwd_const([2, 3]), dtype=f32)
+    x6 = g.fwd_op("Reshape", tiled, g.fwd_const([0, 0, ho, kh, wo, kw]), dtype=f32)
+    xt = g.fwd_op("Transpose", x6, dtype=f32, perm=[0, 1, 2, 4, 3, 5])
+    x5 = g.fwd_op("Reshape", xt, g.fwd_const([0, 0, ho, wo, kh * kw]), dtype=f32)
+    shape = None if x.shape is None else (*x.shape[:2], ho, wo)
+    return g.fwd_op("ArgMax", x5, dtype=INT64, shape=shape, axis=4, keepdims=0)
+
+
+def _tiled_grad(g: GradBuilder, x: Var, dy: Var, arg: Var, t: _Tiles) -> Var:
+    """dX: dY written by one MaxUnpool at each window's argmax (``arg``, :func:`_window_argmax`),
+    made a position in the whole X: plane start + window corner + (arg // kw) W + arg % kw."""
+    (h, w), (kh, kw), (ho, wo) = t.sizes, t.kernel, t.rows
+    if kh == 1:
+        offset = arg
+    elif kh == 2:  # a compare and a Cast cost less than an int64 Div (measured)
+        second_row = g.Cast(g.GreaterOrEqual(arg, g.const(np.int64(kw))), to=INT64)
+        offset = arg + second_row * g.const(np.int64(w - kw))
+    else:
+        offset = arg + g.Div(arg, g.const(np.int64(kw))) * g.const(np.int64(w - kw))
+    corners = np.arange(ho)[:, None] * (kh * w) + np.arange(wo)[None, :] * kw
+    planes = g.ReduceProd(g.Slice(g.shape_of(dy), [0], [2]), keepdims=0, dtype=INT64, shape=())
+    step = g.const(np.int64(h * w))
+    starts = g.Range(g.const(np.int64(0)), planes * step, step)
+    starts = g.Reshape(starts, g.shape_vector([g.dim(dy, 0), g.dim(dy, 1), 1, 1]))
+    ones = [1, 1]
+    idx = offset + (starts + g.const(corners.astype(np.int64)))
+    return g.MaxUnpool(dy, idx, g.shape_of(x), kernel_shape=ones, strides=ones, shape=x.shape)
 
 
 def _disjoint_windows(n: NodeContext, x: Var, nsp: int) -> bool:
