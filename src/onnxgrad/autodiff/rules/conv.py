@@ -145,9 +145,11 @@ def _unfolded_weight_grad(
         patches = g.Conv(source, g.const(onehot), group=c, kernel_shape=list(kernel), **attrs)
     p3 = g.Reshape(patches, [0, c * k, length], shape=(x.shape[0], c * k, length))
     d3 = g.Reshape(dy, [0, -1, length], shape=(dy_shape[0], m, length))
-    per_sample = g.MatMul(d3, g.Transpose(p3, perm=[0, 2, 1]), shape=(dy_shape[0], m, c * k))
-    summed = g.sum_leading(per_sample, 1, (m, c * k), (dy_shape[0],))
-    return g.Reshape(summed, g.shape_of(w), shape=w.shape)
+    # P[n] dY[n]^T (C K, M): the product's second operand, which MLAS repacks at every call, is
+    # the smaller dY rather than the K-fold patches
+    per_sample = g.MatMul(p3, g.Transpose(d3, perm=[0, 2, 1]), shape=(x.shape[0], c * k, m))
+    summed = g.sum_leading(per_sample, 1, (c * k, m), (dy_shape[0],))
+    return g.Reshape(g.Transpose(summed, perm=[1, 0]), g.shape_of(w), shape=w.shape)
 
 
 def _conv_input_grad(
