@@ -5,10 +5,12 @@ onnxruntime has no weight-gradient kernel, so the gradient rule (``autodiff/rule
 it with ordinary ops; this script times each way of doing so on the layers of the benchmark models
 (the VGG-style model of ``compare_torch.py`` and the anchor CNN), interleaved in one process:
 
-* ``im2col``: X unfolded by a one-hot grouped Conv into patches (N, C K, L), one batched MatMul with
-  dY (N, M, L), the sum over N as a product by ones(N) (what the rule writes for kernels of at most 9
+* ``im2col``: X unfolded by a one-hot grouped Conv into patches (N, C K, L), one batched MatMul
+  P[n] dY[n]^T, the sum over N as a product by ones(N) (what the rule writes for kernels of at most 9
   positions, or 25 on one channel);
-* ``im2col, ReduceSum``: the same with a ``ReduceSum`` over N (the rule before 2026-11-27);
+* ``im2col, dY first``: the product as dY[n] P[n]^T, which makes onnxruntime repack the K-fold
+  patches rather than dY at every call; ``ReduceSum``: the sum over N as one ``ReduceSum`` (both
+  the rule before 2026-11-27);
 * ``Conv of X by dY``: one Conv with batch and channels swapped, dY as the kernel (the rule's form
   for other kernels);
 * ``slices, one Gemm``: X transposed and padded, K slices stacked, one Gemm with N folded into the
@@ -16,7 +18,7 @@ it with ordinary ops; this script times each way of doing so on the layers of th
 
 Usage::
 
-    python bench/conv_weight_grad.py [--rounds 40] [--threads 2]
+    python bench/conv_weight_grad.py [--rounds 20] [--threads 2]
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import itertools
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -35,7 +36,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.compare_torch import machine
+from bench.compare_torch import BLOCK, SKIP, interleave, machine
 
 # name: batch N, input channels C, output channels M, height H, width W, kernel k, pad
 LAYERS = {
@@ -81,16 +82,26 @@ def _onehot(c: int, k: int) -> np.ndarray:
     return out
 
 
-def im2col(layer: Layer, threads: int, reduce_sum: bool = False) -> ort.InferenceSession:
+def im2col(
+    layer: Layer, threads: int, reduce_sum: bool = False, patches_first: bool = True
+) -> ort.InferenceSession:
     n, c, m, h, w, k, pad = layer
     kk, length = k * k, (h + 2 * pad - k + 1) * (w + 2 * pad - k + 1)
     nodes = [
         helper.make_node("Conv", ["x", "onehot"], ["p"], group=c, kernel_shape=[k, k], pads=[pad] * 4),
         helper.make_node("Reshape", ["p", "p3_shape"], ["p3"]),
         helper.make_node("Reshape", ["dy", "d3_shape"], ["d3"]),
-        helper.make_node("Transpose", ["p3"], ["p3t"], perm=[0, 2, 1]),
-        helper.make_node("MatMul", ["d3", "p3t"], ["per_sample"]),
     ]
+    if patches_first:  # P[n] dY[n]^T: (N, C K, M), the smaller dY repacked by the product
+        nodes += [
+            helper.make_node("Transpose", ["d3"], ["d3t"], perm=[0, 2, 1]),
+            helper.make_node("MatMul", ["p3", "d3t"], ["per_sample"]),
+        ]
+    else:  # dY[n] P[n]^T: (N, M, C K)
+        nodes += [
+            helper.make_node("Transpose", ["p3"], ["p3t"], perm=[0, 2, 1]),
+            helper.make_node("MatMul", ["d3", "p3t"], ["per_sample"]),
+        ]
     if reduce_sum:
         nodes.append(helper.make_node("ReduceSum", ["per_sample", "axis0"], ["summed"], keepdims=0))
     else:
@@ -98,7 +109,14 @@ def im2col(layer: Layer, threads: int, reduce_sum: bool = False) -> ort.Inferenc
             helper.make_node("Reshape", ["per_sample", "rows"], ["flat"]),
             helper.make_node("MatMul", ["ones", "flat"], ["summed"]),
         ]
-    nodes.append(helper.make_node("Reshape", ["summed", "w_shape"], ["dw"]))
+    if patches_first:
+        nodes += [
+            helper.make_node("Reshape", ["summed", "ck_m"], ["summed2"]),
+            helper.make_node("Transpose", ["summed2"], ["summed3"], perm=[1, 0]),
+            helper.make_node("Reshape", ["summed3", "w_shape"], ["dw"]),
+        ]
+    else:
+        nodes.append(helper.make_node("Reshape", ["summed", "w_shape"], ["dw"]))
     inits = [
         numpy_helper.from_array(_onehot(c, k), "onehot"),
         _ints("p3_shape", [0, c * kk, length]),
@@ -106,6 +124,7 @@ def im2col(layer: Layer, threads: int, reduce_sum: bool = False) -> ort.Inferenc
         _ints("axis0", [0]),
         _ints("rows", [n, -1]),
         numpy_helper.from_array(np.ones(n, np.float32), "ones"),
+        _ints("ck_m", [c * kk, m]),
         _ints("w_shape", [m, c, k, k]),
     ]
     return _session(nodes, inits, layer, threads)
@@ -152,7 +171,10 @@ def slices_one_gemm(layer: Layer, threads: int) -> ort.InferenceSession:
 
 FORMS: dict[str, Callable[[Layer, int], ort.InferenceSession]] = {
     "im2col (the rule)": im2col,
-    "im2col, ReduceSum": lambda layer, threads: im2col(layer, threads, reduce_sum=True),
+    "im2col, dY first": lambda layer, threads: im2col(layer, threads, patches_first=False),
+    "im2col, dY first, ReduceSum": lambda layer, threads: im2col(
+        layer, threads, reduce_sum=True, patches_first=False
+    ),
     "Conv of X by dY": conv_of_x_by_dy,
     "slices, one Gemm": slices_one_gemm,
 }
@@ -176,28 +198,19 @@ def measure(name: str, layer: Layer, rounds: int, threads: int) -> None:
         got = sess.run(None, {"x": x, "dy": dy})[0]
         errors[form] = float(np.abs(got - want).max() / np.abs(want).max())
         fns[form] = lambda sess=sess: sess.run(None, {"x": x, "dy": dy})
-    times: dict[str, list[float]] = {f: [] for f in fns}
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    for _ in range(rounds):
-        for f, fn in fns.items():
-            for i in range(3):  # the first call of a block is not counted
-                t0 = time.perf_counter()
-                fn()
-                if i:
-                    times[f].append((time.perf_counter() - t0) * 1e3)
+    # blocks of 8 calls in turn, the first 3 of each not counted (compare_torch.time_steps says why)
+    times = interleave(fns, rounds * (BLOCK - SKIP), block=BLOCK, skip=SKIP)
     ref = statistics.median(times["torch conv2d_weight"])
     print(f"\n{name} (batch {n})")
     for f, v in times.items():
         med = statistics.median(v)
         err = f"  error {errors[f]:.1e}" if f in errors else ""
-        print(f"  {f:22s} median {med:7.3f} ms  min {min(v):7.3f} ms  {med / ref:5.2f}x torch{err}")
+        print(f"  {f:28s} median {med:7.3f} ms  min {min(v):7.3f} ms  {med / ref:5.2f}x torch{err}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
