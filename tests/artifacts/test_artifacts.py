@@ -345,8 +345,8 @@ def test_opset_and_ir_version(opset, step_opset, ir, tmp_path):
             r"'target' has 3 \(shape \(3,\)\)",
         ),
         (
-            {"pixels": np.zeros((4, 8), np.float32), "target": np.zeros(4, np.float64)},
-            r"batch input 'target' has dtype float64, the step expects int64 \(shape \(N,\)\)",
+            {"pixels": np.zeros((4, 8), np.float32), "target": np.full(4, 0.5)},
+            r"batch input 'target' expects integers \(int64\), the data has non-integers such as 0.5",
         ),
     ],
 )

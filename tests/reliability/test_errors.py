@@ -249,10 +249,10 @@ WRONG_INPUTS = {
         r"has rank 1 \(shape \(4,\)\), the model expects rank 2",
         r"input 0 \('x'\) has shape \(4,\), expected",
     ),
-    "dtype": (
-        np.zeros((2, 4), np.float32),
-        r"has dtype float32, the model expects float64",
-        r"input 0 \('x'\) has type tensor\(float\), expected tensor\(double\)",
+    "dtype": (  # floats of another width are cast (the input contract); complex numbers are not
+        np.zeros((2, 4), np.complex64),
+        r"has dtype complex64, the model expects float64",
+        r"input 0 \('x'\) has type tensor\(complex64\), expected tensor\(double\)",
     ),
 }
 

@@ -299,8 +299,9 @@ def test_deprecated_validate_module_warns_and_gives_the_same_checks():
 def test_check_input_messages():
     info = onnxgrad.ForwardBackward(mlp())._runner.inputs["x"]
     check_input("x", "float64", (7, 4), info)
-    with pytest.raises(InputError, match=r"input 'x' has dtype float32, the model expects float64"):
-        check_input("x", "float32", (7, 4), info)
+    check_input("x", "float32", (7, 4), info)  # cast at the door (the input contract)
+    with pytest.raises(InputError, match=r"input 'x' has dtype bool, the model expects float64"):
+        check_input("x", "bool", (7, 4), info)
     with pytest.raises(
         InputError, match=r"input 'x' has shape \(7, 5\), the model expects \(N, 4\) \(dimension 1"
     ):

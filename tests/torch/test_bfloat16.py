@@ -35,7 +35,7 @@ def test_module_follows_torch_in_bfloat16():
     module = OnnxModule(model)
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     for name in ("W", "b"):
-        p = getattr(module, name)
+        p = module.get_parameter(name)
         assert isinstance(p, torch.nn.Parameter) and p.dtype == torch.bfloat16
         # the model's bits, unchanged
         np.testing.assert_array_equal(p.detach().view(torch.uint16).numpy(), inits[name].view(np.uint16))

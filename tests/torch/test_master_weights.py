@@ -91,13 +91,13 @@ def test_grad_scaler_and_sgd_train_float32_masters_as_torch_does() -> None:
     assert_allclose_scaled(got, want, rtol=2e-3)  # float16 forwards of two libraries (measured 2e-4)
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params.values())
     for tname, onnx_name in module.onnx_names.items():
-        assert_allclose_scaled(getattr(module, tname).detach(), ref[onnx_name].detach(), rtol=1e-2)
+        assert_allclose_scaled(module.get_parameter(tname).detach(), ref[onnx_name].detach(), rtol=1e-2)
     # written back in float16: the masters rounded
     out = module.to_onnx()
     written = {t.name: t for t in out.graph.initializer}
     for tname, onnx_name in module.onnx_names.items():
         assert written[onnx_name].data_type == TensorProto.FLOAT16
-        rounded = getattr(module, tname).detach().half().numpy()
+        rounded = module.get_parameter(tname).detach().half().numpy()
         np.testing.assert_array_equal(to_array(written[onnx_name]), rounded)
 
 

@@ -36,9 +36,9 @@ def test_strided_gradients_and_parameters_give_torch_values(net64):
     x = torch.randn(5, 4, dtype=torch.float64)
     weight = torch.randn(3, 5, dtype=torch.float64)
     # a parameter replaced by a column-major copy of itself: strided, the same values
-    for p in (m.p_0_weight, net64[0].weight):
+    for p in (m.get_parameter("0.weight"), net64[0].weight):
         p.data = p.data.t().contiguous().t()
-    assert not m.p_0_weight.is_contiguous()
+    assert not m.get_parameter("0.weight").is_contiguous()
     xo, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
     y, got = _grads(m, xo, weight)
     want_y, want = _grads(net64, xt, weight)
@@ -53,14 +53,14 @@ def test_a_replaced_parameter_is_fed_and_an_in_place_update_is_seen(net64):
     x = torch.randn(3, 4, dtype=torch.float64)
     m(x).sum().backward()  # the variant and its sessions exist: a second call takes the fast path
     with torch.no_grad():
-        m.p_2_bias.add_(1.0)  # in place: the same storage, new values
+        m.get_parameter("2.bias").add_(1.0)  # in place: the same storage, new values
         net64[2].bias.add_(1.0)
     torch.testing.assert_close(m(x), net64(x))
     new = torch.randn(3, 6, dtype=torch.float64)
-    m.p_2_weight = torch.nn.Parameter(new.clone())  # a new tensor object
+    m.get_submodule("2").weight = torch.nn.Parameter(new.clone())  # a new tensor object
     net64[2].weight = torch.nn.Parameter(new.clone())
     torch.testing.assert_close(m(x), net64(x))
-    m.p_2_weight.data = new * 2  # the same Parameter, another storage
+    m.get_submodule("2").weight.data = new * 2  # the same Parameter, another storage
     with torch.no_grad():
         net64[2].weight.copy_(new * 2)
     y = m(x)
@@ -68,7 +68,7 @@ def test_a_replaced_parameter_is_fed_and_an_in_place_update_is_seen(net64):
     y.sum().backward()
     net64.zero_grad()
     net64(x).sum().backward()
-    torch.testing.assert_close(m.p_2_weight.grad, net64[2].weight.grad)
+    torch.testing.assert_close(m.get_parameter("2.weight").grad, net64[2].weight.grad)
 
 
 def test_inference_under_no_grad_uses_the_fast_path(net64):
@@ -131,7 +131,7 @@ def test_a_pythonop_graph_keeps_the_generic_path_and_trains():
     net(x).pow(2).sum().backward()
     for tname, oname in m.onnx_names.items():
         want = dict(net.named_parameters())[oname].grad
-        torch.testing.assert_close(getattr(m, tname).grad, want, msg=oname)
+        torch.testing.assert_close(m.get_parameter(tname).grad, want, msg=oname)
 
 
 # ---- the batched crossings of TorchInterop ------------------------------------------------------
@@ -198,7 +198,7 @@ def test_zero_grad_clears_own_and_submodule_gradients_or_zeros_them(net64):
     x = torch.randn(3, 4, dtype=torch.float64)
     first = _step_grads(m, x)
     m(x).sum().backward()  # accumulates onto the first step's gradients
-    assert not torch.equal(m.p_0_weight.grad, first["p_0_weight"])
+    assert not torch.equal(m.get_parameter("0.weight").grad, first["0.weight"])
     assert _step_grads(m, x).keys() == first.keys()  # zero_grad dropped them: no accumulation
     for t, g in _step_grads(m, x).items():
         torch.testing.assert_close(g, first[t])

@@ -41,7 +41,7 @@ def test_as_feeds_casts_within_a_kind():
         ),
         (
             {"x": np.array([["a"] * 3] * 4), "target": np.zeros(4)},
-            "input 'x' expects float32, the data has dtype <U1",
+            "input 'x' has dtype str32, the model expects float32",
         ),
         (
             {"x": np.ones((4, 2)), "target": np.zeros(4)},

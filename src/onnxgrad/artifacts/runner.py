@@ -22,7 +22,7 @@ from ..errors import InputError
 from ..model.graph import ValueInfo, onnx_dtype
 from ..runtime.runner import make_session, session_options_for
 from ..runtime.session import resolve_providers
-from ..runtime.values import check_dims_agree, check_input
+from ..runtime.values import check_dims_agree, check_input, coerce
 from ..train.schedules import LearningRate, as_schedule
 from . import tensors
 from .generate import FILES, FORMAT
@@ -132,14 +132,9 @@ class Runner:
         for name in names:
             info = self._infos[name]
             expected = np.dtype(self.batch_specs[name]["dtype"])
-            given = np.asarray(batch[name])
-            if not np.can_cast(given.dtype, expected, "same_kind"):
-                raise InputError(
-                    f"batch input {name!r} has dtype {given.dtype}, the step expects {expected} "
-                    f"(shape {_fmt_spec(info)})"
-                )
+            given = coerce(f"batch input {name!r}", batch[name], expected)  # the one input contract
             check_input(name, expected.name, given.shape, info)
-            out[name] = np.ascontiguousarray(given, dtype=expected)
+            out[name] = np.ascontiguousarray(given)
         check_dims_agree({k: a.shape for k, a in out.items()}, self._infos)
         return out
 

@@ -26,7 +26,7 @@ from ..model.graph import ValueInfo, inputs_read_only_in_branches, np_dtype, to_
 from ..model.load import CheckedModel
 from .providers import resolve_providers
 from .runner import BaseRunner, make_runner
-from .values import check_dims_agree, contiguous, from_numpy, to_numpy
+from .values import check_dims_agree, coerce, contiguous, from_numpy, to_numpy
 
 Feeds = Mapping[str, Any]
 
@@ -298,17 +298,9 @@ class ForwardBackward:
 
 
 def check_array(name: str, value: Any, info: ValueInfo) -> np.ndarray:
-    """``value`` as a contiguous array of ``info``'s dtype and shape, or :class:`InputError`."""
-    expected = np_dtype(info.dtype)
-    if isinstance(value, np.ndarray):
-        arr = value
-        if arr.dtype != expected:
-            raise InputError(f"input {name!r} has dtype {arr.dtype}, the model expects {expected}")
-    else:
-        try:
-            arr = np.asarray(value, dtype=expected)
-        except (TypeError, ValueError) as exc:
-            raise InputError(f"input {name!r} cannot be converted to {expected}: {exc}") from exc
+    """``value`` as a contiguous array of ``info``'s dtype (cast under the input contract,
+    :func:`onnxgrad.runtime.values.coerce`) and shape, or :class:`InputError`."""
+    arr = coerce(f"input {name!r}", value, np_dtype(info.dtype))
     if info.shape is not None:
         if arr.ndim != len(info.shape):
             raise InputError(

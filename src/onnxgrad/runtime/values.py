@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..deps import C, ortvalue_from_numpy, ortvalue_to_numpy, run_with_ort_values, torch_interop
-from ..errors import InputError
+from ..errors import InputError, InputTypeError
 from ..model.graph import ValueInfo, dtype_name
 
 __all__ = [
@@ -23,6 +23,8 @@ __all__ = [
     "OrtValueLike",
     "check_dims_agree",
     "check_input",
+    "coerce",
+    "feed_dtype",
     "from_numpy",
     "from_torch",
     "run",
@@ -86,12 +88,75 @@ def to_torch(value: OrtValueLike) -> Any:
     return _to_tensor(value)
 
 
+# The input contract, the same through every door (ForwardBackward, OnnxModule, Trainer and the
+# command line, artifacts.Runner): what a given array's dtype kind may be fed as, by the declared
+# dtype's kind. Casts keep values: numbers become the declared float type, integers any integer type
+# whose range holds them, and floats holding whole numbers (class labels read from a CSV file)
+# integers. Anything else is refused. Arrays that are no input of the model are refused by each door
+# with the names it takes.
+_FEEDS_AS = {"f": "fiub", "i": "iubf", "u": "iubf", "b": "b"}
+
+
+def _kind(dtype: str) -> str:
+    """numpy's kind letter of a dtype name; ``"f"`` for the float types numpy spells through
+    ml_dtypes or torch (``"bfloat16"``), ``""`` for a name numpy does not know."""
+    if dtype.startswith(("float", "bfloat")):  # ml_dtypes' types are of numpy's kind "V"
+        return "f"
+    try:
+        return np.dtype(dtype).kind
+    except TypeError:
+        return ""
+
+
+def feed_dtype(label: str, given: str, expected: str) -> str:
+    """The dtype (numpy name) a value of dtype ``given`` is fed as where the model declares
+    ``expected``: ``expected``, or :class:`InputTypeError` when the contract refuses the pair.
+
+    ``label`` is how the error calls the value (``"input 'x'"``); ``given`` may be a torch dtype
+    name (``"bfloat16"``).
+    """
+    kind = _kind(given)
+    if given == expected or (kind and kind in _FEEDS_AS.get(_kind(expected), "")):
+        return expected
+    raise InputTypeError(f"{label} has dtype {given}, the model expects {expected}")
+
+
+def coerce(label: str, value: Any, expected: np.dtype) -> np.ndarray:
+    """``value`` as an array of ``expected`` under the input contract (:func:`feed_dtype`):
+    numbers cast to a float type; integers, and floats holding whole numbers, to an integer type
+    whose range holds them, else :class:`InputError` naming the first value that does not fit.
+    An array that already has ``expected`` comes back as it is. ``label``: how errors call it."""
+    try:
+        arr = np.asarray(value)
+        if arr.dtype.kind not in "fiub" and not isinstance(value, np.ndarray):
+            arr = np.asarray(value, dtype=expected)  # Python objects that numpy converts
+    except (TypeError, ValueError) as exc:
+        raise InputTypeError(f"{label} cannot be converted to {expected}: {exc}") from exc
+    if arr.dtype == expected:
+        return arr
+    feed_dtype(label, arr.dtype.name, np.dtype(expected).name)
+    if expected.kind in "iu" and arr.size:
+        if arr.dtype.kind == "f":
+            integral = np.isfinite(arr) & (arr == np.round(arr))
+            if not integral.all():
+                bad = arr[~integral].flat[0]
+                raise InputError(
+                    f"{label} expects integers ({expected}), the data has non-integers such as {float(bad):g}"
+                )
+        bounds = np.iinfo(expected)
+        lo, hi = arr.min(), arr.max()
+        if lo < bounds.min or hi > bounds.max:
+            raise InputError(
+                f"{label} holds {lo if lo < bounds.min else hi}, outside the range of {expected}"
+            )
+    return arr.astype(expected)
+
+
 def check_input(name: str, dtype: str, shape: Sequence[int], info: ValueInfo) -> None:
     """:class:`InputError` unless a value of ``dtype`` (a numpy or torch dtype name: ``"float32"``)
-    and ``shape`` can be fed as input ``name`` declared as ``info``."""
-    expected = dtype_name(info.dtype)
-    if dtype != expected:
-        raise InputError(f"input {name!r} has dtype {dtype}, the model expects {expected}")
+    and ``shape`` can be fed as input ``name`` declared as ``info`` (after the contract's cast,
+    :func:`feed_dtype`)."""
+    feed_dtype(f"input {name!r}", dtype, dtype_name(info.dtype))
     if info.shape is None:
         return
     shape = tuple(shape)

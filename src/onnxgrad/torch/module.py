@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -27,8 +28,8 @@ from ..autodiff.engine import build_gradient
 from ..autodiff.params import untie
 from ..autodiff.prepare import float_outputs, prepare
 from ..deps import function_apply_direct, session_run, torch_interop
-from ..errors import InputError, OnnxGradRuntimeError
-from ..model.graph import FLOAT_TYPES, np_dtype, to_array, unique_name, value_info_from_proto
+from ..errors import InputError, InputTypeError, OnnxGradRuntimeError
+from ..model.graph import FLOAT_TYPES, dtype_name, np_dtype, to_array, unique_name, value_info_from_proto
 from ..model.load import CheckedModel
 from ..pythonop import make_runner
 from ..runtime.runner import BACKWARD_FAILED, FORWARD_FAILED, Runner
@@ -49,6 +50,47 @@ def torch_name(onnx_name: str, taken: set[str]) -> str:
     if not name or name[0].isdigit():
         name = f"p_{name}"
     return unique_name(name, taken)
+
+
+# one part of a module path: an identifier, or an index as nn.Sequential and nn.ModuleList name theirs
+_PART = re.compile(r"[A-Za-z_]\w*|\d+")
+# names a submodule's parameter cannot take (nn.Module's own attributes)
+_MODULE_ATTRS = frozenset(dir(nn.Module()))
+# the attributes OnnxModule sets itself, which no top-level parameter or submodule may shadow
+_OWN_ATTRS = frozenset({"tied", "output_names", "onnx_names", "input_names"})
+
+
+def torch_paths(onnx_names: Sequence[str], reserved: Iterable[str] = ()) -> dict[str, str]:
+    """The PyTorch name of each ONNX initializer: the ONNX name itself where it is a module path
+    that torch can hold (``"fc1.weight"``, ``"encoder.layers.0.bias"``: a parameter ``weight`` of a
+    submodule ``fc1``), so that ``state_dict()`` keys are those of the exported torch model;
+    otherwise :func:`torch_name`'s attribute name (``"onnx::MatMul_12"`` -> ``"onnx__MatMul_12"``).
+
+    ``reserved``: attribute names of the module itself, which no path may start with.
+    """
+    reserved = set(reserved) | _OWN_ATTRS
+    paths = {}
+    for n in onnx_names:
+        parts = n.split(".")
+        if (
+            all(_PART.fullmatch(p) for p in parts)
+            and parts[0] not in reserved
+            and not parts[0].startswith("_")
+            and not any(p in _MODULE_ATTRS for p in parts[1:])
+        ):
+            paths[n] = n
+    # a name that is also another one's submodule ("fc" beside "fc.weight") stays an attribute
+    prefixes = {p[:i] for p in paths for i in range(len(p)) if p[i] == "."}
+    paths = {n: p for n, p in paths.items() if p not in prefixes}
+    taken = {p.split(".")[0] for p in paths.values()} | reserved
+    return {n: paths.get(n) or torch_name(n, taken) for n in onnx_names}
+
+
+def legacy_names(onnx_names: Sequence[str]) -> dict[str, str]:
+    """ONNX name -> the attribute name an OnnxModule gave it before parameters took their module
+    paths (``"fc1_weight"``), for the state dicts and attribute reads of code written then."""
+    taken: set[str] = set()
+    return {n: torch_name(n, taken) for n in onnx_names}
 
 
 def _tensor_from_numpy(arr: np.ndarray) -> torch.Tensor:
@@ -295,6 +337,19 @@ class _OnnxFunction(torch.autograd.Function):
 _apply, _transforms_active = function_apply_direct(_OnnxFunction)
 
 
+def _cast(name: str, t: torch.Tensor, dtype: torch.dtype, whole: bool) -> torch.Tensor:
+    """``t`` as ``dtype`` (differentiable for floats); ``whole``: floats fed to an integer input,
+    :class:`InputError` unless they hold whole numbers."""
+    if whole and t.numel():
+        bad = ~(torch.isfinite(t) & (t == torch.round(t)))
+        if bool(bad.any()):
+            raise InputError(
+                f"input {name!r} expects integers ({str(dtype).removeprefix('torch.')}), the data has "
+                f"non-integers such as {float(t[bad].flatten()[0]):g}"
+            )
+    return t.to(dtype)
+
+
 class OnnxModule(nn.Module):
     """An ONNX model as a PyTorch layer.
 
@@ -371,21 +426,26 @@ class OnnxModule(nn.Module):
         masters = use_master_weights(
             master_weights, (np_dtype(inits[n].data_type) for n in params if n in inits)
         )
-        taken: set[str] = set()
-        self.onnx_names: dict[str, str] = {}  # torch attribute name -> ONNX initializer name
-        # torch attribute name -> the model's half type, for the float32 master parameters
+        paths = torch_paths(floats, reserved=dir(self))
+        # torch name (a module path: "fc1.weight") -> ONNX initializer name
+        self.onnx_names: dict[str, str] = {}
+        # attribute names of modules written before parameters took module paths -> torch name
+        self._legacy = {old: paths[n] for n, old in legacy_names(floats).items() if old != paths[n]}
+        # torch name -> the model's half type, for the float32 master parameters
         self._master_dtypes: dict[str, torch.dtype] = {}
         for n in floats:
-            tname = torch_name(n, taken)
+            tname = paths[n]
             self.onnx_names[tname] = n
+            owner, leaf = self._owner(tname, create=True)
             value = _tensor_from_numpy(to_array(inits[n]))
             if n in params:
                 if masters and is_half(value.dtype):
                     self._master_dtypes[tname] = value.dtype
                     value = value.float()
-                self.register_parameter(tname, nn.Parameter(value))
+                owner.register_parameter(leaf, nn.Parameter(value))
             else:
-                self.register_buffer(tname, value)
+                owner.register_buffer(leaf, value)
+        self._register_load_state_dict_pre_hook(self._legacy_keys)
         init_names = set(inits)
         self.input_names = [i.name for i in proto.graph.input if i.name not in init_names]
         self._input_infos = {
@@ -396,13 +456,89 @@ class OnnxModule(nn.Module):
         self._lock = threading.Lock()  # taken only to build a variant, never on a cache hit
         self._prepare()
 
+    def _owner(self, tname: str, create: bool = False) -> tuple[nn.Module, str]:
+        """The module holding the parameter or buffer ``tname`` (a module path), and its name
+        there; ``create``: make the missing submodules on the way."""
+        *parts, leaf = tname.split(".")
+        owner: nn.Module = self
+        for part in parts:
+            sub = owner._modules.get(part)
+            if sub is None:
+                if not create:
+                    raise AttributeError(tname)
+                sub = nn.Module()
+                owner.add_module(part, sub)
+            owner = sub
+        return owner, leaf
+
+    def _value(self, tname: str) -> torch.Tensor:
+        """The live parameter or buffer ``tname``."""
+        owner, leaf = self._owner(tname)
+        return getattr(owner, leaf)
+
+    def _legacy_keys(self, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+        """A state dict written before parameters took module paths loads: its keys renamed."""
+        for old, new in getattr(self, "_legacy", {}).items():
+            if prefix + old in state_dict and prefix + new not in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            legacy = self.__dict__.get("_legacy") or {}
+            if name not in legacy:
+                raise
+        self._warn_legacy(name)
+        return self._value(legacy[name])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        legacy = self.__dict__.get("_legacy") or {}
+        if name in legacy:  # an old name: the value goes where forward reads it, never beside it
+            self._warn_legacy(name)
+            owner, leaf = self._owner(legacy[name])
+            setattr(owner, leaf, value)
+            return
+        super().__setattr__(name, value)
+
+    def _warn_legacy(self, name: str) -> None:
+        warnings.warn(
+            f"OnnxModule.{name} is now {self._legacy[name]!r} (parameters take their module paths, as "
+            f"in state_dict()); the old name will go",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> OnnxModule:
+        # .to(dtype), .double(), .half(), .cuda()...: onnxruntime runs the model's own types on the
+        # CPU, so a conversion is refused here rather than at the next forward
+        held = {t.dtype for t in (*self.parameters(), *self.buffers()) if t.is_floating_point()}
+        for dtype in held:
+            try:
+                probe = fn(torch.empty(0, dtype=dtype))
+            except Exception:  # torch's own error, raised by the conversion itself
+                break
+            if isinstance(probe, torch.Tensor) and (probe.dtype != dtype or probe.device.type != "cpu"):
+                raise InputTypeError(
+                    f"OnnxModule runs the ONNX model in its own types on the CPU: converting its "
+                    f"{str(dtype).removeprefix('torch.')} parameters to "
+                    f"{str(probe.dtype).removeprefix('torch.')} on {probe.device} is refused. Inputs of "
+                    f"another float type are cast to the model's at each call (torch.autocast "
+                    f"included); for float64 training, export the model in float64"
+                )
+        return super()._apply(fn, recurse)
+
     def _prepare(self) -> None:
         """Work out once what each call needs (also after unpickling, which drops it)."""
         self._attr_names = list(self.onnx_names)
         masters = getattr(self, "_master_dtypes", {})  # absent from modules pickled before it
         # the model's type of each value, where the module holds it in float32 (None elsewhere)
         self._casts = [masters.get(t) for t in self._attr_names]
-        self._sources = list(zip(self._attr_names, self._casts))  # what forward reads, in order
+        # what forward reads, in order: the dicts holding each value, its name there, its cast
+        self._sources = []
+        for tname, cast in zip(self._attr_names, self._casts):
+            owner, leaf = self._owner(tname)
+            self._sources.append((owner._parameters, owner._buffers, owner, leaf, cast))
         self._feed_names = (*self.input_names, *self.onnx_names.values())
         by_onnx = {n: t for t, n in self.onnx_names.items()}
         self._stat_attrs = [(by_onnx[stat], out) for stat, out in self._running_stats.items()]
@@ -446,50 +582,87 @@ class OnnxModule(nn.Module):
                 self._variants[key] = variant
         return variant
 
-    def _check_inputs(self, tensors: tuple[Any, ...]) -> None:
-        """:class:`InputError` unless ``tensors`` are CPU tensors the model accepts."""
+    def _check_inputs(self, tensors: tuple[Any, ...]) -> tuple[tuple[torch.dtype, bool] | None, ...] | None:
+        """:class:`InputError` unless ``tensors`` are CPU tensors the model accepts; the cast of each
+        under the input contract (:func:`onnxgrad.runtime.values.feed_dtype`): ``None`` where the
+        dtype is the model's, else (the model's dtype, whether the values must be whole numbers);
+        ``None`` for all when no input is cast."""
         if len(tensors) != len(self.input_names):
             raise InputError(
                 f"expected {len(self.input_names)} input tensor(s) {self.input_names}, got {len(tensors)}"
             )
+        casts: list[tuple[torch.dtype, bool] | None] = []
         for name, t in zip(self.input_names, tensors):
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"input {name!r} must be a torch.Tensor, got {type(t).__name__}")
             if t.device.type != "cpu":
                 raise InputError(f"input {name!r} is on {t.device}; OnnxModule runs on the CPU")
             info = self._input_infos.get(name)
-            if info is not None:
-                check_input(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), info)
+            given = str(t.dtype).removeprefix("torch.")
+            if info is None:
+                casts.append(None)
+                continue
+            check_input(name, given, tuple(t.shape), info)
+            expected = dtype_name(info.dtype)
+            to = getattr(torch, expected)
+            casts.append(None if to == t.dtype else (to, t.is_floating_point() and not to.is_floating_point))
+        return tuple(casts) if any(casts) else None
 
-    def _plan(
-        self, signature: tuple | None, tensors: tuple[Any, ...], values: list[Any]
-    ) -> tuple[_Variant, bool]:
-        """Validate the inputs of a call whose signature is not known yet, and choose its variant."""
-        self._check_inputs(tensors)
+    def _by_name(self, tensors: tuple[Any, ...], named: dict[str, Any]) -> tuple[Any, ...]:
+        """The inputs in the model's order, from ``tensors`` (the first ones) and ``named``."""
+        rest = self.input_names[len(tensors) :]
+        unknown = [k for k in named if k not in self.input_names]
+        twice = [k for k in named if k in self.input_names[: len(tensors)]]
+        missing = [k for k in rest if k not in named]
+        if unknown or twice or missing:
+            what = (
+                f"unknown input name(s) {unknown}"
+                if unknown
+                else f"input(s) {twice} given both by position and by name"
+                if twice
+                else f"missing input(s) {missing}"
+            )
+            raise InputError(f"{what}; the model's inputs are {self.input_names}")
+        return (*tensors, *(named[k] for k in rest))
+
+    def _plan(self, signature: tuple | None, tensors: tuple[Any, ...], values: list[Any]) -> tuple:
+        """Validate the inputs of a call whose signature is not known yet, and choose its variant:
+        (the variant, whether autograd records the call, the casts of the inputs or None)."""
+        casts = self._check_inputs(tensors)
         mask = [False] * (len(values) + len(tensors))
         if torch.is_grad_enabled():
             mask = [v.requires_grad for v in values]
             mask += [t.requires_grad and t.is_floating_point() for t in tensors]
         key = (bool(self.training), *mask)
-        plan = (self._variants.get(key) or self._build_variant(key), True in mask)
+        plan = (self._variants.get(key) or self._build_variant(key), True in mask, casts)
         if signature is not None:
             if len(self._plans) >= _MAX_PLANS:  # many input shapes: start over
                 self._plans.clear()
             self._plans[signature] = plan
         return plan
 
-    def forward(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def forward(
+        self, *tensors: torch.Tensor, **named: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The model's outputs for its inputs, given in order (``input_names``) or by name.
+
+        An input of another dtype than the model declares is cast under the input contract of
+        every door (:func:`onnxgrad.runtime.values.feed_dtype`): floats to the model's float type
+        (``torch.autocast``'s bfloat16 and float16 activations included; the gradient comes back in
+        the caller's type), integers and whole-number floats to its integer type.
+        """
         # The live parameters and buffers, read from the module's dicts, where getattr finds them
         # (at a 20th of getattr's cost): one replaced between calls (assignment, functional_call)
         # is the one fed.
-        params, buffers = self._parameters, self._buffers
+        if named:
+            tensors = self._by_name(tensors, named)
         values = []
-        for tname, cast in self._sources:
-            v = params.get(tname)
+        for params, buffers, owner, leaf, cast in self._sources:
+            v = params.get(leaf)
             if v is None:
-                v = buffers.get(tname)
+                v = buffers.get(leaf)
                 if v is None:  # in neither dict: a parametrization, an attribute set by a hook
-                    v = getattr(self, tname)
+                    v = getattr(owner, leaf)
             if cast is not None:  # a float32 master weight: the model computes in its half type
                 v = v.to(cast)
             values.append(v)
@@ -506,7 +679,11 @@ class OnnxModule(nn.Module):
         else:
             signature = tuple(sig)
             plan = self._plans.get(signature)
-        variant, recorded = plan or self._plan(signature, tensors, values)
+        variant, recorded, casts = plan or self._plan(signature, tensors, values)
+        if casts is not None:
+            tensors = tuple(
+                t if c is None else _cast(name, t, *c) for name, t, c in zip(self.input_names, tensors, casts)
+            )
         if recorded:
             apply = _OnnxFunction.apply if _transforms_active() else _apply
             outs = apply(variant, *tensors, *values)
@@ -525,10 +702,18 @@ class OnnxModule(nn.Module):
         result as ``nn.Module.zero_grad`` without its walk over the module tree (a few µs a step
         on a small model, 4 µs alone and 15 µs inside a training step on a Linear(16, 16)).
         """
-        if not set_to_none or self._modules or self.__dict__.get("_is_replica"):
-            super().zero_grad(set_to_none)  # submodules, zeros, DataParallel's warning: torch's own
+        if (
+            not set_to_none
+            or self.__dict__.get("_is_replica")
+            or any(type(m) is not nn.Module for m in self._modules.values())
+        ):
+            super().zero_grad(set_to_none)  # other submodules, zeros, DataParallel's warning: torch's
             return
-        for p in self._parameters.values():
+        for params, _, _, leaf, _ in self._sources:  # the module paths' parameters
+            p = params.get(leaf)
+            if p is not None and p.grad is not None:
+                p.grad = None
+        for p in self._parameters.values():  # and any the caller registered
             if p is not None and p.grad is not None:
                 p.grad = None
 
@@ -536,7 +721,7 @@ class OnnxModule(nn.Module):
         index = variant.output_index
         with torch.no_grad():
             for tname, out in self._stat_attrs:
-                getattr(self, tname).copy_(outs[index[out]])
+                self._value(tname).copy_(outs[index[out]])
 
     # ---- export, copies, pickling ----------------------------------------------------------------
     def to_onnx(self) -> onnx.ModelProto:
@@ -546,7 +731,7 @@ class OnnxModule(nn.Module):
         masters = getattr(self, "_master_dtypes", {})
         values = {}
         for t, n in self.onnx_names.items():
-            value = getattr(self, t).detach().cpu()
+            value = self._value(t).detach().cpu()
             values[n] = value.to(masters[t]) if t in masters else value  # the model's type again
         inits = [
             numpy_helper.from_array(_numpy_from_tensor(values[i.name]), i.name) if i.name in values else i
@@ -573,8 +758,9 @@ class OnnxModule(nn.Module):
     def extra_repr(self) -> str:
         lines = [f"inputs={self.input_names}, outputs={self.output_names}"]
         for tname, oname in self.onnx_names.items():
-            kind = "parameter" if tname in self._parameters else "buffer"
-            shape = tuple(getattr(self, tname).shape)
+            owner, leaf = self._owner(tname)
+            kind = "parameter" if leaf in owner._parameters else "buffer"
+            shape = tuple(self._value(tname).shape)
             lines.append(f"({tname}): {kind} {shape} <- ONNX {oname!r}")
         for tie in getattr(self, "tied", []):
             lines.append(f"ONNX {tie.name!r} <- {tie.how} of {tie.source!r} (tied)")

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..model.graph import ValueInfo, np_dtype
+from ..runtime.values import coerce
 
 __all__ = ["BatchLoader", "as_feeds", "load_dataset", "read_csv", "split"]
 
@@ -28,27 +29,6 @@ def _shape_text(shape: Sequence[Any] | None) -> str:
     if shape is None:
         return "?"
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
-
-
-def _cast(name: str, arr: np.ndarray, expected: np.dtype) -> np.ndarray:
-    # `name` is how errors call the input, e.g. "input 'x'" or "the target 'y' (input 'target')"
-    """``arr`` as ``expected``: floats from any number, integers from integral values only."""
-    kind = arr.dtype.kind
-    if expected.kind == "f" and kind in "fiub":
-        return arr.astype(expected, copy=False)
-    if expected.kind in "iu" and kind in "iub":
-        return arr.astype(expected, copy=False)
-    if expected.kind in "iu" and kind == "f":
-        integral = np.isfinite(arr) & (arr == np.round(arr))
-        if not integral.all():
-            bad = arr[~integral].flat[0]
-            raise InputError(
-                f"{name} expects integers ({expected}), the data has non-integers such as {float(bad):g}"
-            )
-        return arr.astype(expected)
-    if expected.kind == "b" and kind == "b":
-        return arr
-    raise InputError(f"{name} expects {expected}, the data has dtype {arr.dtype}")
 
 
 def _fit_shape(name: str, arr: np.ndarray, info: ValueInfo) -> np.ndarray:
@@ -95,7 +75,7 @@ def as_feeds(
         label = labels.get(name, f"input {name!r}")
         if arr.ndim == 0:
             raise InputError(f"{label} must have a sample dimension, got a scalar")
-        arr = _fit_shape(label, _cast(label, arr, np_dtype(info.dtype)), info)
+        arr = _fit_shape(label, coerce(label, arr, np_dtype(info.dtype)), info)
         feeds[name] = np.ascontiguousarray(arr)
     sizes = {n: a.shape[0] for n, a in feeds.items()}
     if len(set(sizes.values())) > 1:
