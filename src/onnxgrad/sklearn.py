@@ -81,7 +81,52 @@ def _checked_model(model: Any, X: np.ndarray, *, classifier: bool) -> CheckedMod
         converted = to_onnx(model, sample, options=options, black_op={"LinearRegressor", "LinearClassifier"})
     except RuntimeError:  # a converter without an alternative to the blocked ops
         converted = to_onnx(model, sample, options=options)
-    return load_checked(converted)
+    checked = load_checked(converted)
+    _check_conversion(model, checked.proto, np.asarray(X[:_CHECKED_ROWS], dtype=np.float32))
+    return checked
+
+
+# the rows of X on which a converted estimator is run against its own predict
+_CHECKED_ROWS = 8
+
+
+def _check_conversion(estimator: Any, converted: onnx.ModelProto, rows: np.ndarray) -> None:
+    """:class:`InputError` naming skl2onnx's converter when the converted model does not compute
+    what the estimator predicts on ``rows`` (a converter that writes one column for a multi-output
+    regressor, say): training it would fit something else than the estimator."""
+    name = type(estimator).__name__
+    outputs = [o.name for o in converted.graph.output]
+    session = make_session(converted, resolve_providers())
+    got = session.run(None, {converted.graph.input[0].name: rows})
+    if hasattr(estimator, "predict_proba"):
+        want, out = np.asarray(estimator.predict_proba(rows)), "probabilities"
+        value = got[outputs.index(out)] if out in outputs else got[-1]
+    else:
+        want, out, value = np.asarray(estimator.predict(rows)), outputs[0], got[0]
+    want = want.reshape(len(rows), -1)
+    # float32 arithmetic against the estimator's float64: far below the disagreement of a wrong graph
+    scale = max(1.0, float(np.abs(want).max(initial=0.0)))
+    if value.shape != want.shape or not np.allclose(value, want, rtol=1e-3, atol=1e-3 * scale):
+        raise InputError(
+            f"skl2onnx's converter for {name} gives output {out!r} of shape {value.shape} on {len(rows)} "
+            f"rows, where {name}.{'predict_proba' if hasattr(estimator, 'predict_proba') else 'predict'} "
+            f"gives shape {want.shape}{'' if value.shape != want.shape else ' and other values'}: the "
+            f"converted model does not compute the estimator, so it cannot be trained in its place. "
+            f"Pass an ONNX model that does (e.g. a torch model exported to ONNX)"
+        )
+
+
+def _scaled_loss(model: onnx.ModelProto, loss: str, factor: float) -> onnx.ModelProto:
+    """``model`` whose output ``loss`` is ``factor`` times what it was."""
+    g = model.graph
+    (out,) = [o for o in g.output if o.name == loss]
+    unscaled, scale = _fresh(model, f"{loss}_unscaled"), _fresh(model, f"{loss}_factor")
+    for node in g.node:
+        node.output[:] = [unscaled if o == loss else o for o in node.output]
+    dtype = np_dtype(out.type.tensor_type.elem_type)
+    g.initializer.append(onnx.numpy_helper.from_array(np.array(factor, dtype), scale))
+    g.node.append(onnx.helper.make_node("Mul", [unscaled, scale], [loss]))
+    return model
 
 
 def _fresh(model: onnx.ModelProto, base: str) -> str:
@@ -321,8 +366,14 @@ class _OnnxEstimator(BaseEstimator):
             l2=self.l2,
             **options,
         )
+        if self._loss_factor() != 1.0:
+            model = _scaled_loss(model, loss, self._loss_factor())
         self._train_model_ = keep_outputs(CheckedModel(model), [loss])
         self._names_ = (self.input_name_, target, weight)
+
+    def _loss_factor(self) -> float:
+        """The factor of the loss trained and recorded (``loss_curve_``) over :func:`add_loss`'s."""
+        return 1.0
 
     def _make_trainer(
         self, start: onnx.ModelProto, resume: bool = False, n_samples: int | None = None
@@ -360,6 +411,9 @@ class _OnnxEstimator(BaseEstimator):
         w = np.ones(len(X)) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
         if w.shape != (len(X),):
             raise InputError(f"sample_weight must have shape ({len(X)},), got {w.shape}")
+        bad = np.flatnonzero(~(np.isfinite(w) & (w >= 0)))
+        if bad.size:
+            raise InputError(f"sample_weight must be finite and >= 0; row {bad[0]} holds {w[bad[0]]:g}")
         data = {x_name: X, t_name: self._encode_targets(y), w_name: w}
         trainer = self.trainer_
         trainer.fit(data, epochs=trainer.epoch + epochs)
@@ -456,8 +510,9 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
     ``"adamw"``, or a factory ``params -> Optimizer`` that sets its own learning rate (``lr`` is then
     unused), such as ``functools.partial(onnxgrad.train.ElasticPenalty, lr=0.01, l1=1e-4, l2=1e-4)``.
 
-    Fitted attributes: ``onnx_model_``, ``loss_curve_`` (the training loss of each epoch: the mean
-    squared error for ``"mse"``, where MLPRegressor records half of it), ``best_loss_`` (``None``
+    Fitted attributes: ``onnx_model_``, ``loss_curve_`` (the training loss of each epoch: for
+    ``"mse"`` half the mean squared error, the loss ``MLPRegressor`` minimises and records, so that
+    ``tol`` means the same), ``best_loss_`` (``None``
     with early stopping), ``validation_scores_`` and ``best_validation_score_`` (early stopping
     only, else ``None``), ``history_``, ``n_iter_`` (epochs), ``n_features_in_``.
     """
@@ -477,10 +532,18 @@ class OnnxRegressor(RegressorMixin, _OnnxEstimator):
         self._input_dtype_ = infos[self.input_name_].dtype
         return self.loss, self._output_, {}
 
+    def _loss_factor(self) -> float:
+        # scikit-learn's MLPRegressor minimises, and records in loss_curve_, half the squared error
+        return 0.5 if self.loss == "mse" else 1.0
+
     def _check_targets(self, y: np.ndarray) -> None:
-        pass
+        bad = ~np.isfinite(np.asarray(y, dtype=np.float64))
+        if bad.any():
+            row = int(np.argwhere(bad)[0][0])
+            raise InputError(f"y must be finite; row {row} holds {np.asarray(y, dtype=np.float64)[bad][0]}")
 
     def _encode_targets(self, y: np.ndarray) -> np.ndarray:
+        self._check_targets(y)
         return np.asarray(y, dtype=np.float64)
 
     def predict(self, X: Any) -> np.ndarray:

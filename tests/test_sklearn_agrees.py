@@ -1,0 +1,84 @@
+"""The estimators agree with scikit-learn where they promise to, and refuse what would make them
+disagree: a converted model that does not compute the estimator, negative or NaN sample weights,
+NaN targets."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sklearn")
+pytest.importorskip("skl2onnx")
+
+from sklearn.datasets import load_diabetes  # noqa: E402
+from sklearn.exceptions import ConvergenceWarning  # noqa: E402
+from sklearn.neural_network import MLPRegressor  # noqa: E402
+from sklearn.preprocessing import StandardScaler  # noqa: E402
+
+from onnxgrad.errors import InputError  # noqa: E402
+from onnxgrad.sklearn import OnnxRegressor  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def diabetes():
+    X, y = load_diabetes(return_X_y=True)
+    return StandardScaler().fit_transform(X)[:120], (y[:120] - y.mean()) / y.std()
+
+
+def _initialised(X, y, **kwargs) -> MLPRegressor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        return MLPRegressor(hidden_layer_sizes=(8,), max_iter=1, learning_rate_init=1e-300, random_state=0,
+                            **kwargs).fit(X, y)
+
+
+def test_a_converter_that_does_not_compute_the_estimator_is_named(diabetes):
+    X, y = diabetes
+    two = np.stack([y, y / 2], axis=1)  # skl2onnx writes an (2n, 1) output for a 2-target MLP
+    with pytest.raises(
+        InputError,
+        match=r"skl2onnx's converter for MLPRegressor gives output 'variable' of shape \(16, 1\) on 8 rows, "
+        r"where MLPRegressor.predict gives shape \(8, 2\)",
+    ):
+        OnnxRegressor(_initialised(X, two), epochs=1).fit(X, two)
+
+
+def test_loss_curve_is_mlpregressors(diabetes):
+    """Half the mean squared error, as MLPRegressor minimises and records it: the same run of
+    full-batch SGD gives the same curve (float32 against float64)."""
+    X, y = diabetes
+    start = _initialised(X, y)
+    settings = {"solver": "sgd", "momentum": 0.0, "nesterovs_momentum": False, "batch_size": len(X),
+                "shuffle": False, "alpha": 0.0, "learning_rate_init": 0.05, "max_iter": 6, "tol": 0.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        ref = MLPRegressor(hidden_layer_sizes=(8,), random_state=0, **settings)
+        ref._random_state = np.random.RandomState(0)
+        ref.fit(X, y)  # from its own initialisation, which `start` holds too
+    ours = OnnxRegressor(start, optimizer="sgd", lr=0.05, batch_size=len(X), shuffle=False, epochs=6).fit(X, y)
+    np.testing.assert_allclose(ours.loss_curve_, ref.loss_curve_, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ("negative", r"sample_weight must be finite and >= 0; row 3 holds -1"),
+        ("nan", r"sample_weight must be finite and >= 0; row 3 holds nan"),
+    ],
+)
+def test_sample_weights_must_be_finite_and_not_negative(diabetes, weights, message):
+    X, y = diabetes
+    w = np.ones(len(X))
+    w[3] = -1.0 if weights == "negative" else np.nan
+    with pytest.raises(InputError, match=message):
+        OnnxRegressor(_initialised(X, y), epochs=1).fit(X, y, sample_weight=w)
+
+
+def test_nan_targets_are_named(diabetes):
+    X, y = diabetes
+    y = y.copy()
+    y[5] = np.nan
+    with pytest.raises(InputError, match=r"y must be finite; row 5 holds nan"):
+        OnnxRegressor(_initialised(X, np.nan_to_num(y)), epochs=1).fit(X, y)
