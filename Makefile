@@ -27,10 +27,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
-# The numerical tests and the machine they ran on (out/numerics.json): from the checkout, nothing
-# installed; any python with the dependencies (PYTHON=...). docs/numerics.md
-test-numerics:
-	PYTHONPATH=src $(PYTHON) tools/numerics.py --out out/numerics.json
+# The numerical tests and the machine they ran on (out/numerics.json), from the checkout: in .venv
+# (made from the lock when missing); on a machine without the registry, any python that has the
+# dependencies, NUMERICS_PYTHON=/path/to/python (nothing is installed then). docs/numerics.md
+NUMERICS_PYTHON ?=
+test-numerics: $(if $(NUMERICS_PYTHON),,$(STAMP))
+	PYTHONPATH=src $(or $(NUMERICS_PYTHON),$(PY)) tools/numerics.py --out out/numerics.json
 
 # Newest releases of everything (torch included, as far as pip may take it), no lock.
 .venv-latest/.installed: pyproject.toml
