@@ -73,8 +73,15 @@ def door_onnx_module(given: np.ndarray) -> np.ndarray:
 
 
 def door_trainer(given: np.ndarray) -> np.ndarray:
-    trainer = Trainer(embedding_classifier(), loss="cross_entropy", optimizer="sgd", lr=0.1, batch_size=N,
-                      shuffle=False, progress=False)
+    trainer = Trainer(
+        embedding_classifier(),
+        loss="cross_entropy",
+        optimizer="sgd",
+        lr=0.1,
+        batch_size=N,
+        shuffle=False,
+        progress=False,
+    )
     trainer.fit({**_ids(given), "target": TARGET}, epochs=1)
     return np.concatenate([trainer.parameters[n].ravel() for n in sorted(trainer.parameters)])
 
@@ -122,7 +129,9 @@ def test_every_door_refuses_an_array_the_model_does_not_take(door):
         if door == "ForwardBackward":
             onnxgrad.ForwardBackward(embedding_classifier()).forward(extra)
         elif door == "Trainer":
-            Trainer(embedding_classifier(), loss="cross_entropy", progress=False).fit({**extra, "target": TARGET})
+            Trainer(embedding_classifier(), loss="cross_entropy", progress=False).fit(
+                {**extra, "target": TARGET}
+            )
         else:
             door_runner_extra(extra)
 
@@ -137,9 +146,13 @@ def door_runner_extra(extra: dict[str, np.ndarray]) -> None:
 
 def test_onnx_module_refuses_an_unknown_keyword_input():
     module = OnnxModule(embedding_classifier())
-    with pytest.raises(InputError, match=r"unknown input name\(s\) \['idz'\]; the model's inputs are \['ids'\]"):
+    with pytest.raises(
+        InputError, match=r"unknown input name\(s\) \['idz'\]; the model's inputs are \['ids'\]"
+    ):
         module(idz=torch.from_numpy(IDS))
-    np.testing.assert_array_equal(module(ids=torch.from_numpy(IDS)).detach(), module(torch.from_numpy(IDS)).detach())
+    np.testing.assert_array_equal(
+        module(ids=torch.from_numpy(IDS)).detach(), module(torch.from_numpy(IDS)).detach()
+    )
 
 
 def test_floats_take_the_model_float_type():

@@ -30,8 +30,9 @@ def diabetes():
 def _initialised(X, y, **kwargs) -> MLPRegressor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
-        return MLPRegressor(hidden_layer_sizes=(8,), max_iter=1, learning_rate_init=1e-300, random_state=0,
-                            **kwargs).fit(X, y)
+        return MLPRegressor(
+            hidden_layer_sizes=(8,), max_iter=1, learning_rate_init=1e-300, random_state=0, **kwargs
+        ).fit(X, y)
 
 
 def test_a_converter_that_does_not_compute_the_estimator_is_named(diabetes):
@@ -50,14 +51,25 @@ def test_loss_curve_is_mlpregressors(diabetes):
     full-batch SGD gives the same curve (float32 against float64)."""
     X, y = diabetes
     start = _initialised(X, y)
-    settings = {"solver": "sgd", "momentum": 0.0, "nesterovs_momentum": False, "batch_size": len(X),
-                "shuffle": False, "alpha": 0.0, "learning_rate_init": 0.05, "max_iter": 6, "tol": 0.0}
+    settings = {
+        "solver": "sgd",
+        "momentum": 0.0,
+        "nesterovs_momentum": False,
+        "batch_size": len(X),
+        "shuffle": False,
+        "alpha": 0.0,
+        "learning_rate_init": 0.05,
+        "max_iter": 6,
+        "tol": 0.0,
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         ref = MLPRegressor(hidden_layer_sizes=(8,), random_state=0, **settings)
         ref._random_state = np.random.RandomState(0)
         ref.fit(X, y)  # from its own initialisation, which `start` holds too
-    ours = OnnxRegressor(start, optimizer="sgd", lr=0.05, batch_size=len(X), shuffle=False, epochs=6).fit(X, y)
+    ours = OnnxRegressor(start, optimizer="sgd", lr=0.05, batch_size=len(X), shuffle=False, epochs=6).fit(
+        X, y
+    )
     np.testing.assert_allclose(ours.loss_curve_, ref.loss_curve_, rtol=1e-4)
 
 

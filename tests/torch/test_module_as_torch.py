@@ -112,7 +112,9 @@ def test_autocast_activations_are_cast_at_the_border_and_the_gradient_comes_back
 @pytest.mark.parametrize("convert", ["double", "half", "bfloat16", "to_float64"])
 def test_a_dtype_conversion_is_refused_when_asked(net, convert):
     m = OnnxModule(export_net(net, torch.randn(2, 4)))
-    with pytest.raises(InputTypeError, match=r"converting its float32 parameters to (float64|float16|bfloat16)"):
+    with pytest.raises(
+        InputTypeError, match=r"converting its float32 parameters to (float64|float16|bfloat16)"
+    ):
         m.to(torch.float64) if convert == "to_float64" else getattr(m, convert)()
     assert all(p.dtype == torch.float32 for p in m.parameters())  # nothing half converted
     m.to("cpu")  # no conversion: accepted
@@ -137,3 +139,27 @@ def test_dropout_masks_follow_onnxruntime_seed_not_torch_seed():
 
     first, second = masked_output(), masked_output()
     np.testing.assert_array_equal(first, second)
+
+
+def test_a_weight_beside_its_adapters_keeps_both():
+    """LoRA names an adapter after its weight ("w1.lora_A" beside "w1"): the weight takes an
+    attribute name, the adapters a submodule, and no former name shadows that submodule."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxgrad import lora
+
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w1")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    adapted = lora.add_adapters(model, ["w1"], rank=2)
+    m = OnnxModule(adapted)
+    assert sorted(m.onnx_names[n] for n, _ in m.named_parameters()) == sorted(lora.adapter_names(adapted))
+    assert isinstance(m.w1, torch.nn.Module)  # the adapters' submodule
+    onnx.checker.check_model(m.to_onnx())

@@ -430,7 +430,11 @@ class OnnxModule(nn.Module):
         # torch name (a module path: "fc1.weight") -> ONNX initializer name
         self.onnx_names: dict[str, str] = {}
         # attribute names of modules written before parameters took module paths -> torch name
-        self._legacy = {old: paths[n] for n, old in legacy_names(floats).items() if old != paths[n]}
+        # (never a name the new paths use: "w1" is the submodule of "w1.lora_A" now)
+        used = {p.split(".")[0] for p in paths.values()}
+        self._legacy = {
+            old: paths[n] for n, old in legacy_names(floats).items() if old != paths[n] and old not in used
+        }
         # torch name -> the model's half type, for the float32 master parameters
         self._master_dtypes: dict[str, torch.dtype] = {}
         for n in floats:
