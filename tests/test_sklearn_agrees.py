@@ -12,13 +12,13 @@ import pytest
 pytest.importorskip("sklearn")
 pytest.importorskip("skl2onnx")
 
-from sklearn.datasets import load_diabetes  # noqa: E402
-from sklearn.exceptions import ConvergenceWarning  # noqa: E402
-from sklearn.neural_network import MLPRegressor  # noqa: E402
-from sklearn.preprocessing import StandardScaler  # noqa: E402
+from sklearn.datasets import load_diabetes
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.neural_network import MLPRegressor
+from sklearn.preprocessing import StandardScaler
 
-from onnxgrad.errors import InputError  # noqa: E402
-from onnxgrad.sklearn import OnnxRegressor  # noqa: E402
+from onnxgrad.errors import InputError
+from onnxgrad.sklearn import OnnxRegressor
 
 
 @pytest.fixture(scope="module")

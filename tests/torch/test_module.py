@@ -193,7 +193,8 @@ def test_train_and_eval_switch_batchnorm_and_dropout():
     assert not torch.equal(m.get_buffer("1.running_mean"), before)
     momentum = net[1].momentum
     batch_mean = (x @ net[0].weight.T + net[0].bias).mean(0)
-    torch.testing.assert_close(m.get_buffer("1.running_mean"), (1 - momentum) * before + momentum * batch_mean)
+    want = (1 - momentum) * before + momentum * batch_mean
+    torch.testing.assert_close(m.get_buffer("1.running_mean"), want)
     # dropout: about half of the hidden units are zeroed, survivors scaled by 2
     h = torch.nn.functional.relu(net[1](net[0](x)))
     assert not zero_rows.all()

@@ -102,7 +102,7 @@ def test_autocast_activations_are_cast_at_the_border_and_the_gradient_comes_back
     # what torch computes in float32 from the same bfloat16 activation
     ref = net(h.detach().float().requires_grad_())
     torch.testing.assert_close(y.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
-    for p, q in zip(m.parameters(), net.parameters()):
+    for p in m.parameters():
         assert p.grad is not None and p.grad.dtype == torch.float32
     x64 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     m(x64).sum().backward()
