@@ -77,11 +77,11 @@ export interface TrainingOptions {
   /** A state to resume from: the bytes of `exportState()` (safetensors). */
   state?: Uint8Array | ArrayBuffer;
   /** Steps in a row with a non-finite loss (their updates skipped) after which `step()` throws; default 5. */
-  maxNonFiniteSteps?: number;
+  maxConsecutiveSkips?: number;
 }
 
-/** The default of `maxNonFiniteSteps`. */
-export const MAX_NON_FINITE_STEPS: number;
+/** The default of `maxConsecutiveSkips`. */
+export const MAX_CONSECUTIVE_SKIPS: number;
 
 /** An Error unless `name` (manifest `files.<key>`) is a relative path inside the folder (no `..`, absolute path or URL). */
 export function checkFileName(key: string, name: unknown): string;
@@ -118,11 +118,11 @@ export class TrainingSession<T extends TensorLike = TensorLike> {
   /** Parameters, optimizer state and buffers carried between steps. */
   carried: Record<string, T>;
   /** Steps in a row with a non-finite loss after which `step()` throws. */
-  maxNonFiniteSteps: number;
+  maxConsecutiveSkips: number;
   /** Steps whose loss was not finite: their updates were skipped (`iterations` unchanged). */
   skippedSteps: number;
   /** The current run of steps with a non-finite loss (0 after a finite one). */
-  nonFiniteInARow: number;
+  consecutiveSkips: number;
 
   /**
    * One update on `batch`; resolves to the loss. Errors name the input when a value does not fit the

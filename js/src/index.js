@@ -87,8 +87,8 @@ function checkedTensor(ort, spec, value, sizes) {
   return tensor;
 }
 
-/** The number of steps in a row with a non-finite loss after which `step()` throws (Python's default). */
-export const MAX_NON_FINITE_STEPS = 5;
+/** Steps in a row with a non-finite loss at which `step()` throws: Python's `MAX_CONSECUTIVE_SKIPS`. */
+export const MAX_CONSECUTIVE_SKIPS = 5;
 const MANIFEST = 'manifest.json';
 const CLASS_LOSSES = ['cross_entropy', 'nll']; // integer class targets, classes on axis 1
 
@@ -189,7 +189,7 @@ export class TrainingSession {
    * @param ort the onnxruntime module (onnxruntime-node, onnxruntime-web or onnxruntime-common API)
    * @param load async (fileName) => Uint8Array | ArrayBuffer: reads a file of the folder
    * @param options {lr: number | (step) => number, sessionOptions, state: Uint8Array (safetensors),
-   *   maxNonFiniteSteps}
+   *   maxConsecutiveSkips}
    */
   static async create(ort, load, options = {}) {
     const bytes = async (name) => {
@@ -204,6 +204,10 @@ export class TrainingSession {
       throw new Error(`${MANIFEST} is not JSON: ${error.message}`);
     }
     checkManifest(manifest);
+    const limit = options.maxConsecutiveSkips;
+    if (limit !== undefined && !(Number.isInteger(limit) && limit >= 1)) {
+      throw new Error(`maxConsecutiveSkips must be an integer >= 1, got ${shown(limit)}`);
+    }
     if (options.lr !== undefined && typeof options.lr !== 'function') checkLearningRate(options.lr);
     const state = options.state
       ? checkedState(options.state, 'the state option', manifest)
@@ -226,9 +230,9 @@ export class TrainingSession {
     this.schedule = typeof lr === 'function' ? lr : () => lr;
     this.iterations = state.step ?? Number(state.metadata?.step ?? 0); // updates made so far
     this.lr = this._learningRate();
-    this.maxNonFiniteSteps = options.maxNonFiniteSteps ?? MAX_NON_FINITE_STEPS;
-    this.skippedSteps = 0; // steps whose loss was not finite: no update made
-    this.nonFiniteInARow = 0;
+    this.maxConsecutiveSkips = options.maxConsecutiveSkips ?? MAX_CONSECUTIVE_SKIPS;
+    this.skippedSteps = 0; // steps skipped for a non-finite loss, in all
+    this.consecutiveSkips = 0; // ... since the last update made
     this.feedback = manifest.train_step.feedback; // output name -> input name at the next step
     this.lossName = manifest.loss.name;
     this.batchSpecs = Object.fromEntries(manifest.batch.map((s) => [s.name, s]));
@@ -288,7 +292,7 @@ export class TrainingSession {
    * One update on `batch` ({input name: values}, the target included); resolves to the loss.
    * Steps run in call order, each from the previous one's result. A non-finite loss (a NaN in the
    * batch...) leaves the parameters, the optimizer state and `iterations` as they were and counts
-   * in `skippedSteps`; `maxNonFiniteSteps` such steps in a row throw.
+   * in `skippedSteps`; `maxConsecutiveSkips` such steps in a row throw.
    */
   step(batch) {
     return this._serial(() => this._step(batch));
@@ -305,17 +309,17 @@ export class TrainingSession {
     const loss = Number(results[this.lossName].data[0]);
     if (!Number.isFinite(loss)) {
       this.skippedSteps += 1;
-      this.nonFiniteInARow += 1;
-      if (this.nonFiniteInARow >= this.maxNonFiniteSteps) {
+      this.consecutiveSkips += 1;
+      if (this.consecutiveSkips >= this.maxConsecutiveSkips) {
         throw new Error(
-          `${this.nonFiniteInARow} steps in a row gave a non-finite loss (${loss}): their updates were skipped, the ` +
-            `parameters are those after ${this.iterations} updates; look for NaN or infinite values in the batches, ` +
-            'or lower the learning rate',
+          `the loss is ${loss} at update ${this.iterations}: the update was skipped, the parameters and optimizer ` +
+            `state are unchanged (${this.consecutiveSkips} skipped in a row, the limit maxConsecutiveSkips=` +
+            `${this.maxConsecutiveSkips}). Check the batches for NaN and infinite values, or lower the learning rate`,
         );
       }
       return loss;
     }
-    this.nonFiniteInARow = 0;
+    this.consecutiveSkips = 0;
     for (const [out, input] of Object.entries(this.feedback)) this.carried[input] = results[out];
     this.iterations += 1;
     return loss;

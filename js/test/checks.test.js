@@ -11,7 +11,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, test } from 'node:test';
 import { fileURLToPath } from 'node:url';
-import { MAX_NON_FINITE_STEPS, loadTrainingFolder, ort, readSafetensors, writeSafetensors } from '../src/node.js';
+import { MAX_CONSECUTIVE_SKIPS, loadTrainingFolder, ort, readSafetensors, writeSafetensors } from '../src/node.js';
 
 const ROOT = process.env.ONNXGRAD_JS_FIXTURE ?? fileURLToPath(new URL('./fixture/', import.meta.url));
 const FOLDER = join(ROOT, 'artifacts');
@@ -96,8 +96,8 @@ test('lr must be a finite number >= 0, given or from a schedule', async () => {
   await session.release();
 });
 
-test('a batch with a NaN: the update is skipped and counted; errors after maxNonFiniteSteps in a row', async () => {
-  assert.equal(MAX_NON_FINITE_STEPS, 5);
+test('a batch with a NaN: the update is skipped and counted; an error at maxConsecutiveSkips in a row', async () => {
+  assert.equal(MAX_CONSECUTIVE_SKIPS, 5);
   const session = await loadTrainingFolder(FOLDER, OPTIONS);
   await session.step(batch(0));
   const kept = values(session.carried);
@@ -109,17 +109,23 @@ test('a batch with a NaN: the update is skipped and counted; errors after maxNon
   assert.deepEqual(values(session.carried), kept, 'no update on a NaN loss');
   assert.ok(Number.isFinite(await session.step(batch(1))));
   assert.equal(session.iterations, 2);
-  assert.equal(session.nonFiniteInARow, 0);
-  for (let k = 1; k < MAX_NON_FINITE_STEPS; k++) assert.ok(Number.isNaN(await session.step(poisoned)));
+  assert.equal(session.consecutiveSkips, 0);
+  for (let k = 1; k < MAX_CONSECUTIVE_SKIPS; k++) assert.ok(Number.isNaN(await session.step(poisoned)));
   await assert.rejects(session.step(poisoned), {
     message:
-      '5 steps in a row gave a non-finite loss (NaN): their updates were skipped, the parameters are those after 2 ' +
-      'updates; look for NaN or infinite values in the batches, or lower the learning rate',
+      'the loss is NaN at update 2: the update was skipped, the parameters and optimizer state are unchanged (5 ' +
+      'skipped in a row, the limit maxConsecutiveSkips=5). Check the batches for NaN and infinite values, or lower ' +
+      'the learning rate',
   });
   assert.equal(session.skippedSteps, 6);
   assert.ok(Array.from(session.carried['fc1.weight'].data).every(Number.isFinite));
-  const strict = await loadTrainingFolder(FOLDER, { ...OPTIONS, maxNonFiniteSteps: 1 });
-  await assert.rejects(strict.step(poisoned), /^Error: 1 steps in a row gave a non-finite loss \(NaN\)/);
+  const strict = await loadTrainingFolder(FOLDER, { ...OPTIONS, maxConsecutiveSkips: 1 });
+  await assert.rejects(strict.step(poisoned), /\(1 skipped in a row, the limit maxConsecutiveSkips=1\)/);
+  for (const limit of [0, 1.5, '5']) {
+    await assert.rejects(loadTrainingFolder(FOLDER, { ...OPTIONS, maxConsecutiveSkips: limit }), {
+      message: `maxConsecutiveSkips must be an integer >= 1, got ${typeof limit === 'string' ? `"${limit}"` : limit}`,
+    });
+  }
   await session.release();
   await strict.release();
 });
