@@ -59,19 +59,30 @@ export function checkDims(name, dims, expected, sizes) {
 /**
  * An Error unless every value of the class labels `tensor` (batch input `name`, classes on axis 1
  * of the scores) lies in [0, classes) or equals `ignoreIndex` (a row the loss skips, torch's rule):
- * a label outside would add nothing to the loss, or make it NaN, with no error. Names the value
- * and its row (the index on the batch axis).
+ * a label outside would add nothing to the loss, or make it NaN, with no error. `classes` null (a
+ * symbolic class count): only negative labels are refused. Names the first such value and its row,
+ * as Python's `check_labels`.
  */
 export function checkClassLabels(name, tensor, classes, ignoreIndex = -100) {
   const { data, dims } = tensor;
-  const perRow = dims.length ? data.length / Math.max(dims[0], 1) : data.length;
+  const isBad = (v) => v !== ignoreIndex && (v < 0 || (classes !== null && v >= classes));
+  let first = -1;
+  let count = 0;
   for (let i = 0; i < data.length; i++) {
-    const v = Number(data[i]);
-    if (v === ignoreIndex || (v >= 0 && v < classes)) continue;
-    const row = Math.floor(i / Math.max(perRow, 1));
-    throw new Error(
-      `batch input ${name}: class label ${data[i]} at row ${row} is outside [0, ${classes}) ` +
-        `(the model scores ${classes} classes; ${ignoreIndex}, the ignore_index, marks a row the loss skips)`,
-    );
+    if (!isBad(Number(data[i]))) continue;
+    if (first < 0) first = i;
+    count += 1;
   }
+  if (first < 0) return;
+  const where = [];
+  for (let k = dims.length - 1, rest = first; k >= 0; k--) {
+    where.unshift(rest % dims[k]);
+    rest = Math.floor(rest / dims[k]);
+  }
+  const row = where.length > 1 ? `row ${where[0]} (position [${where.join(', ')}])` : `row ${where[0] ?? 0}`;
+  const valid = classes !== null ? `[0, ${classes})` : '[0, C)';
+  const skipped = ignoreIndex !== null ? `; only ignore_index ${ignoreIndex} may lie outside` : '';
+  throw new Error(
+    `batch input ${name} holds class ${data[first]} at ${row}: class labels must lie in ${valid}${skipped} (${count} such label(s))`,
+  );
 }

@@ -7,6 +7,7 @@
 //   const loss = await trainer.step({ pixels: x, target: y });   // ort.Tensor or TypedArray values
 //   const weights = trainer.exportParameters();                  // safetensors bytes
 import { checkClassLabels, checkDims, checkLearningRate, isFixed, shapeText, shown } from './checks.js';
+import { onnxMetadata } from './ort_training.js';
 import { arrayClassOf, readSafetensors, writeSafetensors } from './safetensors.js';
 
 export { readSafetensors, writeSafetensors } from './safetensors.js';
@@ -91,6 +92,7 @@ function checkedTensor(ort, spec, value, sizes) {
 export const MAX_CONSECUTIVE_SKIPS = 5;
 const MANIFEST = 'manifest.json';
 const CLASS_LOSSES = ['cross_entropy', 'nll']; // integer class targets, classes on axis 1
+const LOSS_METADATA = 'onnxgrad.loss'; // the step graph's description of its loss (Python's LossSpec)
 
 /**
  * An Error unless `name` (manifest `files.<key>`) is a file inside the folder: a relative path
@@ -212,9 +214,12 @@ export class TrainingSession {
     const state = options.state
       ? checkedState(options.state, 'the state option', manifest)
       : checkedState(await bytes(manifest.files.state), manifest.files.state, manifest);
-    const train = await ort.InferenceSession.create(await bytes(manifest.files.train_step), options.sessionOptions ?? {});
+    const trainBytes = await bytes(manifest.files.train_step);
+    const train = await ort.InferenceSession.create(trainBytes, options.sessionOptions ?? {});
     checkSessionFits(train, manifest.train_step, manifest.files.train_step);
-    return new TrainingSession(ort, load, manifest, train, state, options);
+    const session = new TrainingSession(ort, load, manifest, train, state, options);
+    session._labels = classLabels(manifest, onnxMetadata(trainBytes)[LOSS_METADATA], manifest.files.train_step);
+    return session;
   }
 
   constructor(ort, load, manifest, train, state, options) {
@@ -239,7 +244,7 @@ export class TrainingSession {
     // every input the batch may feed: the train step's, the eval step's and inference.onnx's
     const specs = [...(manifest.inference?.inputs ?? []), ...(manifest.eval_step?.inputs ?? []), ...manifest.batch];
     this._inputSpecs = Object.fromEntries(specs.map((s) => [s.name, s]));
-    this._labels = classLabels(manifest);
+    this._labels = null; // the class-label inputs to check: create() reads them from the step graph
     this.carried = {};
     for (const name of Object.values(this.feedback)) {
       const t = state.tensors[name];
@@ -386,18 +391,27 @@ export class TrainingSession {
 }
 
 /**
- * The class-label inputs of a folder whose loss takes integer classes (cross_entropy, nll):
- * {names, classes, ignoreIndex}, or null when the loss takes none or the number of classes is not
- * fixed in the manifest (dimension 1 of the scores the loss reads).
+ * The class-label inputs to check before a run, {names, classes, ignoreIndex}, or null. `text` is
+ * the step graph's `onnxgrad.loss` metadata (Python's LossSpec: kind, target, classes, ignore_index),
+ * the one description of the loss; a folder written before it had one falls back on the manifest:
+ * the integer batch inputs the model does not take, classes from dimension 1 of the scores.
  */
-function classLabels(m) {
+function classLabels(m, text, file) {
+  if (text !== undefined) {
+    let spec;
+    try {
+      spec = JSON.parse(text);
+    } catch (error) {
+      throw new Error(`${file}: its ${LOSS_METADATA} metadata is not a loss description: ${error.message}`);
+    }
+    if (!CLASS_LOSSES.includes(spec?.kind) || typeof spec.target !== 'string') return null;
+    return { names: [spec.target], classes: isFixed(spec.classes) ? spec.classes : null, ignoreIndex: spec.ignore_index ?? null };
+  }
   if (!CLASS_LOSSES.includes(m.loss?.kind)) return null;
   const options = m.loss.options ?? {};
   const scores = (m.eval_step.outputs ?? []).find((s) => s.name === (options.output ?? m.model_outputs[0]));
   const classes = scores?.shape?.[1];
-  if (!isFixed(classes)) return null;
   const modelInputs = new Set((m.inference.inputs ?? []).map((s) => s.name));
   const names = m.batch.filter((s) => !modelInputs.has(s.name) && /^u?int/.test(s.dtype ?? '')).map((s) => s.name);
-  if (options.target_name !== undefined) names.splice(0, names.length, options.target_name);
-  return names.length ? { names, classes, ignoreIndex: options.ignore_index ?? -100 } : null;
+  return names.length ? { names, classes: isFixed(classes) ? classes : null, ignoreIndex: options.ignore_index ?? -100 } : null;
 }

@@ -132,15 +132,13 @@ test('a batch with a NaN: the update is skipped and counted; an error at maxCons
 
 test('class labels outside [0, C) are refused before the run, naming the value and its row', async () => {
   const session = await loadTrainingFolder(FOLDER, OPTIONS);
-  for (const [label, shownAs] of [
-    [10, '10'],
-    [-1, '-1'],
-  ]) {
+  for (const label of [10, -1]) {
     const b = batch(0);
     b.target[3] = BigInt(label);
+    b.target[7] = 12n;
     const message =
-      `batch input target: class label ${shownAs} at row 3 is outside [0, 10) ` +
-      '(the model scores 10 classes; -100, the ignore_index, marks a row the loss skips)';
+      `batch input target holds class ${label} at row 3: class labels must lie in [0, 10); only ignore_index -100 ` +
+      'may lie outside (2 such label(s))';
     await assert.rejects(session.step(b), { message });
     await assert.rejects(session.evaluate(b), { message });
   }
@@ -149,6 +147,49 @@ test('class labels outside [0, C) are refused before the run, naming the value a
   b.target[3] = -100n; // ignore_index: accepted
   assert.ok(Number.isFinite(await session.step(b)));
   await session.release();
+});
+
+/** Protobuf bytes of field `field` (length-delimited) holding `payload`. */
+function lengthDelimited(field, payload) {
+  const out = [field * 8 + 2];
+  for (let n = payload.length; ; n = Math.floor(n / 128)) {
+    out.push(n < 128 ? n : (n % 128) | 128);
+    if (n < 128) break;
+  }
+  return Buffer.concat([Buffer.from(out), payload]);
+}
+
+test("the step graph's loss description (onnxgrad.loss metadata) says which labels to refuse", async () => {
+  // what Python's add_loss records: the target's name, the class count (null: symbolic), the ignore_index
+  const described = (spec) =>
+    copyFolder((d) => {
+      const entry = Buffer.concat([lengthDelimited(1, Buffer.from('onnxgrad.loss')), lengthDelimited(2, Buffer.from(JSON.stringify(spec)))]);
+      const path = join(d, 'train_step.onnx');
+      writeFileSync(path, Buffer.concat([readFileSync(path), lengthDelimited(14, entry)])); // ModelProto.metadata_props
+    });
+  const spec = { kind: 'cross_entropy', loss: 'loss', target: 'target', weight: null, reduction: 'mean', classes: 4, ignore_index: -1 };
+  const session = await loadTrainingFolder(described(spec), OPTIONS);
+  const b = batch(0);
+  b.target.fill(1n);
+  b.target[2] = -100n;
+  await assert.rejects(session.step(b), {
+    message: 'batch input target holds class -100 at row 2: class labels must lie in [0, 4); only ignore_index -1 may lie outside (1 such label(s))',
+  });
+  b.target[2] = -1n;
+  b.target[5] = 4n;
+  await assert.rejects(session.step(b), { message: /^batch input target holds class 4 at row 5: class labels must lie in \[0, 4\)/ });
+  b.target[5] = 3n;
+  assert.ok(Number.isFinite(await session.step(b)));
+  await session.release();
+  const symbolic = await loadTrainingFolder(described({ ...spec, classes: null, ignore_index: null }), OPTIONS);
+  b.target[5] = 50n; // the class count is unknown here: only negative labels are refused
+  b.target[2] = 1n;
+  assert.equal(typeof (await symbolic.step(b)), 'number');
+  b.target[2] = -100n;
+  await assert.rejects(symbolic.step(b), {
+    message: 'batch input target holds class -100 at row 2: class labels must lie in [0, C) (1 such label(s))',
+  });
+  await symbolic.release();
 });
 
 test('unknown batch inputs are refused (the Python runner\'s rule)', async () => {
