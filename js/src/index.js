@@ -122,9 +122,8 @@ function checkManifest(m) {
   if (m.format !== FORMAT) throw new Error(`not an onnxgrad artifacts folder (format ${m.format})`);
   const needed = ['files', 'batch', 'lr', 'step', 'loss', 'parameters', 'model_outputs', 'train_step', 'eval_step', 'inference'];
   const missing = needed.filter((k) => m[k] === undefined || m[k] === null);
-  if (missing.length || !m.train_step.feedback) {
-    throw new Error(`${MANIFEST} lacks ${[...missing, ...(missing.includes('train_step') ? [] : ['train_step.feedback'])].join(', ')}`);
-  }
+  if (m.train_step && !m.train_step.feedback) missing.push('train_step.feedback');
+  if (missing.length) throw new Error(`${MANIFEST} lacks ${missing.join(', ')}`);
   for (const key of ['train_step', 'eval_step', 'inference', 'state']) checkFileName(key, m.files[key]);
 }
 

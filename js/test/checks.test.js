@@ -294,3 +294,15 @@ test('a state that does not fit the manifest is refused where it is read', async
   assert.equal(session.iterations, 7);
   await session.release();
 });
+
+test('a manifest that is not JSON, or lacks what the session reads, is a clear error', async () => {
+  const broken = copyFolder((d) => writeFileSync(join(d, 'manifest.json'), '{"format": "onnxgrad.artifacts",'));
+  await assert.rejects(loadTrainingFolder(broken, OPTIONS), /^Error: manifest\.json is not JSON: /);
+  const partial = copyFolder((d) => {
+    const m = manifestOf(d);
+    delete m.eval_step;
+    delete m.train_step.feedback;
+    writeManifest(d, m);
+  });
+  await assert.rejects(loadTrainingFolder(partial, OPTIONS), { message: 'manifest.json lacks eval_step, train_step.feedback' });
+});
