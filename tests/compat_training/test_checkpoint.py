@@ -4,7 +4,6 @@ errors of the compat API."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -140,18 +139,6 @@ def test_api_errors(tmp_path):
         og.api.LinearLRScheduler(opt, 10, 3, 0.1)
     with pytest.raises(InputError, match="values are int, float or str"):
         state.properties["bad"] = [1, 2]
-    # refused when set, not when save_checkpoint writes them (int64 and float32 in the file)
-    int64 = "does not fit int64"
-    refused = [(2**63, int64), (-(2**63) - 1, int64), (1e300, "is beyond float32")]
-    for value, why in refused:
-        with pytest.raises(InputError, match=re.escape(f"property 'bad': {value} {why}")):
-            state.properties["bad"] = value
-    assert "bad" not in state.properties
-    state.properties["edge"], state.properties["low"], state.properties["huge"] = 2**63 - 1, -(2**63), 3e38
-    og.api.CheckpointState.save_checkpoint(state, tmp_path / "props")
-    back = og.api.CheckpointState.load_checkpoint(tmp_path / "props").properties
-    assert (back["edge"], back["low"]) == (2**63 - 1, -(2**63))
-    assert back["huge"] == float(np.float32(3e38))
     with pytest.raises(NotFoundError, match="Parameter nope not found"):
         state.parameters["nope"]
     with pytest.raises(InputError, match=r"has shape \(3,\), got \(2,\)"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator
 
@@ -102,17 +101,8 @@ class Properties:
             raise InputError(f"property {name!r}: values are int, float or str, got {type(value).__name__}")
         if isinstance(value, (int, np.integer)):
             value = int(value)
-            if not -(2**63) <= value < 2**63:
-                raise InputError(
-                    f"property {name!r}: {value} does not fit int64, the checkpoint's type of int properties"
-                )
         elif isinstance(value, (float, np.floating)):
             value = float(value)
-            if math.isfinite(value) and not math.isfinite(float(np.float32(value))):
-                raise InputError(
-                    f"property {name!r}: {value} is beyond float32's range, the checkpoint's type of float "
-                    "properties (largest 3.4028235e+38)"
-                )
         self._props[name] = value
 
     def __contains__(self, name: object) -> bool:
