@@ -160,11 +160,17 @@ function checkedState(bytes, source, manifest) {
   const { tensors, metadata } = readSafetensors(bytes, source);
   const text = metadata.step ?? '0';
   if (!/^\d+$/.test(text) || !Number.isSafeInteger(Number(text))) {
-    throw new Error(`${source}: step ${shown(text)} is not a whole number >= 0 (the updates already made)`);
+    throw new Error(
+      `${source}: its step (the updates already made) is ${shown(text)}, not a whole number from 0 to 2**53 - 1 ` +
+        "(JavaScript's exact integers)",
+    );
   }
   const specs = [...manifest.parameters, ...(manifest.optimizer_state ?? []), ...(manifest.buffers ?? [])];
   const byName = Object.fromEntries(specs.map((s) => [s.name, s]));
-  for (const name of Object.values(manifest.train_step.feedback)) {
+  const carried = Object.values(manifest.train_step.feedback);
+  const extra = Object.keys(tensors).filter((n) => !carried.includes(n));
+  if (extra.length) throw new Error(`${source} holds ${extra.join(', ')}, which the folder does not carry (the state of another folder?)`);
+  for (const name of carried) {
     const t = tensors[name];
     if (!t) throw new Error(`${source} lacks ${name}, which the step carries (was it written for another folder?)`);
     const spec = byName[name];

@@ -228,7 +228,11 @@ test('a manifest that does not fit the folder\'s files is refused when loading',
     delete m.train_step.feedback['next/exp_avg/fc1.weight'];
     m.train_step.inputs = m.train_step.inputs.filter((s) => s.name !== 'exp_avg/fc1.weight');
     m.train_step.outputs = m.train_step.outputs.filter((s) => s.name !== 'next/exp_avg/fc1.weight');
+    m.optimizer_state = m.optimizer_state.filter((s) => s.name !== 'exp_avg/fc1.weight');
     writeManifest(d, m);
+    const { tensors, metadata } = readSafetensors(readFileSync(join(d, 'state.safetensors')));
+    delete tensors['exp_avg/fc1.weight'];
+    writeFileSync(join(d, 'state.safetensors'), writeSafetensors(tensors, metadata));
   });
   await assert.rejects(loadTrainingFolder(dir, OPTIONS), {
     message:
@@ -247,30 +251,42 @@ test('manifest paths stay inside the folder: no .., no absolute path, no link ou
       message: `manifest.json: files.train_step is ${JSON.stringify(path)}: a file of the folder must be a relative path inside it (no '..', no absolute path or URL)`,
     });
   }
+  // a symbolic link, even to a file inside the folder (it could be changed to point out)
   const outside = join(scratch, 'outside.onnx');
   cpSync(join(FOLDER, 'train_step.onnx'), outside);
-  const linked = copyFolder((d) => {
-    rmSync(join(d, 'train_step.onnx'));
-    symlinkSync(outside, join(d, 'train_step.onnx'));
+  for (const target of [outside, 'real.onnx']) {
+    const linked = copyFolder((d) => {
+      cpSync(join(d, 'train_step.onnx'), join(d, 'real.onnx'));
+      rmSync(join(d, 'train_step.onnx'));
+      symlinkSync(target, join(d, 'train_step.onnx'));
+    });
+    await assert.rejects(loadTrainingFolder(linked, OPTIONS), {
+      message: `${join(linked, 'train_step.onnx')} is a symbolic link: refused, copy the file instead`,
+    });
+  }
+  // a folder on the path that links out of the folder
+  const sub = copyFolder((d) => {
+    symlinkSync(scratch, join(d, 'sub'));
+    writeManifest(d, { ...manifestOf(d), files: { ...manifestOf(d).files, train_step: 'sub/outside.onnx' } });
   });
-  await assert.rejects(loadTrainingFolder(linked, OPTIONS), {
-    message: `${join(linked, 'train_step.onnx')} leads to ${outside}, outside the folder ${linked}: a folder's files must lie inside it`,
+  await assert.rejects(loadTrainingFolder(sub, OPTIONS), {
+    message: `${join(sub, 'sub', 'outside.onnx')} leads to ${outside}, outside the folder ${sub}: a folder's files must lie inside it`,
   });
-  // a link inside the folder is fine
-  const inside = copyFolder((d) => {
-    cpSync(join(d, 'train_step.onnx'), join(d, 'real.onnx'));
-    rmSync(join(d, 'train_step.onnx'));
-    symlinkSync('real.onnx', join(d, 'train_step.onnx'));
-  });
-  await (await loadTrainingFolder(inside, OPTIONS)).release();
 });
+
+const STEP_RANGE = "not a whole number from 0 to 2**53 - 1 (JavaScript's exact integers)";
 
 test('a state that does not fit the manifest is refused where it is read', async () => {
   const { tensors } = readSafetensors(await readFile(join(FOLDER, 'state.safetensors')));
   const cases = [
-    [{ step: '-1' }, tensors, 'the state option: step "-1" is not a whole number >= 0 (the updates already made)'],
-    [{ step: 'nan' }, tensors, 'the state option: step "nan" is not a whole number >= 0 (the updates already made)'],
-    [{ step: String(2 ** 60) }, tensors, `the state option: step "${2 ** 60}" is not a whole number >= 0 (the updates already made)`],
+    [{ step: '-1' }, tensors, `the state option: its step (the updates already made) is "-1", ${STEP_RANGE}`],
+    [{ step: 'nan' }, tensors, `the state option: its step (the updates already made) is "nan", ${STEP_RANGE}`],
+    [{ step: String(2 ** 60) }, tensors, `the state option: its step (the updates already made) is "${2 ** 60}", ${STEP_RANGE}`],
+    [
+      { step: '0' },
+      { ...tensors, extra: { type: 'float32', dims: [1], data: new Float32Array(1) } },
+      'the state option holds extra, which the folder does not carry (the state of another folder?)',
+    ],
     [
       { step: '0' },
       { ...tensors, 'fc1.bias': { type: 'float32', dims: [16], data: new Float32Array(16) } },
