@@ -195,8 +195,6 @@ export class OrtTrainingSession {
     [this._train, this._optimizer] = sessions;
     this._eval = null;
     this._meta = metaOf(files.trainModel, 'trainModel');
-    metaOf(files.optimizerModel, 'optimizerModel');
-    if (files.evalModel) metaOf(files.evalModel, 'evalModel');
     const state = readCheckpoint(files.checkpointState);
     this._nominal = state.nominal; // no values yet: loadParametersBuffer(buffer, false) fills them
     this._trainable = state.trainable;
@@ -430,6 +428,7 @@ export async function createTrainingSession(ort, options, sessionOptions = {}) {
     if (value === undefined && key !== 'evalModel') throw new Error(`TrainingSession.create needs ${key}`);
     if (value !== undefined) files[key] = u8(value);
   }
+  for (const key of Object.keys(ROLES)) if (files[key]) metaOf(files[key], key); // each file where it belongs
   const train = await ort.InferenceSession.create(files.trainModel, sessionOptions);
   const optimizer = await ort.InferenceSession.create(files.optimizerModel, sessionOptions);
   return new OrtTrainingSession(ort, files, [train, optimizer], sessionOptions);
