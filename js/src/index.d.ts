@@ -83,9 +83,6 @@ export interface TrainingOptions {
 /** The default of `maxConsecutiveSkips`. */
 export const MAX_CONSECUTIVE_SKIPS: number;
 
-/** An Error unless `name` (manifest `files.<key>`) is a relative path inside the folder (no `..`, absolute path or URL). */
-export function checkFileName(key: string, name: unknown): string;
-
 /**
  * Training from an artifacts folder: one run of train_step.onnx per step, parameters kept as tensors.
  * Calls run one at a time in call order: concurrent `step()`s equal the same steps awaited one by one.

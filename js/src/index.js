@@ -98,7 +98,7 @@ const LOSS_METADATA = 'onnxgrad.loss'; // the step graph's description of its lo
  * An Error unless `name` (manifest `files.<key>`) is a file inside the folder: a relative path
  * with no `..` part, no absolute path, drive, URL or backslash (the loader joins it to the folder).
  */
-export function checkFileName(key, name) {
+function checkFileName(key, name) {
   const bad =
     typeof name !== 'string' ||
     !name ||
