@@ -3,6 +3,7 @@
 // the same TrainingSession class Node uses (../../js/src/index.js, ort injected). The folder, the
 // data and the Python runner's losses come from js/test/make_fixture.py (in ./fixture/).
 import { readSafetensors, TrainingSession } from '../../js/src/index.js';
+import { concurrentSteps } from './concurrency.js';
 
 const query = new URLSearchParams(location.search);
 const ep = query.get('ep') ?? 'wasm'; // 'wasm' or 'webgpu'
@@ -127,9 +128,13 @@ async function main() {
       target: tensors.target.data.slice(start, start + size),
     };
   };
-  const session = await TrainingSession.create(ort, (name) => fetchBytes(`${artifacts}${name}`), {
-    sessionOptions: { executionProviders: ep === 'webgpu' ? ['webgpu', 'wasm'] : [ep], logSeverityLevel: Number(query.get('log') ?? 2) },
-  });
+  const create = () =>
+    TrainingSession.create(ort, (name) => fetchBytes(`${artifacts}${name}`), {
+      sessionOptions: { executionProviders: ep === 'webgpu' ? ['webgpu', 'wasm'] : [ep], logSeverityLevel: Number(query.get('log') ?? 2) },
+    });
+  // steps called at once run in call order (wasm only: WebGPU's software adapter is slow)
+  const concurrent = ep === 'wasm' ? await concurrentSteps(create, batchAt) : null;
+  const session = await create();
   const steps = Math.min(Number(query.get('steps') ?? expected.steps), expected.steps); // ?steps=N: the first N
   const losses = [];
   const started = performance.now();
@@ -161,7 +166,9 @@ async function main() {
     `done: ${steps} steps, loss ${losses[0].toFixed(4)} → ${losses.at(-1).toFixed(4)}, ` +
     `${ms.toFixed(2)} ms/step (${ep}), largest relative difference from Python ${worst.toExponential(2)}`;
   document.title = `onnxgrad: ${expected.model ?? 'mlp'} trained in the browser`;
-  window.__result = { done: true, model: expected.model ?? 'mlp', ep, losses, expected: expected.losses, worst, accuracy, msPerStep: ms };
+  window.__result = {
+    done: true, model: expected.model ?? 'mlp', ep, losses, expected: expected.losses, worst, accuracy, msPerStep: ms, concurrent,
+  };
 }
 
 main().catch((err) => {

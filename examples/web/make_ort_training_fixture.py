@@ -7,7 +7,8 @@ The first python block of the page's "After" section runs unchanged in DIR: it w
 (training_model.onnx, eval_model.onnx, optimizer_model.onnx, checkpoint) and trains. Then a fresh
 session on DIR/data/checkpoint (the untrained parameters) takes ``STEPS`` steps of ``BATCH`` rows
 with the Python API; DIR/digits.safetensors holds the rows and DIR/expected.json the losses, the
-eval loss and the parameter count that the page's onnxruntime-web run is compared with.
+eval loss and the parameter count that the page's onnxruntime-web run is compared with;
+DIR/nominal_checkpoint the folder's checkpoint as a nominal one.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main(out: str) -> None:
     import numpy as np
 
     from onnxgrad.artifacts import tensors
+    from onnxgrad.compat.training import checkpoint_file
     from onnxgrad.compat.training.api import CheckpointState, Module, Optimizer
 
     os.makedirs(out, exist_ok=True)
@@ -74,6 +76,11 @@ def main(out: str) -> None:
     tensors.save(
         os.path.join(out, "digits.safetensors"), {"x": x, "y": y, "x_test": x_test, "y_test": y_test}
     )
+    # the folder's checkpoint as a nominal one (names and shapes, no values): the page checks that
+    # onnxruntime-web's TrainingSession names refuse to train it until every parameter is loaded
+    nominal = checkpoint_file.load(os.path.join(data, "checkpoint"))
+    nominal.nominal = True
+    checkpoint_file.save(os.path.join(out, "nominal_checkpoint"), nominal)
     with open(os.path.join(out, "expected.json"), "w") as f:
         json.dump(expected, f)
     print(f"wrote {out}: {STEPS} losses {losses[0]:.4f} -> {losses[-1]:.4f}")

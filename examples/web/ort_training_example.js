@@ -5,18 +5,19 @@
 import { readSafetensors } from '../../js/src/safetensors.js';
 import { trainingSessionOf } from '../../js/src/ort_training.js';
 
-/** Train `expected.steps` steps; resolves to {losses, evalLoss, size, restored}. `load(path)`: the
+/** Train `expected.steps` steps; resolves to {losses, evalLoss, size, restoredLoss, nominal}. `load(path)`: the
  * bytes of a file of the fixture folder; `onStep(k, loss)` is called after each update. */
 export async function trainMigratedExample(ort, load, onStep = async () => {}) {
   const expected = JSON.parse(new TextDecoder().decode(await load('expected.json')));
   const { tensors } = readSafetensors(await load('digits.safetensors'));
   const TrainingSession = trainingSessionOf(ort, load);
-  const session = await TrainingSession.create({
-    checkpointState: 'data/checkpoint',
+  const folder = (checkpointState) => ({
+    checkpointState,
     trainModel: 'data/training_model.onnx',
     evalModel: 'data/eval_model.onnx',
     optimizerModel: 'data/optimizer_model.onnx',
   });
+  const session = await TrainingSession.create(folder('data/checkpoint'));
   const [inputName, labelName] = session.trainingInputNames;
   const width = tensors.x.dims[1];
   const batch = (x, y, start, n) => ({
@@ -26,6 +27,7 @@ export async function trainMigratedExample(ort, load, onStep = async () => {}) {
   session.setLearningRate(expected.lr);
   const size = await session.getParametersSize(true);
   const initial = await session.getContiguousParameters(true);
+  const initialAll = await session.getContiguousParameters(false);
   const losses = [];
   for (let k = 0; k < expected.steps; k++) {
     const out = await session.runTrainStep(batch(tensors.x, tensors.y, k * expected.batch, expected.batch));
@@ -43,5 +45,22 @@ export async function trainMigratedExample(ort, load, onStep = async () => {}) {
   const again = await session.runEvalStep(batch(tensors.x, tensors.y, 0, expected.batch));
   await session.loadParametersBuffer(new Uint8Array(trained.data.buffer), true);
   await session.release();
-  return { expected, losses, evalLoss, size, restoredLoss: Number(again[session.evalOutputNames[0]].data[0]) };
+  // a nominal checkpoint (names and shapes, no values: make_ort_training_fixture.py) refuses to train
+  // and to take the trainable parameters alone; with every parameter loaded it gives the first loss
+  const nominal = await TrainingSession.create(folder('nominal_checkpoint'));
+  const refused = [];
+  await nominal.runTrainStep(batch(tensors.x, tensors.y, 0, expected.batch)).catch((e) => refused.push(e.message));
+  await nominal.loadParametersBuffer(new Uint8Array(initial.data.buffer), true).catch((e) => refused.push(e.message));
+  await nominal.loadParametersBuffer(new Uint8Array(initialAll.data.buffer), false);
+  nominal.setLearningRate(expected.lr);
+  const first = await nominal.runTrainStep(batch(tensors.x, tensors.y, 0, expected.batch));
+  await nominal.release();
+  return {
+    expected,
+    losses,
+    evalLoss,
+    size,
+    restoredLoss: Number(again[session.evalOutputNames[0]].data[0]),
+    nominal: { refused, loss: Number(first[session.trainingOutputNames[0]].data[0]) },
+  };
 }

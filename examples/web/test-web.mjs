@@ -14,6 +14,7 @@ import { mkdir, readFile } from 'node:fs/promises';
 import { createServer } from 'node:http';
 import { dirname, extname, join, normalize, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { check as checkConcurrent, concurrentSteps } from './concurrency.js';
 
 const here = dirname(fileURLToPath(import.meta.url));
 const root = resolve(here, '..', '..');
@@ -44,21 +45,23 @@ async function inNode(expected, fixture) {
   ort.env.wasm.numThreads = 1;
   const { TrainingSession, readSafetensors } = await import('../../js/src/index.js');
   const { tensors } = readSafetensors(await readFile(join(fixture, 'digits.safetensors')));
-  const session = await TrainingSession.create(ort, (name) => readFile(join(fixture, 'artifacts', name)));
+  const create = () => TrainingSession.create(ort, (name) => readFile(join(fixture, 'artifacts', name)));
   const [rows, ...sample] = tensors.pixels.dims;
   const width = sample.reduce((a, b) => a * b, 1);
   const size = expected.batch_size;
-  const losses = [];
-  for (let k = 0; k < expected.steps; k++) {
+  const batchAt = (k) => {
     const start = (k % Math.floor(rows / size)) * size;
-    losses.push(
-      await session.step({
-        pixels: new ort.Tensor('float32', tensors.pixels.data.slice(start * width, (start + size) * width), [size, ...sample]),
-        target: tensors.target.data.slice(start, start + size),
-      }),
-    );
-  }
-  check(losses, expected.losses, `${expected.model ?? 'mlp'}: onnxruntime-web (wasm) in Node`);
+    return {
+      pixels: new ort.Tensor('float32', tensors.pixels.data.slice(start * width, (start + size) * width), [size, ...sample]),
+      target: tensors.target.data.slice(start, start + size),
+    };
+  };
+  const where = `${expected.model ?? 'mlp'}: onnxruntime-web (wasm) in Node`;
+  checkConcurrent(await concurrentSteps(create, batchAt), where);
+  const session = await create();
+  const losses = [];
+  for (let k = 0; k < expected.steps; k++) losses.push(await session.step(batchAt(k)));
+  check(losses, expected.losses, where);
 }
 
 function serve() {
@@ -123,6 +126,7 @@ async function inBrowser(expected, fixture, shot, ep = 'wasm', steps = expected.
       const bad = cpu.filter((p) => !CPU_ALLOWED.has(p.split(' ')[0]));
       if (bad.length) throw new Error(`${result.model}: nodes left on the CPU inside a WebGPU step: ${bad.join(', ')}`);
     }
+    if (ep === 'wasm') checkConcurrent(result.concurrent, `${result.model}: chromium, onnxruntime-web (${ep})`);
     check(result.losses, expected.losses, `${result.model}: chromium, onnxruntime-web (${ep})`);
     console.log(`  ${result.msPerStep.toFixed(2)} ms/step, held-out accuracy ${(result.accuracy * 100).toFixed(1)}%`);
   } finally {
@@ -149,16 +153,25 @@ const ORT_TRAINING_RTOL = 1e-5;
 function checkOrtTraining(result, where) {
   const { expected } = result;
   if (result.size !== expected.size) throw new Error(`${where}: ${result.size} parameters, Python ${expected.size}`);
-  const all = [...result.losses, result.evalLoss, result.restoredLoss];
-  const want = [...expected.losses, expected.eval_loss, expected.losses[0]];
+  const refused = [
+    'Cannot perform TrainStep with a nominal state. Please load the model parameters first.',
+    'For nominal checkpoint state, all parameters need to be loaded into the model (trainableOnly = false).',
+  ];
+  if (JSON.stringify(result.nominal.refused) !== JSON.stringify(refused)) {
+    throw new Error(`${where}: a nominal checkpoint was not refused as 1.19.2 refuses it: ${JSON.stringify(result.nominal.refused)}`);
+  }
+  const all = [...result.losses, result.evalLoss, result.restoredLoss, result.nominal.loss];
+  const want = [...expected.losses, expected.eval_loss, expected.losses[0], expected.losses[0]];
   if (all.length !== want.length) throw new Error(`${where}: ${result.losses.length} losses, expected ${expected.losses.length}`);
   all.forEach((l, i) => {
     if (!(Math.abs(l - want[i]) <= ORT_TRAINING_RTOL * Math.abs(want[i]))) {
-      throw new Error(`${where}: value ${i} (of ${expected.steps} losses, the eval loss, the reloaded loss) ${l}, Python ${want[i]}`);
+      const what = `of ${expected.steps} losses, the eval loss, the reloaded loss, the completed nominal checkpoint's loss`;
+      throw new Error(`${where}: value ${i} (${what}) ${l}, Python ${want[i]}`);
     }
   });
   console.log(
-    `${where}: ${result.losses.length} losses, the eval loss and the reloaded parameters' loss within ` +
+    `${where}: a nominal checkpoint refused until complete; ${result.losses.length} losses, the eval loss, the ` +
+      "reloaded parameters' loss and the completed nominal checkpoint's within " +
       `${ORT_TRAINING_RTOL} of Python's (${result.losses[0].toFixed(4)} -> ${result.losses.at(-1).toFixed(4)})`,
   );
 }

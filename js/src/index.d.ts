@@ -76,9 +76,17 @@ export interface TrainingOptions {
   sessionOptions?: any;
   /** A state to resume from: the bytes of `exportState()` (safetensors). */
   state?: Uint8Array | ArrayBuffer;
+  /** Steps in a row with a non-finite loss (their updates skipped) after which `step()` throws; default 5. */
+  maxConsecutiveSkips?: number;
 }
 
-/** Training from an artifacts folder: one run of train_step.onnx per step, parameters kept as tensors. */
+/** The default of `maxConsecutiveSkips`. */
+export const MAX_CONSECUTIVE_SKIPS: number;
+
+/**
+ * Training from an artifacts folder: one run of train_step.onnx per step, parameters kept as tensors.
+ * Calls run one at a time in call order: concurrent `step()`s equal the same steps awaited one by one.
+ */
 export class TrainingSession<T extends TensorLike = TensorLike> {
   /** A session on the folder that `load` reads, with `ort` the runtime module. */
   static create<T extends TensorLike>(ort: OrtModule<T>, load: FileLoader, options?: TrainingOptions): Promise<TrainingSession<T>>;
@@ -89,7 +97,7 @@ export class TrainingSession<T extends TensorLike = TensorLike> {
     load: FileLoader,
     manifest: Manifest,
     train: OrtSessionLike<T>,
-    state: { tensors: Record<string, TensorLike>; metadata: Record<string, string> },
+    state: { tensors: Record<string, TensorLike>; step?: number; metadata?: Record<string, string> },
     options: TrainingOptions,
   );
 
@@ -106,8 +114,17 @@ export class TrainingSession<T extends TensorLike = TensorLike> {
   batchSpecs: Record<string, ValueSpec>;
   /** Parameters, optimizer state and buffers carried between steps. */
   carried: Record<string, T>;
+  /** Steps in a row with a non-finite loss after which `step()` throws. */
+  maxConsecutiveSkips: number;
+  /** Steps whose loss was not finite: their updates were skipped (`iterations` unchanged). */
+  skippedSteps: number;
+  /** The current run of steps with a non-finite loss (0 after a finite one). */
+  consecutiveSkips: number;
 
-  /** One update on `batch`; resolves to the loss. Errors name the input when a value does not fit the manifest. */
+  /**
+   * One update on `batch`; resolves to the loss. Errors name the input when a value does not fit the
+   * manifest. A non-finite loss skips the update (counted in `skippedSteps`).
+   */
   step(batch: Batch<T>): Promise<number>;
   /** The loss and the model's outputs on `batch`, without updating. */
   evaluate(batch: Batch<T>): Promise<{ loss: number; outputs: Record<string, T> }>;

@@ -6,6 +6,8 @@
 //   const trainer = await TrainingSession.create(ort, load, { lr: 0.01 });
 //   const loss = await trainer.step({ pixels: x, target: y });   // ort.Tensor or TypedArray values
 //   const weights = trainer.exportParameters();                  // safetensors bytes
+import { checkClassLabels, checkDims, checkLearningRate, isFixed, shapeText, shown } from './checks.js';
+import { onnxMetadata } from './ort_training.js';
 import { arrayClassOf, readSafetensors, writeSafetensors } from './safetensors.js';
 
 export { readSafetensors, writeSafetensors } from './safetensors.js';
@@ -21,16 +23,6 @@ function asTypedArray(values, type) {
   if (values instanceof Cls) return values;
   if (type === 'int64') return BigInt64Array.from(values, (v) => BigInt(v));
   return Cls.from(values, (v) => Number(v));
-}
-
-/** A shape as text, `[N, 64]`; `?` for a dimension without a size or a name. */
-function shapeText(dims) {
-  return `[${dims.map((d) => (d === null || d === undefined ? '?' : String(d))).join(', ')}]`;
-}
-
-/** A fixed size in a manifest shape (a named or unknown dimension is not). */
-function isFixed(d) {
-  return Number.isInteger(d) && d >= 0;
 }
 
 /**
@@ -96,42 +88,143 @@ function checkedTensor(ort, spec, value, sizes) {
   return tensor;
 }
 
-/** An Error unless `dims` (of input `name`) fit the manifest shape `expected` and the named sizes so far. */
-function checkDims(name, dims, expected, sizes) {
-  if (!expected) return;
-  const given = `has shape ${shapeText(dims)}, the model expects ${shapeText(expected)}`;
-  if (dims.length !== expected.length) throw new Error(`batch input ${name} ${given} (rank ${expected.length})`);
-  expected.forEach((want, i) => {
-    if (isFixed(want) && dims[i] !== want) throw new Error(`batch input ${name} ${given} (dimension ${i} must be ${want})`);
-  });
-  expected.forEach((want, i) => {
-    if (typeof want !== 'string' || !want) return;
-    const seen = sizes[want];
-    if (!seen) sizes[want] = { size: dims[i], from: name };
-    else if (seen.size !== dims[i]) {
-      const why = `with ${want} = ${seen.size} as in ${seen.from} (dimension ${i} is ${dims[i]})`;
-      throw new Error(`batch input ${name} ${given} ${why}`);
-    }
-  });
+/** Steps in a row with a non-finite loss at which `step()` throws: Python's `MAX_CONSECUTIVE_SKIPS`. */
+export const MAX_CONSECUTIVE_SKIPS = 5;
+const MANIFEST = 'manifest.json';
+const CLASS_LOSSES = ['cross_entropy', 'nll']; // integer class targets, classes on axis 1
+const LOSS_METADATA = 'onnxgrad.loss'; // the step graph's description of its loss (Python's LossSpec)
+
+/**
+ * An Error unless `name` (manifest `files.<key>`) is a file inside the folder: a relative path
+ * with no `..` part, no absolute path, drive, URL or backslash (the loader joins it to the folder).
+ */
+function checkFileName(key, name) {
+  const bad =
+    typeof name !== 'string' ||
+    !name ||
+    name.startsWith('/') ||
+    name.includes('\\') ||
+    name.includes('\0') ||
+    /^[A-Za-z][A-Za-z0-9+.-]*:/.test(name) ||
+    name.split('/').some((part) => part === '..' || part === '');
+  if (bad) {
+    throw new Error(
+      `${MANIFEST}: files.${key} is ${shown(name)}: a file of the folder must be a relative path inside it ` +
+        "(no '..', no absolute path or URL)",
+    );
+  }
+  return name;
 }
 
-/** Training from an artifacts folder: one session run per step, parameters kept as tensors. */
+/** The manifest's entries the session reads, or an Error naming the first that is missing. */
+function checkManifest(m) {
+  if (m === null || typeof m !== 'object' || Array.isArray(m)) throw new Error(`${MANIFEST} is not a JSON object`);
+  if (m.format !== FORMAT) throw new Error(`not an onnxgrad artifacts folder (format ${m.format})`);
+  const needed = ['files', 'batch', 'lr', 'step', 'loss', 'parameters', 'model_outputs', 'train_step', 'eval_step', 'inference'];
+  const missing = needed.filter((k) => m[k] === undefined || m[k] === null);
+  if (m.train_step && !m.train_step.feedback) missing.push('train_step.feedback');
+  if (missing.length) throw new Error(`${MANIFEST} lacks ${missing.join(', ')}`);
+  for (const key of ['train_step', 'eval_step', 'inference', 'state']) checkFileName(key, m.files[key]);
+}
+
+/**
+ * An Error unless the runtime session of `file` takes exactly the inputs `spec.inputs` and gives
+ * the outputs `spec.outputs` of the manifest: a manifest copied from another folder is caught
+ * here, not as onnxruntime's "input ... is missing in 'feeds'" at the first step.
+ */
+function checkSessionFits(session, spec, file) {
+  const pairs = [
+    ['inputs', 'takes', session.inputNames, spec.inputs],
+    ['outputs', 'gives', session.outputNames, spec.outputs],
+  ];
+  for (const [what, verb, actual, listed] of pairs) {
+    if (!actual || !listed) continue; // a runtime without names: onnxruntime checks at the run
+    const names = listed.map((s) => s.name);
+    const extra = actual.filter((n) => !names.includes(n));
+    const lacking = names.filter((n) => !actual.includes(n));
+    if (extra.length || lacking.length) {
+      const parts = [];
+      if (extra.length) parts.push(`the model ${verb} ${extra.join(', ')}, which the manifest does not list`);
+      if (lacking.length) parts.push(`the manifest lists ${what} ${lacking.join(', ')}, which the model lacks`);
+      throw new Error(`${file} does not fit ${MANIFEST}: ${parts.join('; ')} (was the manifest copied from another folder?)`);
+    }
+  }
+}
+
+/**
+ * The state read from `bytes` (`source` names it), checked against the manifest: every tensor the
+ * step carries, with the manifest's dtype and shape, finite float values, and a step count that is
+ * a whole number >= 0. Returns {tensors, step}.
+ */
+function checkedState(bytes, source, manifest) {
+  const { tensors, metadata } = readSafetensors(bytes, source);
+  const text = metadata.step ?? '0';
+  if (!/^\d+$/.test(text) || !Number.isSafeInteger(Number(text))) {
+    throw new Error(
+      `${source}: its step (the updates already made) is ${shown(text)}, not a whole number from 0 to 2**53 - 1 ` +
+        "(JavaScript's exact integers)",
+    );
+  }
+  const specs = [...manifest.parameters, ...(manifest.optimizer_state ?? []), ...(manifest.buffers ?? [])];
+  const byName = Object.fromEntries(specs.map((s) => [s.name, s]));
+  const carried = Object.values(manifest.train_step.feedback);
+  const extra = Object.keys(tensors).filter((n) => !carried.includes(n));
+  if (extra.length) throw new Error(`${source} holds ${extra.join(', ')}, which the folder does not carry (the state of another folder?)`);
+  for (const name of carried) {
+    const t = tensors[name];
+    if (!t) throw new Error(`${source} lacks ${name}, which the step carries (was it written for another folder?)`);
+    const spec = byName[name];
+    if (spec && (t.type !== spec.dtype || shapeText(t.dims) !== shapeText(spec.shape))) {
+      throw new Error(`${source}: tensor '${name}' is ${t.type} ${shapeText(t.dims)}, the manifest says ${spec.dtype} ${shapeText(spec.shape)}`);
+    }
+    if (t.type.startsWith('float') && t.type !== 'float16') {
+      const bad = t.data.findIndex((v) => !Number.isFinite(v));
+      if (bad >= 0) throw new Error(`${source}: tensor '${name}' holds ${t.data[bad]} at index ${bad}: a state must be finite`);
+    }
+  }
+  return { tensors, step: Number(text) };
+}
+
+/**
+ * Training from an artifacts folder: one session run per step, parameters kept as tensors.
+ * Calls run one at a time in call order (`step`, `evaluate`, `predict`, `release`): each step
+ * starts from the previous one's result, so `await Promise.all(batches.map((b) => tr.step(b)))`
+ * equals the same steps awaited one by one.
+ */
 export class TrainingSession {
   /**
    * @param ort the onnxruntime module (onnxruntime-node, onnxruntime-web or onnxruntime-common API)
    * @param load async (fileName) => Uint8Array | ArrayBuffer: reads a file of the folder
-   * @param options {lr: number | (step) => number, sessionOptions, state: Uint8Array (safetensors)}
+   * @param options {lr: number | (step) => number, sessionOptions, state: Uint8Array (safetensors),
+   *   maxConsecutiveSkips}
    */
   static async create(ort, load, options = {}) {
     const bytes = async (name) => {
       const b = await load(name);
       return b instanceof Uint8Array ? b : new Uint8Array(b);
     };
-    const manifest = JSON.parse(new TextDecoder().decode(await bytes('manifest.json')));
-    if (manifest.format !== FORMAT) throw new Error(`not an onnxgrad artifacts folder (format ${manifest.format})`);
-    const train = await ort.InferenceSession.create(await bytes(manifest.files.train_step), options.sessionOptions ?? {});
-    const state = readSafetensors(options.state ?? (await bytes(manifest.files.state)));
-    return new TrainingSession(ort, load, manifest, train, state, options);
+    let manifest;
+    try {
+      manifest = JSON.parse(new TextDecoder().decode(await bytes(MANIFEST)));
+    } catch (error) {
+      if (!(error instanceof SyntaxError)) throw error;
+      throw new Error(`${MANIFEST} is not JSON: ${error.message}`);
+    }
+    checkManifest(manifest);
+    const limit = options.maxConsecutiveSkips;
+    if (limit !== undefined && !(Number.isInteger(limit) && limit >= 1)) {
+      throw new Error(`maxConsecutiveSkips must be an integer >= 1, got ${shown(limit)}`);
+    }
+    if (options.lr !== undefined && typeof options.lr !== 'function') checkLearningRate(options.lr);
+    const state = options.state
+      ? checkedState(options.state, 'the state option', manifest)
+      : checkedState(await bytes(manifest.files.state), manifest.files.state, manifest);
+    const trainBytes = await bytes(manifest.files.train_step);
+    const train = await ort.InferenceSession.create(trainBytes, options.sessionOptions ?? {});
+    checkSessionFits(train, manifest.train_step, manifest.files.train_step);
+    const session = new TrainingSession(ort, load, manifest, train, state, options);
+    session._labels = classLabels(manifest, onnxMetadata(trainBytes)[LOSS_METADATA], manifest.files.train_step);
+    return session;
   }
 
   constructor(ort, load, manifest, train, state, options) {
@@ -142,16 +235,21 @@ export class TrainingSession {
     this._eval = null;
     this._inference = null;
     this._sessionOptions = options.sessionOptions ?? {};
+    this._queue = Promise.resolve(); // the calls run one at a time, in call order
     const lr = options.lr ?? manifest.lr.default;
     this.schedule = typeof lr === 'function' ? lr : () => lr;
-    this.iterations = Number(state.metadata.step ?? 0); // updates made so far
-    this.lr = this.schedule(this.iterations);
+    this.iterations = state.step ?? Number(state.metadata?.step ?? 0); // updates made so far
+    this.lr = this._learningRate();
+    this.maxConsecutiveSkips = options.maxConsecutiveSkips ?? MAX_CONSECUTIVE_SKIPS;
+    this.skippedSteps = 0; // steps skipped for a non-finite loss, in all
+    this.consecutiveSkips = 0; // ... since the last update made
     this.feedback = manifest.train_step.feedback; // output name -> input name at the next step
     this.lossName = manifest.loss.name;
     this.batchSpecs = Object.fromEntries(manifest.batch.map((s) => [s.name, s]));
     // every input the batch may feed: the train step's, the eval step's and inference.onnx's
     const specs = [...(manifest.inference?.inputs ?? []), ...(manifest.eval_step?.inputs ?? []), ...manifest.batch];
     this._inputSpecs = Object.fromEntries(specs.map((s) => [s.name, s]));
+    this._labels = null; // the class-label inputs to check: create() reads them from the step graph
     this.carried = {};
     for (const name of Object.values(this.feedback)) {
       const t = state.tensors[name];
@@ -160,15 +258,31 @@ export class TrainingSession {
     }
   }
 
+  /** The schedule's rate at the current step, checked (a finite number >= 0). */
+  _learningRate() {
+    return checkLearningRate(this.schedule(this.iterations), `the schedule's value at step ${this.iterations}`);
+  }
+
+  /** Runs `work` after every call made before it (settled or failed); resolves to its result. */
+  _serial(work) {
+    const run = this._queue.then(work);
+    this._queue = run.catch(() => {});
+    return run;
+  }
+
   /**
    * The batch as ort tensors; values may be ort.Tensor, TypedArray or arrays. Each is checked
    * against the manifest (dtype, rank, fixed dimensions, one size per named dimension such as the
-   * batch's `N`): a mismatch is an Error naming the input, the expected and the given shape.
+   * batch's `N`, class labels in range): a mismatch is an Error naming the input, the expected and
+   * the given value. A key that is neither a batch input of the folder nor an input of this run is
+   * refused (Python's rule).
    */
   _batch(batch, names) {
     if (batch === null || typeof batch !== 'object') {
       throw new Error(`the batch must be an object {input name: values} with ${names.join(', ')}, got ${batch}`);
     }
+    const unknown = Object.keys(batch).filter((k) => batch[k] !== undefined && !(k in this.batchSpecs) && !names.includes(k));
+    if (unknown.length) throw new Error(`unknown batch input(s) ${unknown.join(', ')}; this run takes ${names.join(', ')}`);
     const feeds = {};
     const sizes = {}; // named dimension -> {size, from: the input that set it}
     for (const name of names) {
@@ -177,49 +291,84 @@ export class TrainingSession {
       if (value === undefined || value === null) throw new Error(`missing batch input ${name}; this run takes ${names.join(', ')}`);
       feeds[name] = checkedTensor(this.ort, spec, value, sizes);
     }
+    if (this._labels) {
+      const { names: labelNames, classes, ignoreIndex } = this._labels;
+      for (const name of labelNames) if (feeds[name]) checkClassLabels(name, feeds[name], classes, ignoreIndex);
+    }
     return feeds;
   }
 
-  /** One update on `batch` ({input name: values}, the target included); resolves to the loss. */
-  async step(batch) {
+  /**
+   * One update on `batch` ({input name: values}, the target included); resolves to the loss.
+   * Steps run in call order, each from the previous one's result. A non-finite loss (a NaN in the
+   * batch...) leaves the parameters, the optimizer state and `iterations` as they were and counts
+   * in `skippedSteps`; `maxConsecutiveSkips` such steps in a row throw.
+   */
+  step(batch) {
+    return this._serial(() => this._step(batch));
+  }
+
+  async _step(batch) {
     const m = this.manifest;
     const feeds = this._batch(batch, Object.keys(this.batchSpecs));
-    this.lr = this.schedule(this.iterations);
+    this.lr = this._learningRate();
     feeds[m.lr.name] = new this.ort.Tensor('float64', Float64Array.of(this.lr), []);
     feeds[m.step.name] = new this.ort.Tensor('int64', BigInt64Array.of(BigInt(this.iterations)), []);
     Object.assign(feeds, this.carried);
     const results = await this._train.run(feeds);
+    const loss = Number(results[this.lossName].data[0]);
+    if (!Number.isFinite(loss)) {
+      this.skippedSteps += 1;
+      this.consecutiveSkips += 1;
+      if (this.consecutiveSkips >= this.maxConsecutiveSkips) {
+        throw new Error(
+          `the loss is ${loss} at update ${this.iterations}: the update was skipped, the parameters and optimizer ` +
+            `state are unchanged (${this.consecutiveSkips} skipped in a row, the limit maxConsecutiveSkips=` +
+            `${this.maxConsecutiveSkips}). Check the batches for NaN and infinite values, or lower the learning rate`,
+        );
+      }
+      return loss;
+    }
+    this.consecutiveSkips = 0;
     for (const [out, input] of Object.entries(this.feedback)) this.carried[input] = results[out];
     this.iterations += 1;
-    return Number(results[this.lossName].data[0]);
+    return loss;
   }
 
-  /** {loss, outputs: {name: ort.Tensor}} on `batch`, without updating. */
-  async evaluate(batch) {
-    const m = this.manifest;
-    if (!this._eval) this._eval = await this._session(m.files.eval_step);
-    const inputs = m.eval_step.inputs.map((s) => s.name);
-    const feeds = this._batch(batch, inputs.filter((n) => !(n in this.carried)));
-    for (const n of inputs) if (n in this.carried) feeds[n] = this.carried[n];
-    const results = await this._eval.run(feeds);
-    const outputs = {};
-    for (const name of m.model_outputs) outputs[name] = results[name];
-    return { loss: Number(results[this.lossName].data[0]), outputs };
+  /** {loss, outputs: {name: ort.Tensor}} on `batch`, without updating (after the steps called before). */
+  evaluate(batch) {
+    return this._serial(async () => {
+      const m = this.manifest;
+      if (!this._eval) this._eval = await this._session('eval_step');
+      const inputs = m.eval_step.inputs.map((s) => s.name);
+      const feeds = this._batch(batch, inputs.filter((n) => !(n in this.carried)));
+      for (const n of inputs) if (n in this.carried) feeds[n] = this.carried[n];
+      const results = await this._eval.run(feeds);
+      const outputs = {};
+      for (const name of m.model_outputs) outputs[name] = results[name];
+      return { loss: Number(results[this.lossName].data[0]), outputs };
+    });
   }
 
-  /** The model's outputs on `inputs` with the trained parameters (inference.onnx). */
-  async predict(inputs) {
-    const m = this.manifest;
-    if (!this._inference) this._inference = await this._session(m.files.inference);
-    const names = m.inference.inputs.map((s) => s.name).filter((n) => !(n in this.carried));
-    const feeds = this._batch(inputs, names);
-    for (const n of m.inference.parameters) feeds[n] = this.carried[n];
-    return this._inference.run(feeds);
+  /** The model's outputs on `inputs` with the trained parameters (inference.onnx), after the steps called before. */
+  predict(inputs) {
+    return this._serial(async () => {
+      const m = this.manifest;
+      if (!this._inference) this._inference = await this._session('inference');
+      const names = m.inference.inputs.map((s) => s.name).filter((n) => !(n in this.carried));
+      const feeds = this._batch(inputs, names);
+      for (const n of m.inference.parameters) feeds[n] = this.carried[n];
+      return this._inference.run(feeds);
+    });
   }
 
-  async _session(file) {
+  /** The runtime session of the manifest's `key` file, checked against the manifest. */
+  async _session(key) {
+    const file = this.manifest.files[key];
     const b = await this._load(file);
-    return this.ort.InferenceSession.create(b instanceof Uint8Array ? b : new Uint8Array(b), this._sessionOptions);
+    const session = await this.ort.InferenceSession.create(b instanceof Uint8Array ? b : new Uint8Array(b), this._sessionOptions);
+    checkSessionFits(session, this.manifest[key], file);
+    return session;
   }
 
   /** The trainable parameters, {name: ort.Tensor}. */
@@ -238,7 +387,36 @@ export class TrainingSession {
     return writeSafetensors(this.carried, { format: FORMAT, step: String(this.iterations) });
   }
 
-  async release() {
-    for (const s of [this._train, this._eval, this._inference]) if (s) await s.release();
+  /** Releases the runtime sessions, after the calls made before. */
+  release() {
+    return this._serial(async () => {
+      for (const s of [this._train, this._eval, this._inference]) if (s) await s.release();
+    });
   }
+}
+
+/**
+ * The class-label inputs to check before a run, {names, classes, ignoreIndex}, or null. `text` is
+ * the step graph's `onnxgrad.loss` metadata (Python's LossSpec: kind, target, classes, ignore_index),
+ * the one description of the loss; a folder written before it had one falls back on the manifest:
+ * the integer batch inputs the model does not take, classes from dimension 1 of the scores.
+ */
+function classLabels(m, text, file) {
+  if (text !== undefined) {
+    let spec;
+    try {
+      spec = JSON.parse(text);
+    } catch (error) {
+      throw new Error(`${file}: its ${LOSS_METADATA} metadata is not a loss description: ${error.message}`);
+    }
+    if (!CLASS_LOSSES.includes(spec?.kind) || typeof spec.target !== 'string') return null;
+    return { names: [spec.target], classes: isFixed(spec.classes) ? spec.classes : null, ignoreIndex: spec.ignore_index ?? null };
+  }
+  if (!CLASS_LOSSES.includes(m.loss?.kind)) return null;
+  const options = m.loss.options ?? {};
+  const scores = (m.eval_step.outputs ?? []).find((s) => s.name === (options.output ?? m.model_outputs[0]));
+  const classes = scores?.shape?.[1];
+  const modelInputs = new Set((m.inference.inputs ?? []).map((s) => s.name));
+  const names = m.batch.filter((s) => !modelInputs.has(s.name) && /^u?int/.test(s.dtype ?? '')).map((s) => s.name);
+  return names.length ? { names, classes: isFixed(classes) ? classes : null, ignoreIndex: options.ignore_index ?? -100 } : null;
 }

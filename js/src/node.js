@@ -1,7 +1,7 @@
 // Node entry point: TrainingSession on onnxruntime-node, files read from a folder.
 // onnxruntime-node is a peer dependency: the project that uses this entry installs it (see README).
-import { readFile } from 'node:fs/promises';
-import { join } from 'node:path';
+import { lstat, readFile, realpath } from 'node:fs/promises';
+import { join, relative, isAbsolute, sep } from 'node:path';
 import { TrainingSession } from './index.js';
 
 const ort = await import('onnxruntime-node').catch((error) => {
@@ -19,7 +19,25 @@ const ort = await import('onnxruntime-node').catch((error) => {
 export * from './index.js';
 export { ort };
 
+/**
+ * The bytes of the file `name` of the folder `dir`, held to the Python runner's rules (those of a
+ * model's external data): a regular file, not a symbolic link (even to a file inside the folder: it
+ * could be changed to point out), inside the folder once links in its path are resolved.
+ */
+async function readInside(dir, name) {
+  const path = join(dir, name);
+  const info = await lstat(path);
+  if (info.isSymbolicLink()) throw new Error(`${path} is a symbolic link: refused, copy the file instead`);
+  const [root, target] = await Promise.all([realpath(dir), realpath(path)]);
+  const rel = relative(root, target);
+  if (!rel || rel === '..' || rel.startsWith(`..${sep}`) || isAbsolute(rel)) {
+    throw new Error(`${path} leads to ${target}, outside the folder ${dir}: a folder's files must lie inside it`);
+  }
+  if (!info.isFile()) throw new Error(`${path} is not a regular file`);
+  return readFile(target);
+}
+
 /** A TrainingSession on the artifacts folder `dir` (written by `onnxgrad artifacts`). */
 export async function loadTrainingFolder(dir, options = {}) {
-  return TrainingSession.create(ort, (name) => readFile(join(dir, name)), options);
+  return TrainingSession.create(ort, (name) => readInside(dir, name), options);
 }

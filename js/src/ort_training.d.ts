@@ -16,13 +16,16 @@ export interface TrainingFiles<F = FileBytes> {
 export interface Checkpoint {
   trainable: Record<string, { dims: number[]; data: ArrayLike<number> }>;
   frozen: Record<string, { dims: number[]; data: ArrayLike<number> }>;
-  properties: Record<string, number | string>;
+  /** Names and shapes only, no values (zeros here): train after `loadParametersBuffer(buffer, false)`. */
+  nominal: boolean;
+  /** int properties as BigInts (int64 in the file), float ones as numbers, str ones as strings. */
+  properties: Record<string, bigint | number | string>;
   group?: { step: number; initialLr: number; states: Record<string, unknown> };
 }
 
 /** onnxruntime-web 1.19's TrainingSession, on stock onnxruntime. */
 export class OrtTrainingSession<T = unknown> {
-  readonly properties: Record<string, number | string>;
+  readonly properties: Record<string, bigint | number | string>;
   get trainingInputNames(): string[];
   get trainingOutputNames(): string[];
   get evalInputNames(): string[];

@@ -11,6 +11,7 @@
 // Each file is a Uint8Array or ArrayBuffer (the Node entry point also takes paths). Folders
 // written by onnxruntime-training itself hold com.microsoft training kernels: regenerate them with
 // onnxgrad (Python) first.
+import { checkDims, checkLearningRate } from './checks.js';
 import { arrayClassOf } from './safetensors.js';
 
 const META_KEY = 'onnxgrad.compat.training';
@@ -67,7 +68,11 @@ export function onnxMetadata(bytes) {
   return meta;
 }
 
-/** Parse onnxruntime-training's checkpoint (FlatBuffer 'ODTC'): {trainable, frozen, nominal, group, properties}. */
+/**
+ * Parse onnxruntime-training's checkpoint (FlatBuffer 'ODTC'): {trainable, frozen, nominal, group,
+ * properties}. A nominal checkpoint (names and shapes, no values) gives zeros and `nominal: true`;
+ * int properties are BigInts (int64 in the file: 2**60 + 1 stays exact), float ones numbers.
+ */
 export function readCheckpoint(bytes) {
   const b = u8(bytes);
   const view = new DataView(b.buffer, b.byteOffset, b.byteLength);
@@ -96,6 +101,9 @@ export function readCheckpoint(bytes) {
     return p ? new TextDecoder().decode(b.subarray(p + 4, p + 4 + view.getUint32(p, true))) : '';
   };
   const scalar = (table, slot, get, fallback) => (field(table, slot) ? get(field(table, slot)) : fallback);
+  const root = deref(0);
+  const module = sub(root, 1);
+  const nominal = module ? scalar(module, 2, (p) => view.getUint8(p) !== 0, false) : false;
   const tensor = (t) => {
     const dims = [];
     const d = vector(t, 2);
@@ -112,11 +120,13 @@ export function readCheckpoint(bytes) {
     }
     const raw = vector(t, 4);
     const data = new Cls(size);
+    if (raw.length !== data.byteLength && (raw.length || (!nominal && size))) {
+      const has = raw.length ? `${raw.length} bytes` : 'no data';
+      throw new Error(`checkpoint tensor ${string(t, 0)} has ${has} for shape [${dims.join(', ')}] of ${type}`);
+    }
     if (raw.length) new Uint8Array(data.buffer).set(b.subarray(raw.start, raw.start + raw.length));
     return [string(t, 0), { type, dims, data }];
   };
-  const root = deref(0);
-  const module = sub(root, 1);
   const groups = tables(root, 2).map((g) => ({
     name: string(g, 0),
     step: Number(scalar(g, 1, (p) => view.getBigInt64(p, true), 0n)),
@@ -126,28 +136,54 @@ export function readCheckpoint(bytes) {
   const properties = {};
   const bag = sub(root, 3);
   if (bag) {
-    for (const p of tables(bag, 0)) properties[string(p, 0)] = Number(scalar(p, 1, (q) => view.getBigInt64(q, true), 0n));
+    for (const p of tables(bag, 0)) properties[string(p, 0)] = scalar(p, 1, (q) => view.getBigInt64(q, true), 0n); // int64: exact
     for (const p of tables(bag, 1)) properties[string(p, 0)] = scalar(p, 1, (q) => view.getFloat32(q, true), 0);
     for (const p of tables(bag, 2)) properties[string(p, 0)] = string(p, 1);
   }
   return {
     trainable: Object.fromEntries(module ? tables(module, 0).map(tensor) : []),
     frozen: Object.fromEntries(module ? tables(module, 1).map(tensor) : []),
-    nominal: module ? scalar(module, 2, (p) => view.getUint8(p) !== 0, false) : false,
+    nominal,
     group: groups[0] ?? null,
     properties,
   };
 }
 
-function metaOf(bytes, file) {
+/** What each option of TrainingSession.create holds. */
+const ROLES = {
+  trainModel: 'the training model (training_model.onnx)',
+  evalModel: 'the eval model (eval_model.onnx)',
+  optimizerModel: 'the optimizer model (optimizer_model.onnx)',
+};
+
+/** The option a model's onnxgrad metadata belongs to: the entry only that model's metadata has. */
+function roleOf(meta) {
+  if ('grads' in meta) return 'trainModel';
+  if ('optimizer' in meta) return 'optimizerModel';
+  return 'loss_outputs' in meta ? 'evalModel' : null;
+}
+
+/** The onnxgrad metadata of the model passed as `key` (trainModel...), or an Error saying what the file is instead. */
+function metaOf(bytes, key) {
   const text = onnxMetadata(bytes)[META_KEY];
   if (!text) {
     throw new Error(
-      `${file} was not written by onnxgrad.compat.training (onnxruntime-training's files hold com.microsoft ` +
+      `${key} was not written by onnxgrad.compat.training (onnxruntime-training's files hold com.microsoft ` +
         'training kernels): regenerate the folder with onnxgrad.compat.training.artifacts.generate_artifacts',
     );
   }
-  return JSON.parse(text);
+  const meta = JSON.parse(text);
+  const role = roleOf(meta);
+  if (role !== key) {
+    const is = role ? `${ROLES[role]}: pass it as ${role}` : 'no model of such a folder';
+    throw new Error(`${key} must be ${ROLES[key]}, but the file given is ${is}`);
+  }
+  return meta;
+}
+
+/** The message of onnxruntime-training for `what` on a nominal checkpoint state. */
+function nominalMessage(what) {
+  return `${what}. Please load the model parameters first.`;
 }
 
 /** The training session of onnxruntime-web 1.19, on stock onnxruntime: see the file's header. */
@@ -158,8 +194,9 @@ export class OrtTrainingSession {
     this._sessionOptions = sessionOptions;
     [this._train, this._optimizer] = sessions;
     this._eval = null;
-    this._meta = metaOf(files.trainModel, 'training_model.onnx');
+    this._meta = metaOf(files.trainModel, 'trainModel');
     const state = readCheckpoint(files.checkpointState);
+    this._nominal = state.nominal; // no values yet: loadParametersBuffer(buffer, false) fills them
     this._trainable = state.trainable;
     this._values = { ...state.frozen, ...state.trainable };
     this.properties = state.properties;
@@ -195,20 +232,48 @@ export class OrtTrainingSession {
     return new this.ort.Tensor(v.type, v.data, v.dims);
   }
 
-  _feeds(feeds, inputNames) {
+  /** An Error while the checkpoint is nominal (its parameters have no values yet). */
+  _checkLoaded(what) {
+    if (this._nominal) throw new Error(nominalMessage(what));
+  }
+
+  /**
+   * The feeds of `session`: the user's, checked (ort.Tensors of the declared dtype and shape, one
+   * size per named dimension such as the batch), and the parameters.
+   */
+  _feeds(feeds, session) {
+    if (feeds === null || typeof feeds !== 'object') {
+      throw new Error(`the feeds must be an object {input name: ort.Tensor} with ${this._meta.user_inputs.join(', ')}, got ${feeds}`);
+    }
+    const declared = Object.fromEntries((session.inputMetadata ?? []).map((m) => [m.name, m]));
     const out = {};
-    for (const name of inputNames) {
-      if (name in this._values) out[name] = this._tensor(name);
-      else if (feeds[name] === undefined) throw new Error(`missing input ${name}; the model takes ${this._meta.user_inputs}`);
-      else out[name] = feeds[name];
+    const sizes = {};
+    for (const name of session.inputNames) {
+      if (name in this._values) {
+        out[name] = this._tensor(name);
+        continue;
+      }
+      const value = feeds[name];
+      if (value === undefined) throw new Error(`missing input ${name}; the model takes ${this._meta.user_inputs.join(', ')}`);
+      if (!(value instanceof this.ort.Tensor)) {
+        const kind = value === null || typeof value !== 'object' ? typeof value : (value.constructor?.name ?? 'object');
+        throw new Error(`input ${name} must be an ort.Tensor, got ${kind}: wrap it, new ort.Tensor(type, data, dims)`);
+      }
+      const meta = declared[name];
+      if (meta?.type && value.type !== meta.type) {
+        throw new Error(`batch input ${name} has dtype ${value.type}, the model expects ${meta.type}`);
+      }
+      checkDims(name, value.dims, meta?.shape ?? null, sizes);
+      out[name] = value;
     }
     return out;
   }
 
   /** Forward, loss and backward; the gradients accumulate until lazyResetGrad(). Resolves to {loss output: Tensor}. */
   async runTrainStep(feeds) {
+    this._checkLoaded('Cannot perform TrainStep with a nominal state');
     const m = this._meta;
-    const results = await this._train.run(this._feeds(feeds, this._train.inputNames));
+    const results = await this._train.run(this._feeds(feeds, this._train));
     for (const [param, out] of Object.entries(m.grads)) {
       const g = results[out].data;
       if (this._reset || !this._grads[param]) this._grads[param] = Float32Array.from(g);
@@ -227,12 +292,17 @@ export class OrtTrainingSession {
 
   /** The eval model (inference mode) on `feeds`: {loss output: Tensor}. */
   async runEvalStep(feeds) {
-    if (!this._eval) this._eval = await this.ort.InferenceSession.create(u8(this._files.evalModel), this._sessionOptions);
-    return this._eval.run(this._feeds(feeds, this._eval.inputNames));
+    this._checkLoaded('Cannot perform EvalStep with a nominal state');
+    if (!this._files.evalModel) {
+      throw new Error('runEvalStep needs the eval model: pass evalModel (eval_model.onnx) to TrainingSession.create');
+    }
+    if (!this._eval) this._eval = await this.ort.InferenceSession.create(this._files.evalModel, this._sessionOptions);
+    return this._eval.run(this._feeds(feeds, this._eval));
   }
 
   /** One update of the trainable parameters from the accumulated gradients. */
   async runOptimizerStep() {
+    this._checkLoaded('Cannot perform OptimizerStep with a nominal state');
     const T = this.ort.Tensor;
     const feeds = {
       learning_rate: new T('float32', Float32Array.of(this._lr), []),
@@ -268,8 +338,7 @@ export class OrtTrainingSession {
   }
 
   setLearningRate(lr) {
-    if (!(lr >= 0)) throw new Error(`the learning rate must be >= 0, got ${lr}`);
-    this._lr = lr;
+    this._lr = checkLearningRate(lr);
   }
 
   getLearningRate() {
@@ -287,6 +356,7 @@ export class OrtTrainingSession {
 
   /** The (trainable) parameters in one float32 tensor, in the training model's input order. */
   async getContiguousParameters(trainableOnly = true) {
+    this._checkLoaded('Cannot copy parameters from a nominal checkpoint state');
     const size = await this.getParametersSize(trainableOnly);
     const out = new Float32Array(size);
     let at = 0;
@@ -297,8 +367,16 @@ export class OrtTrainingSession {
     return new this.ort.Tensor('float32', out, [size]);
   }
 
-  /** Load parameters from the bytes of a float32 buffer laid out as getContiguousParameters. */
+  /**
+   * Load parameters from the bytes of a float32 buffer laid out as getContiguousParameters. A
+   * nominal checkpoint takes every parameter (`trainableOnly = false`), then it is complete.
+   */
   async loadParametersBuffer(buffer, trainableOnly = true) {
+    if (this._nominal && trainableOnly) {
+      throw new Error(
+        'For nominal checkpoint state, all parameters need to be loaded into the model (trainableOnly = false).',
+      );
+    }
     const b = u8(buffer);
     const size = await this.getParametersSize(trainableOnly);
     if (b.byteLength !== 4 * size) throw new Error(`the buffer has ${b.byteLength} bytes, the parameters ${4 * size}`);
@@ -309,6 +387,7 @@ export class OrtTrainingSession {
       this._values[p] = { ...this._values[p], data: flat.slice(at, at + n) };
       at += n;
     }
+    this._nominal = false;
   }
 
   async release() {
@@ -349,6 +428,7 @@ export async function createTrainingSession(ort, options, sessionOptions = {}) {
     if (value === undefined && key !== 'evalModel') throw new Error(`TrainingSession.create needs ${key}`);
     if (value !== undefined) files[key] = u8(value);
   }
+  for (const key of Object.keys(ROLES)) if (files[key]) metaOf(files[key], key); // each file where it belongs
   const train = await ort.InferenceSession.create(files.trainModel, sessionOptions);
   const optimizer = await ort.InferenceSession.create(files.optimizerModel, sessionOptions);
   return new OrtTrainingSession(ort, files, [train, optimizer], sessionOptions);

@@ -33,8 +33,8 @@ export function typeOfCode(code: string): TensorType;
 /** The TypedArray class holding values of an ort tensor type. */
 export function arrayClassOf(type: TensorType | string): { new (length: number): TensorData; from(values: ArrayLike<unknown>): TensorData };
 
-/** Parse safetensors bytes: the tensors (copies) and the metadata strings. */
-export function readSafetensors(bytes: Uint8Array | ArrayBuffer): {
+/** Parse safetensors bytes: the tensors (copies) and the metadata strings; `source` (a file name) names them in errors. */
+export function readSafetensors(bytes: Uint8Array | ArrayBuffer, source?: string): {
   tensors: Record<string, SafetensorsTensor>;
   metadata: Record<string, string>;
 };

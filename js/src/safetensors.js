@@ -29,28 +29,55 @@ export function arrayClassOf(type) {
 }
 
 /**
- * Parse safetensors bytes (Uint8Array or ArrayBuffer).
+ * Parse safetensors bytes (Uint8Array or ArrayBuffer). `source` names the bytes (a file name) in
+ * the Error a malformed file gets, e.g. `state.safetensors: tensor 'fc1.bias' lies outside the file`.
  * Returns {tensors: {name: {type, dims, data}}, metadata}; `data` is a TypedArray copy.
  */
-export function readSafetensors(bytes) {
+export function readSafetensors(bytes, source = 'the data') {
   // a plain Uint8Array view: Node's Buffer.slice would not copy
   const u8 = ArrayBuffer.isView(bytes) ? new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength) : new Uint8Array(bytes);
-  if (u8.byteLength < 8) throw new Error('not a safetensors file: shorter than 8 bytes');
+  const notSafetensors = (why) => new Error(`${source} is not a safetensors file: ${why}`);
+  if (u8.byteLength < 8) throw notSafetensors("shorter than its 8-byte header length");
   const view = new DataView(u8.buffer, u8.byteOffset, u8.byteLength);
-  const n = Number(view.getBigUint64(0, true));
-  if (8 + n > u8.byteLength) throw new Error('not a safetensors file: the header runs past the end');
-  const header = JSON.parse(new TextDecoder().decode(u8.subarray(8, 8 + n)));
+  const n = view.getBigUint64(0, true);
+  if (n > BigInt(u8.byteLength - 8)) throw notSafetensors('the header runs past the end');
+  const base = 8 + Number(n);
+  let header;
+  try {
+    header = JSON.parse(new TextDecoder('utf-8', { fatal: true }).decode(u8.subarray(8, base)));
+  } catch (error) {
+    throw notSafetensors(error.message);
+  }
+  if (header === null || typeof header !== 'object' || Array.isArray(header)) throw notSafetensors('the header is not a JSON object');
   const metadata = header.__metadata__ ?? {};
   delete header.__metadata__;
-  const base = 8 + n;
+  if (typeof metadata !== 'object' || Array.isArray(metadata) || Object.values(metadata).some((v) => typeof v !== 'string')) {
+    throw notSafetensors('__metadata__ is not a mapping of strings');
+  }
+  const body = u8.byteLength - base;
   const tensors = {};
   for (const [name, spec] of Object.entries(header)) {
+    const where = `${source}: tensor '${name}'`;
+    const offsets = spec?.data_offsets;
+    const shape = spec?.shape;
+    const whole = (v) => Number.isSafeInteger(v) && v >= 0;
+    if (!Array.isArray(offsets) || offsets.length !== 2 || !Array.isArray(shape) || !offsets.every(whole) || !shape.every(whole)) {
+      throw new Error(`${where} has a corrupt header entry`);
+    }
+    if (!CODES[spec.dtype]) throw new Error(`${where} has an unsupported safetensors dtype ${JSON.stringify(spec.dtype)}`);
     const type = typeOfCode(spec.dtype);
     const Cls = arrayClassOf(type);
-    const [begin, end] = spec.data_offsets;
+    const [begin, end] = offsets;
+    if (!(begin <= end && end <= body)) {
+      throw new Error(`${where} lies outside the file (bytes ${begin} to ${end} of ${body} after the header: truncated?)`);
+    }
+    const size = shape.reduce((a, b) => a * b, 1);
+    if (size * Cls.BYTES_PER_ELEMENT !== end - begin) {
+      throw new Error(`${where} has ${end - begin} bytes for shape [${shape.join(', ')}] (${type}: ${size * Cls.BYTES_PER_ELEMENT})`);
+    }
     // a copy: the offsets need not be aligned to the element size
     const buffer = u8.slice(base + begin, base + end).buffer;
-    tensors[name] = { type, dims: spec.shape.slice(), data: new Cls(buffer) };
+    tensors[name] = { type, dims: shape.slice(), data: new Cls(buffer) };
   }
   return { tensors, metadata };
 }

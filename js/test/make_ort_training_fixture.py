@@ -6,7 +6,9 @@ of tests/compat_training/scenarios.py, cross-entropy, AdamW) and what the Python
 DIR/artifacts/ is the folder, DIR/data.safetensors holds the inputs and labels, DIR/expected.json
 the losses of 6 updates (each from two half batches: the gradients accumulate), the eval loss, the
 contiguous parameters after training and the parameter sizes; DIR/external/checkpoint the trained
-state with its tensors in checkpoint.data (the layout of checkpoints over 2 GB).
+state with its tensors in checkpoint.data (the layout of checkpoints over 2 GB); DIR/nominal/checkpoint
+the folder's checkpoint as a nominal one (names and shapes, no values); DIR/properties/checkpoint the
+trained state with int, float and str properties (an int beyond 2**53 among them).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from onnxgrad.compat.training import checkpoint_file  # noqa: E402
 from onnxgrad.artifacts import tensors  # noqa: E402
 
 UPDATES, HALF, LR = 6, 4, 0.01
+PROPERTIES = {"big": 2**60 + 1, "low": -(2**63), "epoch": 3, "rate": 0.5, "note": "text"}
 
 
 def main(out: str) -> None:
@@ -68,6 +71,16 @@ def main(out: str) -> None:
         og.api.CheckpointState.save_checkpoint(state, os.path.join(external, "checkpoint"))
     finally:
         checkpoint_file.EXTERNAL_DATA_THRESHOLD = threshold
+    # the untrained checkpoint as a nominal one: the JS session must refuse to train it
+    start = checkpoint_file.load(os.path.join(folder, "checkpoint"))
+    start.nominal = True
+    os.makedirs(os.path.join(out, "nominal"), exist_ok=True)
+    checkpoint_file.save(os.path.join(out, "nominal", "checkpoint"), start)
+    os.makedirs(os.path.join(out, "properties"), exist_ok=True)
+    for name, value in PROPERTIES.items():
+        state.properties[name] = value
+    og.api.CheckpointState.save_checkpoint(state, os.path.join(out, "properties", "checkpoint"))
+    expected["properties"] = {k: str(v) for k, v in PROPERTIES.items()}
     with open(os.path.join(out, "expected.json"), "w") as f:
         json.dump(expected, f)
     print("wrote", out)

@@ -86,3 +86,79 @@ test('a checkpoint with external data (over 2 GB) is refused, not read as zeros'
   const bytes = await readFile(join(ROOT, 'external', 'checkpoint'));
   assert.throws(() => readCheckpoint(bytes), /checkpoint tensor fc1\.weight keeps its data in the checkpoint's external file/);
 });
+
+/** The folder's files as TrainingSession.create takes them, `changes` applied (null: left out). */
+function files(changes = {}) {
+  const dir = join(ROOT, 'artifacts');
+  const all = {
+    checkpointState: join(dir, 'checkpoint'),
+    trainModel: join(dir, 'training_model.onnx'),
+    evalModel: join(dir, 'eval_model.onnx'),
+    optimizerModel: join(dir, 'optimizer_model.onnx'),
+    ...changes,
+  };
+  return Object.fromEntries(Object.entries(all).filter(([, v]) => v !== null));
+}
+
+const NOMINAL = 'Please load the model parameters first.';
+
+test('a nominal checkpoint trains nothing until every parameter is loaded', { skip: SKIP }, async () => {
+  const { expected, session: complete, rows } = await setup();
+  const all = await complete.getContiguousParameters(false);
+  await complete.release();
+  const session = await TrainingSession.create(files({ checkpointState: join(ROOT, 'nominal', 'checkpoint') }));
+  await assert.rejects(session.runTrainStep(rows(0, 4)), { message: `Cannot perform TrainStep with a nominal state. ${NOMINAL}` });
+  await assert.rejects(session.runEvalStep(rows(0, 4)), { message: `Cannot perform EvalStep with a nominal state. ${NOMINAL}` });
+  await assert.rejects(session.runOptimizerStep(), { message: `Cannot perform OptimizerStep with a nominal state. ${NOMINAL}` });
+  await assert.rejects(session.getContiguousParameters(), {
+    message: `Cannot copy parameters from a nominal checkpoint state. ${NOMINAL}`,
+  });
+  const trainable = new Float32Array(all.data.slice(0, expected.size));
+  await assert.rejects(session.loadParametersBuffer(new Uint8Array(trainable.buffer), true), {
+    message: 'For nominal checkpoint state, all parameters need to be loaded into the model (trainableOnly = false).',
+  });
+  await session.loadParametersBuffer(new Uint8Array(all.data.buffer), false);
+  session.setLearningRate(expected.lr);
+  const out = await session.runTrainStep(rows(0, expected.half));
+  assertClose([Number(out[session.trainingOutputNames[0]].data[0])], [expected.losses[0]], 'first loss');
+  await session.release();
+});
+
+test('int64 checkpoint properties are read exactly, as BigInts', { skip: SKIP }, async () => {
+  const { properties } = readCheckpoint(await readFile(join(ROOT, 'properties', 'checkpoint')));
+  assert.deepEqual(properties, { big: 2n ** 60n + 1n, low: -(2n ** 63n), epoch: 3n, rate: 0.5, note: 'text' });
+});
+
+test('wrong files and feeds are clear errors', { skip: SKIP }, async () => {
+  const { session, rows } = await setup();
+  const noEval = await TrainingSession.create(files({ evalModel: null }));
+  await assert.rejects(noEval.runEvalStep(rows(0, 4)), {
+    message: 'runEvalStep needs the eval model: pass evalModel (eval_model.onnx) to TrainingSession.create',
+  });
+  await noEval.release();
+  const dir = join(ROOT, 'artifacts');
+  await assert.rejects(TrainingSession.create(files({ trainModel: join(dir, 'eval_model.onnx') })), {
+    message:
+      'trainModel must be the training model (training_model.onnx), but the file given is the eval model (eval_model.onnx): pass it as evalModel',
+  });
+  await assert.rejects(TrainingSession.create(files({ optimizerModel: join(dir, 'training_model.onnx') })), {
+    message:
+      'optimizerModel must be the optimizer model (optimizer_model.onnx), but the file given is the training model (training_model.onnx): pass it as trainModel',
+  });
+  const { input, labels } = rows(0, 4);
+  await assert.rejects(session.runTrainStep({ input: input.data, labels }), {
+    message: 'input input must be an ort.Tensor, got Float32Array: wrap it, new ort.Tensor(type, data, dims)',
+  });
+  await assert.rejects(session.runTrainStep({ input, labels: rows(0, 3).labels }), {
+    message: 'batch input labels has shape [3], the model expects [batch] with batch = 4 as in input (dimension 0 is 3)',
+  });
+  await assert.rejects(session.runEvalStep({ input: new ort.Tensor('float64', new Float64Array(16), [4, 4]), labels }), {
+    message: 'batch input input has dtype float64, the model expects float32',
+  });
+  for (const lr of [-1, NaN, Infinity]) {
+    assert.throws(() => session.setLearningRate(lr), {
+      message: `lr must be >= 0, got ${lr}: a finite number (a negative rate climbs the loss, an infinite or NaN one makes every parameter NaN)`,
+    });
+  }
+  await session.release();
+});

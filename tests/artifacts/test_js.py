@@ -23,7 +23,7 @@ def test_node_runner_matches_python(tmp_path):
     env = {**os.environ, "ONNXGRAD_JS_FIXTURE": str(fixture)}
     done = subprocess.run(
         # not test/package.test.js: make test-js packs and installs the package from the registry
-        [node, "--test", "test/train.test.js", "test/shapes.test.js"],
+        [node, "--test", "test/train.test.js", "test/shapes.test.js", "test/checks.test.js"],
         cwd=JS,
         env=env,
         capture_output=True,

@@ -1,0 +1,324 @@
+// What the artifacts TrainingSession refuses or guards against, each as an Error that says what went
+// wrong (issue 38, and 37/39 for the JavaScript side): steps called concurrently, a learning rate
+// that is not a finite number >= 0, a batch with a NaN (the update is skipped and counted), class
+// labels out of range, unknown batch inputs, a truncated state file, a manifest that does not fit
+// the folder's files, manifest paths out of the folder, a state that does not fit the manifest.
+// Uses the MLP fixture of make_fixture.py ($ONNXGRAD_JS_FIXTURE or test/fixture).
+import assert from 'node:assert/strict';
+import { cpSync, existsSync, mkdtempSync, readFileSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
+import { readFile } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { after, before, test } from 'node:test';
+import { fileURLToPath } from 'node:url';
+import { MAX_CONSECUTIVE_SKIPS, loadTrainingFolder, ort, readSafetensors, writeSafetensors } from '../src/node.js';
+
+const ROOT = process.env.ONNXGRAD_JS_FIXTURE ?? fileURLToPath(new URL('./fixture/', import.meta.url));
+const FOLDER = join(ROOT, 'artifacts');
+const OPTIONS = { sessionOptions: { intraOpNumThreads: 1 } };
+const N = 32;
+let data;
+let scratch;
+
+before(async () => {
+  if (!existsSync(join(FOLDER, 'manifest.json'))) throw new Error(`no fixture in ${ROOT}: run python js/test/make_fixture.py ${ROOT}`);
+  data = readSafetensors(await readFile(join(ROOT, 'digits.safetensors'))).tensors;
+  scratch = mkdtempSync(join(tmpdir(), 'onnxgrad-checks-'));
+});
+
+after(() => rmSync(scratch, { recursive: true, force: true }));
+
+/** Batch `k` of the digits: N consecutive rows. */
+function batch(k) {
+  const start = k * N;
+  return {
+    pixels: new ort.Tensor('float32', data.pixels.data.slice(start * 64, (start + N) * 64), [N, 64]),
+    target: data.target.data.slice(start, start + N),
+  };
+}
+
+/** A copy of the fixture folder in the scratch folder, `edit(dir)` applied; its path. */
+let copies = 0;
+function copyFolder(edit) {
+  const dir = join(scratch, `folder${copies++}`);
+  cpSync(FOLDER, dir, { recursive: true });
+  edit(dir);
+  return dir;
+}
+
+const manifestOf = (dir) => JSON.parse(readFileSync(join(dir, 'manifest.json'), 'utf8'));
+const writeManifest = (dir, m) => writeFileSync(join(dir, 'manifest.json'), JSON.stringify(m));
+const values = (tensors) => Object.fromEntries(Object.entries(tensors).map(([k, t]) => [k, Array.from(t.data)]));
+
+test('concurrent steps run one after the other: the same as awaited one by one', async () => {
+  const together = await loadTrainingFolder(FOLDER, OPTIONS);
+  const oneByOne = await loadTrainingFolder(FOLDER, OPTIONS);
+  const losses = await Promise.all([0, 1, 2, 3].map((i) => together.step(batch(i))));
+  const expected = [];
+  for (const i of [0, 1, 2, 3]) expected.push(await oneByOne.step(batch(i)));
+  assert.deepEqual(losses, expected);
+  assert.equal(together.iterations, 4);
+  assert.equal(readSafetensors(together.exportState()).metadata.step, '4');
+  assert.deepEqual(values(together.carried), values(oneByOne.carried));
+  // a forEach(async ...) loop, then evaluate: it sees every step called before it
+  [4, 5].forEach(async (i) => together.step(batch(i)));
+  const { loss } = await together.evaluate(batch(0));
+  for (const i of [4, 5]) await oneByOne.step(batch(i));
+  assert.equal(loss, (await oneByOne.evaluate(batch(0))).loss);
+  assert.equal(together.iterations, 6);
+  // a failed call does not stop the ones after it
+  const [bad, good] = await Promise.allSettled([together.step({ pixels: 1 }), together.step(batch(6))]);
+  assert.equal(bad.status, 'rejected');
+  assert.equal(good.value, await oneByOne.step(batch(6)));
+  await together.release();
+  await oneByOne.release();
+});
+
+const LR_MESSAGE = 'a finite number (a negative rate climbs the loss, an infinite or NaN one makes every parameter NaN)';
+
+test('lr must be a finite number >= 0, given or from a schedule', async () => {
+  for (const lr of [-0.01, NaN, Infinity]) {
+    await assert.rejects(loadTrainingFolder(FOLDER, { ...OPTIONS, lr }), { message: `lr must be >= 0, got ${lr}: ${LR_MESSAGE}` });
+  }
+  await assert.rejects(loadTrainingFolder(FOLDER, { ...OPTIONS, lr: '0.01' }), { message: 'lr must be a number >= 0, got "0.01"' });
+  const session = await loadTrainingFolder(FOLDER, { ...OPTIONS, lr: (step) => (step < 1 ? 0.01 : undefined) });
+  const before = session.carried['fc1.weight'];
+  await session.step(batch(0));
+  await assert.rejects(session.step(batch(1)), {
+    message: "lr must be a number >= 0, got undefined (the schedule's value at step 1)",
+  });
+  assert.equal(session.iterations, 1);
+  assert.notEqual(session.carried['fc1.weight'], before);
+  assert.ok(Array.from(session.carried['fc1.weight'].data).every(Number.isFinite));
+  await assert.rejects(loadTrainingFolder(FOLDER, { ...OPTIONS, lr: () => NaN }), {
+    message: `lr must be >= 0, got NaN (the schedule's value at step 0): ${LR_MESSAGE}`,
+  });
+  await session.release();
+});
+
+test('a batch with a NaN: the update is skipped and counted; an error at maxConsecutiveSkips in a row', async () => {
+  assert.equal(MAX_CONSECUTIVE_SKIPS, 5);
+  const session = await loadTrainingFolder(FOLDER, OPTIONS);
+  await session.step(batch(0));
+  const kept = values(session.carried);
+  const poisoned = batch(1);
+  poisoned.pixels.data[5] = NaN;
+  assert.ok(Number.isNaN(await session.step(poisoned)));
+  assert.equal(session.iterations, 1);
+  assert.equal(session.skippedSteps, 1);
+  assert.deepEqual(values(session.carried), kept, 'no update on a NaN loss');
+  assert.ok(Number.isFinite(await session.step(batch(1))));
+  assert.equal(session.iterations, 2);
+  assert.equal(session.consecutiveSkips, 0);
+  for (let k = 1; k < MAX_CONSECUTIVE_SKIPS; k++) assert.ok(Number.isNaN(await session.step(poisoned)));
+  await assert.rejects(session.step(poisoned), {
+    message:
+      'the loss is NaN at update 2: the update was skipped, the parameters and optimizer state are unchanged (5 ' +
+      'skipped in a row, the limit maxConsecutiveSkips=5). Check the batches for NaN and infinite values, or lower ' +
+      'the learning rate',
+  });
+  assert.equal(session.skippedSteps, 6);
+  assert.ok(Array.from(session.carried['fc1.weight'].data).every(Number.isFinite));
+  const strict = await loadTrainingFolder(FOLDER, { ...OPTIONS, maxConsecutiveSkips: 1 });
+  await assert.rejects(strict.step(poisoned), /\(1 skipped in a row, the limit maxConsecutiveSkips=1\)/);
+  for (const limit of [0, 1.5, '5']) {
+    await assert.rejects(loadTrainingFolder(FOLDER, { ...OPTIONS, maxConsecutiveSkips: limit }), {
+      message: `maxConsecutiveSkips must be an integer >= 1, got ${typeof limit === 'string' ? `"${limit}"` : limit}`,
+    });
+  }
+  await session.release();
+  await strict.release();
+});
+
+test('class labels outside [0, C) are refused before the run, naming the value and its row', async () => {
+  const session = await loadTrainingFolder(FOLDER, OPTIONS);
+  for (const label of [10, -1]) {
+    const b = batch(0);
+    b.target[3] = BigInt(label);
+    b.target[7] = 12n;
+    const message =
+      `batch input target holds class ${label} at row 3: class labels must lie in [0, 10); only ignore_index -100 ` +
+      'may lie outside (2 such label(s))';
+    await assert.rejects(session.step(b), { message });
+    await assert.rejects(session.evaluate(b), { message });
+  }
+  assert.equal(session.iterations, 0);
+  const b = batch(0);
+  b.target[3] = -100n; // ignore_index: accepted
+  assert.ok(Number.isFinite(await session.step(b)));
+  await session.release();
+});
+
+/** Protobuf bytes of field `field` (length-delimited) holding `payload`. */
+function lengthDelimited(field, payload) {
+  const out = [field * 8 + 2];
+  for (let n = payload.length; ; n = Math.floor(n / 128)) {
+    out.push(n < 128 ? n : (n % 128) | 128);
+    if (n < 128) break;
+  }
+  return Buffer.concat([Buffer.from(out), payload]);
+}
+
+test("the step graph's loss description (onnxgrad.loss metadata) says which labels to refuse", async () => {
+  // what Python's add_loss records: the target's name, the class count (null: symbolic), the ignore_index
+  const described = (spec) =>
+    copyFolder((d) => {
+      const entry = Buffer.concat([lengthDelimited(1, Buffer.from('onnxgrad.loss')), lengthDelimited(2, Buffer.from(JSON.stringify(spec)))]);
+      const path = join(d, 'train_step.onnx');
+      writeFileSync(path, Buffer.concat([readFileSync(path), lengthDelimited(14, entry)])); // ModelProto.metadata_props
+    });
+  const spec = { kind: 'cross_entropy', loss: 'loss', target: 'target', weight: null, reduction: 'mean', classes: 4, ignore_index: -1 };
+  const session = await loadTrainingFolder(described(spec), OPTIONS);
+  const b = batch(0);
+  b.target.fill(1n);
+  b.target[2] = -100n;
+  await assert.rejects(session.step(b), {
+    message: 'batch input target holds class -100 at row 2: class labels must lie in [0, 4); only ignore_index -1 may lie outside (1 such label(s))',
+  });
+  b.target[2] = -1n;
+  b.target[5] = 4n;
+  await assert.rejects(session.step(b), { message: /^batch input target holds class 4 at row 5: class labels must lie in \[0, 4\)/ });
+  b.target[5] = 3n;
+  assert.ok(Number.isFinite(await session.step(b)));
+  await session.release();
+  const symbolic = await loadTrainingFolder(described({ ...spec, classes: null, ignore_index: null }), OPTIONS);
+  b.target[5] = 50n; // the class count is unknown here: only negative labels are refused
+  b.target[2] = 1n;
+  assert.equal(typeof (await symbolic.step(b)), 'number');
+  b.target[2] = -100n;
+  await assert.rejects(symbolic.step(b), {
+    message: 'batch input target holds class -100 at row 2: class labels must lie in [0, C) (1 such label(s))',
+  });
+  await symbolic.release();
+});
+
+test('unknown batch inputs are refused (the Python runner\'s rule)', async () => {
+  const session = await loadTrainingFolder(FOLDER, OPTIONS);
+  await assert.rejects(session.step({ ...batch(0), weights: new Float32Array(N) }), {
+    message: 'unknown batch input(s) weights; this run takes pixels, target',
+  });
+  await assert.rejects(session.predict({ pixels: batch(0).pixels, pixel: batch(0).pixels }), {
+    message: 'unknown batch input(s) pixel; this run takes pixels',
+  });
+  // the folder's target passed to predict is not unknown: a whole batch predicts
+  const { logits } = await session.predict(batch(0));
+  assert.deepEqual(logits.dims, [N, 10]);
+  assert.equal(session.iterations, 0);
+  await session.release();
+});
+
+test('a truncated state file: the error names the tensor and the file', async () => {
+  const dir = copyFolder((d) => {
+    const bytes = readFileSync(join(d, 'state.safetensors'));
+    writeFileSync(join(d, 'state.safetensors'), bytes.subarray(0, bytes.length - 1));
+  });
+  await assert.rejects(loadTrainingFolder(dir, OPTIONS), (error) => {
+    assert.match(error.message, /^state\.safetensors: tensor '[^']+' lies outside the file \(bytes \d+ to \d+ of \d+ after the header: truncated\?\)$/);
+    return true;
+  });
+  assert.throws(() => readSafetensors(new Uint8Array([2, 0, 0, 0, 0, 0, 0, 0, 91, 93]), 'x.safetensors'), {
+    message: 'x.safetensors is not a safetensors file: the header is not a JSON object',
+  });
+});
+
+test('a manifest that does not fit the folder\'s files is refused when loading', async () => {
+  // an SGD-like manifest (no exp_avg for fc1.weight) beside an AdamW step graph
+  const dir = copyFolder((d) => {
+    const m = manifestOf(d);
+    delete m.train_step.feedback['next/exp_avg/fc1.weight'];
+    m.train_step.inputs = m.train_step.inputs.filter((s) => s.name !== 'exp_avg/fc1.weight');
+    m.train_step.outputs = m.train_step.outputs.filter((s) => s.name !== 'next/exp_avg/fc1.weight');
+    m.optimizer_state = m.optimizer_state.filter((s) => s.name !== 'exp_avg/fc1.weight');
+    writeManifest(d, m);
+    const { tensors, metadata } = readSafetensors(readFileSync(join(d, 'state.safetensors')));
+    delete tensors['exp_avg/fc1.weight'];
+    writeFileSync(join(d, 'state.safetensors'), writeSafetensors(tensors, metadata));
+  });
+  await assert.rejects(loadTrainingFolder(dir, OPTIONS), {
+    message:
+      'train_step.onnx does not fit manifest.json: the model takes exp_avg/fc1.weight, which the manifest does not ' +
+      'list (was the manifest copied from another folder?)',
+  });
+  // the CNN's manifest in the MLP's folder: the state lacks what it carries
+  const cnn = copyFolder((d) => cpSync(join(ROOT, 'cnn', 'artifacts', 'manifest.json'), join(d, 'manifest.json')));
+  await assert.rejects(loadTrainingFolder(cnn, OPTIONS), /^Error: state\.safetensors lacks conv1\.weight, which the step carries/);
+});
+
+test('manifest paths stay inside the folder: no .., no absolute path, no link out', async () => {
+  for (const path of ['../artifacts/train_step.onnx', '/etc/passwd', 'a//b.onnx', 'https://example.com/x.onnx']) {
+    const dir = copyFolder((d) => writeManifest(d, { ...manifestOf(d), files: { ...manifestOf(d).files, train_step: path } }));
+    await assert.rejects(loadTrainingFolder(dir, OPTIONS), {
+      message: `manifest.json: files.train_step is ${JSON.stringify(path)}: a file of the folder must be a relative path inside it (no '..', no absolute path or URL)`,
+    });
+  }
+  // a symbolic link, even to a file inside the folder (it could be changed to point out)
+  const outside = join(scratch, 'outside.onnx');
+  cpSync(join(FOLDER, 'train_step.onnx'), outside);
+  for (const target of [outside, 'real.onnx']) {
+    const linked = copyFolder((d) => {
+      cpSync(join(d, 'train_step.onnx'), join(d, 'real.onnx'));
+      rmSync(join(d, 'train_step.onnx'));
+      symlinkSync(target, join(d, 'train_step.onnx'));
+    });
+    await assert.rejects(loadTrainingFolder(linked, OPTIONS), {
+      message: `${join(linked, 'train_step.onnx')} is a symbolic link: refused, copy the file instead`,
+    });
+  }
+  // a folder on the path that links out of the folder
+  const sub = copyFolder((d) => {
+    symlinkSync(scratch, join(d, 'sub'));
+    writeManifest(d, { ...manifestOf(d), files: { ...manifestOf(d).files, train_step: 'sub/outside.onnx' } });
+  });
+  await assert.rejects(loadTrainingFolder(sub, OPTIONS), {
+    message: `${join(sub, 'sub', 'outside.onnx')} leads to ${outside}, outside the folder ${sub}: a folder's files must lie inside it`,
+  });
+});
+
+const STEP_RANGE = "not a whole number from 0 to 2**53 - 1 (JavaScript's exact integers)";
+
+test('a state that does not fit the manifest is refused where it is read', async () => {
+  const { tensors } = readSafetensors(await readFile(join(FOLDER, 'state.safetensors')));
+  const cases = [
+    [{ step: '-1' }, tensors, `the state option: its step (the updates already made) is "-1", ${STEP_RANGE}`],
+    [{ step: 'nan' }, tensors, `the state option: its step (the updates already made) is "nan", ${STEP_RANGE}`],
+    [{ step: String(2 ** 60) }, tensors, `the state option: its step (the updates already made) is "${2 ** 60}", ${STEP_RANGE}`],
+    [
+      { step: '0' },
+      { ...tensors, extra: { type: 'float32', dims: [1], data: new Float32Array(1) } },
+      'the state option holds extra, which the folder does not carry (the state of another folder?)',
+    ],
+    [
+      { step: '0' },
+      { ...tensors, 'fc1.bias': { type: 'float32', dims: [16], data: new Float32Array(16) } },
+      "the state option: tensor 'fc1.bias' is float32 [16], the manifest says float32 [32]",
+    ],
+    [
+      { step: '0' },
+      { ...tensors, 'fc1.bias': { type: 'float64', dims: [32], data: new Float64Array(32) } },
+      "the state option: tensor 'fc1.bias' is float64 [32], the manifest says float32 [32]",
+    ],
+    [
+      { step: '0' },
+      { ...tensors, 'exp_avg/fc2.bias': { type: 'float32', dims: [10], data: Float32Array.of(0, 0, Infinity, 0, 0, 0, 0, 0, 0, 0) } },
+      "the state option: tensor 'exp_avg/fc2.bias' holds Infinity at index 2: a state must be finite",
+    ],
+  ];
+  for (const [metadata, state, message] of cases) {
+    await assert.rejects(loadTrainingFolder(FOLDER, { ...OPTIONS, state: writeSafetensors(state, metadata) }), { message });
+  }
+  const session = await loadTrainingFolder(FOLDER, { ...OPTIONS, state: writeSafetensors(tensors, { step: '7' }) });
+  assert.equal(session.iterations, 7);
+  await session.release();
+});
+
+test('a manifest that is not JSON, or lacks what the session reads, is a clear error', async () => {
+  const broken = copyFolder((d) => writeFileSync(join(d, 'manifest.json'), '{"format": "onnxgrad.artifacts",'));
+  await assert.rejects(loadTrainingFolder(broken, OPTIONS), /^Error: manifest\.json is not JSON: /);
+  const partial = copyFolder((d) => {
+    const m = manifestOf(d);
+    delete m.eval_step;
+    delete m.train_step.feedback;
+    writeManifest(d, m);
+  });
+  await assert.rejects(loadTrainingFolder(partial, OPTIONS), { message: 'manifest.json lacks eval_step, train_step.feedback' });
+});
