@@ -83,6 +83,11 @@ def test_every_door_refuses_a_bad_learning_rate_with_the_same_error(lr, folder, 
     )
     assert "lr must be >= 0" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # nothing written
+    data = tmp_path / "data.npz"
+    np.savez(data, pixels=batch()["pixels"], target=batch()["target"])
+    argv = ["train", str(model), "--data", str(data), "--target", "target", "--loss", "cross_entropy"]
+    assert main([*argv, "--lr", str(lr), "-o", str(tmp_path / "t.onnx"), "--no-progress"]) == 2
+    assert "lr must be >= 0" in capsys.readouterr().err
 
 
 def test_a_manifest_with_a_bad_default_rate_is_refused(folder, tmp_path):

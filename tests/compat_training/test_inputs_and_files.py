@@ -201,3 +201,11 @@ def test_lower_opset_says_why_it_cannot():
     assert "CastLike node 'm' has no definition at opset 14" in lower_opset(group, 14)
     assert "below 13" in lower_opset(group, 12)
     assert lower_opset(group, 18) is group
+
+
+@pytest.mark.parametrize("lr", [-1.0, float("nan"), float("inf")])
+def test_the_optimizer_refuses_a_bad_learning_rate_as_every_door_does(classifier, lr):
+    _, _, opt = scenarios._session(og, classifier)
+    with pytest.raises(InputError, match=rf"lr must be >= 0, got {lr}: a finite number"):
+        opt.set_learning_rate(lr)
+    assert opt.get_learning_rate() == pytest.approx(1e-3)
