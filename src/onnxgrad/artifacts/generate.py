@@ -35,9 +35,10 @@ from ..errors import InputError, InputTypeError
 from ..model.graph import check_model, np_dtype, to_array
 from ..model.load import CheckedModel
 from ..train.losses import add_loss, keep_outputs
-from ..train.optimizers import DEFAULT_LR, DEFAULT_OPTIMIZER
+from ..train.optimizers import DEFAULT_LR, DEFAULT_OPTIMIZER, check_lr
 from ..train.optimizers import optimizer_options as optimizer_options_of
 from . import tensors
+from .folder import FORMAT, MANIFEST
 from .optim import hyperparameters
 from .step import LR, STEP, build_train_step, lowest_ir_version
 from .targets import DEFAULT_TARGETS, check_targets
@@ -45,14 +46,13 @@ from .webgpu import WEBGPU, lower_for_webgpu
 
 __all__ = ["FORMAT", "Artifacts", "generate"]
 
-FORMAT = "onnxgrad.artifacts"
 FORMAT_VERSION = 1
 FILES = {
     "train_step": "train_step.onnx",
     "eval_step": "eval_step.onnx",
     "inference": "inference.onnx",
     "state": "state.safetensors",
-    "manifest": "manifest.json",
+    "manifest": MANIFEST,
 }
 MAX_OPSET_FOR_OLD_RUNTIMES = 21  # onnxruntime 1.20 (and onnxruntime-web of its time) reads up to 21
 
@@ -123,6 +123,7 @@ def generate(
     trainable, frozen = _deprecated_names(deprecated, requires_grad, trainable, frozen)
     targets = list(targets)
     webgpu = WEBGPU in targets
+    lr = check_lr(lr)  # the runners' default: the one check every door makes
     opt = optimizer.lower()
     hyper = hyperparameters(opt, optimizer_options_of(optimizer_options, legacy_options, "generate"))
     prepared = prepare(model)  # the one validation: what follows rewrites the checked model

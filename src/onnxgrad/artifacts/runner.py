@@ -8,8 +8,9 @@ the batch and the scalar loss.
 
 from __future__ import annotations
 
-import json
+import math
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,24 +19,38 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
-from ..errors import InputError
+from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import ValueInfo, onnx_dtype
 from ..runtime.runner import make_session, session_options_for
 from ..runtime.session import resolve_providers
 from ..runtime.values import check_dims_agree, check_input, coerce
+from ..train.optimizers import check_lr
 from ..train.schedules import LearningRate, as_schedule
 from . import tensors
-from .generate import FILES, FORMAT
+from .folder import FORMAT, check_step_model, load_model, path_of, read_manifest, read_state
 
-__all__ = ["Runner"]
+__all__ = ["MAX_CONSECUTIVE_SKIPS", "Runner"]
+
+MAX_CONSECUTIVE_SKIPS = 5  # non-finite losses in a row at which Runner.step raises
 
 
 class Runner:
     """Train the model of an artifacts folder (written by :func:`onnxgrad.artifacts.generate`).
 
-    ``lr``: a number or a schedule ``step -> lr`` (default: the manifest's). ``state``: a
-    ``.safetensors`` file to start from instead of the folder's (e.g. written by
-    :meth:`save_state`). ``threads``: onnxruntime's intra-op threads.
+    ``lr``: a number or a schedule ``step -> lr`` (default: the manifest's); each value is checked
+    (:func:`~onnxgrad.train.optimizers.check_lr`: finite, >= 0). ``state``: a ``.safetensors``
+    file to start from instead of the folder's (e.g. written by :meth:`save_state`).
+    ``threads``: onnxruntime's intra-op threads.
+
+    The folder is read as untrusted input (:mod:`onnxgrad.artifacts.folder`): its files inside it
+    and no symbolic links, its models through the checks of any model file, its state checked
+    against the manifest (dtypes, shapes, finite values, ``step``).
+
+    A step whose loss is not finite (NaN or infinite: a NaN in the batch, a divergence) is skipped:
+    the parameters, optimizer state and :attr:`iterations` stay as they were, :attr:`skipped_steps`
+    counts it and a :class:`UserWarning` says so. ``max_consecutive_skips`` (default
+    :data:`MAX_CONSECUTIVE_SKIPS`, 5) skipped steps in a row raise
+    :class:`~onnxgrad.errors.OnnxGradRuntimeError` (the state is still the last good one).
     """
 
     def __init__(
@@ -47,29 +62,34 @@ class Runner:
         threads: int | None = None,
         providers: str | list | None = None,
         session_options: ort.SessionOptions | None = None,
+        max_consecutive_skips: int = MAX_CONSECUTIVE_SKIPS,
     ) -> None:
         self.folder = os.fspath(folder)
-        with open(os.path.join(self.folder, FILES["manifest"])) as f:
-            self.manifest: dict[str, Any] = json.load(f)
-        if self.manifest.get("format") != FORMAT:
-            raise InputError(f"{self.folder!r} is not an onnxgrad artifacts folder (no {FORMAT} manifest)")
+        if isinstance(max_consecutive_skips, bool) or not (
+            isinstance(max_consecutive_skips, int) and max_consecutive_skips >= 1
+        ):
+            raise InputError(f"max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r}")
+        self.max_consecutive_skips = max_consecutive_skips
+        self.skipped_steps = 0  # steps skipped for a non-finite loss, in all
+        self.consecutive_skips = 0  # ... since the last applied update
+        self.manifest: dict[str, Any] = read_manifest(self.folder)
         m = self.manifest
-        values, meta = tensors.load(state or os.path.join(self.folder, m["files"]["state"]))
-        self.iterations = int(meta.get("step", 0))  # updates made so far
+        train_model = load_model(self.folder, m, "train_step")
+        check_step_model(train_model, m, f"the step graph {m['files']['train_step']!r}")
+        carried_specs = [*m["parameters"], *m["optimizer_state"], *m["buffers"]]
+        state_path = os.fspath(state) if state is not None else path_of(self.folder, m, "state")
+        values, self.iterations = read_state(state_path, carried_specs)  # updates made so far
         self.schedule = as_schedule(m["lr"]["default"] if lr is None else lr)
-        self.lr = float(self.schedule(self.iterations))
+        self.lr = check_lr(self.schedule(self.iterations))
         if threads is not None and session_options is not None:
             session_options.intra_op_num_threads = threads
         self._threads, self._options = threads, session_options  # None: onnxgrad's, per model
         self._providers = resolve_providers(providers)
-        self._train = self._session("train_step")
+        self._train = self._session(train_model)
         self._eval: ort.InferenceSession | None = None
         train = m["train_step"]
         self.feedback: dict[str, str] = dict(train["feedback"])  # output -> input
         self.carried = list(self.feedback.values())
-        missing = [n for n in self.carried if n not in values]
-        if missing:
-            raise InputError(f"the state file lacks {missing}")
         self.batch_specs = {s["name"]: s for s in m["batch"]}
         # every input the steps take from the caller, as declared (the batch, and what eval adds)
         specs = {s["name"]: s for s in (*m["eval_step"]["inputs"], *m["batch"])}
@@ -112,13 +132,12 @@ class Runner:
             f"outputs={outputs})"
         )
 
-    def _session(self, key: str) -> ort.InferenceSession:
-        path = os.path.join(self.folder, self.manifest["files"][key])
+    def _session(self, model: onnx.ModelProto) -> ort.InferenceSession:
         options = self._options
         if options is None and self._threads is not None:
-            options = session_options_for(path)  # the policy's options for this graph, then threads
+            options = session_options_for(model)  # the policy's options for this graph, then threads
             options.intra_op_num_threads = self._threads
-        return make_session(path, self._providers, options)
+        return make_session(model, self._providers, options)
 
     # ---- batches -------------------------------------------------------------------------------
     def _batch(self, batch: Mapping[str, Any], names: list[str]) -> dict[str, np.ndarray]:
@@ -143,23 +162,42 @@ class Runner:
         """One update on ``batch`` (input name -> array, the target included); returns the loss
         computed before the update."""
         arrays = self._batch(batch, list(self.batch_specs))
-        self.lr = float(self.schedule(self.iterations))
-        if not self.lr >= 0:
-            raise InputError(f"lr must be >= 0, got {self.lr}")
+        self.lr = check_lr(self.schedule(self.iterations))
         self._lr[...] = self.lr
         self._step[...] = self.iterations
         binding = self._bindings[self._current]
         for name, arr in arrays.items():
             binding.bind_cpu_input(name, arr)
-        self._train.run_with_iobinding(binding)
+        self._train.run_with_iobinding(binding)  # reads buffer set k, writes set 1 - k
+        loss = float(self._loss)
+        if not math.isfinite(loss):
+            self._skip(loss)  # set k, the current state, stays
+            return loss
+        self.consecutive_skips = 0
         self._current = 1 - self._current
         self.iterations += 1
-        return float(self._loss)
+        return loss
+
+    def _skip(self, loss: float) -> None:
+        """Count a step skipped for its non-finite ``loss``; raise at the limit, else warn."""
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        n, limit = self.consecutive_skips, self.max_consecutive_skips
+        what = (
+            f"the loss is {loss} at update {self.iterations}: the update was skipped, the parameters and "
+            f"optimizer state are unchanged ({n} skipped in a row"
+        )
+        if n >= limit:
+            raise OnnxGradRuntimeError(
+                f"{what}, the limit max_consecutive_skips={limit}). Check the batches for NaN and "
+                "infinite values, or lower the learning rate"
+            )
+        warnings.warn(f"{what}; {limit} in a row raise)", UserWarning, stacklevel=3)
 
     def evaluate(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """``{"loss": float, <model output>: array, ...}`` on ``batch``, without updating."""
         if self._eval is None:
-            self._eval = self._session("eval_step")
+            self._eval = self._session(load_model(self.folder, self.manifest, "eval_step"))
         spec = self.manifest["eval_step"]
         carried = self._values[self._current]
         names = [s["name"] for s in spec["inputs"] if s["name"] not in carried]
@@ -190,7 +228,7 @@ class Runner:
 
     def to_onnx(self) -> onnx.ModelProto:
         """The inference model carrying the trained parameters and running statistics."""
-        model = onnx.load(os.path.join(self.folder, self.manifest["files"]["inference"]))
+        model = load_model(self.folder, self.manifest, "inference")
         current = self._arrays[self._current]
         names = list(self.manifest["inference"]["parameters"])
         g = model.graph

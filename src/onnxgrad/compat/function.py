@@ -16,7 +16,7 @@ import onnxruntime as ort
 
 from ..autodiff.engine import GradientGraphs
 from ..deps import C
-from ..errors import InputError, OnnxGradRuntimeError, PathNotFoundError
+from ..errors import InputError, InputTypeError, OnnxGradRuntimeError, PathNotFoundError
 from ..model.graph import ValueInfo, np_dtype
 from ..runtime.runner import Runner
 from ..runtime.values import contiguous
@@ -92,6 +92,11 @@ class OrtGradientForwardBackwardFunction:
             else:
                 kind, index = parse_device(device)
                 arr = contiguous(t)
+                if arr.dtype.kind in "OUSV":  # onnxruntime would raise its own RuntimeError
+                    raise InputTypeError(
+                        f"value {i} is a {type(t).__name__} (numpy dtype {arr.dtype}): inputs and "
+                        "gradients are numeric arrays or OrtValues"
+                    )
                 wrapper = ort.OrtValue.ortvalue_from_numpy(arr, kind, index)
                 keep.append(wrapper)  # it holds ``arr`` when the value borrows its buffer
                 values.append(wrapper._ortvalue)

@@ -45,7 +45,10 @@ def c_value(value: Any) -> Any:
         return value
     if isinstance(value, ort.OrtValue):
         return value._ortvalue
-    raise InputTypeError(f"an OrtValueVector holds OrtValues, not {type(value).__name__}")
+    raise InputTypeError(
+        f"an OrtValueVector holds OrtValues, not {type(value).__name__}: wrap an array with "
+        "onnxruntime.OrtValue.ortvalue_from_numpy, or pass the arrays in a list"
+    )
 
 
 class OrtValueVector(C.OrtValueVector):
@@ -84,9 +87,33 @@ class OrtValueVector(C.OrtValueVector):
             self._push(value)
         self._items.append(value)
 
+    def push_back(self, value: Any) -> None:
+        """Add an ``OrtValue`` (public or ``C.OrtValue``), as :meth:`append` does, or a DLPack
+        capsule (onnxruntime's second form, the value taking over the capsule's buffer): the
+        Python side sees it too (onnxruntime's own method stores it in the C++ vector only)."""
+        if value is None or isinstance(value, ort.OrtValue | C.OrtValue):
+            self.append(value)
+            return
+        if isinstance(value, np.ndarray):
+            c_value(value)  # the error that says what to do
+        holder = C.OrtValueVector()
+        try:
+            holder.push_back(value)  # a DLPack capsule; onnxruntime judges anything else
+        except TypeError as exc:
+            raise InputTypeError(
+                f"an OrtValueVector holds OrtValues or DLPack capsules, not {type(value).__name__} ({exc})"
+            ) from None
+        self._keep.append(holder)
+        self.append(C.OrtValueVector.__getitem__(holder, 0))
+
+    def push_back_batch(self, *args: Any, **kwargs: Any) -> None:
+        """Not available: add the values one by one (:meth:`append`), so that the Python side
+        sees them."""
+        raise InputTypeError("OrtValueVector.push_back_batch is not supported: append the values one by one")
+
     def _push(self, value: Any) -> None:
         if self._native:
-            self.push_back(value)
+            C.OrtValueVector.push_back(self, value)
 
     def assign(self, values: list[Any]) -> None:
         """Replace the content by ``values``, as the original's agents overwrote an output cache.
@@ -104,7 +131,7 @@ class OrtValueVector(C.OrtValueVector):
             new = [None if v is None else C.OrtValueVector.__getitem__(self, i) for i, v in enumerate(new)]
         elif self._native and len(self._items) == 0:
             for v in stored:
-                self.push_back(v)
+                C.OrtValueVector.push_back(self, v)
         else:
             self._native = False
         self._items = new

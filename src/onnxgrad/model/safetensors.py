@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, PathNotFoundError
 
 __all__ = ["DTYPES", "load", "loads", "save", "saves"]
 
@@ -70,11 +70,13 @@ def loads(data: bytes, *, source: str = "the data") -> tuple[dict[str, np.ndarra
         raise InputError(f"{source} is not a safetensors file: the header runs past the end")
     try:
         header = json.loads(data[8 : 8 + n].decode())
-        metadata = header.pop("__metadata__", None) or {}
-    except (ValueError, AttributeError) as exc:
+    except (ValueError, RecursionError) as exc:  # not UTF-8 or not JSON; JSON nested too deep
         raise InputError(f"{source} is not a safetensors file: {exc}") from exc
-    if not isinstance(metadata, dict):
-        raise InputError(f"{source} is not a safetensors file: __metadata__ is not a mapping")
+    if not isinstance(header, dict):
+        raise InputError(f"{source} is not a safetensors file: its header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise InputError(f"{source} is not a safetensors file: __metadata__ is not a string mapping")
     body = data[8 + n :]
     tensors = {}
     for name, spec in header.items():
@@ -110,5 +112,13 @@ def save(
 def load(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(name -> array, metadata) read from a safetensors file."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        return loads(f.read(), source=repr(path))
+    if not os.path.exists(path):
+        raise PathNotFoundError(f"the safetensors file {path!r} does not exist")
+    if not os.path.isfile(path):  # a device or a pipe would be read without end
+        raise InputError(f"{path!r} is not a regular file, so not a safetensors file")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise InputError(f"cannot read the safetensors file {path!r}: {exc}") from exc
+    return loads(data, source=repr(path))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -38,6 +39,7 @@ __all__ = [
     "check_python_ops",
     "check_structure",
     "default_limits",
+    "file_inside",
     "load_untrusted",
     "python_op_classes",
     "safe_to_propagate_data",
@@ -308,6 +310,34 @@ def _check_data_size(t: TensorProto, what: str, dims: list[int]) -> None:
         )
 
 
+def file_inside(base_dir: str | os.PathLike, location: Any, what: str) -> str:
+    """The path of the file ``location`` inside the folder ``base_dir``, held to the rules of a
+    model's external data: a relative path (a string), inside the folder once resolved, not a
+    symbolic link, a regular file. ``what`` begins each :class:`ModelError` message ("initializer
+    'w' is stored in", "the manifest's files.state is"). Every file of a folder onnxgrad reads
+    from outside (external data, an artifacts folder's files) goes through here."""
+    base_dir = os.fspath(base_dir)
+    if not isinstance(location, str) or not location or "\x00" in location:
+        raise ModelError(f"{what} {location!r}, which is not a valid file name")
+    if os.path.isabs(location) or os.path.splitdrive(location)[0]:
+        raise ModelError(
+            f"{what} {location!r}, an absolute path: the file must be a relative path inside the "
+            f"folder {base_dir!r}"
+        )
+    path = os.path.join(base_dir, location)
+    if os.path.islink(path):  # even to a file inside the folder: it could be changed to point out
+        raise ModelError(f"{what} {location!r}, a symbolic link: refused, copy the file instead")
+    real, folder = os.path.realpath(path), os.path.realpath(base_dir)
+    if os.path.commonpath([real, folder]) != folder:
+        raise ModelError(
+            f"{what} {location!r}, which points outside the folder {base_dir!r}: refused (the file "
+            "must live in the folder)"
+        )
+    if not os.path.isfile(path):
+        raise ModelError(f"{what} {location!r}, which does not exist in {base_dir!r} as a file")
+    return path
+
+
 def _check_external(t: TensorProto, what: str, nbytes: int, base_dir: str | None) -> None:
     """External data must be a regular file inside ``base_dir``, holding the whole tensor."""
     info = {e.key: e.value for e in t.external_data}
@@ -319,22 +349,7 @@ def _check_external(t: TensorProto, what: str, nbytes: int, base_dir: str | None
             f"{what} is stored in the external file {location!r}, but the model was not given as a "
             "path: external data is only read from the model's folder, so load the model from its file"
         )
-    if os.path.isabs(location) or os.path.splitdrive(location)[0]:
-        raise ModelError(
-            f"{what} is stored in {location!r}, an absolute path: external data must be a relative "
-            "path inside the model's folder"
-        )
-    path = os.path.join(base_dir, location)
-    if os.path.islink(path):  # even to a file inside the folder: it could be changed to point out
-        raise ModelError(f"{what} is stored in {location!r}, a symbolic link: refused, copy the file instead")
-    real, folder = os.path.realpath(path), os.path.realpath(base_dir)
-    if os.path.commonpath([real, folder]) != folder:
-        raise ModelError(
-            f"{what} is stored in {location!r}, which points outside the model's folder {base_dir!r}: "
-            "refused (external data must live next to the model)"
-        )
-    if not os.path.isfile(path):
-        raise ModelError(f"{what} is stored in {location!r}, which does not exist in {base_dir!r}")
+    path = file_inside(base_dir, location, f"{what} is stored in")
     try:
         offset = int(info.get("offset", 0))
         length = int(info["length"]) if "length" in info else None

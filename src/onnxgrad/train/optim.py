@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from .optimizers import DEFAULT_LR, Definition, Program, Value, definition, evaluate_scalar
+from .optimizers import DEFAULT_LR, Definition, Program, Value, check_lr, definition, evaluate_scalar
 from .schedules import LearningRate, as_schedule
 
 __all__ = [
@@ -63,9 +63,7 @@ class Optimizer:
         self._scratch: dict[str, list[np.ndarray]] = {name: [] for name in self.params}
 
     def _scheduled_lr(self) -> float:
-        lr = float(self.schedule(self.iterations))
-        _check_non_negative(lr=lr)
-        return lr
+        return check_lr(self.schedule(self.iterations))
 
     def step(self, grads: Mapping[str, np.ndarray]) -> None:
         """Apply one update from ``grads`` (name -> gradient); parameters without one are left."""

@@ -47,6 +47,7 @@ __all__ = [
     "Ops",
     "Program",
     "Value",
+    "check_lr",
     "definition",
     "optimizer_options",
 ]
@@ -208,15 +209,51 @@ def _hashable(v: Any) -> Any:
     return tuple(v) if isinstance(v, list | tuple) else v
 
 
+def check_lr(lr: Any) -> float:
+    """The learning rate as a float: a finite number >= 0, :class:`InputError` otherwise.
+
+    The one check of every door that takes a learning rate (the numpy optimizers and so
+    :class:`~onnxgrad.train.Trainer` and ``onnxgrad train``, :func:`onnxgrad.artifacts.generate` and
+    ``onnxgrad artifacts``, :class:`onnxgrad.artifacts.Runner`, each value a schedule returns):
+    a negative rate climbs the loss, an infinite or NaN one turns every parameter into NaN."""
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise InputError(f"lr must be a number >= 0, got {lr!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise InputError(
+            f"lr must be >= 0, got {value}: a finite number (a negative rate climbs the loss, an "
+            "infinite or NaN one makes every parameter NaN)"
+        )
+    return value
+
+
+def _number(hyper: Mapping[str, Any], key: str) -> float:
+    try:
+        return float(hyper[key])
+    except (TypeError, ValueError):
+        raise InputError(f"{key} must be a number, got {hyper[key]!r}") from None
+
+
 def _non_negative(hyper: Mapping[str, Any], *names: str) -> None:
     for key in names:
-        if not hyper[key] >= 0:
-            raise InputError(f"{key} must be >= 0, got {hyper[key]}")
+        value = _number(hyper, key)
+        if not (math.isfinite(value) and value >= 0):
+            raise InputError(f"{key} must be a finite number >= 0, got {hyper[key]!r}")
+
+
+def _positive(hyper: Mapping[str, Any], *names: str) -> None:
+    for key in names:
+        value = _number(hyper, key)
+        if not (math.isfinite(value) and value > 0):
+            raise InputError(f"{key} must be a finite number > 0, got {hyper[key]!r}")
 
 
 def _check_betas(betas: Any) -> None:
-    if not (isinstance(betas, list | tuple) and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
-        raise InputError(f"betas must be in [0, 1), got {betas}")
+    ok = isinstance(betas, list | tuple) and len(betas) == 2
+    ok = ok and all(isinstance(b, int | float | np.floating | np.integer) and 0 <= b < 1 for b in betas)
+    if not ok:
+        raise InputError(f"betas must be in [0, 1), got {betas!r}")
 
 
 # torch.optim.SGD: d = g + wd p; b = d on the first step, then b = μ b + (1 - dampening) d;
@@ -278,7 +315,8 @@ def _adam_formula(decoupled: bool) -> Formula:
 
 def _validate_adam(h: dict[str, Any]) -> None:
     _check_betas(h["betas"])
-    _non_negative(h, "eps", "weight_decay")
+    _positive(h, "eps")
+    _non_negative(h, "weight_decay")
     h["betas"] = (float(h["betas"][0]), float(h["betas"][1]))
     h["eps"], h["weight_decay"] = float(h["eps"]), float(h["weight_decay"])
 
@@ -305,7 +343,8 @@ def _validate_ort_adamw(h: dict[str, Any]) -> None:
             "AdamWOptimizer with adam_mode=0 (torch's variant) is not supported; 1.19.2 writes 1"
         )
     _check_betas((h["alpha"], h["beta"]))
-    _non_negative(h, "epsilon", "weight_decay")
+    _positive(h, "epsilon")
+    _non_negative(h, "weight_decay")
     for k in ("alpha", "beta", "epsilon", "weight_decay"):
         h[k] = float(h[k])
     h["correct_bias"], h["adam_mode"] = int(bool(h["correct_bias"])), 1

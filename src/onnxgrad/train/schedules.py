@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 
 from ..errors import InputError
+from .optimizers import check_lr
 
 __all__ = [
     "Constant",
@@ -55,8 +56,7 @@ class Constant(Schedule):
     """``lr`` at every step."""
 
     def __init__(self, lr: float) -> None:
-        _non_negative(lr=lr)
-        self.lr = float(lr)
+        self.lr = check_lr(lr)
 
     def __call__(self, step: int) -> float:
         return self.lr

@@ -26,6 +26,7 @@ the same (``tests/compat_training/test_big.py`` compares the numbers).
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -39,12 +40,13 @@ from ...autodiff.engine import build_gradient
 from ...autodiff.prepare import prepare
 from ...errors import InputError
 from ...model.emit import Emitter
-from ...model.graph import check_model, ir_version_for, unique_name, without_weights
+from ...model.graph import check_model, ir_version_for, opset_of, unique_name, without_weights
 from ...model.load import CheckedModel
 from ...storage import PROTOBUF_LIMIT, _nbytes
 from ...train.losses import keep_outputs
 from ...train.optimizers import ORT, definition
 from . import checkpoint_file
+from .opset import lower_opset
 
 __all__ = [
     "META_KEY",
@@ -268,9 +270,28 @@ def training_graph(
         stats,
         {n: grad_outputs[n] for n in inputs_requiring_grad},
     )
-    mark(model, result.meta())
-    _finish(model)
+    _at_base_opset(result, loss_model)
+    mark(result.model, result.meta())
+    _finish(result.model)
     return result
+
+
+def _at_base_opset(result: TrainingGraph, loss_model: onnx.ModelProto) -> None:
+    """The training model written at the base model's opset, as 1.19.2 did, when every node means
+    the same there (:func:`~onnxgrad.compat.training.opset.lower_opset`, opset 13 and up); else
+    kept at the backward's, with a :class:`UserWarning` saying why."""
+    base = opset_of(loss_model)
+    lowered = lower_opset(result.model, base)
+    if isinstance(lowered, onnx.ModelProto):
+        result.model = lowered
+        return
+    warnings.warn(
+        f"the training model is written at opset {opset_of(result.model)}, above the base model's "
+        f"opset {base}: {lowered}. onnxruntime-training 1.19.2 kept the base opset; a runtime that "
+        f"reads opset {opset_of(result.model)} runs it",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _with_gradients(

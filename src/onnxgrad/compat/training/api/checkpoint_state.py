@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 
@@ -12,6 +13,8 @@ from .. import checkpoint_file
 from ..checkpoint_file import CheckpointData, OptimizerGroup
 
 __all__ = ["CheckpointState", "Parameter", "Parameters", "Properties"]
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # float properties are stored as float32
 
 
 class Parameter:
@@ -101,8 +104,18 @@ class Properties:
             raise InputError(f"property {name!r}: values are int, float or str, got {type(value).__name__}")
         if isinstance(value, (int, np.integer)):
             value = int(value)
+            if not -(2**63) <= value < 2**63:
+                raise InputError(
+                    f"property {name!r}: {value} does not fit the checkpoint's int64 properties "
+                    "(from -2**63 to 2**63 - 1); store it as a str"
+                )
         elif isinstance(value, (float, np.floating)):
             value = float(value)
+            if math.isfinite(value) and abs(value) > _FLOAT32_MAX:
+                raise InputError(
+                    f"property {name!r}: {value} does not fit the checkpoint's float32 properties "
+                    f"(at most {_FLOAT32_MAX:.7g} in magnitude); store it as a str"
+                )
         self._props[name] = value
 
     def __contains__(self, name: object) -> bool:

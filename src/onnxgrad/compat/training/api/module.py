@@ -11,10 +11,11 @@ import onnxruntime as ort
 from onnx.external_data_helper import _get_all_tensors, load_external_data_for_model
 
 from ....errors import InputError, OnnxGradRuntimeError
-from ....model.graph import check_model
+from ....model.graph import check_model, value_info_from_proto
 from ....runtime.options import options_for_state
 from ....runtime.runner import make_session
 from ....runtime.session import resolve_providers
+from ....runtime.values import check_dims_agree, check_input
 from .. import checkpoint_file, graphs
 from .checkpoint_state import CheckpointState
 
@@ -48,6 +49,21 @@ def _array(value: Any) -> np.ndarray:
     if isinstance(value, ort.OrtValue):
         return value.numpy()
     return np.asarray(value)
+
+
+def _check_user_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:
+    """The input contract every door checks (:func:`onnxgrad.runtime.values.check_input`: dtype,
+    rank, fixed dimensions; :func:`~onnxgrad.runtime.values.check_dims_agree`: inputs declared with
+    the same symbolic dimension, the batch of the features and of the labels, agree):
+    :class:`InputError` before onnxruntime runs. Without it, labels of shape (1,) for a batch of 4
+    were broadcast by ``SoftmaxCrossEntropyLoss`` (the loss of row 0 only, its gradient 4 times)."""
+    infos = {}
+    for vi in model.graph.input:
+        info = value_info_from_proto(vi)
+        if vi.name in feeds and info is not None and not info.sequence and info.dtype:
+            infos[vi.name] = info
+            check_input(vi.name, feeds[vi.name].dtype.name, feeds[vi.name].shape, info)
+    check_dims_agree({n: feeds[n].shape for n in infos}, infos)
 
 
 def _nominal_message(what: str) -> str:
@@ -170,6 +186,7 @@ class Module:
         if len(user_inputs) != len(users):
             raise InputError(f"the model takes {len(users)} input(s) {users}, got {len(user_inputs)}")
         feeds = {n: _array(v) for n, v in zip(users, user_inputs)}
+        _check_user_inputs(model, feeds)
         feeds.update({n: params[n] for n in model_inputs if n in params})
         return feeds
 
@@ -288,6 +305,11 @@ class Module:
         mode, with the current parameters as initializers."""
         if not graph_output_names or isinstance(graph_output_names, str):
             raise InputError("graph_output_names must be a non-empty list of value names")
+        twice = sorted({n for n in graph_output_names if list(graph_output_names).count(n) > 1})
+        if twice:
+            raise InputError(
+                f"graph_output_names lists {twice} more than once: a model's outputs have distinct names"
+            )
         self._state._check_loaded(_nominal_message("Cannot export the model with a nominal state"))
         loss_model = self._loss_model_for_export()
         model = graphs.inference_graph(loss_model, self._state._values(), list(graph_output_names))

@@ -11,6 +11,7 @@ from onnx import helper
 
 from ....errors import InputError
 from ....runtime.runner import make_session
+from ....train.optimizers import check_lr
 from .. import graphs
 from .module import Module, _nominal_message
 
@@ -100,10 +101,7 @@ class Optimizer:
 
     def set_learning_rate(self, learning_rate: float) -> None:
         """The learning rate of the next steps."""
-        lr = float(learning_rate)
-        if not lr >= 0:
-            raise InputError(f"the learning rate must be >= 0, got {learning_rate}")
-        self._lr = lr
+        self._lr = check_lr(learning_rate)
 
     def get_learning_rate(self) -> float:
         """The current learning rate (as the float32 the update uses)."""
