@@ -11,11 +11,11 @@ import onnxruntime as ort
 from onnx.external_data_helper import _get_all_tensors, load_external_data_for_model
 
 from ....errors import InputError, OnnxGradRuntimeError
-from ....model.graph import check_model, value_info_from_proto
+from ....model.graph import check_model, np_dtype, value_info_from_proto
 from ....runtime.options import options_for_state
 from ....runtime.runner import make_session
 from ....runtime.session import resolve_providers
-from ....runtime.values import check_dims_agree, check_input
+from ....runtime.values import check_dims_agree, check_input, coerce
 from .. import checkpoint_file, graphs
 from .checkpoint_state import CheckpointState
 
@@ -52,7 +52,8 @@ def _array(value: Any) -> np.ndarray:
 
 
 def _check_user_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:
-    """The input contract every door checks (:func:`onnxgrad.runtime.values.check_input`: dtype,
+    """The input contract every door checks, ``feeds`` cast in place
+    (:func:`onnxgrad.runtime.values.coerce`: dtype; :func:`~onnxgrad.runtime.values.check_input`:
     rank, fixed dimensions; :func:`~onnxgrad.runtime.values.check_dims_agree`: inputs declared with
     the same symbolic dimension, the batch of the features and of the labels, agree):
     :class:`InputError` before onnxruntime runs. Without it, labels of shape (1,) for a batch of 4
@@ -62,6 +63,7 @@ def _check_user_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> 
         info = value_info_from_proto(vi)
         if vi.name in feeds and info is not None and not info.sequence and info.dtype:
             infos[vi.name] = info
+            feeds[vi.name] = coerce(f"input {vi.name!r}", feeds[vi.name], np_dtype(info.dtype))
             check_input(vi.name, feeds[vi.name].dtype.name, feeds[vi.name].shape, info)
     check_dims_agree({n: feeds[n].shape for n in infos}, infos)
 
