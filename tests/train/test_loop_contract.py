@@ -111,8 +111,11 @@ def test_labels_outside_the_classes_are_refused_before_anything_runs():
     data = class_data(8)
     del data["w"]
     bad = {**data, "target": np.array([0, 1, 1, 0, 5, 0, 1, 0])}
-    with pytest.raises(InputError, match=r"the target 'target' of the training data holds class 5 at row 4: class "
-                       r"labels must lie in \[0, 2\); only ignore_index -100 may lie outside \(1 such label"):  # fmt: skip
+    message = (
+        r"the target 'target' of the training data holds class 5 at row 4: class labels must lie in "
+        r"\[0, 2\); only ignore_index -100 may lie outside \(1 such label"
+    )
+    with pytest.raises(InputError, match=message):
         trainer.fit(bad, epochs=1)
     with pytest.raises(InputError, match=r"of the validation data holds class -1 at row 2"):
         trainer.fit(data, {**data, "target": np.array([0, 1, -1, 0, 1, 0, 1, 0])}, epochs=1)

@@ -129,7 +129,8 @@ _HIGHER_IS_BETTER = ("acc", "auc", "f1", "fmeasure", "precision", "recall", "r2"
 def infer_mode(monitor: str) -> str:
     """``"max"`` when ``monitor`` names an accuracy-like metric (``acc``, ``val_accuracy``,
     ``val_auc``, ``f1``, ``precision``, ``recall``, ``r2``, ``iou``, ``dice``, in the name after an
-    optional ``val_``, and no ``loss`` or ``err``), else ``"min"`` (losses, errors): Keras's ``mode="auto"``."""
+    optional ``val_``, and no ``loss`` or ``err``), else ``"min"`` (losses, errors): Keras's
+    ``mode="auto"``."""
     name = monitor.lower().removeprefix("val_")
     if "loss" in name or "err" in name:  # "dice_loss", "acc_error": lower is better
         return "min"
