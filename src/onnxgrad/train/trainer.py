@@ -35,7 +35,7 @@ from .accumulate import Accumulated
 from .amp import LossScaler, MasterWeightsChoice, mixed_precision
 from .callbacks import Callback, EarlyStopping, HistoryFile, Metric, accuracy, accuracy_metric, as_callback
 from .checkpoint import CHECKPOINT_FORMAT, read_checkpoint, write_checkpoint  # noqa: F401 (re-exported)
-from .data import BatchLoader, Data, as_feeds, n_samples
+from .data import BatchLoader, Data, as_feeds, check_indices, index_bounds, n_samples
 from .history import History, plain
 from .losses import LossSpec, add_loss, loss_spec, remove_loss
 from .onegraph import one_graph_step
@@ -235,6 +235,7 @@ class Trainer:
         self.inputs = input_infos(fb)
         # how add_loss made the loss (None for a model's own): labels to check, batch normalizers
         self.loss_spec: LossSpec | None = loss_spec(fb.graphs.forward)
+        self._index_bounds = index_bounds(fb.graphs.forward)  # token ids within their tables
         self.accumulate, self.clip_norm, self.clip_value = accumulate, clip_norm, clip_value
         self.plateau = _plateau(self.optimizer.schedule)
         if self.plateau is not None:  # its state is this trainer's run's, not an earlier trainer's
@@ -300,8 +301,7 @@ class Trainer:
         if not n_samples(train):
             raise InputError("the training data has 0 samples: there is nothing to train on")
         val = self._eval_data(val_data, "the validation data") if val_data is not None else None
-        if self.loss_spec is not None:  # labels outside [0, C), before anything runs
-            self.loss_spec.check(train, "the training data")
+        self._check_values(train, "the training data")  # before anything runs
         if resume is not None:
             self.load_checkpoint(resume)
             if self.changed_since_checkpoint:
@@ -463,9 +463,15 @@ class Trainer:
                     f"{what}: the array {name!r} (for the metrics) has shape {arr.shape}, "
                     f"the model inputs have {n} samples"
                 )
+        self._check_values(feeds, what)
+        return {**feeds, **extra}
+
+    def _check_values(self, feeds: Mapping[str, np.ndarray], what: str) -> None:
+        """Refuse values the graph cannot take: class labels outside ``[0, C)`` (other than
+        ``ignore_index``), token ids beyond their embedding table."""
         if self.loss_spec is not None:
             self.loss_spec.check(feeds, what)
-        return {**feeds, **extra}
+        check_indices(feeds, self._index_bounds, what)
 
     def _normalizer(self, batch: Mapping[str, np.ndarray]) -> float:
         """What the loss of ``batch`` was divided by (its sample count for a model's own loss)."""
