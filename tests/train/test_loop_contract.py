@@ -287,3 +287,25 @@ def test_the_progress_bar_shows_each_epoch_when_it_starts(monkeypatch):
     monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
     Trainer(linear(), loss="mse", batch_size=4).fit(regression_data(8), epochs=3)
     assert shown[-3:] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"]
+
+
+# ---- the one-graph step (Python's Runner and JS run it) ------------------------------------------
+def test_the_step_graph_gives_nan_for_labels_outside_the_classes_and_describes_its_loss(tmp_path):
+    """The step graph runs where no Python checks the labels first (JS): a label outside [0, C)
+    makes its loss NaN (the runners skip and report a non-finite loss); the loss description it
+    carries lets a runner refuse such labels before the step, as the Trainer does."""
+    from onnxgrad.artifacts import generate
+    from onnxgrad.demo import build_mlp
+
+    generate(build_mlp((4, 8, 3), np.random.default_rng(0)), loss="cross_entropy", out_dir=tmp_path)
+    step = ort.InferenceSession(str(tmp_path / "train_step.onnx"), providers=["CPUExecutionProvider"])
+    spec = loss_spec(step.get_modelmeta().custom_metadata_map)
+    assert (spec.kind, spec.target, spec.classes, spec.ignore_index) == ("cross_entropy", "target", 3, -100)
+    with pytest.raises(InputError, match=r"the target 'target' of the batch holds class 3 at row 3"):
+        spec.check({"target": np.array([0, 1, 2, 3])}, "the batch")
+    from onnxgrad.artifacts.runner import Runner
+
+    runner = Runner(tmp_path)
+    x = np.random.default_rng(1).standard_normal((4, 4)).astype(np.float32)
+    assert np.isfinite(runner.evaluate({"pixels": x, "target": np.array([0, 1, 2, -100])})["loss"])
+    assert np.isnan(runner.evaluate({"pixels": x, "target": np.array([0, 1, 2, 3])})["loss"])
