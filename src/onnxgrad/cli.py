@@ -760,8 +760,10 @@ def _set_dims(
 # ---- check -------------------------------------------------------------------------------------
 def _check(args: argparse.Namespace) -> int:
     from .runtime.profile import random_feeds
-    from .testing import check_gradients, check_nodes
+    from .testing import check_gradients, check_nodes, check_settings, result_status
 
+    flags = {"max_elements": "--max-elements", "rtol": "--rtol", "atol": "--atol"}  # usage errors first
+    check_settings(max_elements=args.max_elements, rtol=args.rtol, atol=args.atol, names=flags)
     checked = load_checked(args.model)  # the one validation of this model
     model = checked.proto
     shapes = _checked_shapes(model, args.shape)
@@ -784,8 +786,9 @@ def _check(args: argparse.Namespace) -> int:
         whole = check_gradients(checked, feeds, max_elements=args.max_elements, seed=args.seed, **tolerances)
         worst = max(whole.max_error.values(), default=0.0)
         dtypes = sorted({str(v.dtype) for k, v in feeds.items() if v.dtype.kind == "f"}) or ["-"]
-        status = "FAIL" if not whole.ok else "NONDIFF" if whole.nondiff else "ok"
-        status += f" ({whole.nondiff_note()})" if whole.nondiff else ""
+        status = result_status(whole)
+        notes = "; ".join(n for n in (whole.nondiff_note(), whole.unprobed_note()) if n)
+        status += f" ({notes})" if notes else ""
         rows.append(("whole model", "-", f"{'/'.join(dtypes)} onnxruntime", f"{worst:.2e}", status))
         if not whole.ok:
             details.append(("whole model", whole.report()))
@@ -798,17 +801,27 @@ def _check(args: argparse.Namespace) -> int:
     failed = sum(r[4].startswith("FAIL") for r in rows)
     skipped = sum(r[4].startswith("skipped") for r in rows)
     nondiff = sum(r[4].startswith("NONDIFF") for r in rows)
+    empty = sum(r[4].startswith("EMPTY") for r in rows)
     kinks = f"{nondiff} not differentiable at some probed elements, " if nondiff else ""
+    nothing = f", {empty} with no element to check" if empty else ""
     print(
-        f"\n{len(rows)} checks: {len(rows) - failed - skipped - nondiff} ok, {kinks}{failed} failed, "
-        f"{skipped} skipped"
+        f"\n{len(rows)} checks: {len(rows) - failed - skipped - nondiff - empty} ok, {kinks}{failed} failed, "
+        f"{skipped} skipped{nothing}"
     )
+    if empty:
+        print(
+            "EMPTY: no element was compared (an empty input, e.g. --shape with a 0, or every probed "
+            "element too large for the step to change it): that check proves nothing."
+        )
     if nondiff:
         print(
             "NONDIFF: at those elements the function has a kink within the finite-difference step (a "
             "ReLU zero, a pooling or argmax tie) and the gradient lies between the one-sided slopes; "
             "the other elements agree. Another --seed probes other points."
         )
+    if not failed and empty and len(rows) == skipped + empty:
+        print("nothing was checked: no check compared a single element", file=sys.stderr)
+        return 1
     return 1 if failed else 0
 
 
