@@ -238,8 +238,9 @@ def _class_loss(
     ``Equal(target[:, None], classes)`` carries no gradient, so the path from the scores only
     crosses LogSoftmax or Log, Mul, ReduceSum and Neg. A label equal to ``ignore_index`` gives 0
     (its row is multiplied by the mask, also when ``ignore_index`` is a class); any other label
-    outside ``[0, C)`` gives NaN (``Where(bad, NaN, 0)`` added, no gradient through it), so a
-    graph fed such a label reports a non-finite loss instead of a loss without that row.
+    outside ``[0, C)`` hits no class, so ``bad = keep (1 - Σ_c onehot)`` is 1 and
+    ``Where(bad > 0.5, NaN, 0)`` is added to its loss (constants: no gradient through it): a graph
+    fed such a label reports a non-finite loss instead of a loss without that row.
     """
     rank = info.rank
     if rank is None or rank < 2:
@@ -252,11 +253,10 @@ def _class_loss(
     trailing = [1] * (rank - 2)  # classes broadcast against (N, 1, d1, ...)
     if isinstance(classes, int):
         ids = e.const(np.arange(classes).reshape([classes, *trailing]), TensorProto.INT64)
-        count = e.const(classes, TensorProto.INT64)
     else:  # dynamic class count: Range(0, C) from the scores' shape
-        count = e.op("Gather", e.op("Shape", scores), e.const(1, TensorProto.INT64), axis=0)
+        c = e.op("Gather", e.op("Shape", scores), e.const(1, TensorProto.INT64), axis=0)
         zero, one = e.const(0, TensorProto.INT64), e.const(1, TensorProto.INT64)
-        ids = e.op("Range", zero, count, one)
+        ids = e.op("Range", zero, c, one)
         if trailing:
             ids = e.axes_op("Unsqueeze", ids, list(range(1, rank - 1)))
     hit = e.op("Equal", e.axes_op("Unsqueeze", target, [1]), ids)
@@ -270,17 +270,19 @@ def _class_loss(
         logp = scores
     picked = e.axes_op("ReduceSum", e.op("Mul", onehot, logp), [1], keepdims=0)
     loss = e.op("Neg", picked)
-    # labels outside [0, C): NaN, unless ignored
-    outside = e.op(
-        "Or", e.op("Less", target, e.const(0, TensorProto.INT64)), e.op("Not", e.op("Less", target, count))
-    )
+    # labels outside [0, C) hit no class: NaN, unless ignored. Written with float arithmetic, as
+    # WebGPU has no And / Or kernel: bad = keep (1 - hits), hits = Σ_c onehot (1 in range, else 0)
+    hits = e.axes_op("ReduceSum", onehot, [1], keepdims=0)
+    outside = e.op("Sub", e.const(1.0), hits)
     keep = None
     if ignore_index is not None:
-        ignored = e.op("Equal", target, e.const(int(ignore_index), TensorProto.INT64))
-        outside = e.op("And", outside, e.op("Not", ignored))
-        keep = e.op("Cast", e.op("Not", ignored), to=e.dtype)
+        ignored = e.op(
+            "Cast", e.op("Equal", target, e.const(int(ignore_index), TensorProto.INT64)), to=e.dtype
+        )
+        keep = e.op("Sub", e.const(1.0), ignored)
+        outside = e.op("Mul", outside, keep)
         loss = e.op("Mul", loss, keep)
-    nan = e.op("Where", outside, e.const(np.nan), e.const(0.0))
+    nan = e.op("Where", e.op("Greater", outside, e.const(0.5)), e.const(np.nan), e.const(0.0))
     return e.op("Add", loss, nan), keep
 
 
