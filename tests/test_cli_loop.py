@@ -194,8 +194,8 @@ def test_a_resumed_run_keeps_its_schedule_and_says_so(tmp_path, capsys, classifi
     assert main([*base, "--epochs", "8", "--resume", str(ckpt)]) == 0
     err = capsys.readouterr().err
     assert err.startswith(
-        f"onnxgrad: note: resuming {ckpt}: the {schedule} schedule keeps the length it was made for, 3 epochs "
-        "(24 updates), not --epochs 8; "
+        f"onnxgrad: note: resuming {ckpt}: the {schedule} schedule keeps the length it was made for, "
+        "3 epochs (24 updates), not --epochs 8; "
     )
     assert err.endswith("to size a schedule for 8 epochs, start a run without --resume\n")
     got = lrs(history)  # the rate of each epoch's last update

@@ -309,3 +309,23 @@ def test_the_step_graph_gives_nan_for_labels_outside_the_classes_and_describes_i
     x = np.random.default_rng(1).standard_normal((4, 4)).astype(np.float32)
     assert np.isfinite(runner.evaluate({"pixels": x, "target": np.array([0, 1, 2, -100])})["loss"])
     assert np.isnan(runner.evaluate({"pixels": x, "target": np.array([0, 1, 2, 3])})["loss"])
+
+
+def test_a_batch_whose_labels_are_all_ignored_adds_nothing():
+    """Its loss is 0/0 (torch's NaN): skipped, the run equals one without those rows."""
+    data = class_data(12)
+    del data["w"]
+    padded = {k: np.concatenate([v[:8], v[:4], v[8:]]) for k, v in data.items()}
+    padded["target"][8:12] = -100  # the third batch of 4: padding only
+
+    def run(d, accumulate):
+        t = Trainer(linear(), loss="cross_entropy", optimizer="sgd", lr=0.1, batch_size=4, shuffle=False,
+                    accumulate=accumulate, progress=False)  # fmt: skip
+        return t, t.fit(d, epochs=1)
+
+    for accumulate in (1, 2):
+        (a, ha), (b, hb) = run(padded, accumulate), run(data, accumulate)
+        assert a.optimizer.iterations == b.optimizer.iterations == 3 // accumulate + (accumulate == 2)
+        for name, p in b.parameters.items():
+            np.testing.assert_allclose(a.parameters[name], p, rtol=1e-12)
+        assert ha["loss"][0] == pytest.approx(hb["loss"][0], rel=1e-12)

@@ -352,6 +352,12 @@ class Trainer:
         pending: Accumulated | None = None  # gradients of the batches of the next update
         last = len(loader) - 1
         for step, batch in enumerate(loader):
+            weight = self._normalizer(batch)
+            if not weight and not summed:  # every label ignored: the batch adds nothing (its loss is 0/0)
+                if pending is not None and step == last:
+                    self._apply(pending)
+                    pending = None
+                continue
             if self._one_graph is not None:
                 loss, _applied = self._one_graph.run(batch)  # not applied when the loss is not finite
             else:
@@ -363,7 +369,6 @@ class Trainer:
                     "lower the learning rate, or check the data for NaN and infinite values"
                 )
             n = len(next(iter(batch.values())))
-            weight = self._normalizer(batch)
             if self._one_graph is not None:
                 self._updated({"loss": loss, "lr": self.optimizer.lr})
             else:
