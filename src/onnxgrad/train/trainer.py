@@ -102,7 +102,14 @@ class Trainer:
     ``"adam"``, ``"sgd"``, an Optimizer class (with ``lr`` — a number or
     a schedule — and ``optimizer_options``) or a factory ``params -> Optimizer``.
     ``seed`` seeds the shuffling; ``metrics``: name -> ``fn(outputs, batch) -> float`` computed on
-    the validation data (outputs by name; averaged over batches weighted by their size).
+    the validation data (outputs by name; averaged over batches weighted by their size); ``batch``
+    holds the model inputs and any other array of the validation data (a second target a metric
+    reads: with metrics, ``val_data`` may hold arrays that are not model inputs, never fed to it).
+    The loss of several batches (an epoch, an accumulated update, ``val_loss``) is that of their
+    concatenation: each batch weighted by what its loss was divided by (sample weights, labels not
+    ignored, samples; summed for ``reduction="sum"``: :meth:`~onnxgrad.train.losses.LossSpec.
+    normalizer`). Class labels outside ``[0, C)`` (but ``ignore_index``), token ids beyond the
+    table a Gather reads them from and empty data are refused before anything runs.
     ``one_graph``: run each step as one onnxruntime run (forward, loss, backward and the update of
     SGD, Adam or AdamW in one graph, :mod:`onnxgrad.train.onegraph`) where the model allows; the
     numpy optimizer keeps the state, so the numbers, checkpoints and callbacks are the same. Models
@@ -114,14 +121,15 @@ class Trainer:
     the ``frozen`` names (any copy of a tied parameter freezes it).
     ``recompute``: activations rebuilt in the backward instead of kept (see ``build_gradient``).
     ``accumulate``: optimizer updates every ``accumulate`` mini-batches, with the gradient of the
-    mean loss over those samples (the same update as one batch of their concatenation). The last
+    loss of their concatenation (the same update as one batch of it). The last
     update of an epoch takes the batches left (5 batches, ``accumulate=2``: 3 updates), with the
     mean over the samples it accumulated, not torch loops' ``loss / accumulate``, which would shrink
     it (:mod:`onnxgrad.train.accumulate`). ``clip_norm``: the gradients are scaled to this
     global L2 norm at most (``torch.nn.utils.clip_grad_norm_``); ``clip_value``: each element is
     clipped to ``[-clip_value, clip_value]``. The three run forward, backward and the numpy update
-    (the two-session path). A :class:`ReduceLROnPlateau` given as ``lr`` is stepped at the end of
-    every epoch with its ``monitor`` value.
+    (the two-session path). A :class:`ReduceLROnPlateau` given as ``lr`` is reset when the trainer
+    is made (one reused from another trainer does not carry its reductions over), then stepped at
+    the end of every epoch with its ``monitor`` value.
     ``providers`` / ``session_options``: the onnxruntime providers and ``SessionOptions`` of every
     session the trainer makes (forward, backward, the one-graph step, evaluation). A model whose
     blocked (4-bit) DequantizeLinear feeds a MatMul, which onnxruntime fuses into a MatMulNBits
