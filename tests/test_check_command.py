@@ -97,3 +97,29 @@ def test_check_gradients_refuses_settings_that_check_nothing(tmp_path):
         check_nodes(onnx.load(path), x, rtol=-1)
     result = check_gradients(path, {"x": np.zeros((0, 4), np.float32)})
     assert result.ok and result.checked == 0  # nothing compared: result_status says EMPTY
+
+
+def test_a_bert_export_with_an_attention_mask_checks(tmp_path, capsys):
+    """The case as users meet it: a Hugging Face BERT exported with its attention_mask. Its masked
+    scores hold finfo(float32).min; with zeros in the random mask (seed 1) the Where and the Add
+    that read them failed with "float division by zero" and the command exited 1."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    bert = transformers.BertModel(config, add_pooling_layer=False).eval()
+    args = (torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long))
+    path = str(tmp_path / "bert.onnx")
+    dims = {"input_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "s"}}
+    torch.onnx.export(
+        bert, args, path, input_names=list(dims), output_names=["last_hidden_state"], dynamic_axes=dims,
+        opset_version=17, dynamo=False,
+    )  # fmt: skip
+    assert main(["check", path, "--seed", "1"]) == 0
+    text = capsys.readouterr().out
+    rows = {r[0]: r[-1] for r in report_rows(text)}
+    assert not any(status.startswith("FAIL") for status in rows.values()), text
+    masked = rows["/encoder/layer.0/attention/self/Add"]
+    assert masked.startswith("ok (") and "not probed: the step is lost in rounding" in masked
