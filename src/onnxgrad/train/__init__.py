@@ -6,7 +6,16 @@ from .amp import LossScaler, MixedPrecision
 from .callbacks import Callback, EarlyStopping, HistoryFile, accuracy_metric
 from .data import BatchLoader, as_feeds, load_dataset, split
 from .history import History
-from .losses import LOSSES, add_loss, keep_outputs, remove_loss, with_parameters
+from .losses import (
+    LOSSES,
+    LossSpec,
+    add_loss,
+    check_labels,
+    keep_outputs,
+    loss_spec,
+    remove_loss,
+    with_parameters,
+)
 from .optim import SGD, Adam, AdamW, Optimizer, clip_grad_norm, clip_grad_value
 from .plot import plot_curves
 from .schedules import Constant, Cosine, InverseScaling, LinearWarmup, ReduceLROnPlateau, Schedule, StepDecay
@@ -54,3 +63,6 @@ __all__ += ["ElasticPenalty", "Optimal"]
 
 # mixed precision for float16 / bfloat16 models (docs/finetune_deployed.md)
 __all__ += ["LossScaler", "MixedPrecision"]
+
+# what add_loss appended, and the class labels it refuses, for loops of one's own (docs/finetune.md)
+__all__ += ["LossSpec", "check_labels", "loss_spec"]
