@@ -308,7 +308,12 @@ def test_the_step_graph_gives_nan_for_labels_outside_the_classes_and_describes_i
     runner = Runner(tmp_path)
     x = np.random.default_rng(1).standard_normal((4, 4)).astype(np.float32)
     assert np.isfinite(runner.evaluate({"pixels": x, "target": np.array([0, 1, 2, -100])})["loss"])
-    assert np.isnan(runner.evaluate({"pixels": x, "target": np.array([0, 1, 2, 3])})["loss"])
+    bad = {"pixels": x, "target": np.array([0, 1, 2, 3])}
+    for run in (runner.step, runner.evaluate):  # the runner refuses them before the graph runs
+        with pytest.raises(InputError, match=r"the target 'target' of the batch holds class 3 at row 3"):
+            run(bad)
+    runner.loss_spec = None  # a runner that does not read the description: the graph's NaN
+    assert np.isnan(runner.evaluate(bad)["loss"])
 
 
 def test_a_batch_whose_labels_are_all_ignored_adds_nothing():

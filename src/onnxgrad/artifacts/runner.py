@@ -24,6 +24,7 @@ from ..model.graph import ValueInfo, onnx_dtype
 from ..runtime.runner import make_session, session_options_for
 from ..runtime.session import resolve_providers
 from ..runtime.values import check_dims_agree, check_input, coerce
+from ..train.losses import loss_spec
 from ..train.optimizers import check_lr
 from ..train.schedules import LearningRate, as_schedule
 from . import tensors
@@ -86,6 +87,8 @@ class Runner:
         self._threads, self._options = threads, session_options  # None: onnxgrad's, per model
         self._providers = resolve_providers(providers)
         self._train = self._session(train_model)
+        # the loss add_loss wrote into the step (class labels to check before a step), or None
+        self.loss_spec = loss_spec(self._train.get_modelmeta().custom_metadata_map)
         self._eval: ort.InferenceSession | None = None
         train = m["train_step"]
         self.feedback: dict[str, str] = dict(train["feedback"])  # output -> input
@@ -155,6 +158,8 @@ class Runner:
             check_input(name, expected.name, given.shape, info)
             out[name] = np.ascontiguousarray(given)
         check_dims_agree({k: a.shape for k, a in out.items()}, self._infos)
+        if self.loss_spec is not None:
+            self.loss_spec.check(out, "the batch")
         return out
 
     # ---- training ------------------------------------------------------------------------------
