@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import numpy_helper
 from onnx.external_data_helper import _get_all_tensors, load_external_data_for_model
 
 from ..autodiff.engine import GradientGraphs
@@ -105,12 +106,35 @@ def make_session(
     else:  # the file as it is, unless its Convs were rewritten
         full = _with_external_data(blocked, path) if blocked is not model else None
         source = path if full is None else full.SerializeToString()
+    # onnxruntime's EliminateDropout removes a Dropout whose mask no one reads, training mode or not:
+    # a training forward that does not keep the mask (nothing before it trains, or no backward)
+    # would run without dropout
+    kept = {"disabled_optimizers": ["EliminateDropout"]} if drops_in_training(model) else {}
     try:
-        return ort.InferenceSession(source, sess_options=options, providers=providers)
+        return ort.InferenceSession(source, sess_options=options, providers=providers, **kept)
     except Exception as exc:
         if label is None:
             label = f"the {path!r} file" if path is not None else f"the {model.graph.name!r} graph"
         raise OnnxGradRuntimeError(f"onnxruntime cannot load {label}: {exc}") from exc
+
+
+def drops_in_training(model: onnx.ModelProto) -> bool:
+    """Whether a Dropout of ``model``'s main graph runs in training mode: its ``training_mode`` input
+    a constant (initializer or Constant node) holding true, or fed at run time."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    consts = {
+        n.output[0]: a.t for n in g.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"
+    }
+    for node in g.node:
+        if node.op_type != "Dropout" or len(node.input) < 3 or not node.input[2]:
+            continue
+        tensor = inits.get(node.input[2]) or consts.get(node.input[2])
+        if tensor is None or tensor.data_location == onnx.TensorProto.EXTERNAL:
+            return True
+        if bool(numpy_helper.to_array(tensor).any()):
+            return True
+    return False
 
 
 def _with_external_data(model: onnx.ModelProto, path: str) -> onnx.ModelProto | None:
