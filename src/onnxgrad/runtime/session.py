@@ -67,6 +67,12 @@ class ForwardResult:
         return self._owner._backward(saved, feeds)
 
 
+# the products of a quantized model (for the hint when it has nothing float to train)
+_QUANTIZED_OPS = frozenset(
+    {"DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "MatMulNBits", "QGemm"}
+)
+
+
 class ForwardBackward:
     """Forward and backward of an ONNX model on onnxruntime, numpy in and numpy out.
 
@@ -121,9 +127,18 @@ class ForwardBackward:
                 self._prepared = prepared
         self._running_stats = self._prepared.running_stats if self._prepared is not None else {}
         if not graphs.wrt:
+            ops = {n.op_type for n in graphs.forward.graph.node}
+            quantized = any(op in _QUANTIZED_OPS or op.startswith("QLinear") for op in ops)
+            hint = (
+                " (a quantized model's weights are integers: name the float ones to train with "
+                "trainable=[...], its scales or biases, or add float adapters beside the quantized "
+                "weights with onnxgrad.lora.add_adapters)"
+                if quantized
+                else ""
+            )
             raise InputError(
                 "nothing to differentiate: the model has no floating-point initializer to train and "
-                "no input was named in inputs_requiring_grad"
+                f"no input was named in inputs_requiring_grad{hint}"
             )
         self.graphs = graphs
         self.output_names = user_outputs
