@@ -205,3 +205,25 @@ def test_errors():
         clf.fit(X, np.where(y == 2, 7, y))
     with pytest.raises(InputError, match="X has 3 features, the estimator was fitted with 4"):
         clf.predict(X[:, :3])
+
+
+@pytest.mark.parametrize("estimator", [MLPClassifier(max_iter=30, random_state=0), LogisticRegression()])
+def test_to_onnx_labels_are_the_classes_fit_saw(estimator) -> None:
+    """A string-class model fitted further on other labels: to_onnx's label output agrees with
+    predict (the class table rewritten), or is refused naming both sets when it cannot hold them."""
+    r = np.random.default_rng(0)
+    X = r.normal(size=(60, 4)).astype(np.float32)
+    k = r.integers(0, 3, 60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        estimator.fit(X, np.array(["cat", "dog", "fish"])[k])
+        clf = OnnxClassifier(estimator, max_iter=2).fit(X, np.array(["a", "b", "c"])[k])
+    session = ort.InferenceSession(clf.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"])
+    labels = session.run(["label"], {session.get_inputs()[0].name: X})[0]
+    np.testing.assert_array_equal(labels, clf.predict(X))
+    assert set(clf.predict(X)) <= {"a", "b", "c"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        clf = OnnxClassifier(estimator, max_iter=2).fit(X, k)
+    with pytest.raises(InputError, match=r"classes \['cat', 'dog', 'fish'\].*fit saw \[0, 1, 2\]"):
+        clf.to_onnx()
