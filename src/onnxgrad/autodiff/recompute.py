@@ -9,7 +9,9 @@ segment only, reading the values that enter the segment, which stay saved (the s
 ``recompute`` is one of:
 
 * ``"all"``: one segment, every node: the backward rebuilds everything from the inputs and the
-  parameters (the least memory, about one more forward of work);
+  parameters (the fewest saved values, about one more forward of work; on a chain of layers no
+  lower peak, since the backward rebuilds every activation before the first gradient and each is
+  read again by its own layer's gradient: ``"layers"`` is what lowers the peak);
 * ``"layers"``: one segment per layer, the layer found from node names (``/layers.3/...``,
   ``/h.0/...``, ``/0/...``: the first path component that is or ends with a number) or, for the
   dynamo exporter's nodes, from their module path (:func:`layer_of`);
@@ -20,6 +22,9 @@ segment only, reading the values that enter the segment, which stay saved (the s
   first, are recomputed until the estimate fits. Sizes come from the static shapes of the graph; a
   symbolic dimension counts as 1, so with a dynamic batch the budget is per sample;
 * a callable ``node -> segment key or None``.
+
+An option other than a budget that selects no node (a wrong-case ``"Layers"``, prefixes matching no
+node name, unnamed nodes, a callable returning ``None`` everywhere) raises :class:`InputError`.
 
 Only deterministic nodes of the standard domain without subgraphs, whose op means the same in the
 backward's opset, are copied; the others' outputs stay saved (Dropout, random ops, If/Loop/Scan,
