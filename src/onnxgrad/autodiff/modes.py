@@ -139,9 +139,7 @@ class _Switcher:
         if not self.training:  # no training_mode input is inference: no flag for onnxruntime to drop
             if len(node.input) > 2:
                 self._cleared.add(node.input[2])
-                node.input[2] = ""
-                while node.input and not node.input[-1]:
-                    del node.input[-1]
+                node.input[2] = ""  # an empty optional input: absent; the node keeps its arity
             return
         if self._flag is None:
             self._flag = self.fresh("dropout_training_mode")
