@@ -227,3 +227,21 @@ def test_to_onnx_labels_are_the_classes_fit_saw(estimator) -> None:
         clf = OnnxClassifier(estimator, max_iter=2).fit(X, k)
     with pytest.raises(InputError, match=r"classes \['cat', 'dog', 'fish'\].*fit saw \[0, 1, 2\]"):
         clf.to_onnx()
+
+
+def test_to_onnx_refuses_an_argmax_label_output_for_other_classes() -> None:
+    """A label output that is the ArgMax index gives 0 .. C-1: fine for those classes, refused
+    (naming both) for others."""
+    model = linear_logits(4, 3)
+    model.graph.node.append(helper.make_node("ArgMax", ["logits"], ["label"], axis=1, keepdims=0))
+    model.graph.output.append(helper.make_tensor_value_info("label", onnx.TensorProto.INT64, ["N"]))
+    r = np.random.default_rng(0)
+    X = r.normal(size=(30, 4)).astype(np.float32)
+    k = r.integers(0, 3, 30)
+    clf = OnnxClassifier(model, scores="logits", max_iter=2).fit(X, k)
+    session = ort.InferenceSession(clf.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(["label"], {"X": X})[0], clf.predict(X))
+    clf = OnnxClassifier(model, scores="logits", max_iter=2).fit(X, np.array([3, 5, 7])[k])
+    both = r"index of the best class \(0 .. 2\), fit saw the classes \[3, 5, 7\]"
+    with pytest.raises(InputError, match=both):
+        clf.to_onnx()
