@@ -198,3 +198,29 @@ def test_low_precision_warning_once_per_call(tmp_path) -> None:
 def test_a_quantized_model_with_nothing_float_to_train_points_to_trainable_and_adapters(tmp_path) -> None:
     with pytest.raises(InputError, match=r"nothing to differentiate.*trainable=.*lora\.add_adapters"):
         onnxgrad.ForwardBackward(quantized("int8_static", tmp_path))
+
+
+def test_a_trained_model_names_what_trained_and_save_adapters_keeps_it(tmp_path) -> None:
+    """The documented flow, save_adapters(fb.to_onnx()), with a head trained beside the adapters:
+    to_onnx names what trained in onnxgrad.trainable, save_adapters keeps the head."""
+    from onnxgrad.train import Trainer
+
+    adapted, fb = _trained_with_head()
+    trained = fb.to_onnx()
+    lora.save_adapters(trained, tmp_path / "a.safetensors")
+    assert lora.read_adapters(tmp_path / "a.safetensors")[0]["trained"] == ["b2", "w2"]
+    x = np.random.default_rng(1).normal(size=(4, 6)).astype(np.float32)
+    np.testing.assert_array_equal(
+        _run(lora.load_adapters(_mlp(), tmp_path / "a.safetensors"), x), _run(trained, x)
+    )
+    trainer = Trainer(
+        adapted,
+        loss="mse",
+        lr=1e-3,
+        progress=False,
+        batch_size=4,
+        trainable=[*lora.adapter_names(adapted), "b2"],
+    )
+    trainer.fit({"x": x, "target": x[:, :3].copy()}, epochs=1)
+    lora.save_adapters(trainer.to_onnx(), tmp_path / "t.npz")
+    assert lora.read_adapters(tmp_path / "t.npz")[0]["trained"] == ["b2"]

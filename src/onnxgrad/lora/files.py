@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ..autodiff.params import declared_trainable
 from ..errors import InputError
 from ..model import safetensors
-from ..model.graph import np_dtype
+from ..model.graph import np_dtype, to_array
 from ..model.load import load_model
 from .adapters import (
     LORA_KEY,
@@ -33,12 +34,13 @@ def save_adapters(
     same names) to ``path``: a ``.npz`` archive, else the safetensors layout (the adapters' settings
     in its ``__metadata__``).
 
-    The other weights of ``model`` named in ``values`` trained beside the adapters (a classifier
-    head given to ``trainable=``): they are saved too, under their names, and listed in the
-    settings (``"trained"``), and :func:`load_adapters` puts them back. A name in ``values`` that is
-    no initializer of ``model`` raises :class:`InputError`. The model alone cannot say which of its
-    weights trained: pass ``values`` (``ForwardBackward.parameters``, ``Trainer.parameters``...) for
-    the weights trained with the adapters to be saved.
+    The other weights of ``model`` that trained beside the adapters (a classifier head given to
+    ``trainable=``) are saved too, under their names, and listed in the settings (``"trained"``),
+    and :func:`load_adapters` puts them back: those named in ``values``, and those the model's
+    ``onnxgrad.trainable`` metadata names (``ForwardBackward.to_onnx`` and ``Trainer.to_onnx``
+    write there what trained). A name in ``values`` that is no initializer of ``model`` raises
+    :class:`InputError`. A model made otherwise (``OnnxModule.to_onnx``, ``artifacts.Runner``)
+    cannot say which of its weights trained: pass ``values`` then.
     """
     values = dict(values or {})
     adapters = set(adapter_names(model))
@@ -46,6 +48,9 @@ def save_adapters(
     unknown = sorted(n for n in values if n not in inits)
     if unknown:
         raise InputError(f"values names {unknown[:10]}, which are not initializers of the model")
+    for n in declared_trainable(model) or []:  # what the model says trained (ForwardBackward.to_onnx)
+        if n not in adapters and n not in values and n in inits:
+            values[n] = to_array(inits[n])
     trained = sorted(n for n in values if n not in adapters)
     arrays = _adapter_arrays(model, values)
     for n in trained:

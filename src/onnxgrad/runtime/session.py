@@ -8,6 +8,7 @@ returned as numpy views of onnxruntime's buffers.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,7 +20,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ..autodiff.engine import GradientGraphs
-from ..autodiff.params import untie
+from ..autodiff.params import TRAINABLE_KEY, untie
 from ..autodiff.prepare import ModelLike, PreparedModel, prepare
 from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import ValueInfo, inputs_read_only_in_branches, np_dtype, to_array
@@ -226,6 +227,12 @@ class ForwardBackward:
         outputs = [o for o in model.graph.output if o.name in self.output_names]
         del model.graph.output[:]
         model.graph.output.extend(outputs)
+        # a model that names its trainable set (LoRA adapters) names what trained: the adapters and
+        # the weights given to trainable= beside them, which lora.save_adapters then keeps
+        inits = {t.name for t in model.graph.initializer}
+        for p in model.metadata_props:
+            if p.key == TRAINABLE_KEY:
+                p.value = json.dumps([n for n in self._params if n in inits])
         return model
 
     # ---- running -----------------------------------------------------------------------------
