@@ -205,3 +205,43 @@ def test_errors():
         clf.fit(X, np.where(y == 2, 7, y))
     with pytest.raises(InputError, match="X has 3 features, the estimator was fitted with 4"):
         clf.predict(X[:, :3])
+
+
+@pytest.mark.parametrize("estimator", [MLPClassifier(max_iter=30, random_state=0), LogisticRegression()])
+def test_to_onnx_labels_are_the_classes_fit_saw(estimator) -> None:
+    """A string-class model fitted further on other labels: to_onnx's label output agrees with
+    predict (the class table rewritten), or is refused naming both sets when it cannot hold them."""
+    r = np.random.default_rng(0)
+    X = r.normal(size=(60, 4)).astype(np.float32)
+    k = r.integers(0, 3, 60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        estimator.fit(X, np.array(["cat", "dog", "fish"])[k])
+        clf = OnnxClassifier(estimator, max_iter=2).fit(X, np.array(["a", "b", "c"])[k])
+    session = ort.InferenceSession(clf.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"])
+    labels = session.run(["label"], {session.get_inputs()[0].name: X})[0]
+    np.testing.assert_array_equal(labels, clf.predict(X))
+    assert set(clf.predict(X)) <= {"a", "b", "c"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        clf = OnnxClassifier(estimator, max_iter=2).fit(X, k)
+    with pytest.raises(InputError, match=r"classes \['cat', 'dog', 'fish'\].*fit saw \[0, 1, 2\]"):
+        clf.to_onnx()
+
+
+def test_to_onnx_refuses_an_argmax_label_output_for_other_classes() -> None:
+    """A label output that is the ArgMax index gives 0 .. C-1: fine for those classes, refused
+    (naming both) for others."""
+    model = linear_logits(4, 3)
+    model.graph.node.append(helper.make_node("ArgMax", ["logits"], ["label"], axis=1, keepdims=0))
+    model.graph.output.append(helper.make_tensor_value_info("label", onnx.TensorProto.INT64, ["N"]))
+    r = np.random.default_rng(0)
+    X = r.normal(size=(30, 4)).astype(np.float32)
+    k = r.integers(0, 3, 30)
+    clf = OnnxClassifier(model, scores="logits", max_iter=2).fit(X, k)
+    session = ort.InferenceSession(clf.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(["label"], {"X": X})[0], clf.predict(X))
+    clf = OnnxClassifier(model, scores="logits", max_iter=2).fit(X, np.array([3, 5, 7])[k])
+    both = r"index of the best class \(0 .. 2\), fit saw the classes \[3, 5, 7\]"
+    with pytest.raises(InputError, match=both):
+        clf.to_onnx()

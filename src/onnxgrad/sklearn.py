@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import accuracy_score, r2_score
@@ -638,11 +639,71 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
         """The most probable class of each sample."""
         return self._predict_scores(self._run(X))
 
+    def to_onnx(self) -> onnx.ModelProto:
+        """The wrapped model (all its outputs) with the trained weights, its label output giving
+        the classes ``fit`` saw (``classes_``, what :meth:`predict` gives): a table of classes the
+        label output reads (skl2onnx's ``ArrayFeatureExtractor(classes, ArgMax(...))``) is rewritten
+        with them. :class:`InputError` (naming both sets) where the model's labels cannot hold
+        them: string labels of the conversion and integer classes fit on, or the other way, or a
+        label output that is the ``ArgMax`` index itself and classes that are not ``0 .. C-1``."""
+        return _with_classes(super().to_onnx(), self.classes_)
+
     def _predict_scores(self, scores: np.ndarray) -> np.ndarray:
         return self.classes_[np.argmax(scores, axis=1)]
 
     def _score_predictions(self, y: np.ndarray, pred: np.ndarray, w: Any) -> float:
         return float(accuracy_score(y, pred, sample_weight=w))
+
+
+_PASS_THROUGH = ("Identity", "Reshape", "Cast", "Squeeze", "Unsqueeze", "Flatten")
+
+
+def _with_classes(model: onnx.ModelProto, classes: np.ndarray) -> onnx.ModelProto:
+    """``model`` whose label outputs give ``classes`` (see :meth:`OnnxClassifier.to_onnx`)."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    inits = {t.name: t for t in model.graph.initializer}
+    tables: dict[str, str] = {}  # initializer -> the label output reading it
+    for out in model.graph.output:
+        node = producers.get(out.name)
+        while node is not None and node.op_type in _PASS_THROUGH and node.input:
+            node = producers.get(node.input[0])
+        if node is None:
+            continue
+        if node.op_type in ("ArrayFeatureExtractor", "Gather") and node.input[0] in inits:
+            tables[node.input[0]] = out.name
+        elif node.op_type == "ArgMax" and not np.array_equal(classes, np.arange(len(classes))):
+            raise InputError(
+                f"the model's label output {out.name!r} is the index of the best class (0 .. "
+                f"{len(classes) - 1}), fit saw the classes {classes.tolist()}: map the index through "
+                "classes_, or read the scores output"
+            )
+    if not tables:
+        return model
+    out_model = onnx.ModelProto()
+    out_model.CopyFrom(model)
+    for t in out_model.graph.initializer:
+        if t.name not in tables:
+            continue
+        old = numpy_helper.to_array(t)
+        old_list = [v.decode() if isinstance(v, bytes) else v for v in old.reshape(-1).tolist()]
+        if old_list == classes.tolist():
+            continue
+        strings = t.data_type == onnx.TensorProto.STRING
+        fits = old.size == len(classes) and (
+            all(isinstance(c, str) for c in classes.tolist())
+            if strings
+            else classes.dtype.kind in "iub" and old.dtype.kind in "iu"
+        )
+        if not fits:
+            raise InputError(
+                f"the model's label output {tables[t.name]!r} gives the classes {old_list} it was "
+                f"converted with, fit saw {classes.tolist()}, which its table ({t.name!r}, "
+                f"{onnx.TensorProto.DataType.Name(t.data_type)}) cannot hold: predict() gives "
+                "classes_; read the scores output with classes_"
+            )
+        value = np.array(classes.tolist(), dtype=object if strings else old.dtype).reshape(old.shape)
+        t.CopyFrom(numpy_helper.from_array(value, t.name))
+    return out_model
 
 
 def _is_factory(optimizer: Any) -> bool:

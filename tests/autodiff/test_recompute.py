@@ -203,3 +203,30 @@ def test_the_callers_session_options_stay_as_they_are() -> None:
     assert session.get_session_options().execution_order == ort.ExecutionOrder.PRIORITY_BASED
     assert session.get_session_options().intra_op_num_threads == 1
     assert session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def _unnamed() -> onnx.ModelProto:
+    model = _stack()
+    for n in model.graph.node:
+        n.name = ""
+    return model
+
+
+@pytest.mark.parametrize(
+    ("model", "spec", "message"),
+    [
+        (_stack, "Layers", r"'Layers' is not an option \(they are lowercase\).*'all', 'layers'"),
+        (_stack, "blocks", r"prefixes \['blocks'\] match no node name.*'/layers.0/MatMul'"),
+        (_stack, ["/layers.0/", "/block.*/"], r"prefixes \['/block.\*/'\] match no node name"),
+        (_unnamed, "/layers.*/", "the model's nodes have no names"),
+        (_unnamed, "layers", "recompute='layers' found no layer.*no names"),
+        (_stack, lambda node: None, "returned None for every node"),
+    ],
+    ids=["case", "unknown", "one-of-two", "unnamed", "layers-unnamed", "callable"],
+)
+def test_an_option_that_selects_nothing_is_refused(model, spec, message) -> None:
+    """Before: each of these built the ordinary graphs (every activation saved), silently."""
+    with pytest.raises(InputError, match=message):
+        onnxgrad.build_gradient(model(), recompute=spec)
+    with pytest.raises(InputError, match=message):
+        onnxgrad.ForwardBackward(model(), recompute=spec)

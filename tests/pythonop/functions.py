@@ -329,3 +329,17 @@ class ReduceModel(torch.nn.Module):
         y1 = self.fn(x)
         y2 = x.add(self.bias)
         return x + y1 + y2
+
+
+class ScaleBy(torch.autograd.Function):
+    """(x * s, x * t[0] * t[1]) for a float ``s`` and a float tuple ``t``: Python floats, used in
+    float64 (whether the exact value reaches the Function shows in the outputs)."""
+
+    @staticmethod
+    def forward(ctx, x, s, t):
+        ctx.s, ctx.t = s, t
+        return x * s, x * t[0] * t[1]
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        return g1 * ctx.s + g2 * ctx.t[0] * ctx.t[1], None, None

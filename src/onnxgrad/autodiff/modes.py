@@ -18,7 +18,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import ModelError
-from ..model.graph import check_model, opset_of, subgraphs, unique_name
+from ..model.graph import check_model, node_operands, opset_of, subgraphs, unique_name
 from ..model.infer import infer_value_infos
 from ..model.load import CheckedModel, load_model
 
@@ -114,6 +114,7 @@ class _Switcher:
         self.graph_outputs = {o.name for o in g.output}
         self.running_stats: dict[str, str] = {}
         self._flag: str | None = None
+        self._cleared: set[str] = set()  # training_mode inputs taken off Dropouts switched to inference
         self._new_outputs: list[tuple[str, str]] = []  # (output name, statistic it updates)
 
     def fresh(self, hint: str) -> str:
@@ -134,6 +135,11 @@ class _Switcher:
                 self._refuse_training(node, 12)
             if self.opset < 7:
                 _set_int_attr(node, "is_test", 1)
+            return
+        if not self.training:  # no training_mode input is inference: no flag for onnxruntime to drop
+            if len(node.input) > 2:
+                self._cleared.add(node.input[2])
+                node.input[2] = ""  # an empty optional input: absent; the node keeps its arity
             return
         if self._flag is None:
             self._flag = self.fresh("dropout_training_mode")
@@ -232,7 +238,14 @@ class _Switcher:
         return None
 
     def finish(self) -> None:
-        """Declare the new graph outputs, typed like the statistics they update."""
+        """Declare the new graph outputs, typed like the statistics they update; drop the
+        ``training_mode`` flags nothing reads any more (onnxruntime would warn once per session)."""
+        read = {i for n in self.graph.node for i in node_operands(n)} | self.graph_outputs
+        unread = self._cleared - read - self.graph_inputs
+        if unread:
+            kept = [t for t in self.graph.initializer if t.name not in unread]
+            del self.graph.initializer[:]
+            self.graph.initializer.extend(kept)
         if not self._new_outputs:
             return
         infos = infer_value_infos(self.model)

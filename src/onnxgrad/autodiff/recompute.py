@@ -9,7 +9,9 @@ segment only, reading the values that enter the segment, which stay saved (the s
 ``recompute`` is one of:
 
 * ``"all"``: one segment, every node: the backward rebuilds everything from the inputs and the
-  parameters (the least memory, about one more forward of work);
+  parameters (the fewest saved values, about one more forward of work; on a chain of layers no
+  lower peak, since the backward rebuilds every activation before the first gradient and each is
+  read again by its own layer's gradient: ``"layers"`` is what lowers the peak);
 * ``"layers"``: one segment per layer, the layer found from node names (``/layers.3/...``,
   ``/h.0/...``, ``/0/...``: the first path component that is or ends with a number) or, for the
   dynamo exporter's nodes, from their module path (:func:`layer_of`);
@@ -20,6 +22,9 @@ segment only, reading the values that enter the segment, which stay saved (the s
   first, are recomputed until the estimate fits. Sizes come from the static shapes of the graph; a
   symbolic dimension counts as 1, so with a dynamic batch the budget is per sample;
 * a callable ``node -> segment key or None``.
+
+An option other than a budget that selects no node (a wrong-case ``"Layers"``, prefixes matching no
+node name, unnamed nodes, a callable returning ``None`` everywhere) raises :class:`InputError`.
 
 Only deterministic nodes of the standard domain without subgraphs, whose op means the same in the
 backward's opset, are copied; the others' outputs stay saved (Dropout, random ops, If/Loop/Scan,
@@ -77,13 +82,8 @@ def segmenter(spec: Recompute) -> Callable[[onnx.NodeProto], Any] | None:
         return layer_of
     prefixes = [spec] if isinstance(spec, str) else list(spec)
     if not prefixes or not all(isinstance(p, str) and p for p in prefixes):
-        raise InputError(
-            f"recompute= takes 'all', 'layers', node-name prefixes, a byte budget or a callable, got {spec!r}"
-        )
-    pats = [
-        re.compile("^" + ".*?".join(re.escape(part) for part in p.split("*")).replace(".*?", "[^/]*"))
-        for p in prefixes
-    ]
+        raise InputError(f"recompute= takes {_CHOICES}, got {spec!r}")
+    pats = [_prefix(p) for p in prefixes]
 
     def seg(node: onnx.NodeProto) -> str | None:
         for pat in pats:
@@ -93,6 +93,58 @@ def segmenter(spec: Recompute) -> Callable[[onnx.NodeProto], Any] | None:
         return None
 
     return seg
+
+
+_CHOICES = (
+    "'all', 'layers', node-name prefixes (a '*' within one path component), a byte budget or a callable"
+)
+
+
+def _check_selects(
+    spec: Recompute, seg: Callable[[onnx.NodeProto], Any] | None, nodes: Sequence[onnx.NodeProto]
+) -> None:
+    """:class:`InputError` when ``spec`` (other than a budget) selects no node of the forward, or
+    one of its prefixes matches no node name: an option that selects nothing would silently keep
+    every activation."""
+    if seg is None or callable(spec):
+        if seg is not None and not any(seg(n) is not None for n in nodes):
+            raise InputError("recompute=: the callable returned None for every node: nothing to recompute")
+        return
+    if spec == "all":
+        return
+    named = [n.name for n in nodes if n.name]
+    if spec == "layers":
+        if not any(layer_of(n) is not None for n in nodes):
+            some = ", ".join(repr(n) for n in named[:5]) or "none: the nodes have no names"
+            raise InputError(
+                "recompute='layers' found no layer: no node name has a numbered component (/layers.3/, "
+                f"/h.0/, /0/) nor a dynamo module path with one (node names: {some}); pass node-name "
+                "prefixes, a callable or 'all'"
+            )
+        return
+    prefixes = [spec] if isinstance(spec, str) else list(spec)  # type: ignore[arg-type]
+    unmatched = [p for p in prefixes if not any(_prefix(p).match(n) for n in named)]
+    if not unmatched:
+        return
+    near = [p for p in unmatched if p.lower() in ("all", "layers")]
+    if near:
+        raise InputError(
+            f"recompute={near[0]!r} is not an option (they are lowercase): recompute= takes {_CHOICES}"
+        )
+    if not named:
+        raise InputError(
+            f"recompute={spec!r}: the model's nodes have no names, so no node-name prefix can match; "
+            "use 'all', a byte budget or a callable"
+        )
+    raise InputError(
+        f"recompute={spec!r}: the prefixes {unmatched} match no node name (node names begin like "
+        f"{', '.join(repr(n) for n in named[:5])}); recompute= takes {_CHOICES}"
+    )
+
+
+def _prefix(prefix: str) -> re.Pattern[str]:
+    """A node-name prefix of ``recompute=``: a ``*`` matches within one path component."""
+    return re.compile("^" + ".*?".join(re.escape(part) for part in prefix.split("*")).replace(".*?", "[^/]*"))
 
 
 def _same_meaning(node: onnx.NodeProto, model_version: int, backward_version: int) -> bool:
@@ -150,6 +202,7 @@ def apply_recompute(
         seg = _budget_segments(g, producer, fed, spec)
     else:
         seg = segmenter(spec)
+        _check_selects(spec, seg, nodes)
     if seg is None:
         return []
     copyable: dict[int, bool] = {}

@@ -19,7 +19,7 @@ from ..autodiff.params import TRAINABLE_KEY
 from ..errors import InputError
 from ..model.graph import FLOAT_TYPES, np_dtype, to_array, unique_name
 from ..model.load import load_model
-from .quantized import _attr, _quantized_alias, _quantized_weight, _readers, _Weight
+from .quantized import _attr, _quantized_alias, _quantized_weight, _readers, _warn_low_precision, _Weight
 
 LORA_KEY = "onnxgrad.lora"  # metadata_props: JSON description of the adapters (see _Adapter)
 
@@ -74,12 +74,16 @@ def add_adapters(
     adapted, and the integer weights of quantized products (see the module's docstring: behind
     DequantizeLinear, in MatMulNBits, in quantize_dynamic's MatMulInteger), also matched by the name
     without the quantizer's suffix (``W_quantized``, ``W_Q4`` -> ``W``), which their adapters take.
-    A name given exactly that cannot be adapted raises :class:`InputError`; patterns skip
+    A TorchScript export (``torch.onnx.export(dynamo=False)``) names the transposed weight of a
+    ``Linear`` read by ``MatMul`` ``onnx::MatMul_N``: it is also matched by the module path its
+    node's name gives (``/enc/enc.0/MatMul`` -> ``"enc.0.weight"``), in float and ``quantize_dynamic``
+    models, and its adapters take that name.
+    A name given exactly that cannot be adapted, and a name or pattern that matches no
+    initializer, raise :class:`InputError` (naming the weights that can be adapted); patterns skip
     what does not fit. ``alpha`` (default ``rank``) scales the update by ``alpha / rank``;
     ``dropout`` > 0 adds a Dropout on the adapter's input (active in training mode only).
     """
-    if rank < 1:
-        raise InputError(f"rank must be at least 1, got {rank}")
+    _check_settings(rank, alpha, dropout)
     src = load_model(model)
     out = onnx.ModelProto()
     out.CopyFrom(src)
@@ -106,9 +110,13 @@ def add_adapters(
     readers = _readers(graph)
     producers = {o: n for n in graph.node for o in n.output}
     graph_outputs = {o.name for o in graph.output}
+    seen = set()  # every name and alias the targets could match
+    low_precision: list[tuple[str, int]] = []
     for name, t in inits.items():
-        known = alias.get(name) or _quantized_alias(name)  # val_12 -> its torch name; W_quantized -> W
-        if not match(name) and not (known and match(known)):
+        others = _aliases(name, alias)  # val_12 -> its torch name; W_quantized -> W
+        known = others[0] if others else None
+        seen |= {name, *others}
+        if not match(name) and not any(match(o) for o in others):
             continue
         if t.data_type in FLOAT_TYPES:
             why = _unfit(t, uses.get(name, []))
@@ -117,9 +125,10 @@ def add_adapters(
             found = _quantized_weight(t, uses.get(name, []), readers, producers, inits, graph_outputs)
             why, found = (found, None) if isinstance(found, str) else (None, found)
         if found is None:
-            if name in exact or known in exact:
+            if name in exact or exact & set(others):
                 raise InputError(f"cannot put an adapter beside {name!r}: {why}")
             continue
+        low_precision += found.low_precision or []
         shape = found.shape
         layout = found.layout or _layout(*found.sites[0])
         if layout == "left":  # W [out, in] on the left: A [r, in], B [out, r]
@@ -129,7 +138,7 @@ def add_adapters(
         else:  # W [in, out]
             a_shape, b_shape, fan_in = (shape[0], rank), (rank, shape[1]), shape[0]
         if found.layout is None and any(_layout(n, k) != layout for n, k in found.sites):
-            if name in exact or known in exact:
+            if name in exact or exact & set(others):
                 raise InputError(f"cannot put an adapter beside {name!r}: read in different layouts")
             continue
         # PEFT: nn.init.kaiming_uniform_(A, a=sqrt(5)) -> bound = 1 / sqrt(fan_in)
@@ -149,8 +158,14 @@ def add_adapters(
             extra = _adapt_node(node, k, ad, dropout, taken, found.dtype, x)
             new_nodes.setdefault(index[id(node)], []).extend(extra)
         adapters.append(ad)
+    unmatched = [p for p in exact if not any(p == n or fnmatch.fnmatchcase(n, p) for n in seen)]
+    if unmatched:
+        raise InputError(
+            f"the targets {sorted(unmatched)} match no weight of the model; {_adaptable(out, alias)}"
+        )
     if not adapters:
-        raise InputError("no weight matched the targets: nothing to adapt")
+        raise InputError(f"no weight matched the targets: nothing to adapt; {_adaptable(out, alias)}")
+    _warn_low_precision(low_precision)
     nodes = list(graph.node)
     del graph.node[:]
     for k, n in enumerate(nodes):
@@ -164,15 +179,71 @@ def add_adapters(
     return out
 
 
+def _check_settings(rank: Any, alpha: Any, dropout: Any) -> None:
+    """Refuse settings that are no LoRA: a rank below 1 or not an integer, an ``alpha`` that is not
+    a finite number, a ``dropout`` outside ``[0, 1)``."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+        raise InputError(f"rank must be an integer of at least 1, got {rank!r}")
+    if alpha is not None and (
+        isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.number)) or not math.isfinite(alpha)
+    ):
+        raise InputError(f"alpha must be a finite number, got {alpha!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.number)) or not 0 <= dropout < 1:
+        raise InputError(f"dropout must be a number in [0, 1), got {dropout!r}")
+
+
+def _aliases(name: str, module_names: Mapping[str, str]) -> list[str]:
+    """The other names a target may match for initializer ``name``, the one its adapters take
+    first: its torch module path's ``.weight`` (``module_names``, from :func:`_module_names`), the
+    float weight's name of a quantized weight (``W_quantized`` -> ``W``)."""
+    plain = _quantized_alias(name)
+    torch_name = module_names.get(name) or (module_names.get(plain) if plain else None)
+    return [n for n in (torch_name, plain) if n]
+
+
+def _adaptable(model: onnx.ModelProto, module_names: Mapping[str, str]) -> str:
+    """What the targets can name: the weights of ``model`` that take an adapter (with their other
+    name), for an error message."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    readers = _readers(graph)
+    producers = {o: n for n in graph.node for o in n.output}
+    outputs = {o.name for o in graph.output}
+    names = []
+    for name, t in inits.items():
+        uses = readers.get(name, [])
+        if t.data_type in FLOAT_TYPES:
+            fit = _unfit(t, uses) is None
+        else:
+            fit = not isinstance(_quantized_weight(t, uses, readers, producers, inits, outputs), str)
+        if fit:
+            others = _aliases(name, module_names)
+            names.append(f"{name} ({', '.join(others)})" if others else name)
+    if not names:
+        return "the model has no weight read by MatMul/Gemm (or a quantized product) that an adapter fits"
+    more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+    return (
+        f"the weights that take an adapter (by name, or a name in parentheses): {', '.join(names[:20])}{more}"
+    )
+
+
 _SCOPES = "pkg.torch.onnx.name_scopes"
+_PRODUCTS = ("MatMul", "Gemm", "MatMulInteger", "MatMulNBits")  # nodes whose names give module paths
 
 
 def _module_names(uses: dict[str, list[tuple[onnx.NodeProto, int]]]) -> dict[str, str]:
     """``<module path>.weight`` for initializers that ``torch.onnx.export(dynamo=True)`` renamed
     (it folds ``Linear``'s transposed weight into a new ``val_N``), from the reading node's
-    ``pkg.torch.onnx.name_scopes``: targets may name the torch weight (``"layers.0.q.weight"``)."""
+    ``pkg.torch.onnx.name_scopes``, and for the ``onnx::MatMul_N`` of a TorchScript export (also
+    quantized: ``onnx::MatMul_N_quantized``), from the reading node's name (:func:`_scope_path`):
+    targets may name the torch weight (``"layers.0.q.weight"``)."""
     out: dict[str, str] = {}
     for name, readers in uses.items():
+        if name.startswith("onnx::"):
+            paths = {_scope_path(n.name) if n.op_type in _PRODUCTS and k == 1 else None for n, k in readers}
+            if len(paths) == 1 and None not in paths:
+                out[_quantized_alias(name) or name] = f"{paths.pop()}.weight"
+            continue
         paths = set()
         for node, k in readers:
             if node.op_type not in ("MatMul", "Gemm") or (node.op_type == "Gemm" and k != 1):
@@ -192,6 +263,24 @@ def _module_names(uses: dict[str, list[tuple[onnx.NodeProto, int]]]) -> dict[str
             if len(paths) == 1:
                 out[name] = paths.pop()
     return out
+
+
+def _scope_path(node_name: str) -> str | None:
+    """The torch module path in a TorchScript node name (``/enc/enc.0/MatMul`` -> ``enc.0``,
+    ``/bert/encoder/layer.0/attention/self/query/MatMul`` -> ``bert.encoder.layer.0.attention.self.query``):
+    a scope that repeats its parent's name (a container's child, ``enc.0`` under ``enc``) replaces it."""
+    parts = node_name.split("/")
+    if len(parts) < 3 or parts[0]:
+        return None
+    path: list[str] = []
+    for c in parts[1:-1]:
+        if not c:
+            return None
+        if path and c.startswith(path[-1] + "."):
+            path[-1] = c
+        else:
+            path.append(c)
+    return ".".join(path)
 
 
 def _unfit(t: onnx.TensorProto, uses: list[tuple[onnx.NodeProto, int]]) -> str | None:

@@ -47,6 +47,7 @@ class _Weight:
     layout: str | None = None
     source: str = ""
     x_inputs: dict[str, str] | None = None  # site node name or output -> float input
+    low_precision: list[tuple[str, int]] | None = None  # MatMulNBits nodes of accuracy_level >= 2
 
     def input_of(self, node: onnx.NodeProto) -> str:
         assert self.x_inputs is not None
@@ -108,18 +109,10 @@ def _quantized_weight(
             if len(node.input) > 4 and node.input[4]:
                 return f"MatMulNBits node {node.name!r} has a g_idx input (act-order)"
         dtype = inits[node0.input[2]].data_type
-        for node, _ in uses:
-            if int(_attr(node, "accuracy_level", 0)) >= 2:
-                warnings.warn(
-                    f"MatMulNBits node {node.name!r} has accuracy_level="
-                    f"{int(_attr(node, 'accuracy_level', 0))}: onnxruntime quantizes its input to a lower "
-                    "precision, the gradients are those of the float product (set accuracy_level to 0 "
-                    "or 1 to train what runs)",
-                    GradientWarning,
-                    stacklevel=3,
-                )
+        levels = [(n.name, int(_attr(n, "accuracy_level", 0))) for n, _ in uses]
+        low = [(name, level) for name, level in levels if level >= 2]
         xs = {n.output[0]: n.input[0] for n, _ in uses}
-        return _Weight("nbits", shape, dtype, uses, layout="right_t", x_inputs=xs)
+        return _Weight("nbits", shape, dtype, uses, layout="right_t", x_inputs=xs, low_precision=low)
     if ops == {("", "MatMulInteger")} or ops == {("ai.onnx", "MatMulInteger")}:
         if len(t.dims) != 2:
             return f"not 2-D (shape {list(t.dims)})"
@@ -182,6 +175,23 @@ def _weight_scale(
         return None
     w_scale = scales.input[1] if scales.input[0] == dql.output[1] else scales.input[0]
     return w_scale if w_scale in inits else None
+
+
+def _warn_low_precision(nodes: list[tuple[str, int]]) -> None:
+    """One :class:`GradientWarning` naming the ``MatMulNBits`` nodes of ``accuracy_level`` >= 2
+    (activations in lower precision) among the adapted products."""
+    if not nodes:
+        return
+    named = ", ".join(f"{n!r} (accuracy_level={level})" for n, level in nodes[:10]) + (
+        " ..." if len(nodes) > 10 else ""
+    )
+    warnings.warn(
+        f"{len(nodes)} adapted MatMulNBits node(s) compute in low precision: {named}: onnxruntime quantizes "
+        "their input to a lower precision, the gradients are those of the float product (set "
+        "accuracy_level to 0 or 1 to train what runs)",
+        GradientWarning,
+        stacklevel=3,
+    )
 
 
 def _dequantize_linear(node: onnx.NodeProto, inits: Mapping[str, onnx.TensorProto]) -> np.ndarray:

@@ -13,9 +13,9 @@ from onnx import helper, numpy_helper
 
 from ..deps import require_onnxruntime
 from ..errors import InputError
-from ..model.graph import np_dtype
+from ..model.graph import np_dtype, to_array
 from ..model.load import load_model
-from .adapters import _adapter_arrays, _adapters
+from .adapters import _adapter_arrays, _adapters, adapter_names
 
 
 # ---- onnxruntime's own adapter format --------------------------------------------------------
@@ -59,11 +59,28 @@ def save_ort_adapter(
 ) -> None:
     """Write the adapters of ``model`` (or ``values`` for the same names, e.g.
     ``ForwardBackward.parameters``) as an onnxruntime adapter file (``.onnx_adapter``, through
-    ``onnxruntime.AdapterFormat``), for the model of :func:`serving_model`."""
+    ``onnxruntime.AdapterFormat``), for the model of :func:`serving_model`.
+
+    Such a file overrides the adapters only: other weights in ``values`` that differ from the
+    model's (a classifier head trained beside the adapters) would be lost, and raise
+    :class:`InputError`; serve the model holding them (``serving_model(with_values(model, values))``),
+    or keep them with :func:`save_adapters`."""
     require_onnxruntime()
     import onnxruntime as ort
 
     inits = {t.name: t for t in model.graph.initializer}
+    adapters = set(adapter_names(model))
+    changed = sorted(
+        n
+        for n, v in (values or {}).items()
+        if n not in adapters and (n not in inits or not np.array_equal(np.asarray(v), to_array(inits[n])))
+    )
+    if changed:
+        raise InputError(
+            f"values hold weights that are not adapters and differ from the model's: {changed[:10]}; an "
+            "onnxruntime adapter file overrides only the adapters, so they would be lost: serve "
+            "serving_model(lora.with_values(model, values)), or save them with lora.save_adapters"
+        )
     params = {}
     for n, arr in _adapter_arrays(model, values).items():
         want = (tuple(inits[n].dims), np_dtype(inits[n].data_type))

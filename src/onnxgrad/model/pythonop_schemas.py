@@ -74,6 +74,8 @@ _FORWARD = {
     "input_none_positions": (_A.INTS, "onnxgrad: positions of None arguments."),
     "input_string_scalars": (_A.STRINGS, "onnxgrad: str arguments, by value."),
     "input_string_scalar_positions": (_A.INTS, "onnxgrad: positions of input_string_scalars."),
+    "input_float_scalars_exact": (_A.TENSOR, "onnxgrad: input_float_scalars as float64, exact."),
+    "input_float_tuples_exact": (_A.TENSOR, "onnxgrad: input_float_tuples as float64, exact."),
 }
 for _kind, _type in (("int", _A.INTS), ("float", _A.FLOATS), ("bool", _A.INTS)):
     _FORWARD[f"input_{_kind}_scalars"] = (_type, f"Python {_kind} arguments.")

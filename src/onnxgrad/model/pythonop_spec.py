@@ -4,7 +4,14 @@ A PythonOp stands for one call ``Function.apply(*args)``. ``input_convention`` h
 argument: ``d`` for a tensor (an ONNX input, in order) and ``c`` for a constant, kept in typed side
 tables whose ``*_positions`` are indices into the full argument list:
 
-* ``input_{int,float,bool}_scalars`` (+ ``_positions``); floats are stored as float32;
+* ``input_{int,float,bool}_scalars`` (+ ``_positions``); floats are stored as float32 (``FLOATS``),
+  so onnxgrad writes the exact Python floats beside them, as a float64 tensor attribute in the same
+  order: ``input_float_scalars_exact`` (and ``input_float_tuples_exact`` for the tuples), which it
+  reads instead (``1/3`` stays ``1/3``, ``1e-50`` and ``1e40`` stay themselves, where the float32
+  table holds 0.33333334, 0 and inf). A file without them (a foreign exporter's) gives the float32
+  values, widened, and a :class:`UserWarning` names the arguments whose float32 value is not the
+  shortest decimal it prints as (``0.1``, ``1/3``, ``1e-5``: most likely rounded from what the
+  exporting code passed; ``0.5`` or ``2.0`` are exact and say nothing);
 * ``input_{int,float,bool}_tuples``: every tuple of one element type concatenated, with
   ``_tuple_begins[i]`` where tuple ``i`` starts and ``_tuple_positions[i]`` its argument index;
 * onnxgrad's additions, because a file must not hold raw memory addresses: ``input_none_positions``
@@ -28,12 +35,15 @@ This module does not import torch.
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import PythonOpError
 
@@ -296,8 +306,11 @@ def decode_constants(attrs: dict[str, Any], where: str = "PythonOp", func: str =
         out[pos] = value
 
     convert = {"int": int, "float": float, "bool": bool}
+    rounded: list[tuple[int, float]] = []  # float arguments read from float32 only, likely rounded
     for kind in _SCALAR_KINDS:
         values = attrs.get(f"input_{kind}_scalars", [])
+        if kind == "float":
+            values = _exact_floats(attrs, "input_float_scalars", label, rounded, positions=True)
         positions = attrs.get(f"input_{kind}_scalar_positions", [])
         if len(values) != len(positions):
             raise PythonOpError(
@@ -306,6 +319,8 @@ def decode_constants(attrs: dict[str, Any], where: str = "PythonOp", func: str =
         for pos, v in zip(positions, values):
             put(pos, convert[kind](v))
         flat = attrs.get(f"input_{kind}_tuples", [])
+        if kind == "float":
+            flat = _exact_floats(attrs, "input_float_tuples", label, rounded, positions=False)
         begins = list(attrs.get(f"input_{kind}_tuple_begins", []))
         positions = attrs.get(f"input_{kind}_tuple_positions", [])
         if len(begins) != len(positions) or any(b > len(flat) for b in begins):
@@ -321,6 +336,15 @@ def decode_constants(attrs: dict[str, Any], where: str = "PythonOp", func: str =
         raise PythonOpError(f"{label}: input_string_scalars and _positions differ in length")
     for pos, s in zip(positions, strings):
         put(pos, s)
+    if rounded:
+        warnings.warn(
+            f"{label}: the float arguments {', '.join(f'{pos} = {v!r}' for pos, v in rounded[:8])} are "
+            "read from the node's float32 table (input_float_scalars / input_float_tuples) without the "
+            "exact values (input_float_scalars_exact, written by onnxgrad.export): they are most likely "
+            "rounded from what the exporting code passed; re-export with onnxgrad.export to keep them exact",
+            UserWarning,
+            stacklevel=3,
+        )
     if attrs.get("input_pointer_scalar_positions"):
         raise PythonOpError(
             f"{label}: arguments {list(attrs['input_pointer_scalar_positions'])} are stored as raw "
@@ -328,6 +352,51 @@ def decode_constants(attrs: dict[str, Any], where: str = "PythonOp", func: str =
             "used: re-export the model with onnxgrad.export, which stores None and str by value"
         )
     return out
+
+
+def _exact_floats(
+    attrs: dict[str, Any], key: str, label: str, rounded: list[tuple[int, float]], *, positions: bool
+) -> list[float]:
+    """The float table ``key`` (``input_float_scalars`` / ``input_float_tuples``) as Python floats:
+    its exact companion ``key + "_exact"`` (float64) where present, checked to round to the
+    float32 table; else the float32 values, those that are likely rounded added to ``rounded``
+    (argument position, value) for one warning."""
+    stored = [float(v) for v in attrs.get(key, [])]
+    exact = attrs.get(f"{key}_exact")
+    if exact is not None:
+        values = (
+            [float(v) for v in numpy_helper.to_array(exact).reshape(-1)]
+            if isinstance(exact, onnx.TensorProto)
+            else [float(v) for v in exact]
+        )
+        with np.errstate(over="ignore"):  # 1e40 rounds to inf in the float32 table
+            pairs = [(np.float32(e), np.float32(f)) for e, f in zip(values, stored)]
+        same = len(values) == len(stored) and all(e == f or (np.isnan(e) and np.isnan(f)) for e, f in pairs)
+        if not same:
+            raise PythonOpError(
+                f"{label}: {key}_exact {values[:8]} does not round to {key} {stored[:8]}: the node was "
+                "edited inconsistently; fix or remove one of them"
+            )
+        return values
+    if positions:
+        where = attrs.get("input_float_scalar_positions", [])
+    else:  # a tuple's values: the argument of the tuple each belongs to
+        where = [-1] * len(stored)
+        begins = attrs.get("input_float_tuple_begins", [])
+        for begin, owner in zip(begins, attrs.get("input_float_tuple_positions", [])):
+            where[begin:] = [owner] * max(len(stored) - begin, 0)
+    for pos, v in zip(where, stored):
+        if _likely_rounded(v):
+            rounded.append((int(pos), v))
+    return stored
+
+
+def _likely_rounded(value: float) -> bool:
+    """Whether a float32 value is not the number its shortest float32 decimal says (``0.1`` is
+    0.100000001490116..., ``0.5`` is 0.5): the sign that a float64 was rounded to it."""
+    if not math.isfinite(value):
+        return False
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="-")) != value
 
 
 def _tuple_kind(value: tuple) -> str | None:
@@ -341,7 +410,9 @@ def _tuple_kind(value: tuple) -> str | None:
 
 
 def encode_constants(convention: str, constants: dict[int, Any], func: str) -> dict[str, Any]:
-    """The attributes storing ``constants`` (position -> value); refuses what cannot be stored."""
+    """The attributes storing ``constants`` (position -> value); refuses what cannot be stored. The
+    float arguments' exact values are float64 arrays (``input_float_scalars_exact``,
+    ``input_float_tuples_exact``: tensor attributes)."""
     attrs: dict[str, list] = {}
 
     def add(key: str, value: Any) -> None:
@@ -360,12 +431,15 @@ def encode_constants(convention: str, constants: dict[int, Any], func: str) -> d
         elif isinstance(value, float):
             add("input_float_scalars", value)
             add("input_float_scalar_positions", pos)
+            add("input_float_scalars_exact", value)
         elif isinstance(value, tuple) and _tuple_kind(value) is not None:
             kind = _tuple_kind(value)
             flat = attrs.setdefault(f"input_{kind}_tuples", [])
             add(f"input_{kind}_tuple_begins", len(flat))
             add(f"input_{kind}_tuple_positions", pos)
             flat.extend(int(v) if kind == "bool" else v for v in value)
+            if kind == "float":
+                attrs.setdefault("input_float_tuples_exact", []).extend(value)
         elif value is None:
             add("input_none_positions", pos)
         elif isinstance(value, str):
@@ -378,4 +452,7 @@ def encode_constants(convention: str, constants: dict[int, Any], func: str) -> d
                 "tuples of ints, of floats or of bools (pass other settings through the Function's "
                 "module-level state, or as tensors)"
             )
+    for key in ("input_float_scalars_exact", "input_float_tuples_exact"):  # float64 tensors
+        if key in attrs:
+            attrs[key] = np.array(attrs[key], dtype=np.float64)  # type: ignore[assignment]
     return attrs

@@ -8,6 +8,7 @@ returned as numpy views of onnxruntime's buffers.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,7 +20,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ..autodiff.engine import GradientGraphs
-from ..autodiff.params import untie
+from ..autodiff.params import TRAINABLE_KEY, untie
 from ..autodiff.prepare import ModelLike, PreparedModel, prepare
 from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import ValueInfo, inputs_read_only_in_branches, np_dtype, to_array
@@ -65,6 +66,12 @@ class ForwardResult:
         if saved is None:
             raise OnnxGradRuntimeError("backward already ran for this forward result; run forward again")
         return self._owner._backward(saved, feeds)
+
+
+# the products of a quantized model (for the hint when it has nothing float to train)
+_QUANTIZED_OPS = frozenset(
+    {"DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "MatMulNBits", "QGemm"}
+)
 
 
 class ForwardBackward:
@@ -121,9 +128,18 @@ class ForwardBackward:
                 self._prepared = prepared
         self._running_stats = self._prepared.running_stats if self._prepared is not None else {}
         if not graphs.wrt:
+            ops = {n.op_type for n in graphs.forward.graph.node}
+            quantized = any(op in _QUANTIZED_OPS or op.startswith("QLinear") for op in ops)
+            hint = (
+                " (a quantized model's weights are integers: name the float ones to train with "
+                "trainable=[...], its scales or biases, or add float adapters beside the quantized "
+                "weights with onnxgrad.lora.add_adapters)"
+                if quantized
+                else ""
+            )
             raise InputError(
                 "nothing to differentiate: the model has no floating-point initializer to train and "
-                "no input was named in inputs_requiring_grad"
+                f"no input was named in inputs_requiring_grad{hint}"
             )
         self.graphs = graphs
         self.output_names = user_outputs
@@ -211,6 +227,12 @@ class ForwardBackward:
         outputs = [o for o in model.graph.output if o.name in self.output_names]
         del model.graph.output[:]
         model.graph.output.extend(outputs)
+        # a model that names its trainable set (LoRA adapters) names what trained: the adapters and
+        # the weights given to trainable= beside them, which lora.save_adapters then keeps
+        inits = {t.name for t in model.graph.initializer}
+        for p in model.metadata_props:
+            if p.key == TRAINABLE_KEY:
+                p.value = json.dumps([n for n in self._params if n in inits])
         return model
 
     # ---- running -----------------------------------------------------------------------------

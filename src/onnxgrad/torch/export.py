@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import onnx
 import torch
 from torch.autograd.function import _is_setup_context_defined
@@ -200,7 +201,7 @@ class _ExportState:
         except Exception as exc:
             if self.keeps(cls):
                 error = PythonOpError(
-                    f"exporting a call of {qualified_name(cls)} failed: {type(exc).__name__}: {exc}"
+                    f"exporting a call of {qualified_name(cls)} failed: {type(exc).__name__}: {_brief(exc)}"
                 )
             else:
                 error = _inline_error(qualified_name(cls), exc)
@@ -250,7 +251,7 @@ class _ExportState:
                 raise
             except Exception as exc:
                 raise PythonOpError(
-                    f"{name}.forward raised {type(exc).__name__} while onnxgrad.export ran it: {exc}"
+                    f"{name}.forward raised {type(exc).__name__} while onnxgrad.export ran it: {_brief(exc)}"
                 ) from exc
             outs = _tensor_outputs(name, out)
             dirty = getattr(ctx, "dirty_tensors", None) or ()
@@ -333,8 +334,22 @@ def _check_inlinable(name: str, node: Any) -> None:
     check(body[next(i for i, n in enumerate(body) if n == node) + 1 :])
 
 
+_IR_DUMP = "Torch IR graph at exception"  # torch appends the whole traced graph after it
+_BRIEF = 2000  # characters of an exception's message kept in a PythonOpError
+
+
+def _brief(exc: BaseException | None) -> str:
+    """``exc``'s message for a :class:`PythonOpError`: without the traced graph torch appends
+    (``Torch IR graph at exception: graph(...)``, hundreds of lines on a real model), and at most
+    ``_BRIEF`` characters (the full exception stays chained as ``__cause__``)."""
+    text = str(exc).split(_IR_DUMP, 1)[0].rstrip()
+    if len(text) > _BRIEF:
+        text = f"{text[:_BRIEF]} ... ({len(text) - _BRIEF} more characters in the chained exception)"
+    return text
+
+
 def _inline_error(name: str, exc: Exception | None, why: str | None = None) -> PythonOpError:
-    why = why or f"torch failed to trace it ({type(exc).__name__}: {exc})"
+    why = why or f"torch failed to trace it ({type(exc).__name__}: {_brief(exc)})"
     return PythonOpError(
         f"{name} is not in functions=, so its forward would be inlined as standard ONNX, but {why}. "
         "Keep it as a PythonOp node: add it to functions= (or leave functions=None)"
@@ -458,7 +473,9 @@ def _python_op(
     suffix = {int: "i", float: "f", str: "s"}
     kw = {}
     for key, value in attrs.items():
-        if isinstance(value, list):
+        if isinstance(value, np.ndarray):  # the exact float64 values: a tensor attribute
+            kw[f"{key}_t"] = torch.from_numpy(value)
+        elif isinstance(value, list):
             kind = suffix[type(value[0])] if value else "i"
             kw[f"{key}_{kind}"] = value
         else:
@@ -560,7 +577,7 @@ def _declared_shapes(
         shapes, dtypes = list(shapes), [int(d) for d in dtypes]
     except Exception as exc:
         raise PythonOpError(
-            f"{where} failed ({type(exc).__name__}: {exc}); it must return (output shapes, output "
+            f"{where} failed ({type(exc).__name__}: {_brief(exc)}); it must return (output shapes, output "
             "dtypes), one of each per tensor output"
         ) from exc
     n = len(rec.outputs)
