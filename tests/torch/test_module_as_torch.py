@@ -163,3 +163,41 @@ def test_a_weight_beside_its_adapters_keeps_both():
     assert sorted(m.onnx_names[n] for n, _ in m.named_parameters()) == sorted(lora.adapter_names(adapted))
     assert isinstance(m.w1, torch.nn.Module)  # the adapters' submodule
     onnx.checker.check_model(m.to_onnx())
+
+
+def test_a_value_of_another_type_assigned_is_refused_at_the_forward(net):
+    m = OnnxModule(export_net(net, torch.randn(2, 4)))
+    m.load_state_dict({k: v.double() for k, v in net.state_dict().items()}, assign=True)
+    with pytest.raises(InputTypeError, match=r"'fc1.weight' holds float64 values, the model computes in float32"):
+        m(torch.randn(2, 4))
+    m.load_state_dict(net.state_dict(), assign=True)  # its type again: runs
+    torch.testing.assert_close(m(torch.ones(2, 4)), net(torch.ones(2, 4)), rtol=1e-5, atol=1e-6)
+
+
+def test_integer_inputs_that_do_not_fit_the_model_type_are_refused():
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["E", "ids"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT32, ["N"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])],
+        [numpy_helper.from_array(np.arange(20, dtype=np.float32).reshape(10, 2), "E")],
+    )
+    m = OnnxModule(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9))
+    torch.testing.assert_close(m(torch.tensor([1, 9])), torch.tensor([[2.0, 3.0], [18.0, 19.0]]))
+    with pytest.raises(InputError, match=r"input 'ids' holds 4294967297, outside the range of int32"):
+        m(torch.tensor([2**32 + 1]))
+    with pytest.raises(InputError, match=r"input 'ids' holds 3000000000.0, outside the range of int32"):
+        m(torch.tensor([3e9]))
+    del onnx
+
+
+def test_a_batchnorm_state_dict_loads_strictly():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2)).eval()
+    m = OnnxModule(export_net(net, torch.randn(3, 4)))
+    m.load_state_dict(net.state_dict())  # its num_batches_tracked has no ONNX value: left out
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(m.eval()(x), net(x), rtol=1e-5, atol=1e-6)

@@ -34,14 +34,14 @@ from ..model.load import CheckedModel
 from ..pythonop import make_runner
 from ..runtime.runner import BACKWARD_FAILED, FORWARD_FAILED, Runner
 from ..runtime.session import resolve_providers
-from ..runtime.values import check_input, from_torch, to_torch
+from ..runtime.values import check_input, coerce, from_torch, to_torch
 from ..train.amp import MasterWeightsChoice, is_half, use_master_weights
 
 # call signatures (input shapes, dtypes, requires-grad flags) remembered per module; beyond, the
 # memory starts over
 _MAX_PLANS = 256
 # the attributes OnnxModule._prepare derives from the others (not pickled)
-_DERIVED = ("_attr_names", "_feed_names", "_stat_attrs", "_plans", "_casts", "_sources")
+_DERIVED = ("_attr_names", "_feed_names", "_stat_attrs", "_plans", "_casts", "_sources", "_value_dtypes")
 
 
 def torch_name(onnx_name: str, taken: set[str]) -> str:
@@ -337,17 +337,14 @@ class _OnnxFunction(torch.autograd.Function):
 _apply, _transforms_active = function_apply_direct(_OnnxFunction)
 
 
-def _cast(name: str, t: torch.Tensor, dtype: torch.dtype, whole: bool) -> torch.Tensor:
-    """``t`` as ``dtype`` (differentiable for floats); ``whole``: floats fed to an integer input,
-    :class:`InputError` unless they hold whole numbers."""
-    if whole and t.numel():
-        bad = ~(torch.isfinite(t) & (t == torch.round(t)))
-        if bool(bad.any()):
-            raise InputError(
-                f"input {name!r} expects integers ({str(dtype).removeprefix('torch.')}), the data has "
-                f"non-integers such as {float(t[bad].flatten()[0]):g}"
-            )
-    return t.to(dtype)
+def _cast(name: str, t: torch.Tensor, dtype: torch.dtype, integral: bool) -> torch.Tensor:
+    """``t`` as ``dtype`` under the input contract: a float type by a (differentiable) torch cast;
+    an integer type (``integral``) by :func:`onnxgrad.runtime.values.coerce`, which refuses values
+    that are not whole or do not fit, as every door does."""
+    if not integral:
+        return t.to(dtype)
+    arr = t.detach().numpy() if t.dtype != torch.bfloat16 else t.detach().float().numpy()
+    return torch.from_numpy(coerce(f"input {name!r}", arr, np.dtype(str(dtype).removeprefix("torch."))))
 
 
 class OnnxModule(nn.Module):
@@ -485,6 +482,11 @@ class OnnxModule(nn.Module):
         for old, new in getattr(self, "_legacy", {}).items():
             if prefix + old in state_dict and prefix + new not in state_dict:
                 state_dict[prefix + new] = state_dict.pop(prefix + old)
+        # torch's BatchNorm counts its batches; the ONNX model has no such value (its momentum is fixed)
+        for key in [k for k in state_dict if k.startswith(prefix) and k.endswith(".num_batches_tracked")]:
+            stats = key[len(prefix) : -len("num_batches_tracked")] + "running_mean"
+            if stats in self.onnx_names:
+                del state_dict[key]
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -540,9 +542,12 @@ class OnnxModule(nn.Module):
         self._casts = [masters.get(t) for t in self._attr_names]
         # what forward reads, in order: the dicts holding each value, its name there, its cast
         self._sources = []
+        # the type the model computes each value in (what forward feeds, after a master's cast)
+        self._value_dtypes = []
         for tname, cast in zip(self._attr_names, self._casts):
             owner, leaf = self._owner(tname)
             self._sources.append((owner._parameters, owner._buffers, owner, leaf, cast))
+            self._value_dtypes.append((tname, cast or getattr(owner, leaf).dtype))
         self._feed_names = (*self.input_names, *self.onnx_names.values())
         by_onnx = {n: t for t, n in self.onnx_names.items()}
         self._stat_attrs = [(by_onnx[stat], out) for stat, out in self._running_stats.items()]
@@ -609,7 +614,7 @@ class OnnxModule(nn.Module):
             check_input(name, given, tuple(t.shape), info)
             expected = dtype_name(info.dtype)
             to = getattr(torch, expected)
-            casts.append(None if to == t.dtype else (to, t.is_floating_point() and not to.is_floating_point))
+            casts.append(None if to == t.dtype else (to, not to.is_floating_point))
         return tuple(casts) if any(casts) else None
 
     def _by_name(self, tensors: tuple[Any, ...], named: dict[str, Any]) -> tuple[Any, ...]:
@@ -633,6 +638,13 @@ class OnnxModule(nn.Module):
         """Validate the inputs of a call whose signature is not known yet, and choose its variant:
         (the variant, whether autograd records the call, the casts of the inputs or None)."""
         casts = self._check_inputs(tensors)
+        for (tname, want), v in zip(self._value_dtypes, values):
+            if isinstance(v, torch.Tensor) and v.dtype != want:
+                raise InputTypeError(
+                    f"{tname!r} holds {str(v.dtype).removeprefix('torch.')} values, the model computes "
+                    f"in {str(want).removeprefix('torch.')}: assign values of its type (a load_state_dict "
+                    f"with assign=True or a .data replaced keeps the type given)"
+                )
         mask = [False] * (len(values) + len(tensors))
         if torch.is_grad_enabled():
             mask = [v.requires_grad for v in values]
@@ -675,7 +687,7 @@ class OnnxModule(nn.Module):
         sig: list[Any] = [self.training, torch.is_grad_enabled()]
         try:
             for v in values:
-                sig.append(v.requires_grad)
+                sig.append((v.requires_grad, v.dtype))
             for t in tensors:
                 sig.append((type(t), t.dtype, t.shape, t.requires_grad, t.is_cpu))
         except AttributeError:  # not a tensor: _plan says what is wrong
