@@ -94,3 +94,89 @@ def test_nan_targets_are_named(diabetes):
     y[5] = np.nan
     with pytest.raises(InputError, match=r"y must be finite; row 5 holds nan"):
         OnnxRegressor(_initialised(X, np.nan_to_num(y)), epochs=1).fit(X, y)
+
+
+def test_a_classifier_without_probabilities_is_checked_on_its_labels():
+    from sklearn.linear_model import SGDClassifier
+
+    from onnxgrad.sklearn import OnnxClassifier
+
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((60, 4))
+    y = (X[:, 0] + X[:, 1] > 0).astype(int)
+    sgd = SGDClassifier(random_state=0).fit(X, y)  # no predict_proba: its labels are compared
+    clf = OnnxClassifier(sgd, epochs=2).fit(X, y)
+    assert clf.score(X, y) > 0.8
+
+
+def test_the_converter_failing_is_named():
+    from sklearn.svm import LinearSVC
+
+    from onnxgrad.sklearn import OnnxClassifier
+
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((30, 3))
+    y = (X[:, 0] > 0).astype(int)
+    with pytest.raises(InputError, match=r"skl2onnx cannot convert LinearSVC: .*Pass an ONNX model instead"):
+        OnnxClassifier(LinearSVC().fit(X, y), epochs=1).fit(X, y)
+
+
+def test_an_unfitted_estimator_is_named(diabetes):
+    X, y = diabetes
+    with pytest.raises(InputError, match=r"MLPRegressor is not fitted: fit it first"):
+        OnnxRegressor(MLPRegressor(), epochs=1).fit(X, y)
+
+
+def test_a_feature_count_the_model_does_not_take_is_named(diabetes):
+    X, y = diabetes
+    start = _initialised(X, y)
+    with pytest.raises(InputError, match=r"X has 9 features, the model's input 'X' takes 10"):
+        OnnxRegressor(_onnx_of(start, X), epochs=1).fit(X[:, :9], y)
+
+
+def _onnx_of(estimator, X):
+    from onnxgrad.sklearn import to_onnx_model
+
+    return to_onnx_model(estimator, X)
+
+
+def test_weights_summing_to_zero_and_missing_class_labels_are_named(diabetes):
+    from onnxgrad.sklearn import OnnxClassifier
+
+    X, y = diabetes
+    with pytest.raises(InputError, match=r"sample_weight sums to zero: no sample would count"):
+        OnnxRegressor(_initialised(X, y), epochs=1).fit(X, y, sample_weight=np.zeros(len(X)))
+    labels = (y > 0).astype(float)
+    labels[7] = np.nan
+    with pytest.raises(InputError, match=r"y holds NaN at row 7: a class label is missing"):
+        OnnxClassifier(_onnx_of(_initialised_classifier(X), X), epochs=1).fit(X, labels)
+
+
+def _initialised_classifier(X):
+    from sklearn.neural_network import MLPClassifier
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        return MLPClassifier(hidden_layer_sizes=(4,), max_iter=1, random_state=0).fit(
+            X, np.arange(len(X)) % 2
+        )
+
+
+def test_the_l2_penalty_is_as_given_whatever_the_loss_factor(diabetes):
+    """OnnxRegressor trains half the squared error; its l2 term is l2 * ΣW² all the same."""
+    X, y = diabetes
+    start = _initialised(X, y)
+    plain = OnnxRegressor(start, optimizer="sgd", lr=0.0, batch_size=len(X), shuffle=False, epochs=1).fit(
+        X, y
+    )
+    l2 = OnnxRegressor(start, l2=1.0, optimizer="sgd", lr=0.0, batch_size=len(X), shuffle=False, epochs=1)
+    l2.fit(X, y)
+    # rank >= 2 initializers: skl2onnx's coefficients and its (1, k) intercepts
+    from onnx import numpy_helper
+
+    squares = sum(
+        float((numpy_helper.to_array(t).astype(np.float64) ** 2).sum())
+        for t in _onnx_of(start, X).graph.initializer
+        if len(t.dims) >= 2
+    )
+    np.testing.assert_allclose(l2.loss_curve_[0] - plain.loss_curve_[0], squares, rtol=1e-5)

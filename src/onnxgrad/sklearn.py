@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import onnx
 from onnx import numpy_helper
-from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
+from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone, is_classifier
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import accuracy_score, r2_score
 from sklearn.model_selection import train_test_split
@@ -74,14 +74,30 @@ def _checked_model(model: Any, X: np.ndarray, *, classifier: bool) -> CheckedMod
             f"model must be an ONNX model or a scikit-learn estimator, got {type(model).__name__}"
         )
     from skl2onnx import to_onnx
+    from sklearn.exceptions import NotFittedError
 
     final = model.steps[-1][1] if hasattr(model, "steps") else model
+    try:
+        check_is_fitted(model)
+    except NotFittedError:
+        raise InputError(
+            f"{type(model).__name__} is not fitted: fit it first (a few iterations are enough to fix "
+            f"its shapes), or pass an ONNX model"
+        ) from None
     options = {id(final): {"zipmap": False}} if classifier or hasattr(final, "predict_proba") else None
     sample = np.asarray(X[:1], dtype=np.float32)
     try:
-        converted = to_onnx(model, sample, options=options, black_op={"LinearRegressor", "LinearClassifier"})
-    except RuntimeError:  # a converter without an alternative to the blocked ops
-        converted = to_onnx(model, sample, options=options)
+        try:
+            converted = to_onnx(
+                model, sample, options=options, black_op={"LinearRegressor", "LinearClassifier"}
+            )
+        except RuntimeError:  # a converter without an alternative to the blocked ops
+            converted = to_onnx(model, sample, options=options)
+    except Exception as exc:  # any failure of the converter is the converter's
+        raise InputError(
+            f"skl2onnx cannot convert {type(final).__name__}: {type(exc).__name__}: {exc}. Pass an ONNX "
+            f"model instead"
+        ) from exc
     checked = load_checked(converted)
     _check_conversion(model, checked.proto, np.asarray(X[:_CHECKED_ROWS], dtype=np.float32))
     return checked
@@ -99,22 +115,48 @@ def _check_conversion(estimator: Any, converted: onnx.ModelProto, rows: np.ndarr
     outputs = [o.name for o in converted.graph.output]
     session = make_session(converted, resolve_providers())
     got = session.run(None, {converted.graph.input[0].name: rows})
-    if hasattr(estimator, "predict_proba"):
-        want, out = np.asarray(estimator.predict_proba(rows)), "probabilities"
-        value = got[outputs.index(out)] if out in outputs else got[-1]
-    else:
-        want, out, value = np.asarray(estimator.predict(rows)), outputs[0], got[0]
+    method = "predict_proba" if hasattr(estimator, "predict_proba") else "predict"
+    want = np.asarray(getattr(estimator, method)(rows))
+    if method == "predict_proba":
+        out = "probabilities" if "probabilities" in outputs else outputs[-1]
+    else:  # a classifier without probabilities: its label output; a regressor: its first output
+        out = "label" if "label" in outputs and is_classifier(estimator) else outputs[0]
+    value = np.asarray(got[outputs.index(out)])
     want = want.reshape(len(rows), -1)
+    if value.ndim == 1:
+        value = value.reshape(-1, 1)
     # float32 arithmetic against the estimator's float64: far below the disagreement of a wrong graph
-    scale = max(1.0, float(np.abs(want).max(initial=0.0)))
-    if value.shape != want.shape or not np.allclose(value, want, rtol=1e-3, atol=1e-3 * scale):
+    scale = max(1.0, float(np.abs(want).max(initial=0.0))) if want.dtype.kind in "fc" else 1.0
+    agree = value.shape == want.shape and (
+        np.array_equal(value, want)
+        if want.dtype.kind not in "fc"
+        else np.allclose(value, want, rtol=1e-3, atol=1e-3 * scale)
+    )
+    if not agree:
         raise InputError(
             f"skl2onnx's converter for {name} gives output {out!r} of shape {value.shape} on {len(rows)} "
-            f"rows, where {name}.{'predict_proba' if hasattr(estimator, 'predict_proba') else 'predict'} "
+            f"rows, where {name}.{method} "
             f"gives shape {want.shape}{'' if value.shape != want.shape else ' and other values'}: the "
             f"converted model does not compute the estimator, so it cannot be trained in its place. "
             f"Pass an ONNX model that does (e.g. a torch model exported to ONNX)"
         )
+
+
+def _no_missing_labels(y: np.ndarray) -> None:
+    """:class:`InputError` naming the first row whose class label is NaN (a missing value)."""
+    y = np.asarray(y)
+    if y.dtype.kind == "f" and np.isnan(y).any():
+        raise InputError(
+            f"y holds NaN at row {int(np.flatnonzero(np.isnan(y.ravel()))[0])}: a class label is missing"
+        )
+
+
+def _per_factor(penalty: Any, factor: float) -> Any:
+    """A penalty coefficient (a number or name -> number) divided by ``factor``: its term, then
+    scaled with the loss by ``factor``, is as given."""
+    if isinstance(penalty, Mapping):
+        return {k: v / factor for k, v in penalty.items()}
+    return penalty / factor
 
 
 def _scaled_loss(model: onnx.ModelProto, loss: str, factor: float) -> onnx.ModelProto:
@@ -354,6 +396,17 @@ class _OnnxEstimator(BaseEstimator):
             raise InputError(f"the model must have one input (the features X), it has {inputs}")
         self.input_name_ = inputs[0]
         infos = infer_value_infos(base)
+        shape = infos[self.input_name_].shape
+        if (
+            shape is not None
+            and len(shape) == 2
+            and isinstance(shape[1], int)
+            and shape[1] != self.n_features_in_
+        ):
+            raise InputError(
+                f"X has {self.n_features_in_} features, the model's input {self.input_name_!r} "
+                f"takes {shape[1]}"
+            )
         kind, value, options = self._loss_for(base, infos, y, **kwargs)
         target, weight, loss = _fresh(base, _TARGET), _fresh(base, _WEIGHT), _fresh(base, "loss")
         model = add_loss(
@@ -363,8 +416,9 @@ class _OnnxEstimator(BaseEstimator):
             target_name=target,
             weight_name=weight,
             loss_name=loss,
-            l1=self.l1,
-            l2=self.l2,
+            # the penalties as given, whatever factor the data loss is trained at
+            l1=_per_factor(self.l1, self._loss_factor()),
+            l2=_per_factor(self.l2, self._loss_factor()),
             **options,
         )
         if self._loss_factor() != 1.0:
@@ -412,6 +466,8 @@ class _OnnxEstimator(BaseEstimator):
         w = np.ones(len(X)) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
         if w.shape != (len(X),):
             raise InputError(f"sample_weight must have shape ({len(X)},), got {w.shape}")
+        if w.size and not w.any():
+            raise InputError("sample_weight sums to zero: no sample would count")
         bad = np.flatnonzero(~(np.isfinite(w) & (w >= 0)))
         if bad.size:
             raise InputError(f"sample_weight must be finite and >= 0; row {bad[0]} holds {w[bad[0]]:g}")
@@ -583,6 +639,7 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
     ) -> tuple[str, str, dict[str, Any]]:
         if self.scores not in ("auto", "logits", "probabilities"):
             raise InputError(f"scores must be 'auto', 'logits' or 'probabilities', got {self.scores!r}")
+        _no_missing_labels(y)
         self.classes_ = np.unique(y) if classes is None else np.unique(np.asarray(classes))
         self._check_targets(y)
         outputs = self._float_outputs(base, infos, "of class scores")
@@ -611,6 +668,7 @@ class OnnxClassifier(ClassifierMixin, _OnnxEstimator):
         return "nll", out, {"probabilities": True}
 
     def _check_targets(self, y: np.ndarray) -> None:
+        _no_missing_labels(y)
         unseen = np.setdiff1d(np.unique(y), self.classes_)
         if unseen.size:
             raise InputError(f"y has labels {unseen.tolist()} not among the classes {self.classes_.tolist()}")
