@@ -7,19 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("flwr", reason="the federated extra (flwr) is not installed")
-
 from .cluster import Cluster
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """One SuperLink and two SuperNodes for the tests of a module."""
-    c = Cluster(tmp_path_factory.mktemp("flower"), nodes=2)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture

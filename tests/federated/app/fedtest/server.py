@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, FedMedian
 
 from onnxgrad.federated import server_app
+from onnxgrad.train import Trainer, with_parameters
 
 app = ServerApp()
 
@@ -26,6 +29,23 @@ def _strategy(context: Context):
     return FedMedian(**options) if kind == "fedmedian" else FedAvg(**options)
 
 
+def _held_out(context: Context):
+    """The server's evaluation on the run config's ``held-out`` examples (none when empty)."""
+    config = context.run_config
+    if not config["held-out"]:
+        return None
+    with np.load(str(config["held-out"])) as f:
+        data = {k: f[k] for k in f.files}
+    model = onnx.load(str(config["model"]))
+
+    def evaluate(server_round: int, params: dict[str, np.ndarray]) -> dict[str, float]:
+        trainer = Trainer(with_parameters(model, params), loss=str(config["loss"]), progress=False)
+        return {"held_out_loss": trainer.evaluate(data)["loss"]}
+
+    return evaluate
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    server_app(str(context.run_config["model"]), strategy=_strategy)(grid, context)
+    model = str(context.run_config["model"])
+    server_app(model, strategy=_strategy, evaluate=_held_out(context))(grid, context)
