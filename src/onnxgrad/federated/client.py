@@ -78,7 +78,7 @@ class _Local:
         n = n_samples(data)
         if n == 0:
             raise InputError("the node's data(context) returned no examples")
-        batch = self.batch_size or n  # None: full batch
+        batch = min(self.batch_size or n, n)  # None: full batch; never more than the node has
         if is_artifacts_folder(self.model):
             return self._train_runner(incoming, data, batch, seed)
         trainer = self._trainer(batch, shuffle=self.local_steps is None or self.batch_size is None, seed=seed)
