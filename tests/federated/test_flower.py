@@ -23,8 +23,9 @@ pytest.importorskip("flwr", reason="the federated extra (flwr) is not installed"
 from flwr.app import Array
 
 from onnxgrad.artifacts import generate
+from onnxgrad.errors import GradientWarning
 from onnxgrad.federated.server import CHECKPOINT
-from onnxgrad.lora import adapter_names, add_adapters
+from onnxgrad.lora import adapter_names, add_adapters, read_ort_adapter
 from onnxgrad.train import Trainer
 from onnxgrad.train.checkpoint import read_checkpoint
 
@@ -164,15 +165,15 @@ def test_bad_replies_are_rejected(nodes: Cluster, tmp_path: Path) -> None:
 
 def test_artifacts_folder_on_nodes_without_torch(nodes: Cluster, tmp_path: Path) -> None:
     """The nodes (no torch importable) train an artifacts folder with onnxruntime alone: one
-    full-batch step per round is central GD, as with the model."""
+    full-batch step is central GD's, as with the model."""
     model = _linear()
     generate(model, loss="mse", optimizer="sgd", lr=LR, out_dir=tmp_path / "folder")
     parts = _shards(tmp_path / "data", 4, 2)
     out = tmp_path / "out"
     config = {"model": str(tmp_path / "folder"), "data": str(tmp_path / "data"), "out-dir": str(out)}
-    _run(nodes, **config, **{"num-server-rounds": 2, "local-steps": 1})
+    _run(nodes, **config, **{"num-server-rounds": 1, "local-steps": 1})
     state = _checkpoint(out)
-    expected = _central(model, _union(parts), 2)
+    expected = _central(model, _union(parts), 1)
     for name, value in expected.items():
         np.testing.assert_allclose(state["params"][name], value, rtol=0, atol=1e-5)
     assert (out / "model.onnx").exists()
@@ -203,6 +204,68 @@ def test_lora_only_adapters_travel(nodes: Cluster, tmp_path: Path) -> None:
         np.testing.assert_array_equal(written[name], inits[name])
     assert any(not np.array_equal(written[n], inits[n]) for n in names)  # the adapters trained
     assert (out / "adapters.onnx_adapter").exists()
+
+
+INT4 = Path(__file__).resolve().parents[1] / "data" / "genai_llama_int4" / "model.onnx"
+
+
+def _qlora_llm() -> onnx.ModelProto:
+    """onnxruntime-genai's tiny int4 Llama with rank-4 adapters on every MatMulNBits, and its logits
+    transposed to (batch, vocabulary, position): the classes on axis 1, as cross_entropy reads them."""
+    with pytest.warns(GradientWarning, match="accuracy_level=4"):
+        model = add_adapters(onnx.load(INT4), "*", rank=4, alpha=8)
+    g = model.graph
+    g.node.append(onnx.helper.make_node("Transpose", ["logits"], ["class_scores"], perm=[0, 2, 1]))
+    g.output.append(
+        onnx.helper.make_tensor_value_info(
+            "class_scores", onnx.TensorProto.FLOAT, ["batch", 128, "positions"]
+        )
+    )
+    return model
+
+
+def _token_shards(folder: Path, nodes: int = 2, n: int = 8) -> None:
+    """Next-token examples per node: node ``i`` counts by ``i + 1`` modulo the vocabulary."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(nodes):
+        ids = (rng.integers(0, 128, (n, 1)) + (i + 1) * np.arange(9)) % 128
+        part = {"input_ids": ids[:, :-1], "attention_mask": np.ones((n, 8), np.int64), "target": ids[:, 1:]}
+        for layer in range(2):
+            for kind in ("key", "value"):
+                part[f"past_key_values.{layer}.{kind}"] = np.zeros((n, 2, 0, 16), np.float32)
+        np.savez(folder / f"part{i}.npz", **part)
+
+
+def test_federated_qlora_of_the_int4_llm(nodes: Cluster, tmp_path: Path) -> None:
+    """Federated QLoRA of the int4 LLM onnxruntime-genai's builder writes: only the adapters travel
+    (the messages' bytes are theirs), the 4-bit base stays as it was, the loss falls."""
+    model = _qlora_llm()
+    onnx.save(model, tmp_path / "model.onnx")
+    _token_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    _run(
+        nodes,
+        model=str(tmp_path / "model.onnx"),
+        data=str(tmp_path / "data"),
+        loss="cross_entropy",
+        lr=0.5,
+        **{"loss-output": "class_scores", "out-dir": str(out), "num-server-rounds": 2, "local-steps": 2},
+    )
+    names = adapter_names(model)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    adapters = sum(len(Array(inits[n]).data) + len(n) for n in names)
+    history = json.loads((out / "history.json").read_text())
+    assert all(r["bytes_sent"] == r["bytes_received"] == 2 * adapters for r in history)
+    assert history[1]["train_loss"] < history[0]["train_loss"]
+    assert sorted(_checkpoint(out)["params"]) == sorted(names)
+    written = {t.name: t for t in onnx.load(out / "model.onnx").graph.initializer}
+    for t in model.graph.initializer:
+        if t.name not in names:  # the 4-bit weights, scales, norms, rotary tables: as they were
+            assert written[t.name].SerializeToString() == t.SerializeToString(), t.name
+    served = read_ort_adapter(out / "adapters.onnx_adapter")
+    for name in names:
+        np.testing.assert_array_equal(served[name], onnx.numpy_helper.to_array(written[name]))
 
 
 def _digits(folder: Path, nodes: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:

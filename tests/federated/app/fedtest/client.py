@@ -26,7 +26,15 @@ def _node(context: Context) -> ClientApp:
     model = str(config["model"])
     if os.path.isdir(model):  # an artifacts folder: its loss and optimizer
         return client_app(model, _data, lr=float(config["lr"]))
-    return client_app(model, _data, loss=str(config["loss"]), optimizer="sgd", lr=float(config["lr"]))
+    output = str(config["loss-output"])  # the model's output the loss reads (default: the first)
+    return client_app(
+        model,
+        _data,
+        loss=str(config["loss"]),
+        loss_options={"output": output} if output else None,
+        optimizer="sgd",
+        lr=float(config["lr"]),
+    )
 
 
 def _corrupt(reply: Message, kind: str) -> Message:
