@@ -108,11 +108,13 @@ class Cluster:
         self.nodes.append(proc)
         return proc
 
-    def run(self, config: dict[str, object], timeout: float = 120) -> subprocess.CompletedProcess:
-        """``flwr run`` of the test app with ``config`` as its run config, streamed to the end."""
+    def run(
+        self, config: dict[str, object], timeout: float = 180, app: Path = APP
+    ) -> subprocess.CompletedProcess:
+        """``flwr run`` of ``app`` (the test app) with ``config`` as its run config, streamed to the end."""
         items = " ".join(f"{k}={_toml(v)}" for k, v in config.items())
         return subprocess.run(
-            [str(BIN / "flwr"), "run", str(APP), "test", "--stream", "--run-config", items],
+            [str(BIN / "flwr"), "run", str(app), "test", "--stream", "--run-config", items],
             cwd=self.root,
             env=self.env,
             capture_output=True,

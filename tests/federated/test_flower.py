@@ -77,8 +77,8 @@ def _checkpoint(out: Path) -> dict:
     return read_checkpoint(out / CHECKPOINT)
 
 
-def _run(cluster: Cluster, **config: object) -> str:
-    result = cluster.run({"lr": LR, **config})
+def _run(cluster: Cluster, app: Path | None = None, **config: object) -> str:
+    result = cluster.run(config, app=app) if app else cluster.run({"lr": LR, **config})
     logs = result.stdout + result.stderr
     # flwr run --stream exits with 0 when the ServerApp raised: its log says so
     assert result.returncode == 0 and "raised an exception" not in logs, logs + cluster.logs()
@@ -353,3 +353,22 @@ def test_non_iid_digits_loss_falls_and_survives_a_dead_node(new_cluster, tmp_pat
     written = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(out / "model.onnx").graph.initializer}
     for name, value in _checkpoint(out)["params"].items():
         np.testing.assert_array_equal(written[name], value)
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "federated"
+
+
+@pytest.mark.parametrize("name", ["digits", "qlora"])
+def test_example_apps_run(nodes: Cluster, tmp_path: Path, name: str) -> None:
+    """examples/federated's Flower Apps, as docs/federated.md runs them (one round here)."""
+    config: dict[str, object] = {"out-dir": str(tmp_path / "out"), "num-server-rounds": 1}
+    if name == "qlora":
+        config["model"] = str(INT4)
+    _run(nodes, app=EXAMPLES / name, **config)
+    [record] = json.loads((tmp_path / "out" / "history.json").read_text())
+    assert record["replies"] == 2 and record["rejected"] == []
+    assert (tmp_path / "out" / "model.onnx").exists()
+    if name == "digits":
+        assert 0 <= record["held_out_accuracy"] <= 1
+    else:
+        assert (tmp_path / "out" / "adapters.onnx_adapter").exists()
