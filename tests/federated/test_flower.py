@@ -135,6 +135,27 @@ def test_fedavg_equals_central_gd_and_resumes(nodes: Cluster, tmp_path: Path) ->
     assert losses[0] > losses[1] > losses[2]
 
 
+@pytest.mark.parametrize("strategy", ["fedmedian", "fedadam"])
+def test_other_strategies(nodes: Cluster, tmp_path: Path, strategy: str) -> None:
+    """Flower's other strategies aggregate as they do: FedMedian of two nodes is their mean (central
+    GD again); FedAdam's server-side Adam keeps the model's float32 and trains."""
+    model = _linear()
+    onnx.save(model, tmp_path / "model.onnx")
+    parts = _shards(tmp_path / "data", 4, 2)
+    out = tmp_path / "out"
+    config = {"model": str(tmp_path / "model.onnx"), "data": str(tmp_path / "data"), "out-dir": str(out)}
+    _run(nodes, **config, strategy=strategy, **{"num-server-rounds": 2, "local-steps": 1})
+    state = _checkpoint(out)
+    assert {k: v.dtype for k, v in state["params"].items()} == {"W": np.float32, "b": np.float32}
+    history = json.loads((out / "history.json").read_text())
+    assert [r["replies"] for r in history] == [2, 2]
+    if strategy == "fedmedian":
+        for name, value in _central(model, _union(parts), 2).items():
+            np.testing.assert_allclose(state["params"][name], value, rtol=0, atol=1e-5)
+    else:
+        assert history[1]["train_loss"] < history[0]["train_loss"]
+
+
 def test_bad_replies_are_rejected(nodes: Cluster, tmp_path: Path) -> None:
     """Node 1 replies with unknown names, a wrong shape, a wrong dtype, NaN (one per round): each is
     rejected with a log line naming the node, and the global model is node 0's alone."""

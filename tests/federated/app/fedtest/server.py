@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg, FedMedian
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedMedian
 
 from onnxgrad.federated import server_app
 from onnxgrad.train import Trainer, with_parameters
@@ -26,7 +26,7 @@ def _strategy(context: Context):
         "fraction_evaluate": 1.0 if evaluate else 0.0,
         "min_evaluate_nodes": 1 if evaluate else 0,
     }
-    return FedMedian(**options) if kind == "fedmedian" else FedAvg(**options)
+    return {"fedmedian": FedMedian, "fedadam": FedAdam, "fedavg": FedAvg}[kind](**options)
 
 
 def _held_out(context: Context):
