@@ -225,7 +225,9 @@ def client_app(
             "trainable": trainable,
             "optimizer_options": optimizer_options,
         }
-        given = {k: v for k, v in given.items() if v is not None} | ({"frozen": frozen} if frozen else {})
+        given = {k: v for k, v in given.items() if v is not None}
+        if frozen:
+            given["frozen"] = frozen
         if given or trainer_options or metrics:
             raise InputError(
                 f"an artifacts folder has its loss, optimizer and parameters: do not pass {sorted(given)}"

@@ -69,7 +69,7 @@ class GlobalModel:
     def __init__(
         self, model: ModelSource, *, trainable: Iterable[str] | None = None, frozen: Iterable[str] = ()
     ):
-        self.folder = os.fspath(model) if is_artifacts_folder(model) else None
+        self.folder = str(model) if is_artifacts_folder(model) else None
         if self.folder is not None:
             if trainable is not None or frozen:
                 raise InputError(
@@ -81,10 +81,11 @@ class GlobalModel:
             self.proto: onnx.ModelProto | None = None
         else:
             self._runner = None
-            selected = prepare(model).select(trainable, frozen=frozen)
-            self.proto = selected.selection.model
+            selection = prepare(model).select(trainable, frozen=frozen).selection
+            assert selection is not None  # select() always records its choice
+            self.proto = selection.model
             inits = {t.name: t for t in self.proto.graph.initializer}
-            self.initial = {n: onnx.numpy_helper.to_array(inits[n]) for n in selected.selection.trainable}
+            self.initial = {n: onnx.numpy_helper.to_array(inits[n]) for n in selection.trainable}
         self.spec = Spec.of(self.initial)
 
     def to_onnx(self, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:

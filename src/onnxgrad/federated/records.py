@@ -34,7 +34,7 @@ def reply_record(values: Mapping[str, np.ndarray] | None, metrics: Mapping[str, 
     """A reply's ``RecordDict``: the arrays (none for an evaluate reply) and the metrics."""
     from flwr.app import MetricRecord, RecordDict
 
-    content = {METRICS_KEY: MetricRecord(dict(metrics))}
+    content: dict[str, Any] = {METRICS_KEY: MetricRecord(dict(metrics))}  # type: ignore[arg-type]
     if values is not None:
         content = {ARRAYS_KEY: array_record(values), **content}
     return RecordDict(content)

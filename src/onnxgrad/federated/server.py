@@ -223,11 +223,11 @@ def server_app(
     def main(grid: Grid, context: Context) -> None:
         config = context.run_config
         rounds = int(config.get("num-server-rounds", num_rounds))
-        folder = os.path.abspath(os.fspath(config.get("out-dir", out_dir)))
+        folder = os.path.abspath(str(config.get("out-dir", os.fspath(out_dir))))
         again = bool(config.get("resume", resume))
         wait = config.get("round-timeout", timeout) or None  # 0: no limit
         os.makedirs(folder, exist_ok=True)
-        done, params, history = 0, global_model.initial, []
+        done, params, history = 0, global_model.initial, list[dict[str, Any]]()
         if again and os.path.exists(os.path.join(folder, CHECKPOINT)):
             done, params, history = resume_state(folder, global_model.spec)
             _log(INFO, "resuming %s at round %d of %d", folder, done, rounds)
@@ -245,7 +245,7 @@ def server_app(
             values = {k: v.numpy() for k, v in arrays.items()}
             extra = dict(evaluate(done + server_round, values) or {}) if evaluate is not None else {}
             run.end_round(server_round, values, extra)
-            return MetricRecord(extra) if extra else None
+            return MetricRecord(extra) if extra else None  # type: ignore[arg-type]
 
         chosen.start(
             grid=grid,
