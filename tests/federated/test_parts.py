@@ -16,6 +16,7 @@ from onnxgrad.artifacts import generate
 from onnxgrad.errors import InputError
 from onnxgrad.federated import GlobalModel, Spec, client_app
 from onnxgrad.federated.client import _Local, _steps
+from onnxgrad.federated.server import check_strategy
 from onnxgrad.train import Trainer
 
 from .test_flower import _linear
@@ -113,6 +114,15 @@ def test_an_artifacts_folder_has_its_own_loss(tmp_path: Path) -> None:
         client_app(tmp_path / "folder", lambda context: DATA, loss="mse")
     with pytest.raises(InputError, match="trainable= and frozen= were chosen when the artifacts folder"):
         GlobalModel(tmp_path / "folder", frozen=["b"])
+
+
+def test_fedprox_with_a_proximal_term_is_refused() -> None:
+    from flwr.serverapp.strategy import FedAvg, FedProx
+
+    with pytest.raises(InputError, match=r"FedProx\(proximal_mu=0.1\) asks the nodes to add a proximal term"):
+        check_strategy(FedProx(proximal_mu=0.1))
+    check_strategy(FedProx(proximal_mu=0.0))
+    check_strategy(FedAvg())
 
 
 def test_bad_local_settings() -> None:

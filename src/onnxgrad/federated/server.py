@@ -237,6 +237,7 @@ def server_app(
             run.write(params)
             return
         chosen = FedAvg() if strategy is None else strategy(context) if _is_factory(strategy) else strategy
+        check_strategy(chosen)
         run.guard(chosen)
 
         def end_of_round(server_round: int, arrays: Any) -> Any:
@@ -258,6 +259,17 @@ def server_app(
         )
 
     return app
+
+
+def check_strategy(strategy: Any) -> None:
+    """Refuse a strategy whose nodes would have to do what onnxgrad's client does not: FedProx with
+    a proximal term (``proximal_mu > 0``: a term of the nodes' loss)."""
+    mu = getattr(strategy, "proximal_mu", 0.0)
+    if mu and float(mu) > 0:
+        raise InputError(
+            f"{type(strategy).__name__}(proximal_mu={mu}) asks the nodes to add a proximal term to their "
+            "loss, which onnxgrad's client_app does not: use proximal_mu=0 or another strategy"
+        )
 
 
 def _is_factory(strategy: Any) -> bool:
