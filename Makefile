@@ -10,8 +10,9 @@ STAMP := $(VENV)/.installed
 PIP_QUIET := --quiet --disable-pip-version-check
 # torch first: a spec pip could satisfy with a newer release pulls a CUDA build of several GB.
 TORCH := torch==2.13.0
-# the locked venv also holds the zoo extra (transformers, onnxscript): make test runs tests/zoo
-EXTRAS := dev,zoo
+# the locked venv also holds the zoo extra (transformers, onnxscript): make test runs tests/zoo;
+# and the federated extra (flwr): make test runs tests/federated
+EXTRAS := dev,zoo,federated
 
 .PHONY: demo test test-numerics test-latest test-oldest test-wheel test-js test-web lint bench bench-js fuzz lock clean docs-coverage docs
 
@@ -38,7 +39,7 @@ test-numerics: $(if $(NUMERICS_PYTHON),,$(STAMP))
 .venv-latest/.installed: pyproject.toml
 	rm -rf .venv-latest && $(PYTHON) -m venv .venv-latest
 	.venv-latest/bin/python -m pip install $(PIP_QUIET) --upgrade pip
-	.venv-latest/bin/python -m pip install $(PIP_QUIET) --upgrade --upgrade-strategy eager -e ".[dev]"
+	.venv-latest/bin/python -m pip install $(PIP_QUIET) --upgrade --upgrade-strategy eager -e ".[dev,federated]"
 	.venv-latest/bin/python -m pip list --disable-pip-version-check | grep -iE "^(onnx|onnxruntime|numpy|torch|scikit-learn|skl2onnx) "
 	touch $@
 
@@ -50,7 +51,7 @@ test-latest: .venv-latest/.installed
 	rm -rf .venv-oldest && $(PYTHON) -m venv .venv-oldest
 	$(PYTHON) tools/lower_bounds.py pyproject.toml $(LOCK) > .venv-oldest/constraints.txt
 	.venv-oldest/bin/python -m pip install $(PIP_QUIET) -c .venv-oldest/constraints.txt $(TORCH)
-	.venv-oldest/bin/python -m pip install $(PIP_QUIET) -c .venv-oldest/constraints.txt -e ".[dev]"
+	.venv-oldest/bin/python -m pip install $(PIP_QUIET) -c .venv-oldest/constraints.txt -e ".[dev,federated]"
 	.venv-oldest/bin/python -m pip list --disable-pip-version-check | grep -iE "^(onnx|onnxruntime|numpy|torch|scikit-learn|skl2onnx) "
 	touch $@
 

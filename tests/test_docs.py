@@ -268,6 +268,7 @@ REFERENCE_MODULES = [
     "onnxgrad.sklearn",
     "onnxgrad.lora",
     "onnxgrad.artifacts",
+    "onnxgrad.federated",
     "onnxgrad.compat",
     "onnxgrad.compat.training",
     "onnxgrad.testing",

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "onnxgrad.demo",
             "onnxgrad.testing",
             "onnxgrad.lora",
+            "onnxgrad.federated",
         ],
     ),
     # the trainer runs one-graph steps that the artifacts build; the package façade re-exports it

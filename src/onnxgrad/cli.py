@@ -426,6 +426,12 @@ def _add_train_parser(sub: Any) -> None:
     add_deprecated(p, "--output-file", "--out-file", "out_file")
     add_deprecated(p, "--out", "--out-file", "out_file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="data-parallel over the processes torchrun starts (torch.distributed, gloo): --batch-size "
+        "is per process, gradients are averaged every step, rank 0 alone writes",
+    )
     p.set_defaults(func=_train)
 
 
@@ -466,6 +472,7 @@ def _check_train_args(args: argparse.Namespace) -> None:
 def _train(args: argparse.Namespace) -> int:
     from .runtime import ForwardBackward
     from .train import (
+        Callback,
         EarlyStopping,
         HistoryFile,
         Trainer,
@@ -475,6 +482,7 @@ def _train(args: argparse.Namespace) -> int:
         remove_loss,
         split,
     )
+    from .train.distributed import DataParallel
     from .train.losses import CLASS_LOSSES
     from .train.trainer import input_infos
 
@@ -505,7 +513,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.val_split:
         data, val = split(data, args.val_split, seed=args.seed)
     n_train = len(next(iter(data.values())))
-    steps = math.ceil(math.ceil(n_train / args.batch_size) / args.accumulate)
+    # with --distributed, each process takes its share of the samples (and makes the steps of it)
+    world = DataParallel().world if args.distributed else 1
+    steps = math.ceil(math.ceil(math.ceil(n_train / world) / args.batch_size) / args.accumulate)
     schedule_epochs = _schedule_epochs(args, steps)
     if args.warmup and args.warmup >= args.epochs * steps:
         print(
@@ -516,8 +526,6 @@ def _train(args: argparse.Namespace) -> int:
     monitor = "val_loss" if val else "loss"
     stopper = EarlyStopping(monitor=monitor, patience=args.patience) if args.patience else None
     callbacks: list[Any] = [c for c in (stopper,) if c is not None]
-    if args.history:
-        callbacks.append(HistoryFile(args.history))
     classifier = args.loss in CLASS_LOSSES
     trainer = Trainer(
         fb,
@@ -532,7 +540,11 @@ def _train(args: argparse.Namespace) -> int:
         accumulate=args.accumulate,
         clip_norm=args.clip_norm,
         clip_value=args.clip_value,
+        distributed=args.distributed,
     )
+    writer = trainer.distributed is None or trainer.distributed.is_writer
+    if args.history:  # every rank holds the same callbacks (a checkpoint records their states)
+        trainer.callbacks.append(HistoryFile(args.history) if writer else Callback())
     trainer.run_info = {
         "data": os.path.abspath(args.data),
         "val_split": args.val_split,
@@ -548,6 +560,8 @@ def _train(args: argparse.Namespace) -> int:
         _resume_notes(args.resume, trainer.changed_since_checkpoint)
     done_before = trainer.epoch
     history = trainer.fit(data, val, epochs=args.epochs, checkpoint=args.checkpoint)
+    if not writer:
+        return 0
     out = os.fspath(args.out_file)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     onnx.save(remove_loss(CheckedModel(fb.to_onnx())), out)  # our own rewrite: not checked again

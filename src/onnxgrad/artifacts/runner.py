@@ -221,6 +221,23 @@ class Runner:
         current = self._arrays[self._current]
         return {p["name"]: current[p["name"]].copy() for p in self.manifest["parameters"]}
 
+    def set_parameters(self, values: Mapping[str, Any]) -> None:
+        """Copy ``values`` (parameter name -> array) into the current trainable parameters; the
+        optimizer state is kept. :class:`InputError` for a name that is not a trainable parameter or
+        an array of another shape or dtype."""
+        current = self._arrays[self._current]
+        names = [p["name"] for p in self.manifest["parameters"]]
+        for name, value in values.items():
+            if name not in names:
+                raise InputError(f"{name!r} is not a trainable parameter of {self.folder!r} (have {names})")
+            value = np.asarray(value)
+            if value.shape != current[name].shape or value.dtype != current[name].dtype:
+                raise InputError(
+                    f"parameter {name!r} is {current[name].dtype}{list(current[name].shape)}, "
+                    f"got {value.dtype}{list(value.shape)}"
+                )
+            np.copyto(current[name], value)
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """Copies of everything carried between steps: parameters, optimizer state, statistics."""
         return {n: a.copy() for n, a in self._arrays[self._current].items()}

@@ -36,6 +36,7 @@ from .amp import LossScaler, MasterWeightsChoice, mixed_precision
 from .callbacks import Callback, EarlyStopping, HistoryFile, Metric, accuracy, accuracy_metric, as_callback
 from .checkpoint import CHECKPOINT_FORMAT, read_checkpoint, write_checkpoint  # noqa: F401 (re-exported)
 from .data import BatchLoader, Data, as_feeds, check_indices, index_bounds, n_samples
+from .distributed import DataParallel
 from .history import History, plain
 from .losses import LossSpec, add_loss, loss_spec, remove_loss
 from .onegraph import one_graph_step
@@ -147,6 +148,10 @@ class Trainer:
     (:func:`~onnxgrad.train.amp.use_master_weights`, the rule ``OnnxModule`` follows too), dynamic
     scaling when one is float16; ``loss_scale`` also takes a number (a static scale), a
     :class:`~onnxgrad.train.amp.LossScaler` or ``None``. Either runs the two-session path.
+    ``distributed``: data-parallel training over the processes of ``torch.distributed`` (launched
+    with ``torchrun``; :mod:`onnxgrad.train.distributed`): ``batch_size`` is per process, rank ``r``
+    takes every world-th example, the gradients are averaged every step (the two-session path), and
+    only rank 0 writes checkpoints and shows the progress bar.
     """
 
     def __init__(
@@ -179,6 +184,7 @@ class Trainer:
         master_weights: MasterWeightsChoice = "auto",
         loss_scale: str | float | LossScaler | None = "auto",
         frozen: Iterable[str] = (),
+        distributed: bool = False,
     ) -> None:
         if not (isinstance(accumulate, int) and accumulate >= 1):
             raise InputError(f"accumulate must be an integer >= 1, got {accumulate!r}")
@@ -252,6 +258,8 @@ class Trainer:
         # clipping work on the gradients between backward and update: two sessions then
         two_sessions = recompute is not None or accumulate > 1 or clip_norm or clip_value
         two_sessions = two_sessions or self.amp is not None
+        self.distributed = DataParallel() if distributed else None  # the gradients cross processes
+        two_sessions = two_sessions or self.distributed is not None
         self._one_graph = (
             one_graph_step(fb, self.optimizer, loss_name) if one_graph and not two_sessions else None
         )
@@ -326,9 +334,13 @@ class Trainer:
             raise InputError(
                 f"ReduceLROnPlateau monitors {self.plateau.monitor!r} but fit() got no validation data"
             )
-        loader = BatchLoader(
-            train, self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last, rng=self.rng
-        )
+        kw = {"shuffle": self.shuffle, "drop_last": self.drop_last, "rng": self.rng}
+        if self.distributed is not None:
+            loader: BatchLoader = self.distributed.loader(train, self.batch_size, **kw)
+            if not self.distributed.is_writer:
+                checkpoint = None
+        else:
+            loader = BatchLoader(train, self.batch_size, **kw)
         for cb in self.callbacks:
             cb.on_train_begin(self)
         bar = self._bar(max(epochs - self.epoch, 0) * len(loader), _epoch_label(self.epoch + 1, epochs))
@@ -397,6 +409,8 @@ class Trainer:
                 bar.update()
             for cb in self.callbacks:
                 cb.on_batch_end(self, step, {"loss": loss, "batch_size": n})
+        if self.distributed is not None:  # the epoch's loss over every process
+            total, seen = self.distributed.sum(total, seen)
         logs: dict[str, Any] = {"epoch": epoch, "loss": _combined(total, seen, summed)}
         logs["lr"] = self.optimizer.lr
         if val is not None:
@@ -419,7 +433,10 @@ class Trainer:
     def _apply(self, pending: Accumulated) -> None:
         """Clip the accumulated gradients as asked, update the parameters, tell the callbacks."""
         grads = pending.total() if self._summed else pending.mean()
-        logs: dict[str, Any] = {"loss": pending.concatenated_loss(self._summed)}
+        loss, weight = pending.loss, pending.weight
+        if self.distributed is not None:  # the gradient of the loss of every process's batches
+            grads, loss, weight = _across(self.distributed, grads, loss, weight, self._summed)
+        logs: dict[str, Any] = {"loss": _combined(loss, weight, self._summed)}
         if self.clip_value is not None:
             clip_grad_value(grads, self.clip_value)
         if self.clip_norm is not None:
@@ -441,7 +458,7 @@ class Trainer:
     def _bar(self, total: int, desc: str) -> Any:
         """One tqdm bar over every batch of a ``fit`` run (its description names the epoch), or
         ``None`` (no progress wanted, or no tqdm)."""
-        if not self.progress:
+        if not self.progress or (self.distributed is not None and not self.distributed.is_writer):
             return None
         try:
             from tqdm.auto import tqdm
@@ -605,6 +622,23 @@ def _base_lr(schedule: Any) -> float:
     if isinstance(schedule, LinearWarmup):
         schedule = schedule.after
     return float(schedule.lr) if isinstance(getattr(schedule, "lr", None), float) else float(schedule(0))
+
+
+def _across(
+    distributed: DataParallel, grads: dict[str, np.ndarray], loss: float, weight: float, summed: bool
+) -> tuple[dict[str, np.ndarray], float, float]:
+    """The gradient of the loss of all processes' batches put together, from each process's
+    gradient (of its batches' loss), ``Σ D_b L_b`` and normalizer ``Σ D_b``: the sum of the
+    gradients for ``reduction="sum"``, else their mean weighted by the normalizers (the plain mean
+    when every process's batches weigh alike); with the summed loss and normalizer."""
+    world = distributed.world
+    total_loss, total_weight = distributed.sum(loss, weight)
+    if summed:
+        scale, factor = 1.0, float(world)
+    else:
+        scale, factor = weight, world / total_weight if total_weight else math.nan
+    averaged = distributed.average({k: g * scale if scale != 1.0 else g for k, g in grads.items()})
+    return {k: g * factor for k, g in averaged.items()}, total_loss, total_weight
 
 
 def _combined(total: float, weights: float, summed: bool) -> float:

@@ -1,0 +1,1 @@
+"""The Flower App of tests/federated (see its pyproject.toml)."""
