@@ -23,6 +23,24 @@ export function checkLearningRate(lr, from = '') {
   return lr;
 }
 
+/**
+ * Calls that run one at a time, in call order: `run(work)` starts `work` once every call made
+ * before it has settled (resolved or failed) and resolves to its result. The one queue of both
+ * JavaScript front ends, so that `Promise.all` over a session's calls equals the same calls awaited
+ * one by one (each step from the previous one's weights).
+ */
+export class CallQueue {
+  constructor() {
+    this._last = Promise.resolve();
+  }
+
+  run(work) {
+    const result = this._last.then(work);
+    this._last = result.catch(() => {});
+    return result;
+  }
+}
+
 /** A shape as text, `[N, 64]`; `?` for a dimension without a size or a name. */
 export function shapeText(dims) {
   return `[${dims.map((d) => (d === null || d === undefined ? '?' : String(d))).join(', ')}]`;

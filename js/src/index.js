@@ -6,7 +6,7 @@
 //   const trainer = await TrainingSession.create(ort, load, { lr: 0.01 });
 //   const loss = await trainer.step({ pixels: x, target: y });   // ort.Tensor or TypedArray values
 //   const weights = trainer.exportParameters();                  // safetensors bytes
-import { checkClassLabels, checkDims, checkLearningRate, isFixed, shapeText, shown } from './checks.js';
+import { CallQueue, checkClassLabels, checkDims, checkLearningRate, isFixed, shapeText, shown } from './checks.js';
 import { onnxMetadata } from './ort_training.js';
 import { arrayClassOf, readSafetensors, writeSafetensors } from './safetensors.js';
 
@@ -235,7 +235,7 @@ export class TrainingSession {
     this._eval = null;
     this._inference = null;
     this._sessionOptions = options.sessionOptions ?? {};
-    this._queue = Promise.resolve(); // the calls run one at a time, in call order
+    this._queue = new CallQueue(); // the calls run one at a time, in call order
     const lr = options.lr ?? manifest.lr.default;
     this.schedule = typeof lr === 'function' ? lr : () => lr;
     this.iterations = state.step ?? Number(state.metadata?.step ?? 0); // updates made so far
@@ -265,9 +265,7 @@ export class TrainingSession {
 
   /** Runs `work` after every call made before it (settled or failed); resolves to its result. */
   _serial(work) {
-    const run = this._queue.then(work);
-    this._queue = run.catch(() => {});
-    return run;
+    return this._queue.run(work);
   }
 
   /**

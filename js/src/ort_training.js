@@ -11,7 +11,7 @@
 // Each file is a Uint8Array or ArrayBuffer (the Node entry point also takes paths). Folders
 // written by onnxruntime-training itself hold com.microsoft training kernels: regenerate them with
 // onnxgrad (Python) first.
-import { checkDims, checkLearningRate } from './checks.js';
+import { CallQueue, checkDims, checkLearningRate } from './checks.js';
 import { arrayClassOf } from './safetensors.js';
 
 const META_KEY = 'onnxgrad.compat.training';
@@ -206,6 +206,7 @@ export class OrtTrainingSession {
     this._moments = group.states;
     this._grads = {};
     this._reset = true;
+    this._queue = new CallQueue(); // the async calls run one at a time, in call order (index.js's rule)
     for (const p of this._meta.parameters) {
       if (!this._values[p]) throw new Error(`the checkpoint lacks the parameter ${p}`);
     }
@@ -270,7 +271,11 @@ export class OrtTrainingSession {
   }
 
   /** Forward, loss and backward; the gradients accumulate until lazyResetGrad(). Resolves to {loss output: Tensor}. */
-  async runTrainStep(feeds) {
+  runTrainStep(feeds) {
+    return this._queue.run(() => this._runTrainStep(feeds));
+  }
+
+  async _runTrainStep(feeds) {
     this._checkLoaded('Cannot perform TrainStep with a nominal state');
     const m = this._meta;
     const results = await this._train.run(this._feeds(feeds, this._train));
@@ -291,7 +296,11 @@ export class OrtTrainingSession {
   }
 
   /** The eval model (inference mode) on `feeds`: {loss output: Tensor}. */
-  async runEvalStep(feeds) {
+  runEvalStep(feeds) {
+    return this._queue.run(() => this._runEvalStep(feeds));
+  }
+
+  async _runEvalStep(feeds) {
     this._checkLoaded('Cannot perform EvalStep with a nominal state');
     if (!this._files.evalModel) {
       throw new Error('runEvalStep needs the eval model: pass evalModel (eval_model.onnx) to TrainingSession.create');
@@ -301,7 +310,11 @@ export class OrtTrainingSession {
   }
 
   /** One update of the trainable parameters from the accumulated gradients. */
-  async runOptimizerStep() {
+  runOptimizerStep() {
+    return this._queue.run(() => this._runOptimizerStep());
+  }
+
+  async _runOptimizerStep() {
     this._checkLoaded('Cannot perform OptimizerStep with a nominal state');
     const T = this.ort.Tensor;
     const feeds = {
@@ -333,7 +346,11 @@ export class OrtTrainingSession {
   }
 
   /** The next training step overwrites the gradients instead of adding to them. */
-  async lazyResetGrad() {
+  lazyResetGrad() {
+    return this._queue.run(() => this._lazyResetGrad());
+  }
+
+  async _lazyResetGrad() {
     this._reset = true;
   }
 
@@ -351,13 +368,21 @@ export class OrtTrainingSession {
 
   /** The number of elements of the (trainable) parameters. */
   async getParametersSize(trainableOnly = true) {
+    return this._parametersSize(trainableOnly);
+  }
+
+  _parametersSize(trainableOnly) {
     return this._bufferNames(trainableOnly).reduce((n, p) => n + this._values[p].data.length, 0);
   }
 
   /** The (trainable) parameters in one float32 tensor, in the training model's input order. */
-  async getContiguousParameters(trainableOnly = true) {
+  getContiguousParameters(trainableOnly = true) {
+    return this._queue.run(() => this._getContiguousParameters(trainableOnly));
+  }
+
+  async _getContiguousParameters(trainableOnly) {
     this._checkLoaded('Cannot copy parameters from a nominal checkpoint state');
-    const size = await this.getParametersSize(trainableOnly);
+    const size = this._parametersSize(trainableOnly);
     const out = new Float32Array(size);
     let at = 0;
     for (const p of this._bufferNames(trainableOnly)) {
@@ -371,14 +396,18 @@ export class OrtTrainingSession {
    * Load parameters from the bytes of a float32 buffer laid out as getContiguousParameters. A
    * nominal checkpoint takes every parameter (`trainableOnly = false`), then it is complete.
    */
-  async loadParametersBuffer(buffer, trainableOnly = true) {
+  loadParametersBuffer(buffer, trainableOnly = true) {
+    return this._queue.run(() => this._loadParametersBuffer(buffer, trainableOnly));
+  }
+
+  async _loadParametersBuffer(buffer, trainableOnly) {
     if (this._nominal && trainableOnly) {
       throw new Error(
         'For nominal checkpoint state, all parameters need to be loaded into the model (trainableOnly = false).',
       );
     }
     const b = u8(buffer);
-    const size = await this.getParametersSize(trainableOnly);
+    const size = this._parametersSize(trainableOnly);
     if (b.byteLength !== 4 * size) throw new Error(`the buffer has ${b.byteLength} bytes, the parameters ${4 * size}`);
     const flat = new Float32Array(b.slice().buffer);
     let at = 0;
@@ -390,7 +419,11 @@ export class OrtTrainingSession {
     this._nominal = false;
   }
 
-  async release() {
+  release() {
+    return this._queue.run(() => this._release());
+  }
+
+  async _release() {
     for (const s of [this._train, this._eval, this._optimizer]) if (s) await s.release();
   }
 }

@@ -162,3 +162,23 @@ test('wrong files and feeds are clear errors', { skip: SKIP }, async () => {
   }
   await session.release();
 });
+
+test('calls started together run in call order, as awaited one by one', { skip: SKIP }, async () => {
+  const { expected, rows } = await setup();
+  const run = async (together) => {
+    const { session } = await setup();
+    session.setLearningRate(expected.lr);
+    const calls = [];
+    for (let k = 0; k < 3; k++) {
+      const feeds = rows(k * expected.half, expected.half);
+      if (together) calls.push(session.runTrainStep(feeds), session.runOptimizerStep(), session.lazyResetGrad());
+      else calls.push(await session.runTrainStep(feeds), await session.runOptimizerStep(), await session.lazyResetGrad());
+    }
+    const losses = (await Promise.all(calls)).filter(Boolean).map((o) => Number(o[session.trainingOutputNames[0]].data[0]));
+    return { losses, params: Array.from((await session.getContiguousParameters(false)).data) };
+  };
+  const oneByOne = await run(false);
+  const together = await run(true);
+  assert.deepEqual(together.losses, oneByOne.losses);
+  assert.deepEqual(together.params, oneByOne.params);
+});
