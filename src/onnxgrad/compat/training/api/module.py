@@ -16,6 +16,7 @@ from ....runtime.options import options_for_state
 from ....runtime.runner import make_session
 from ....runtime.session import resolve_providers
 from ....runtime.values import check_dims_agree, check_input, coerce
+from ....train.losses import check_labels
 from ...values import owned_ortvalue
 from .. import checkpoint_file, graphs
 from .checkpoint_state import CheckpointState
@@ -190,6 +191,9 @@ class Module:
             raise InputError(f"the model takes {len(users)} input(s) {users}, got {len(user_inputs)}")
         feeds = {n: _array(v) for n, v in zip(users, user_inputs)}
         _check_user_inputs(model, feeds)
+        for name, spec in self._graph.labels.items():  # onnxruntime: -1 is class C - 1, C a raw error
+            if name in feeds:
+                check_labels(feeds[name], spec["classes"], spec["ignore_index"], name=f"input {name!r}")
         feeds.update({n: params[n] for n in model_inputs if n in params})
         return feeds
 
