@@ -11,7 +11,7 @@
 // Each file is a Uint8Array or ArrayBuffer (the Node entry point also takes paths). Folders
 // written by onnxruntime-training itself hold com.microsoft training kernels: regenerate them with
 // onnxgrad (Python) first.
-import { CallQueue, checkDims, checkLearningRate } from './checks.js';
+import { CallQueue, checkClassLabels, checkDims, checkLearningRate } from './checks.js';
 import { arrayClassOf } from './safetensors.js';
 
 const META_KEY = 'onnxgrad.compat.training';
@@ -266,6 +266,10 @@ export class OrtTrainingSession {
       }
       checkDims(name, value.dims, meta?.shape ?? null, sizes);
       out[name] = value;
+    }
+    // the class labels of the loss (Python's graphs.class_labels): onnxruntime reads -1 as class C - 1
+    for (const [name, spec] of Object.entries(this._meta.labels ?? {})) {
+      if (out[name]) checkClassLabels(name, out[name], spec.classes ?? null, spec.ignore_index ?? null);
     }
     return out;
   }

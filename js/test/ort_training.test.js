@@ -182,3 +182,17 @@ test('calls started together run in call order, as awaited one by one', { skip: 
   assert.deepEqual(together.losses, oneByOne.losses);
   assert.deepEqual(together.params, oneByOne.params);
 });
+
+test('class labels outside the classes are refused before a run (onnxruntime read -1 as class C - 1)', { skip: SKIP }, async () => {
+  const { session, rows } = await setup();
+  const { input, labels } = rows(0, 4);
+  for (const bad of [-1n, 3n, -100n]) {
+    const data = labels.data.slice();
+    data[2] = bad;
+    const feeds = { input, labels: new ort.Tensor('int64', data, labels.dims) };
+    const message = `batch input labels holds class ${bad} at row 2: class labels must lie in [0, 3) (1 such label(s))`;
+    await assert.rejects(session.runTrainStep(feeds), { message });
+    await assert.rejects(session.runEvalStep(feeds), { message });
+  }
+  await session.release();
+});
