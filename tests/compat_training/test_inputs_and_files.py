@@ -85,7 +85,11 @@ def test_class_labels_outside_the_classes_are_refused(classifier, folder):
         module.train(training)
         for bad in (-1, classes, -100):
             labels = np.array([0, 1, bad, 0], np.int64)
-            with pytest.raises(InputError, match=rf"input 'labels' holds class {bad} at row 2: class labels must lie in \[0, {classes}\)"):
+            with pytest.raises(
+                InputError,
+                match=rf"input 'labels' holds class {bad} at row 2: class labels must lie in "
+                rf"\[0, {classes}\)",
+            ):
                 module(x, labels)
         assert np.isfinite(module(x, np.array([0, 1, classes - 1, 0], np.int64)))
 
@@ -98,7 +102,9 @@ def test_the_ignore_index_of_the_loss_may_be_fed(tmp_path):
     x = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
     ignored = float(module(x, np.array([0, 1, -1, 2], np.int64)))
     np.testing.assert_allclose(ignored, float(module(x[[0, 1, 3]], np.array([0, 1, 2], np.int64))), rtol=1e-6)
-    with pytest.raises(InputError, match=r"holds class -100 at row 2: .*only ignore_index -1 may lie outside"):
+    with pytest.raises(
+        InputError, match=r"holds class -100 at row 2: .*only ignore_index -1 may lie outside"
+    ):
         module(x, np.array([0, 1, -100, 2], np.int64))
 
 

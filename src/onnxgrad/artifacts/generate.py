@@ -38,7 +38,7 @@ from ..train.losses import add_loss, keep_outputs
 from ..train.optimizers import DEFAULT_LR, DEFAULT_OPTIMIZER, check_lr
 from ..train.optimizers import optimizer_options as optimizer_options_of
 from . import tensors
-from .folder import FORMAT, MANIFEST
+from .folder import FORMAT, FORMAT_VERSION, MANIFEST
 from .optim import hyperparameters
 from .step import LR, STEP, build_train_step, lowest_ir_version
 from .targets import DEFAULT_TARGETS, check_targets
@@ -46,7 +46,6 @@ from .webgpu import WEBGPU, lower_for_webgpu
 
 __all__ = ["FORMAT", "Artifacts", "generate"]
 
-FORMAT_VERSION = 1
 FILES = {
     "train_step": "train_step.onnx",
     "eval_step": "eval_step.onnx",

@@ -28,7 +28,16 @@ from ..train.losses import loss_spec
 from ..train.optimizers import check_lr
 from ..train.schedules import LearningRate, as_schedule
 from . import tensors
-from .folder import FORMAT, check_step_model, load_model, path_of, read_manifest, read_state
+from .folder import (
+    FORMAT,
+    MAX_STEP,
+    check_step_model,
+    load_model,
+    nonnegative_state,
+    path_of,
+    read_manifest,
+    read_state,
+)
 
 __all__ = ["MAX_CONSECUTIVE_SKIPS", "Runner"]
 
@@ -79,7 +88,9 @@ class Runner:
         check_step_model(train_model, m, f"the step graph {m['files']['train_step']!r}")
         carried_specs = [*m["parameters"], *m["optimizer_state"], *m["buffers"]]
         state_path = os.fspath(state) if state is not None else path_of(self.folder, m, "state")
-        values, self.iterations = read_state(state_path, carried_specs)  # updates made so far
+        values, self.iterations = read_state(
+            state_path, carried_specs, nonnegative_state(m)
+        )  # updates made so far
         self.schedule = as_schedule(m["lr"]["default"] if lr is None else lr)
         self.lr = check_lr(self.schedule(self.iterations))
         if threads is not None and session_options is not None:
@@ -167,6 +178,11 @@ class Runner:
         """One update on ``batch`` (input name -> array, the target included); returns the loss
         computed before the update."""
         arrays = self._batch(batch, list(self.batch_specs))
+        if self.iterations >= MAX_STEP:  # the step is fed as an int64, and a state records it
+            raise OnnxGradRuntimeError(
+                f"the step count is {self.iterations}, the largest an int64 holds: no further update can be "
+                "counted (save_state writes it; start a new count from a state with a smaller step)"
+            )
         self.lr = check_lr(self.schedule(self.iterations))
         self._lr[...] = self.lr
         self._step[...] = self.iterations

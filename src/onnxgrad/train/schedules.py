@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
+
 from ..errors import InputError
 from .optimizers import check_lr
 
@@ -129,6 +131,8 @@ def as_schedule(lr: LearningRate) -> Callable[[int], float]:
     if callable(lr):
         return lr
     try:
+        if isinstance(lr, str | bytes | bool | np.bool_):  # no rate (check_lr's rule)
+            raise TypeError
         value = float(lr)
     except (TypeError, ValueError):
         raise InputError(f"lr must be a number or a callable step -> lr, got {lr!r}") from None

@@ -115,7 +115,10 @@ def class_labels(model: onnx.ModelProto) -> dict[str, dict]:
     nodes = [
         n
         for n in model.graph.node
-        if n.op_type in _CLASS_LOSSES and n.domain in ("", "ai.onnx") and len(n.input) > 1 and n.input[1] in inputs
+        if n.op_type in _CLASS_LOSSES
+        and n.domain in ("", "ai.onnx")
+        and len(n.input) > 1
+        and n.input[1] in inputs
     ]
     if not nodes:
         return {}
