@@ -6,10 +6,14 @@ export function shown(value) {
   return typeof value === 'string' ? JSON.stringify(value) : String(value);
 }
 
+/** The largest learning rate a float32 update holds (Python's `LR_MAX`, float32's largest value). */
+export const LR_MAX = 3.4028234663852886e38;
+
 /**
- * `lr` as a number when it is a finite number >= 0 (the rule of Python's `check_lr`), an Error
- * otherwise: a negative rate climbs the loss, an infinite or NaN one makes every parameter NaN.
- * `from` says where the value came from (`the schedule at step 3`).
+ * `lr` as a number when it is a finite number >= 0 and at most `LR_MAX` (the rule of Python's
+ * `check_lr`), an Error otherwise: a negative rate climbs the loss, an infinite or NaN one makes
+ * every parameter NaN, one beyond float32's range overflows the update. `from` says where the
+ * value came from (`the schedule at step 3`).
  */
 export function checkLearningRate(lr, from = '') {
   const where = from ? ` (${from})` : '';
@@ -18,6 +22,12 @@ export function checkLearningRate(lr, from = '') {
     throw new Error(
       `lr must be >= 0, got ${lr}${where}: a finite number (a negative rate climbs the loss, an infinite or NaN one ` +
         'makes every parameter NaN)',
+    );
+  }
+  if (lr > LR_MAX) {
+    throw new Error(
+      `lr must be at most ${LR_MAX} (float32's largest value), got ${lr}${where}: a larger rate overflows the float32 ` +
+        'update (every parameter inf or NaN)',
     );
   }
   return lr;

@@ -74,6 +74,15 @@ export function onnxMetadata(bytes) {
  * int properties are BigInts (int64 in the file: 2**60 + 1 stays exact), float ones numbers.
  */
 export function readCheckpoint(bytes) {
+  try {
+    return parseCheckpoint(bytes);
+  } catch (error) {
+    if (!(error instanceof RangeError)) throw error; // a read past the end: a truncated or corrupted buffer
+    throw new Error(`the checkpoint file is damaged: ${error.name}: ${error.message}`, { cause: error }); // Python's words
+  }
+}
+
+function parseCheckpoint(bytes) {
   const b = u8(bytes);
   const view = new DataView(b.buffer, b.byteOffset, b.byteLength);
   if (b.length < 8 || new TextDecoder().decode(b.subarray(4, 8)) !== 'ODTC') {
@@ -319,7 +328,7 @@ export class OrtTrainingSession {
   }
 
   async _runOptimizerStep() {
-    this._checkLoaded('Cannot perform OptimizerStep with a nominal state');
+    this._checkLoaded('Cannot fetch named parameters from a nominal checkpoint state'); // 1.19.2's Module::NamedParameters
     const T = this.ort.Tensor;
     const feeds = {
       learning_rate: new T('float32', Float32Array.of(this._lr), []),

@@ -109,7 +109,7 @@ test('a nominal checkpoint trains nothing until every parameter is loaded', { sk
   const session = await TrainingSession.create(files({ checkpointState: join(ROOT, 'nominal', 'checkpoint') }));
   await assert.rejects(session.runTrainStep(rows(0, 4)), { message: `Cannot perform TrainStep with a nominal state. ${NOMINAL}` });
   await assert.rejects(session.runEvalStep(rows(0, 4)), { message: `Cannot perform EvalStep with a nominal state. ${NOMINAL}` });
-  await assert.rejects(session.runOptimizerStep(), { message: `Cannot perform OptimizerStep with a nominal state. ${NOMINAL}` });
+  await assert.rejects(session.runOptimizerStep(), { message: `Cannot fetch named parameters from a nominal checkpoint state. ${NOMINAL}` });
   await assert.rejects(session.getContiguousParameters(), {
     message: `Cannot copy parameters from a nominal checkpoint state. ${NOMINAL}`,
   });
@@ -195,4 +195,11 @@ test('class labels outside the classes are refused before a run (onnxruntime rea
     await assert.rejects(session.runEvalStep(feeds), { message });
   }
   await session.release();
+});
+
+test('a truncated checkpoint is a damaged checkpoint file, in Python\'s words', { skip: SKIP }, async () => {
+  const bytes = await readFile(join(ROOT, 'artifacts', 'checkpoint'));
+  for (const n of [8, 100, 300, 5000].filter((k) => k < bytes.length)) {
+    assert.throws(() => readCheckpoint(bytes.subarray(0, n)), /^Error: the checkpoint file is damaged: RangeError: /);
+  }
 });

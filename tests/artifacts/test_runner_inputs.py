@@ -432,6 +432,16 @@ def test_a_manifest_from_another_optimizer_or_batch_dtype_is_refused_at_load(fol
         Runner(bad)
 
 
+def test_a_manifest_of_a_head_only_folder_is_blamed(folder, tmp_path):
+    """A manifest from a folder training fewer parameters: the manifest is blamed, as in JavaScript."""
+    other = tmp_path / "head"
+    generate(small_mlp(), loss="cross_entropy", trainable=["fc2.weight", "fc2.bias"], out_dir=other)
+    bad = copy_of(folder, tmp_path)
+    shutil.copy(other / "manifest.json", bad / "manifest.json")
+    with pytest.raises(ModelError, match=r"not described \(was the manifest copied from another folder\?\)"):
+        Runner(bad)
+
+
 def test_a_step_graph_that_does_not_match_the_manifest(folder, tmp_path):
     bad = copy_of(folder, tmp_path)
     other = tmp_path / "other"

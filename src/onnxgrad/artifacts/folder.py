@@ -194,7 +194,8 @@ def check_step_model(model: onnx.ModelProto, manifest: Mapping[str, Any], where:
     extra = [n for n in inputs if n not in set(expected)]
     if missing or extra:
         raise ModelError(
-            f"{where} does not match the manifest: inputs {missing} missing, {extra} not described"
+            f"{where} does not match the manifest: inputs {missing} missing, {extra} not described (was the "
+            "manifest copied from another folder?)"
         )
     for s in specs:
         t = inputs[s["name"]].type.tensor_type
