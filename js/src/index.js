@@ -373,10 +373,24 @@ export class TrainingSession {
   }
 
   /**
+   * Whether the loss counts no row of the batch `feeds` (Python's `Runner._counts_nothing`): an
+   * input with no values (an empty batch), or every class label the loss's ignore_index.
+   */
+  _countsNothing(feeds) {
+    if (Object.values(feeds).some((t) => t.data.length === 0)) return true;
+    const labels = this._labels;
+    if (!labels || labels.ignoreIndex === null || labels.ignoreIndex === undefined) return false;
+    const ignored = (name) => Array.prototype.every.call(feeds[name].data, (v) => Number(v) === labels.ignoreIndex);
+    return labels.names.some((name) => feeds[name] && ignored(name));
+  }
+
+  /**
    * One update on `batch` ({input name: values}, the target included); resolves to the loss.
    * Steps run in call order, each from the previous one's result. A non-finite loss (a NaN in the
    * batch...) leaves the parameters, the optimizer state and `iterations` as they were and counts
-   * in `skippedSteps`; `maxConsecutiveSkips` such steps in a row throw.
+   * in `skippedSteps`; `maxConsecutiveSkips` such steps in a row throw. A batch the loss counts no
+   * row of (empty, or every class label the ignore_index) is skipped before anything runs: the
+   * step resolves to NaN and counts in `skippedSteps` only (no divergence), as in Python.
    */
   step(batch) {
     return this._serial(() => this._step(batch));
@@ -392,6 +406,10 @@ export class TrainingSession {
       );
     }
     this.lr = this._learningRate();
+    if (this._countsNothing(feeds)) {
+      this.skippedSteps += 1; // not a divergence: consecutiveSkips stays
+      return Number.NaN;
+    }
     feeds[m.lr.name] = new this.ort.Tensor('float64', Float64Array.of(this.lr), []);
     feeds[m.step.name] = new this.ort.Tensor('int64', BigInt64Array.of(BigInt(this.iterations)), []);
     Object.assign(feeds, this.carried);

@@ -256,6 +256,9 @@ export class OrtTrainingSession {
       throw new Error(`the feeds must be an object {input name: ort.Tensor} with ${this._meta.user_inputs.join(', ')}, got ${feeds}`);
     }
     const declared = Object.fromEntries((session.inputMetadata ?? []).map((m) => [m.name, m]));
+    const takes = session.inputNames.filter((n) => !(n in this._values));
+    const unknown = Object.keys(feeds).filter((k) => feeds[k] !== undefined && !takes.includes(k));
+    if (unknown.length) throw new Error(`unknown input(s) ${unknown.join(', ')}; the model takes ${takes.join(', ')}`); // the artifacts API's rule
     const out = {};
     const sizes = {};
     for (const name of session.inputNames) {

@@ -417,3 +417,21 @@ test('a missing folder or file, or a folder named as a file, says so in Python\'
   const dot = copyFolder((d) => writeManifest(d, { ...manifestOf(d), files: { ...manifestOf(d).files, state: '.' } }));
   await assert.rejects(loadTrainingFolder(dot, OPTIONS), { message: `"." does not exist in ${JSON.stringify(dot)} as a file` });
 });
+
+test('a batch the loss counts no row of is a skipped step, as in Python', async () => {
+  const session = await loadTrainingFolder(FOLDER, OPTIONS);
+  const before = values(session.carried);
+  const empty = { pixels: new ort.Tensor('float32', new Float32Array(0), [0, 64]), target: new BigInt64Array(0) };
+  const ignored = { ...batch(0), target: new BigInt64Array(N).fill(-100n) }; // the fixture's ignore_index
+  for (let k = 0; k < 2 * MAX_CONSECUTIVE_SKIPS; k++) {
+    for (const b of [empty, ignored]) assert.ok(Number.isNaN(await session.step(b)));
+  }
+  assert.equal(session.iterations, 0);
+  assert.equal(session.consecutiveSkips, 0);
+  assert.equal(session.skippedSteps, 4 * MAX_CONSECUTIVE_SKIPS);
+  assert.deepEqual(values(session.carried), before);
+  const partly = { ...batch(0), target: batch(0).target.map((v, i) => (i % 2 ? -100n : v)) };
+  assert.ok(Number.isFinite(await session.step(partly)));
+  assert.equal(session.iterations, 1);
+  await session.release();
+});

@@ -203,3 +203,11 @@ test('a truncated checkpoint is a damaged checkpoint file, in Python\'s words', 
     assert.throws(() => readCheckpoint(bytes.subarray(0, n)), /^Error: the checkpoint file is damaged: RangeError: /);
   }
 });
+
+test('feeds the model does not take are refused, as the artifacts API refuses them', { skip: SKIP }, async () => {
+  const { session, rows } = await setup();
+  const feeds = { ...rows(0, 4), lables: rows(0, 4).labels };
+  await assert.rejects(session.runTrainStep(feeds), { message: 'unknown input(s) lables; the model takes input, labels' });
+  await assert.rejects(session.runEvalStep(feeds), { message: 'unknown input(s) lables; the model takes input, labels' });
+  await session.release();
+});

@@ -494,3 +494,29 @@ def test_a_manifest_that_is_not_json(folder, tmp_path):
     (bad / "manifest.json").write_bytes(b"\xff\xfe")
     with pytest.raises(OnnxGradError):
         Runner(bad)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_batch_the_loss_counts_nothing_of_is_a_skipped_step(reduction, tmp_path):
+    """An empty batch, or one whose every label is the ignore_index, made a loss of 0.0 (or NaN)
+    and still moved the parameters by weight decay: skipped before anything runs, as the Trainer
+    skips such a batch, not counted as a divergence."""
+    out = tmp_path / reduction
+    options = {"ignore_index": 3, "reduction": reduction}
+    generate(small_mlp(), loss="cross_entropy", loss_options=options, optimizer="adamw", out_dir=out)
+    runner = Runner(out)
+    before = runner.state_dict()
+    empty = {"pixels": np.zeros((0, 8), np.float32), "target": np.zeros(0, np.int64)}
+    ignored = {"pixels": batch()["pixels"], "target": np.full(8, 3)}
+    for _ in range(2 * runner.max_consecutive_skips):  # never the divergence limit
+        for b in (empty, ignored):
+            with pytest.warns(
+                UserWarning, match=r"the batch has no row the loss counts .*the update was skipped"
+            ):
+                assert np.isnan(runner.step(b))
+    assert runner.iterations == 0 and runner.consecutive_skips == 0
+    assert runner.skipped_steps == 4 * runner.max_consecutive_skips
+    for name, value in runner.state_dict().items():
+        np.testing.assert_array_equal(value, before[name])
+    partly = {"pixels": batch()["pixels"], "target": np.array([3, 0, 3, 1, 3, 3, 3, 3])}
+    assert np.isfinite(runner.step(partly)) and runner.iterations == 1

@@ -61,6 +61,11 @@ class Runner:
     counts it and a :class:`UserWarning` says so. ``max_consecutive_skips`` (default
     :data:`MAX_CONSECUTIVE_SKIPS`, 5) skipped steps in a row raise
     :class:`~onnxgrad.errors.OnnxGradRuntimeError` (the state is still the last good one).
+
+    A batch the loss counts no row of (empty, or every class label the loss's ``ignore_index``) is
+    skipped too, before anything runs: :meth:`step` returns NaN (torch's loss of it), warns, and
+    counts it in :attr:`skipped_steps` but not as a divergence (``consecutive_skips`` stays): an
+    update on it would move the parameters by weight decay and the optimizer's moments alone.
     """
 
     def __init__(
@@ -184,6 +189,16 @@ class Runner:
                 "counted (save_state writes it; start a new count from a state with a smaller step)"
             )
         self.lr = check_lr(self.schedule(self.iterations))
+        if self._counts_nothing(arrays):
+            self.skipped_steps += 1  # not a divergence: consecutive_skips stays
+            warnings.warn(
+                f"the batch has no row the loss counts (empty, or every label the ignore_index) at update "
+                f"{self.iterations}: the update was skipped, the parameters and optimizer state are "
+                "unchanged",
+                UserWarning,
+                stacklevel=2,
+            )
+            return math.nan
         self._lr[...] = self.lr
         self._step[...] = self.iterations
         binding = self._bindings[self._current]
@@ -198,6 +213,14 @@ class Runner:
         self._current = 1 - self._current
         self.iterations += 1
         return loss
+
+    def _counts_nothing(self, arrays: Mapping[str, np.ndarray]) -> bool:
+        """Whether the batch gives the loss no row: an input with no values (an empty batch), or
+        every class label ignored (:meth:`~onnxgrad.train.losses.LossSpec.counts_nothing`); the
+        JavaScript runner's rule too."""
+        if any(a.size == 0 for a in arrays.values()):
+            return True
+        return self.loss_spec is not None and self.loss_spec.counts_nothing(arrays)
 
     def _skip(self, loss: float) -> None:
         """Count a step skipped for its non-finite ``loss``; raise at the limit, else warn."""

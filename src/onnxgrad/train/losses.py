@@ -355,6 +355,19 @@ class LossSpec:
                 name=f"the target {self.target!r} of {what}",
             )
 
+    def counts_nothing(self, batch: Mapping[str, Any]) -> bool:
+        """Whether the loss of ``batch`` counts no row: no target at all (an empty batch), or
+        every class label ``ignore_index`` (torch's mean is then 0/0, NaN). A step on it must not
+        update (weight decay and the moments would still move): the runners skip it."""
+        target = np.asarray(batch[self.target])
+        if target.size == 0:
+            return True
+        return (
+            self.kind in CLASS_LOSSES
+            and self.ignore_index is not None
+            and bool((target == self.ignore_index).all())
+        )
+
     def normalizer(self, batch: Mapping[str, np.ndarray]) -> float:
         """What the loss of ``batch`` was divided by, up to a factor the same for every batch: 1
         for ``reduction="sum"``, else the sum of the sample weights, or the sample count (of the
