@@ -520,3 +520,16 @@ def test_a_batch_the_loss_counts_nothing_of_is_a_skipped_step(reduction, tmp_pat
         np.testing.assert_array_equal(value, before[name])
     partly = {"pixels": batch()["pixels"], "target": np.array([3, 0, 3, 1, 3, 3, 3, 3])}
     assert np.isfinite(runner.step(partly)) and runner.iterations == 1
+
+
+def test_loss_options_are_add_loss_keywords(tmp_path):
+    """ignore_index is a class loss's option; a name add_loss does not take was a raw TypeError."""
+    out = tmp_path / "ign"
+    generate(small_mlp(), loss="cross_entropy", loss_options={"ignore_index": 3}, out_dir=out)
+    assert Runner(out).loss_spec.ignore_index == 3
+    with pytest.raises(
+        InputError, match=r"unknown loss option\(s\) \['ignore'\]; the loss takes \[.*'ignore_index'"
+    ):
+        generate(small_mlp(), loss="cross_entropy", loss_options={"ignore": 3})
+    with pytest.raises(InputError, match=r"unknown loss option\(s\) \['loss_name'\]"):
+        generate(small_mlp(), loss="cross_entropy", loss_options={"loss_name": "l"})

@@ -34,6 +34,7 @@ the loss of their concatenation.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -385,6 +386,19 @@ class LossSpec:
             keep = (target != self.ignore_index).reshape(n, -1).sum(axis=1)
             return float(keep.sum() if weights is None else (keep * weights).sum())
         return float(n if weights is None else weights.sum())
+
+
+def check_loss_options(options: Mapping[str, Any], *, given: Iterable[str] = ()) -> dict[str, Any]:
+    """``options`` as a dict when each is a keyword of :func:`add_loss` (``ignore_index``,
+    ``reduction``, ``weight_name``...), :class:`InputError` listing the valid ones otherwise (a
+    door that passes a ``loss_options`` mapping on, instead of Python's TypeError). ``given``: the
+    keywords the door sets itself (``loss_name``...), refused in ``options``."""
+    params = inspect.signature(add_loss).parameters
+    valid = sorted(n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in set(given))
+    unknown = sorted(k for k in options if k not in valid)
+    if unknown:
+        raise InputError(f"unknown loss option(s) {unknown}; the loss takes {valid}")
+    return dict(options)
 
 
 def loss_spec(model: onnx.ModelProto | Mapping[str, str]) -> LossSpec | None:
