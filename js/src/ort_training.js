@@ -331,6 +331,9 @@ export class OrtTrainingSession {
   }
 
   async _runOptimizerStep() {
+    if (!this._optimizer) {
+      throw new Error('runOptimizerStep needs the optimizer model: pass optimizerModel (optimizer_model.onnx) to TrainingSession.create');
+    }
     this._checkLoaded('Cannot fetch named parameters from a nominal checkpoint state'); // 1.19.2's Module::NamedParameters
     const T = this.ort.Tensor;
     const feeds = {
@@ -469,16 +472,21 @@ export function trainingSessionOf(ort, load = fetchBytes) {
   };
 }
 
-/** onnxruntime-web's TrainingSession.create({checkpointState, trainModel, evalModel, optimizerModel}, sessionOptions). */
+/**
+ * onnxruntime-web's TrainingSession.create({checkpointState, trainModel, evalModel, optimizerModel}, sessionOptions);
+ * evalModel and optimizerModel may be left out (runEvalStep and runOptimizerStep then say they need them).
+ */
 export async function createTrainingSession(ort, options, sessionOptions = {}) {
   const files = {};
   for (const key of ['checkpointState', 'trainModel', 'evalModel', 'optimizerModel']) {
     const value = options[key];
-    if (value === undefined && key !== 'evalModel') throw new Error(`TrainingSession.create needs ${key}`);
-    if (value !== undefined) files[key] = u8(value);
+    const absent = value === undefined || value === null;
+    // evalModel and optimizerModel are optional, as in onnxruntime-web 1.19
+    if (absent && (key === 'checkpointState' || key === 'trainModel')) throw new Error(`TrainingSession.create needs ${key}`);
+    if (!absent) files[key] = u8(value);
   }
   for (const key of Object.keys(ROLES)) if (files[key]) metaOf(files[key], key); // each file where it belongs
   const train = await ort.InferenceSession.create(files.trainModel, sessionOptions);
-  const optimizer = await ort.InferenceSession.create(files.optimizerModel, sessionOptions);
+  const optimizer = files.optimizerModel ? await ort.InferenceSession.create(files.optimizerModel, sessionOptions) : null;
   return new OrtTrainingSession(ort, files, [train, optimizer], sessionOptions);
 }

@@ -211,3 +211,15 @@ test('feeds the model does not take are refused, as the artifacts API refuses th
   await assert.rejects(session.runEvalStep(feeds), { message: 'unknown input(s) lables; the model takes input, labels' });
   await session.release();
 });
+
+test('optimizerModel may be left out, as onnxruntime-web 1.19 allowed', { skip: SKIP }, async () => {
+  const { rows } = await setup();
+  const session = await TrainingSession.create(files({ optimizerModel: null }));
+  const out = await session.runTrainStep(rows(0, 4));
+  assert.ok(Number.isFinite(Number(out[session.trainingOutputNames[0]].data[0])));
+  await assert.rejects(session.runOptimizerStep(), {
+    message: 'runOptimizerStep needs the optimizer model: pass optimizerModel (optimizer_model.onnx) to TrainingSession.create',
+  });
+  await session.release();
+  await assert.rejects(TrainingSession.create(files({ trainModel: null })), { message: 'TrainingSession.create needs trainModel' });
+});
