@@ -212,6 +212,15 @@ def _hashable(v: Any) -> Any:
 
 
 LR_MAX = float(np.finfo(np.float32).max)  # the largest rate a float32 update holds
+NOT_A_RATE = (str, bytes, bool, np.bool_)  # convert to a float, yet no learning rate
+
+
+def _as_float(value: Any) -> float | None:
+    """``float(value)``, or ``None`` when it does not convert."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def check_lr(lr: Any) -> float:
@@ -224,12 +233,9 @@ def check_lr(lr: Any) -> float:
     JavaScript ``checkLearningRate`` holds the same rule): a negative rate climbs the loss, an
     infinite or NaN one turns every parameter into NaN, and one beyond float32's range overflows the
     float32 update (every parameter inf or NaN while the step reports a normal loss)."""
-    try:
-        if isinstance(lr, str | bytes | bool | np.bool_):
-            raise TypeError
-        value = float(lr)
-    except (TypeError, ValueError):
-        raise InputError(f"lr must be a number >= 0, got {lr!r}") from None
+    value = None if isinstance(lr, NOT_A_RATE) else _as_float(lr)
+    if value is None:
+        raise InputError(f"lr must be a number >= 0, got {lr!r}")
     if not (math.isfinite(value) and value >= 0):
         raise InputError(
             f"lr must be >= 0, got {value}: a finite number (a negative rate climbs the loss, an "

@@ -12,10 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import numpy as np
-
 from ..errors import InputError
-from .optimizers import check_lr
+from .optimizers import NOT_A_RATE, check_lr
 
 __all__ = [
     "Constant",
@@ -130,9 +128,9 @@ def as_schedule(lr: LearningRate) -> Callable[[int], float]:
     """A number becomes a :class:`Constant`; a callable ``step -> lr`` is used as given."""
     if callable(lr):
         return lr
+    if isinstance(lr, NOT_A_RATE):  # no rate (check_lr's rule)
+        raise InputError(f"lr must be a number or a callable step -> lr, got {lr!r}")
     try:
-        if isinstance(lr, str | bytes | bool | np.bool_):  # no rate (check_lr's rule)
-            raise TypeError
         value = float(lr)
     except (TypeError, ValueError):
         raise InputError(f"lr must be a number or a callable step -> lr, got {lr!r}") from None
