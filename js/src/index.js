@@ -164,10 +164,21 @@ function sameJson(a, b) {
 
 /**
  * An Error unless the step graph fits the manifest beyond its names (Python's `check_step_model`):
- * the batch dtypes the runtime declares, and the optimizer the graph records.
+ * the carried tensors' dtypes and shapes and the batch dtypes the runtime declares, and the
+ * optimizer the graph records.
  */
 function checkStepGraph(session, recorded, manifest, file) {
   const declared = Object.fromEntries((session.inputMetadata ?? []).map((d) => [d.name, d]));
+  const carried = [...manifest.parameters, ...(manifest.optimizer_state ?? []), ...(manifest.buffers ?? [])];
+  for (const spec of carried) {
+    const d = declared[spec.name];
+    if (d?.type && Array.isArray(d.shape) && (d.type !== spec.dtype || shapeText(d.shape) !== shapeText(spec.shape ?? []))) {
+      throw new Error(
+        `${file} does not fit ${MANIFEST}: input ${spec.name} is ${d.type} ${shapeText(d.shape)}, the manifest says ` +
+          `${spec.dtype} ${shapeText(spec.shape ?? [])}`,
+      );
+    }
+  }
   for (const spec of manifest.batch) {
     const type = declared[spec.name]?.type;
     if (type && spec.dtype && type !== spec.dtype) {

@@ -404,6 +404,9 @@ test('the manifest is checked against the step graph: version, optimizer, batch 
   await assert.rejects(loadTrainingFolder(edited((m) => (m.batch.find((s) => s.name === 'target').dtype = 'int32')), OPTIONS), {
     message: 'train_step.onnx does not fit manifest.json: batch input target is int64, the manifest says int32',
   });
+  await assert.rejects(loadTrainingFolder(edited((m) => (m.parameters.find((s) => s.name === 'fc1.bias').shape = [31])), OPTIONS), {
+    message: 'train_step.onnx does not fit manifest.json: input fc1.bias is float32 [32], the manifest says float32 [31]',
+  });
   await assert.rejects(loadTrainingFolder(edited((m) => (m.files.manifest = '../other/manifest.json')), OPTIONS), {
     message: `manifest.json: files.manifest is "../other/manifest.json": a file of the folder must be a relative path inside it (no '..', no absolute path or URL)`,
   });
