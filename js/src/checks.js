@@ -6,10 +6,14 @@ export function shown(value) {
   return typeof value === 'string' ? JSON.stringify(value) : String(value);
 }
 
+/** The largest learning rate a float32 update holds (Python's `LR_MAX`, float32's largest value). */
+export const LR_MAX = 3.4028234663852886e38;
+
 /**
- * `lr` as a number when it is a finite number >= 0 (the rule of Python's `check_lr`), an Error
- * otherwise: a negative rate climbs the loss, an infinite or NaN one makes every parameter NaN.
- * `from` says where the value came from (`the schedule at step 3`).
+ * `lr` as a number when it is a finite number >= 0 and at most `LR_MAX` (the rule of Python's
+ * `check_lr`), an Error otherwise: a negative rate climbs the loss, an infinite or NaN one makes
+ * every parameter NaN, one beyond float32's range overflows the update. `from` says where the
+ * value came from (`the schedule at step 3`).
  */
 export function checkLearningRate(lr, from = '') {
   const where = from ? ` (${from})` : '';
@@ -20,7 +24,31 @@ export function checkLearningRate(lr, from = '') {
         'makes every parameter NaN)',
     );
   }
+  if (lr > LR_MAX) {
+    throw new Error(
+      `lr must be at most ${LR_MAX} (float32's largest value), got ${lr}${where}: a larger rate overflows the float32 ` +
+        'update (every parameter inf or NaN)',
+    );
+  }
   return lr;
+}
+
+/**
+ * Calls that run one at a time, in call order: `run(work)` starts `work` once every call made
+ * before it has settled (resolved or failed) and resolves to its result. The one queue of both
+ * JavaScript front ends, so that `Promise.all` over a session's calls equals the same calls awaited
+ * one by one (each step from the previous one's weights).
+ */
+export class CallQueue {
+  constructor() {
+    this._last = Promise.resolve();
+  }
+
+  run(work) {
+    const result = this._last.then(work);
+    this._last = result.catch(() => {});
+    return result;
+  }
 }
 
 /** A shape as text, `[N, 64]`; `?` for a dimension without a size or a name. */

@@ -6,12 +6,14 @@
 //   const trainer = await TrainingSession.create(ort, load, { lr: 0.01 });
 //   const loss = await trainer.step({ pixels: x, target: y });   // ort.Tensor or TypedArray values
 //   const weights = trainer.exportParameters();                  // safetensors bytes
-import { checkClassLabels, checkDims, checkLearningRate, isFixed, shapeText, shown } from './checks.js';
+import { CallQueue, checkClassLabels, checkDims, checkLearningRate, isFixed, shapeText, shown } from './checks.js';
 import { onnxMetadata } from './ort_training.js';
 import { arrayClassOf, readSafetensors, writeSafetensors } from './safetensors.js';
 
 export { readSafetensors, writeSafetensors } from './safetensors.js';
 export const FORMAT = 'onnxgrad.artifacts';
+const FORMAT_VERSION = 1; // the manifest's version (Python's FORMAT_VERSION)
+const OPTIMIZER_METADATA = 'onnxgrad.optimizer'; // the step graph's optimizer (Python's OPTIMIZER_METADATA)
 
 function product(dims) {
   return dims.reduce((a, b) => a * b, 1);
@@ -124,7 +126,71 @@ function checkManifest(m) {
   const missing = needed.filter((k) => m[k] === undefined || m[k] === null);
   if (m.train_step && !m.train_step.feedback) missing.push('train_step.feedback');
   if (missing.length) throw new Error(`${MANIFEST} lacks ${missing.join(', ')}`);
+  if (m.version !== FORMAT_VERSION) {
+    throw new Error(`${MANIFEST} is corrupt: its version is ${shown(m.version)}; this onnxgrad reads version ${FORMAT_VERSION}`);
+  }
   for (const key of ['train_step', 'eval_step', 'inference', 'state']) checkFileName(key, m.files[key]);
+  for (const [key, name] of Object.entries(m.files)) checkFileName(key, name); // every file it lists, read or not
+  if (typeof m.lr.default !== 'number') throw new Error(`${MANIFEST} is corrupt: lr.default is not a number`);
+  checkLearningRate(m.lr.default, `${MANIFEST}'s lr.default`);
+}
+
+/** The step graph's `onnxgrad.optimizer` metadata ({optimizer, nonnegative}, Python's `optimizer_of`), or null. */
+function optimizerOf(text, file) {
+  if (text === undefined) return null; // a folder written before it was recorded
+  let value;
+  try {
+    value = JSON.parse(text);
+  } catch {
+    value = null;
+  }
+  if (value === null || typeof value !== 'object' || typeof value.optimizer !== 'object' || value.optimizer === null) {
+    throw new Error(`${file}: its ${OPTIMIZER_METADATA} metadata is not an optimizer description`);
+  }
+  return value;
+}
+
+/** JSON values equal as Python compares them (objects whatever their key order). */
+function sameJson(a, b) {
+  if (Array.isArray(a) || Array.isArray(b)) {
+    return Array.isArray(a) && Array.isArray(b) && a.length === b.length && a.every((v, i) => sameJson(v, b[i]));
+  }
+  if (a !== null && b !== null && typeof a === 'object' && typeof b === 'object') {
+    const keys = Object.keys(a);
+    return keys.length === Object.keys(b).length && keys.every((k) => k in b && sameJson(a[k], b[k]));
+  }
+  return a === b;
+}
+
+/**
+ * An Error unless the step graph fits the manifest beyond its names (Python's `check_step_model`):
+ * the carried tensors' dtypes and shapes and the batch dtypes the runtime declares, and the
+ * optimizer the graph records.
+ */
+function checkStepGraph(session, recorded, manifest, file) {
+  const declared = Object.fromEntries((session.inputMetadata ?? []).map((d) => [d.name, d]));
+  const carried = [...manifest.parameters, ...(manifest.optimizer_state ?? []), ...(manifest.buffers ?? [])];
+  for (const spec of carried) {
+    const d = declared[spec.name];
+    if (d?.type && Array.isArray(d.shape) && (d.type !== spec.dtype || shapeText(d.shape) !== shapeText(spec.shape ?? []))) {
+      throw new Error(
+        `${file} does not fit ${MANIFEST}: input ${spec.name} is ${d.type} ${shapeText(d.shape)}, the manifest says ` +
+          `${spec.dtype} ${shapeText(spec.shape ?? [])}`,
+      );
+    }
+  }
+  for (const spec of manifest.batch) {
+    const type = declared[spec.name]?.type;
+    if (type && spec.dtype && type !== spec.dtype) {
+      throw new Error(`${file} does not fit ${MANIFEST}: batch input ${spec.name} is ${type}, the manifest says ${spec.dtype}`);
+    }
+  }
+  if (recorded && !sameJson(recorded.optimizer, manifest.optimizer)) {
+    throw new Error(
+      `${file} does not fit ${MANIFEST}: the step updates with ${JSON.stringify(recorded.optimizer)}, the manifest says ` +
+        `${JSON.stringify(manifest.optimizer)} (was the manifest copied from another folder?)`,
+    );
+  }
 }
 
 /**
@@ -156,13 +222,19 @@ function checkSessionFits(session, spec, file) {
  * step carries, with the manifest's dtype and shape, finite float values, and a step count that is
  * a whole number >= 0. Returns {tensors, step}.
  */
-function checkedState(bytes, source, manifest) {
+function checkedState(bytes, source, manifest, nonnegative = []) {
   const { tensors, metadata } = readSafetensors(bytes, source);
-  const text = metadata.step ?? '0';
-  if (!/^\d+$/.test(text) || !Number.isSafeInteger(Number(text))) {
+  const text = metadata.step;
+  if (text === undefined) {
+    throw new Error(
+      `${source} does not record its step (the updates already made: 'step' in its __metadata__), which every ` +
+        'state onnxgrad writes holds: a state written elsewhere? Add it',
+    );
+  }
+  if (!/^(0|[1-9]\d*)$/.test(text) || !Number.isSafeInteger(Number(text))) {
     throw new Error(
       `${source}: its step (the updates already made) is ${shown(text)}, not a whole number from 0 to 2**53 - 1 ` +
-        "(JavaScript's exact integers)",
+        "(JavaScript's exact integers) in decimal digits without leading zeros",
     );
   }
   const specs = [...manifest.parameters, ...(manifest.optimizer_state ?? []), ...(manifest.buffers ?? [])];
@@ -180,6 +252,15 @@ function checkedState(bytes, source, manifest) {
     if (t.type.startsWith('float') && t.type !== 'float16') {
       const bad = t.data.findIndex((v) => !Number.isFinite(v));
       if (bad >= 0) throw new Error(`${source}: tensor '${name}' holds ${t.data[bad]} at index ${bad}: a state must be finite`);
+    }
+    if (nonnegative.includes(spec?.key) && (manifest.optimizer_state ?? []).includes(spec)) {
+      const count = Array.prototype.filter.call(t.data, (v) => v < 0).length;
+      if (count) {
+        throw new Error(
+          `${source}: tensor '${name}' holds ${count} negative values, which a second moment (a mean of squares) never ` +
+            'holds: a state that would make its parameter NaN',
+        );
+      }
     }
   }
   return { tensors, step: Number(text) };
@@ -216,14 +297,20 @@ export class TrainingSession {
       throw new Error(`maxConsecutiveSkips must be an integer >= 1, got ${shown(limit)}`);
     }
     if (options.lr !== undefined && typeof options.lr !== 'function') checkLearningRate(options.lr);
-    const state = options.state
-      ? checkedState(options.state, 'the state option', manifest)
-      : checkedState(await bytes(manifest.files.state), manifest.files.state, manifest);
-    const trainBytes = await bytes(manifest.files.train_step);
+    // the step graph first: a manifest from another folder is blamed as such, not its state
+    const file = manifest.files.train_step;
+    const trainBytes = await bytes(file);
+    const metadata = onnxMetadata(trainBytes);
+    const recorded = optimizerOf(metadata[OPTIMIZER_METADATA], file);
     const train = await ort.InferenceSession.create(trainBytes, options.sessionOptions ?? {});
-    checkSessionFits(train, manifest.train_step, manifest.files.train_step);
+    checkSessionFits(train, manifest.train_step, file);
+    checkStepGraph(train, recorded, manifest, file);
+    const nonnegative = recorded?.nonnegative ?? [];
+    const state = options.state
+      ? checkedState(options.state, 'the state option', manifest, nonnegative)
+      : checkedState(await bytes(manifest.files.state), manifest.files.state, manifest, nonnegative);
     const session = new TrainingSession(ort, load, manifest, train, state, options);
-    session._labels = classLabels(manifest, onnxMetadata(trainBytes)[LOSS_METADATA], manifest.files.train_step);
+    session._labels = classLabels(manifest, metadata[LOSS_METADATA], file);
     return session;
   }
 
@@ -235,7 +322,7 @@ export class TrainingSession {
     this._eval = null;
     this._inference = null;
     this._sessionOptions = options.sessionOptions ?? {};
-    this._queue = Promise.resolve(); // the calls run one at a time, in call order
+    this._queue = new CallQueue(); // the calls run one at a time, in call order
     const lr = options.lr ?? manifest.lr.default;
     this.schedule = typeof lr === 'function' ? lr : () => lr;
     this.iterations = state.step ?? Number(state.metadata?.step ?? 0); // updates made so far
@@ -265,9 +352,7 @@ export class TrainingSession {
 
   /** Runs `work` after every call made before it (settled or failed); resolves to its result. */
   _serial(work) {
-    const run = this._queue.then(work);
-    this._queue = run.catch(() => {});
-    return run;
+    return this._queue.run(work);
   }
 
   /**
@@ -299,10 +384,24 @@ export class TrainingSession {
   }
 
   /**
+   * Whether the loss counts no row of the batch `feeds` (Python's `Runner._counts_nothing`): an
+   * input with no values (an empty batch), or every class label the loss's ignore_index.
+   */
+  _countsNothing(feeds) {
+    if (Object.values(feeds).some((t) => t.data.length === 0)) return true;
+    const labels = this._labels;
+    if (!labels || labels.ignoreIndex === null || labels.ignoreIndex === undefined) return false;
+    const ignored = (name) => Array.prototype.every.call(feeds[name].data, (v) => Number(v) === labels.ignoreIndex);
+    return labels.names.some((name) => feeds[name] && ignored(name));
+  }
+
+  /**
    * One update on `batch` ({input name: values}, the target included); resolves to the loss.
    * Steps run in call order, each from the previous one's result. A non-finite loss (a NaN in the
    * batch...) leaves the parameters, the optimizer state and `iterations` as they were and counts
-   * in `skippedSteps`; `maxConsecutiveSkips` such steps in a row throw.
+   * in `skippedSteps`; `maxConsecutiveSkips` such steps in a row throw. A batch the loss counts no
+   * row of (empty, or every class label the ignore_index) is skipped before anything runs: the
+   * step resolves to NaN and counts in `skippedSteps` only (no divergence), as in Python.
    */
   step(batch) {
     return this._serial(() => this._step(batch));
@@ -311,7 +410,17 @@ export class TrainingSession {
   async _step(batch) {
     const m = this.manifest;
     const feeds = this._batch(batch, Object.keys(this.batchSpecs));
+    if (this.iterations >= Number.MAX_SAFE_INTEGER) {
+      throw new Error(
+        `the step count is ${this.iterations}, the largest JavaScript counts exactly (2**53 - 1): no further update can ` +
+          'be counted (exportState writes it; start a new count from a state with a smaller step)',
+      );
+    }
     this.lr = this._learningRate();
+    if (this._countsNothing(feeds)) {
+      this.skippedSteps += 1; // not a divergence: consecutiveSkips stays
+      return Number.NaN;
+    }
     feeds[m.lr.name] = new this.ort.Tensor('float64', Float64Array.of(this.lr), []);
     feeds[m.step.name] = new this.ort.Tensor('int64', BigInt64Array.of(BigInt(this.iterations)), []);
     Object.assign(feeds, this.carried);

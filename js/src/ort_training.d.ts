@@ -9,7 +9,8 @@ export interface TrainingFiles<F = FileBytes> {
   checkpointState: F;
   trainModel: F;
   evalModel?: F;
-  optimizerModel: F;
+  /** optional, as in onnxruntime-web 1.19: without it runOptimizerStep rejects */
+  optimizerModel?: F;
 }
 
 /** A checkpoint read from onnxruntime-training's FlatBuffer format. */

@@ -11,7 +11,7 @@
 // Each file is a Uint8Array or ArrayBuffer (the Node entry point also takes paths). Folders
 // written by onnxruntime-training itself hold com.microsoft training kernels: regenerate them with
 // onnxgrad (Python) first.
-import { checkDims, checkLearningRate } from './checks.js';
+import { CallQueue, checkClassLabels, checkDims, checkLearningRate } from './checks.js';
 import { arrayClassOf } from './safetensors.js';
 
 const META_KEY = 'onnxgrad.compat.training';
@@ -74,6 +74,15 @@ export function onnxMetadata(bytes) {
  * int properties are BigInts (int64 in the file: 2**60 + 1 stays exact), float ones numbers.
  */
 export function readCheckpoint(bytes) {
+  try {
+    return parseCheckpoint(bytes);
+  } catch (error) {
+    if (!(error instanceof RangeError)) throw error; // a read past the end: a truncated or corrupted buffer
+    throw new Error(`the checkpoint file is damaged: ${error.name}: ${error.message}`, { cause: error }); // Python's words
+  }
+}
+
+function parseCheckpoint(bytes) {
   const b = u8(bytes);
   const view = new DataView(b.buffer, b.byteOffset, b.byteLength);
   if (b.length < 8 || new TextDecoder().decode(b.subarray(4, 8)) !== 'ODTC') {
@@ -206,6 +215,7 @@ export class OrtTrainingSession {
     this._moments = group.states;
     this._grads = {};
     this._reset = true;
+    this._queue = new CallQueue(); // the async calls run one at a time, in call order (index.js's rule)
     for (const p of this._meta.parameters) {
       if (!this._values[p]) throw new Error(`the checkpoint lacks the parameter ${p}`);
     }
@@ -246,6 +256,9 @@ export class OrtTrainingSession {
       throw new Error(`the feeds must be an object {input name: ort.Tensor} with ${this._meta.user_inputs.join(', ')}, got ${feeds}`);
     }
     const declared = Object.fromEntries((session.inputMetadata ?? []).map((m) => [m.name, m]));
+    const takes = session.inputNames.filter((n) => !(n in this._values));
+    const unknown = Object.keys(feeds).filter((k) => feeds[k] !== undefined && !takes.includes(k));
+    if (unknown.length) throw new Error(`unknown input(s) ${unknown.join(', ')}; the model takes ${takes.join(', ')}`); // the artifacts API's rule
     const out = {};
     const sizes = {};
     for (const name of session.inputNames) {
@@ -266,11 +279,19 @@ export class OrtTrainingSession {
       checkDims(name, value.dims, meta?.shape ?? null, sizes);
       out[name] = value;
     }
+    // the class labels of the loss (Python's graphs.class_labels): onnxruntime reads -1 as class C - 1
+    for (const [name, spec] of Object.entries(this._meta.labels ?? {})) {
+      if (out[name]) checkClassLabels(name, out[name], spec.classes ?? null, spec.ignore_index ?? null);
+    }
     return out;
   }
 
   /** Forward, loss and backward; the gradients accumulate until lazyResetGrad(). Resolves to {loss output: Tensor}. */
-  async runTrainStep(feeds) {
+  runTrainStep(feeds) {
+    return this._queue.run(() => this._runTrainStep(feeds));
+  }
+
+  async _runTrainStep(feeds) {
     this._checkLoaded('Cannot perform TrainStep with a nominal state');
     const m = this._meta;
     const results = await this._train.run(this._feeds(feeds, this._train));
@@ -291,7 +312,11 @@ export class OrtTrainingSession {
   }
 
   /** The eval model (inference mode) on `feeds`: {loss output: Tensor}. */
-  async runEvalStep(feeds) {
+  runEvalStep(feeds) {
+    return this._queue.run(() => this._runEvalStep(feeds));
+  }
+
+  async _runEvalStep(feeds) {
     this._checkLoaded('Cannot perform EvalStep with a nominal state');
     if (!this._files.evalModel) {
       throw new Error('runEvalStep needs the eval model: pass evalModel (eval_model.onnx) to TrainingSession.create');
@@ -301,8 +326,15 @@ export class OrtTrainingSession {
   }
 
   /** One update of the trainable parameters from the accumulated gradients. */
-  async runOptimizerStep() {
-    this._checkLoaded('Cannot perform OptimizerStep with a nominal state');
+  runOptimizerStep() {
+    return this._queue.run(() => this._runOptimizerStep());
+  }
+
+  async _runOptimizerStep() {
+    if (!this._optimizer) {
+      throw new Error('runOptimizerStep needs the optimizer model: pass optimizerModel (optimizer_model.onnx) to TrainingSession.create');
+    }
+    this._checkLoaded('Cannot fetch named parameters from a nominal checkpoint state'); // 1.19.2's Module::NamedParameters
     const T = this.ort.Tensor;
     const feeds = {
       learning_rate: new T('float32', Float32Array.of(this._lr), []),
@@ -333,7 +365,11 @@ export class OrtTrainingSession {
   }
 
   /** The next training step overwrites the gradients instead of adding to them. */
-  async lazyResetGrad() {
+  lazyResetGrad() {
+    return this._queue.run(() => this._lazyResetGrad());
+  }
+
+  async _lazyResetGrad() {
     this._reset = true;
   }
 
@@ -351,13 +387,21 @@ export class OrtTrainingSession {
 
   /** The number of elements of the (trainable) parameters. */
   async getParametersSize(trainableOnly = true) {
+    return this._parametersSize(trainableOnly);
+  }
+
+  _parametersSize(trainableOnly) {
     return this._bufferNames(trainableOnly).reduce((n, p) => n + this._values[p].data.length, 0);
   }
 
   /** The (trainable) parameters in one float32 tensor, in the training model's input order. */
-  async getContiguousParameters(trainableOnly = true) {
+  getContiguousParameters(trainableOnly = true) {
+    return this._queue.run(() => this._getContiguousParameters(trainableOnly));
+  }
+
+  async _getContiguousParameters(trainableOnly) {
     this._checkLoaded('Cannot copy parameters from a nominal checkpoint state');
-    const size = await this.getParametersSize(trainableOnly);
+    const size = this._parametersSize(trainableOnly);
     const out = new Float32Array(size);
     let at = 0;
     for (const p of this._bufferNames(trainableOnly)) {
@@ -371,14 +415,18 @@ export class OrtTrainingSession {
    * Load parameters from the bytes of a float32 buffer laid out as getContiguousParameters. A
    * nominal checkpoint takes every parameter (`trainableOnly = false`), then it is complete.
    */
-  async loadParametersBuffer(buffer, trainableOnly = true) {
+  loadParametersBuffer(buffer, trainableOnly = true) {
+    return this._queue.run(() => this._loadParametersBuffer(buffer, trainableOnly));
+  }
+
+  async _loadParametersBuffer(buffer, trainableOnly) {
     if (this._nominal && trainableOnly) {
       throw new Error(
         'For nominal checkpoint state, all parameters need to be loaded into the model (trainableOnly = false).',
       );
     }
     const b = u8(buffer);
-    const size = await this.getParametersSize(trainableOnly);
+    const size = this._parametersSize(trainableOnly);
     if (b.byteLength !== 4 * size) throw new Error(`the buffer has ${b.byteLength} bytes, the parameters ${4 * size}`);
     const flat = new Float32Array(b.slice().buffer);
     let at = 0;
@@ -390,7 +438,11 @@ export class OrtTrainingSession {
     this._nominal = false;
   }
 
-  async release() {
+  release() {
+    return this._queue.run(() => this._release());
+  }
+
+  async _release() {
     for (const s of [this._train, this._eval, this._optimizer]) if (s) await s.release();
   }
 }
@@ -420,16 +472,21 @@ export function trainingSessionOf(ort, load = fetchBytes) {
   };
 }
 
-/** onnxruntime-web's TrainingSession.create({checkpointState, trainModel, evalModel, optimizerModel}, sessionOptions). */
+/**
+ * onnxruntime-web's TrainingSession.create({checkpointState, trainModel, evalModel, optimizerModel}, sessionOptions);
+ * evalModel and optimizerModel may be left out (runEvalStep and runOptimizerStep then say they need them).
+ */
 export async function createTrainingSession(ort, options, sessionOptions = {}) {
   const files = {};
   for (const key of ['checkpointState', 'trainModel', 'evalModel', 'optimizerModel']) {
     const value = options[key];
-    if (value === undefined && key !== 'evalModel') throw new Error(`TrainingSession.create needs ${key}`);
-    if (value !== undefined) files[key] = u8(value);
+    const absent = value === undefined || value === null;
+    // evalModel and optimizerModel are optional, as in onnxruntime-web 1.19
+    if (absent && (key === 'checkpointState' || key === 'trainModel')) throw new Error(`TrainingSession.create needs ${key}`);
+    if (!absent) files[key] = u8(value);
   }
   for (const key of Object.keys(ROLES)) if (files[key]) metaOf(files[key], key); // each file where it belongs
   const train = await ort.InferenceSession.create(files.trainModel, sessionOptions);
-  const optimizer = await ort.InferenceSession.create(files.optimizerModel, sessionOptions);
+  const optimizer = files.optimizerModel ? await ort.InferenceSession.create(files.optimizerModel, sessionOptions) : null;
   return new OrtTrainingSession(ort, files, [train, optimizer], sessionOptions);
 }

@@ -56,6 +56,7 @@ export function readSafetensors(bytes, source = 'the data') {
   }
   const body = u8.byteLength - base;
   const tensors = {};
+  const spans = []; // [begin, end, name]: they must tile the data part, as safetensors writes it
   for (const [name, spec] of Object.entries(header)) {
     const where = `${source}: tensor '${name}'`;
     const offsets = spec?.data_offsets;
@@ -78,7 +79,19 @@ export function readSafetensors(bytes, source = 'the data') {
     // a copy: the offsets need not be aligned to the element size
     const buffer = u8.slice(base + begin, base + end).buffer;
     tensors[name] = { type, dims: shape.slice(), data: new Cls(buffer) };
+    spans.push([begin, end, name]);
   }
+  // Python's rule (onnxgrad.model.safetensors.loads): no overlap, no hole, nothing after the last tensor
+  spans.sort((a, b) => a[0] - b[0] || a[1] - b[1] || (a[2] < b[2] ? -1 : 1));
+  let at = 0;
+  for (const [begin, end, name] of spans) {
+    if (begin !== at) {
+      const what = begin < at ? 'overlaps the tensor before it' : `leaves bytes ${at} to ${begin} to no tensor`;
+      throw new Error(`${source}: tensor '${name}' (bytes ${begin} to ${end}) ${what}: the tensors of a safetensors file fill its data end to end`);
+    }
+    at = end;
+  }
+  if (at !== body) throw new Error(`${source} has ${body - at} bytes after its last tensor: not a safetensors file`);
   return { tensors, metadata };
 }
 

@@ -240,9 +240,9 @@ test('a manifest that does not fit the folder\'s files is refused when loading',
       'train_step.onnx does not fit manifest.json: the model takes exp_avg/fc1.weight, which the manifest does not ' +
       'list (was the manifest copied from another folder?)',
   });
-  // the CNN's manifest in the MLP's folder: the state lacks what it carries
+  // the CNN's manifest in the MLP's folder: the manifest is blamed (Python's rule), not the state
   const cnn = copyFolder((d) => cpSync(join(ROOT, 'cnn', 'artifacts', 'manifest.json'), join(d, 'manifest.json')));
-  await assert.rejects(loadTrainingFolder(cnn, OPTIONS), /^Error: state\.safetensors lacks conv1\.weight, which the step carries/);
+  await assert.rejects(loadTrainingFolder(cnn, OPTIONS), /^Error: train_step\.onnx does not fit manifest\.json: .*\(was the manifest copied from another folder\?\)$/);
 });
 
 test('manifest paths stay inside the folder: no .., no absolute path, no link out', async () => {
@@ -275,7 +275,7 @@ test('manifest paths stay inside the folder: no .., no absolute path, no link ou
   });
 });
 
-const STEP_RANGE = "not a whole number from 0 to 2**53 - 1 (JavaScript's exact integers)";
+const STEP_RANGE = "not a whole number from 0 to 2**53 - 1 (JavaScript's exact integers) in decimal digits without leading zeros";
 
 test('a state that does not fit the manifest is refused where it is read', async () => {
   const { tensors } = readSafetensors(await readFile(join(FOLDER, 'state.safetensors')));
@@ -322,4 +322,119 @@ test('a manifest that is not JSON, or lacks what the session reads, is a clear e
     writeManifest(d, m);
   });
   await assert.rejects(loadTrainingFolder(partial, OPTIONS), { message: 'manifest.json lacks eval_step, train_step.feedback' });
+});
+
+// ---- the rules the Python runner holds (tests/artifacts/test_runner_inputs.py), one each ------------
+test('a rate beyond float32 or a non-number is refused, as check_lr refuses it', async () => {
+  await assert.rejects(loadTrainingFolder(FOLDER, { ...OPTIONS, lr: 1e39 }), {
+    message: "lr must be at most 3.4028234663852886e+38 (float32's largest value), got 1e+39: a larger rate overflows the float32 update (every parameter inf or NaN)",
+  });
+  for (const lr of [true, '0.01']) {
+    await assert.rejects(loadTrainingFolder(FOLDER, { ...OPTIONS, lr }), { message: `lr must be a number >= 0, got ${JSON.stringify(lr)}` });
+  }
+  const session = await loadTrainingFolder(FOLDER, { ...OPTIONS, lr: (step) => (step === 0 ? 0.01 : 1e39) });
+  await session.step(batch(0));
+  await assert.rejects(session.step(batch(1)), /^Error: lr must be at most 3\.4028234663852886e\+38 .*got 1e\+39 \(the schedule's value at step 1\)/);
+  assert.equal(session.iterations, 1);
+  await session.release();
+  const bad = copyFolder((d) => writeManifest(d, { ...manifestOf(d), lr: { ...manifestOf(d).lr, default: 'fast' } }));
+  await assert.rejects(loadTrainingFolder(bad, OPTIONS), { message: 'manifest.json is corrupt: lr.default is not a number' });
+});
+
+test('a state without its step, with a leading zero, a negative second moment or overlapping bytes is refused', async () => {
+  const { tensors } = readSafetensors(await readFile(join(FOLDER, 'state.safetensors')));
+  const missing = "the state option does not record its step (the updates already made: 'step' in its __metadata__)";
+  for (const metadata of [undefined, { format: 'onnxgrad.artifacts' }]) {
+    await assert.rejects(loadTrainingFolder(FOLDER, { ...OPTIONS, state: writeSafetensors(tensors, metadata) }), (e) => e.message.startsWith(missing));
+  }
+  await assert.rejects(loadTrainingFolder(FOLDER, { ...OPTIONS, state: writeSafetensors(tensors, { step: '007' }) }), {
+    message: `the state option: its step (the updates already made) is "007", ${STEP_RANGE}`,
+  });
+  const sq = tensors['exp_avg_sq/fc2.bias'];
+  const negative = { ...tensors, 'exp_avg_sq/fc2.bias': { ...sq, data: sq.data.map((v, i) => (i === 1 ? -1 : v)) } };
+  await assert.rejects(loadTrainingFolder(FOLDER, { ...OPTIONS, state: writeSafetensors(negative, { step: '3' }) }), {
+    message: "the state option: tensor 'exp_avg_sq/fc2.bias' holds 1 negative values, which a second moment (a mean of squares) never holds: a state that would make its parameter NaN",
+  });
+  const m = tensors['exp_avg/fc2.bias']; // a first moment may be negative
+  const fine = { ...tensors, 'exp_avg/fc2.bias': { ...m, data: m.data.map(() => -1) } };
+  const session = await loadTrainingFolder(FOLDER, { ...OPTIONS, state: writeSafetensors(fine, { step: '3' }) });
+  await session.release();
+  // safetensors bytes: trailing bytes, then two tensors sharing bytes (the length kept)
+  const bytes = writeSafetensors(tensors, { step: '0' });
+  const longer = new Uint8Array(bytes.length + 16);
+  longer.set(bytes);
+  await assert.rejects(loadTrainingFolder(FOLDER, { ...OPTIONS, state: longer }), { message: 'the state option has 16 bytes after its last tensor: not a safetensors file' });
+  const n = Number(new DataView(bytes.buffer).getBigUint64(0, true));
+  const header = JSON.parse(new TextDecoder().decode(bytes.subarray(8, 8 + n)));
+  header['exp_avg_sq/fc2.bias'].data_offsets = [...header['exp_avg/fc2.bias'].data_offsets];
+  const text = new TextEncoder().encode(JSON.stringify(header));
+  const overlapping = new Uint8Array(8 + text.length + bytes.length - 8 - n);
+  new DataView(overlapping.buffer).setBigUint64(0, BigInt(text.length), true);
+  overlapping.set(text, 8);
+  overlapping.set(bytes.subarray(8 + n), 8 + text.length);
+  await assert.rejects(loadTrainingFolder(FOLDER, { ...OPTIONS, state: overlapping }), /^Error: the state option: tensor '.*' \(bytes \d+ to \d+\) (overlaps the tensor before it|leaves bytes)/);
+});
+
+test('a step count that cannot advance is refused, and the state still exports', async () => {
+  const { tensors } = readSafetensors(await readFile(join(FOLDER, 'state.safetensors')));
+  const last = String(Number.MAX_SAFE_INTEGER - 1);
+  const session = await loadTrainingFolder(FOLDER, { ...OPTIONS, state: writeSafetensors(tensors, { step: last }) });
+  await session.step(batch(0));
+  assert.equal(session.iterations, Number.MAX_SAFE_INTEGER);
+  await assert.rejects(session.step(batch(1)), /^Error: the step count is 9007199254740991, the largest JavaScript counts exactly/);
+  assert.equal(session.iterations, Number.MAX_SAFE_INTEGER);
+  const again = await loadTrainingFolder(FOLDER, { ...OPTIONS, state: session.exportState() });
+  assert.equal(again.iterations, Number.MAX_SAFE_INTEGER);
+  await Promise.all([session.release(), again.release()]);
+});
+
+test('the manifest is checked against the step graph: version, optimizer, batch dtypes, every file', async () => {
+  const edited = (change) =>
+    copyFolder((d) => {
+      const m = manifestOf(d);
+      change(m);
+      writeManifest(d, m);
+    });
+  await assert.rejects(loadTrainingFolder(edited((m) => (m.version = 2)), OPTIONS), {
+    message: 'manifest.json is corrupt: its version is 2; this onnxgrad reads version 1',
+  });
+  for (const change of [(m) => (m.optimizer.betas = [1.5, 0.999]), (m) => (m.optimizer.name = 'sgd'), (m) => (m.optimizer.name = 'adam')]) {
+    await assert.rejects(loadTrainingFolder(edited(change), OPTIONS), /^Error: train_step\.onnx does not fit manifest\.json: the step updates with \{"name":"adamw".*\(was the manifest copied from another folder\?\)$/);
+  }
+  await assert.rejects(loadTrainingFolder(edited((m) => (m.batch.find((s) => s.name === 'target').dtype = 'int32')), OPTIONS), {
+    message: 'train_step.onnx does not fit manifest.json: batch input target is int64, the manifest says int32',
+  });
+  await assert.rejects(loadTrainingFolder(edited((m) => (m.parameters.find((s) => s.name === 'fc1.bias').shape = [31])), OPTIONS), {
+    message: 'train_step.onnx does not fit manifest.json: input fc1.bias is float32 [32], the manifest says float32 [31]',
+  });
+  await assert.rejects(loadTrainingFolder(edited((m) => (m.files.manifest = '../other/manifest.json')), OPTIONS), {
+    message: `manifest.json: files.manifest is "../other/manifest.json": a file of the folder must be a relative path inside it (no '..', no absolute path or URL)`,
+  });
+});
+
+test('a missing folder or file, or a folder named as a file, says so in Python\'s words', async () => {
+  const nowhere = join(scratch, 'nowhere');
+  await assert.rejects(loadTrainingFolder(nowhere, OPTIONS), { message: `the artifacts folder ${JSON.stringify(nowhere)} does not exist` });
+  const noState = copyFolder((d) => rmSync(join(d, 'state.safetensors')));
+  await assert.rejects(loadTrainingFolder(noState, OPTIONS), { message: `"state.safetensors" does not exist in ${JSON.stringify(noState)} as a file` });
+  const dot = copyFolder((d) => writeManifest(d, { ...manifestOf(d), files: { ...manifestOf(d).files, state: '.' } }));
+  await assert.rejects(loadTrainingFolder(dot, OPTIONS), { message: `"." does not exist in ${JSON.stringify(dot)} as a file` });
+});
+
+test('a batch the loss counts no row of is a skipped step, as in Python', async () => {
+  const session = await loadTrainingFolder(FOLDER, OPTIONS);
+  const before = values(session.carried);
+  const empty = { pixels: new ort.Tensor('float32', new Float32Array(0), [0, 64]), target: new BigInt64Array(0) };
+  const ignored = { ...batch(0), target: new BigInt64Array(N).fill(-100n) }; // the fixture's ignore_index
+  for (let k = 0; k < 2 * MAX_CONSECUTIVE_SKIPS; k++) {
+    for (const b of [empty, ignored]) assert.ok(Number.isNaN(await session.step(b)));
+  }
+  assert.equal(session.iterations, 0);
+  assert.equal(session.consecutiveSkips, 0);
+  assert.equal(session.skippedSteps, 4 * MAX_CONSECUTIVE_SKIPS);
+  assert.deepEqual(values(session.carried), before);
+  const partly = { ...batch(0), target: batch(0).target.map((v, i) => (i % 2 ? -100n : v)) };
+  assert.ok(Number.isFinite(await session.step(partly)));
+  assert.equal(session.iterations, 1);
+  await session.release();
 });

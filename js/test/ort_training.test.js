@@ -109,7 +109,7 @@ test('a nominal checkpoint trains nothing until every parameter is loaded', { sk
   const session = await TrainingSession.create(files({ checkpointState: join(ROOT, 'nominal', 'checkpoint') }));
   await assert.rejects(session.runTrainStep(rows(0, 4)), { message: `Cannot perform TrainStep with a nominal state. ${NOMINAL}` });
   await assert.rejects(session.runEvalStep(rows(0, 4)), { message: `Cannot perform EvalStep with a nominal state. ${NOMINAL}` });
-  await assert.rejects(session.runOptimizerStep(), { message: `Cannot perform OptimizerStep with a nominal state. ${NOMINAL}` });
+  await assert.rejects(session.runOptimizerStep(), { message: `Cannot fetch named parameters from a nominal checkpoint state. ${NOMINAL}` });
   await assert.rejects(session.getContiguousParameters(), {
     message: `Cannot copy parameters from a nominal checkpoint state. ${NOMINAL}`,
   });
@@ -161,4 +161,65 @@ test('wrong files and feeds are clear errors', { skip: SKIP }, async () => {
     });
   }
   await session.release();
+});
+
+test('calls started together run in call order, as awaited one by one', { skip: SKIP }, async () => {
+  const { expected, rows } = await setup();
+  const run = async (together) => {
+    const { session } = await setup();
+    session.setLearningRate(expected.lr);
+    const calls = [];
+    for (let k = 0; k < 3; k++) {
+      const feeds = rows(k * expected.half, expected.half);
+      if (together) calls.push(session.runTrainStep(feeds), session.runOptimizerStep(), session.lazyResetGrad());
+      else calls.push(await session.runTrainStep(feeds), await session.runOptimizerStep(), await session.lazyResetGrad());
+    }
+    const losses = (await Promise.all(calls)).filter(Boolean).map((o) => Number(o[session.trainingOutputNames[0]].data[0]));
+    return { losses, params: Array.from((await session.getContiguousParameters(false)).data) };
+  };
+  const oneByOne = await run(false);
+  const together = await run(true);
+  assert.deepEqual(together.losses, oneByOne.losses);
+  assert.deepEqual(together.params, oneByOne.params);
+});
+
+test('class labels outside the classes are refused before a run (onnxruntime read -1 as class C - 1)', { skip: SKIP }, async () => {
+  const { session, rows } = await setup();
+  const { input, labels } = rows(0, 4);
+  for (const bad of [-1n, 3n, -100n]) {
+    const data = labels.data.slice();
+    data[2] = bad;
+    const feeds = { input, labels: new ort.Tensor('int64', data, labels.dims) };
+    const message = `batch input labels holds class ${bad} at row 2: class labels must lie in [0, 3) (1 such label(s))`;
+    await assert.rejects(session.runTrainStep(feeds), { message });
+    await assert.rejects(session.runEvalStep(feeds), { message });
+  }
+  await session.release();
+});
+
+test('a truncated checkpoint is a damaged checkpoint file, in Python\'s words', { skip: SKIP }, async () => {
+  const bytes = await readFile(join(ROOT, 'artifacts', 'checkpoint'));
+  for (const n of [8, 100, 300, 5000].filter((k) => k < bytes.length)) {
+    assert.throws(() => readCheckpoint(bytes.subarray(0, n)), /^Error: the checkpoint file is damaged: RangeError: /);
+  }
+});
+
+test('feeds the model does not take are refused, as the artifacts API refuses them', { skip: SKIP }, async () => {
+  const { session, rows } = await setup();
+  const feeds = { ...rows(0, 4), lables: rows(0, 4).labels };
+  await assert.rejects(session.runTrainStep(feeds), { message: 'unknown input(s) lables; the model takes input, labels' });
+  await assert.rejects(session.runEvalStep(feeds), { message: 'unknown input(s) lables; the model takes input, labels' });
+  await session.release();
+});
+
+test('optimizerModel may be left out, as onnxruntime-web 1.19 allowed', { skip: SKIP }, async () => {
+  const { rows } = await setup();
+  const session = await TrainingSession.create(files({ optimizerModel: null }));
+  const out = await session.runTrainStep(rows(0, 4));
+  assert.ok(Number.isFinite(Number(out[session.trainingOutputNames[0]].data[0])));
+  await assert.rejects(session.runOptimizerStep(), {
+    message: 'runOptimizerStep needs the optimizer model: pass optimizerModel (optimizer_model.onnx) to TrainingSession.create',
+  });
+  await session.release();
+  await assert.rejects(TrainingSession.create(files({ trainModel: null })), { message: 'TrainingSession.create needs trainModel' });
 });

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 
@@ -54,6 +55,25 @@ def copy_of(folder, tmp_path, name: str = "copy"):
 
 # ---- the learning rate and the hyperparameters: one check, every door --------------------------
 BAD_LRS = [-1.0, float("nan"), float("inf")]
+
+
+@pytest.mark.parametrize("lr", [1e39, "0.01", True, b"1"])
+def test_a_rate_beyond_float32_or_not_a_number_is_refused(lr, folder):
+    """1e39 overflowed the float32 update: every parameter inf or NaN, a normal loss reported, and
+    a saved state its own loader refused. A string or a bool is no rate (JavaScript's rule)."""
+    message = (
+        r"lr must be at most 3.4028234663852886e\+38 \(float32's largest value\), got 1e\+39"
+        if lr == 1e39
+        else rf"lr must be a number (>= 0|or a callable step -> lr), got {re.escape(repr(lr))}"
+    )
+    with pytest.raises(InputError, match=message):
+        check_lr(lr)
+    with pytest.raises(InputError, match=message):
+        Runner(folder, lr=lr)
+    with pytest.raises(InputError, match=message):
+        Runner(folder, lr=lambda step: lr)
+    assert check_lr(3.4028234663852886e38) == 3.4028234663852886e38
+    assert check_lr(np.float32(0.5)) == 0.5
 
 
 @pytest.mark.parametrize("lr", BAD_LRS)
@@ -193,13 +213,83 @@ def write_state(path, arrays, meta) -> None:
         ("1.5", r"its step .* is '1.5'"),
         (str(2**63), r"its step .* is '9223372036854775808'"),
         ("9" * 400, r"its step .* is '999"),
+        ("007", r"its step .* is '007', not a whole number .* without leading zeros"),
+        (None, r"does not record its step \(the updates already made: 'step' in its __metadata__\)"),
     ],
 )
 def test_a_bad_step_in_the_state_is_refused(step, message, folder, tmp_path):
     values, _ = tensors.load(folder / "state.safetensors")
     path = tmp_path / "s.safetensors"
-    write_state(path, values, {"format": "onnxgrad.artifacts", "step": step})
+    write_state(path, values, {"format": "onnxgrad.artifacts"} if step is None else {"step": step})
     with pytest.raises(InputError, match=message):
+        Runner(folder, state=path)
+    if step is None:  # no metadata at all: refused the same
+        write_state(path, values, None)
+        with pytest.raises(InputError, match=message):
+            Runner(folder, state=path)
+
+
+def test_a_step_count_that_cannot_advance_is_refused_not_overflowed(folder, tmp_path):
+    """A state at step 2**63 - 1 once stepped to 2**63 (a state its loader refuses) and then
+    raised a raw OverflowError."""
+    values, _ = tensors.load(folder / "state.safetensors")
+    path = tmp_path / "s.safetensors"
+    write_state(path, values, {"step": str(2**63 - 2)})
+    runner = Runner(folder, state=path)
+    runner.step(batch())
+    assert runner.iterations == 2**63 - 1
+    before = runner.state_dict()
+    with pytest.raises(
+        OnnxGradRuntimeError, match=r"the step count is 9223372036854775807, the largest an int64"
+    ):
+        runner.step(batch())
+    assert runner.iterations == 2**63 - 1
+    for name, value in runner.state_dict().items():
+        np.testing.assert_array_equal(value, before[name])
+    assert Runner(folder, state=runner.save_state(tmp_path / "last.safetensors")).iterations == 2**63 - 1
+
+
+def test_a_negative_second_moment_in_the_state_is_refused(folder, tmp_path):
+    """A negative exp_avg_sq passed the finite check and made its parameter NaN at the next step."""
+    values, _ = tensors.load(folder / "state.safetensors")
+    values["exp_avg_sq/fc2.bias"] = values["exp_avg_sq/fc2.bias"].copy()
+    values["exp_avg_sq/fc2.bias"][1] = -1.0
+    values["exp_avg/fc2.bias"] = np.full_like(values["exp_avg/fc2.bias"], -1.0)  # a first moment may be < 0
+    path = tmp_path / "s.safetensors"
+    write_state(path, values, {"step": "3"})
+    with pytest.raises(
+        InputError, match=r"tensor 'exp_avg_sq/fc2.bias' holds 1 negative values, which a second"
+    ):
+        Runner(folder, state=path)
+    values["exp_avg_sq/fc2.bias"][1] = 0.0
+    write_state(path, values, {"step": "3"})
+    runner = Runner(folder, state=path)
+    runner.step(batch())
+    assert all(np.isfinite(v).all() for v in runner.parameters.values())
+
+
+def test_safetensors_with_overlapping_tensors_or_trailing_bytes_are_refused(folder, tmp_path):
+    raw = (folder / "state.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(raw + b"\0" * 16)
+    with pytest.raises(InputError, match=r"has 16 bytes after its last tensor"):
+        Runner(folder, state=path)
+    # two tensors of one size made to share their bytes: the file keeps its length
+    a = next(k for k in header if k != "__metadata__" and k.startswith("exp_avg/"))
+    size = header[a]["data_offsets"][1] - header[a]["data_offsets"][0]
+    same = [
+        k
+        for k in header
+        if k != "__metadata__"
+        and k != a
+        and header[k]["data_offsets"][1] - header[k]["data_offsets"][0] == size
+    ]
+    header[same[0]]["data_offsets"] = list(header[a]["data_offsets"])
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    with pytest.raises(InputError, match=r"overlaps the tensor before it|leaves bytes"):
         Runner(folder, state=path)
 
 
@@ -297,6 +387,13 @@ def test_the_folder_files_stay_inside_it(folder, tmp_path):
     _set_file(bad, "eval_step", ["a"])
     with pytest.raises(InputError, match=r"files\.eval_step is not a file name"):
         Runner(bad)
+    _set_file(bad, "eval_step", "eval_step.onnx")
+    _set_file(bad, "manifest", "../outside/manifest.json")  # every entry, even one the runner skips
+    shutil.copy(bad / "manifest.json", evil / "manifest.json")
+    with pytest.raises(
+        ModelError, match=r"files.manifest is '../outside/manifest.json', which points outside"
+    ):
+        Runner(bad)
 
 
 def test_the_step_model_is_an_untrusted_model(folder, tmp_path):
@@ -313,6 +410,35 @@ def test_the_step_model_is_an_untrusted_model(folder, tmp_path):
     g.output.append(helper.make_tensor_value_info("huge", TensorProto.FLOAT, None))
     onnx.save(step, bad / "train_step.onnx")
     with pytest.raises(ModelError, match=r"'huge'.*TiB"):
+        Runner(bad)
+
+
+def test_a_manifest_from_another_optimizer_or_batch_dtype_is_refused_at_load(folder, tmp_path):
+    """A manifest copied from an Adam folder loaded into the AdamW one (optimizer and its defaults
+    wrong); a batch dtype edited to int32 failed only at the first step, in onnxruntime's words."""
+    other = tmp_path / "adam"
+    generate(small_mlp(), loss="cross_entropy", optimizer="adam", lr=1e-3, out_dir=other)
+    bad = copy_of(folder, tmp_path)
+    shutil.copy(other / "manifest.json", bad / "manifest.json")
+    with pytest.raises(
+        ModelError, match=r"the step updates with \{'name': 'adamw'.*the manifest says \{'name': 'adam',"
+    ):
+        Runner(bad)
+    bad = copy_of(folder, tmp_path, "dtype")
+    manifest = _manifest(bad)
+    next(s for s in manifest["batch"] if s["name"] == "target")["dtype"] = "int32"
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelError, match=r"batch input 'target' is int64, the manifest says int32"):
+        Runner(bad)
+
+
+def test_a_manifest_of_a_head_only_folder_is_blamed(folder, tmp_path):
+    """A manifest from a folder training fewer parameters: the manifest is blamed, as in JavaScript."""
+    other = tmp_path / "head"
+    generate(small_mlp(), loss="cross_entropy", trainable=["fc2.weight", "fc2.bias"], out_dir=other)
+    bad = copy_of(folder, tmp_path)
+    shutil.copy(other / "manifest.json", bad / "manifest.json")
+    with pytest.raises(ModelError, match=r"not described \(was the manifest copied from another folder\?\)"):
         Runner(bad)
 
 
@@ -337,6 +463,18 @@ def test_a_step_graph_that_does_not_match_the_manifest(folder, tmp_path):
         ),
         (lambda m: m["train_step"]["feedback"].popitem(), "train_step.feedback feeds"),
         (lambda m: m.__setitem__("format", "other"), "is not an onnxgrad artifacts folder"),
+        (
+            lambda m: m.__setitem__("version", 2),
+            "is corrupt: its version is 2; this onnxgrad reads version 1",
+        ),
+        (
+            lambda m: m["optimizer"].__setitem__("betas", [1.5, 0.999]),
+            r"is corrupt: optimizer: betas must be in \[0, 1\)",
+        ),
+        (
+            lambda m: m["optimizer"].__setitem__("name", "sgd"),
+            r"is corrupt: optimizer: unknown option\(s\) \['betas', 'eps'\] of optimizer 'sgd'",
+        ),
     ],
 )
 def test_a_corrupt_manifest_is_an_input_error(change, message, folder, tmp_path):
@@ -356,3 +494,42 @@ def test_a_manifest_that_is_not_json(folder, tmp_path):
     (bad / "manifest.json").write_bytes(b"\xff\xfe")
     with pytest.raises(OnnxGradError):
         Runner(bad)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_batch_the_loss_counts_nothing_of_is_a_skipped_step(reduction, tmp_path):
+    """An empty batch, or one whose every label is the ignore_index, made a loss of 0.0 (or NaN)
+    and still moved the parameters by weight decay: skipped before anything runs, as the Trainer
+    skips such a batch, not counted as a divergence."""
+    out = tmp_path / reduction
+    options = {"ignore_index": 3, "reduction": reduction}
+    generate(small_mlp(), loss="cross_entropy", loss_options=options, optimizer="adamw", out_dir=out)
+    runner = Runner(out)
+    before = runner.state_dict()
+    empty = {"pixels": np.zeros((0, 8), np.float32), "target": np.zeros(0, np.int64)}
+    ignored = {"pixels": batch()["pixels"], "target": np.full(8, 3)}
+    for _ in range(2 * runner.max_consecutive_skips):  # never the divergence limit
+        for b in (empty, ignored):
+            with pytest.warns(
+                UserWarning, match=r"the batch has no row the loss counts .*the update was skipped"
+            ):
+                assert np.isnan(runner.step(b))
+    assert runner.iterations == 0 and runner.consecutive_skips == 0
+    assert runner.skipped_steps == 4 * runner.max_consecutive_skips
+    for name, value in runner.state_dict().items():
+        np.testing.assert_array_equal(value, before[name])
+    partly = {"pixels": batch()["pixels"], "target": np.array([3, 0, 3, 1, 3, 3, 3, 3])}
+    assert np.isfinite(runner.step(partly)) and runner.iterations == 1
+
+
+def test_loss_options_are_add_loss_keywords(tmp_path):
+    """ignore_index is a class loss's option; a name add_loss does not take was a raw TypeError."""
+    out = tmp_path / "ign"
+    generate(small_mlp(), loss="cross_entropy", loss_options={"ignore_index": 3}, out_dir=out)
+    assert Runner(out).loss_spec.ignore_index == 3
+    with pytest.raises(
+        InputError, match=r"unknown loss option\(s\) \['ignore'\]; the loss takes \[.*'ignore_index'"
+    ):
+        generate(small_mlp(), loss="cross_entropy", loss_options={"ignore": 3})
+    with pytest.raises(InputError, match=r"unknown loss option\(s\) \['loss_name'\]"):
+        generate(small_mlp(), loss="cross_entropy", loss_options={"loss_name": "l"})

@@ -72,6 +72,42 @@ def test_labels_of_the_wrong_type_or_rank(classifier):
         mse(x, np.zeros((2, 3), np.float32))
 
 
+@pytest.mark.parametrize("folder", ["ours", "ort1192"])
+def test_class_labels_outside_the_classes_are_refused(classifier, folder):
+    """onnxruntime's SoftmaxCrossEntropyLoss read a label -1 as class C - 1 (a silent wrong loss)
+    and failed inside GatherElements on a label C: refused as every onnxgrad door refuses them, in
+    both modes, for onnxgrad's folders and the rebuilt steps of 1.19.2's."""
+    _, module, _ = scenarios._session(og, classifier if folder == "ours" else str(DATA / "ort1192"))
+    n_in = next(i for i in module._graph.model.graph.input if i.name == module.input_names()[0])
+    x = np.zeros((4, n_in.type.tensor_type.shape.dim[1].dim_value), np.float32)
+    classes = module._graph.labels["labels"]["classes"]
+    for training in (True, False):
+        module.train(training)
+        for bad in (-1, classes, -100):
+            labels = np.array([0, 1, bad, 0], np.int64)
+            with pytest.raises(
+                InputError,
+                match=rf"input 'labels' holds class {bad} at row 2: class labels must lie in "
+                rf"\[0, {classes}\)",
+            ):
+                module(x, labels)
+        assert np.isfinite(module(x, np.array([0, 1, classes - 1, 0], np.int64)))
+
+
+def test_the_ignore_index_of_the_loss_may_be_fed(tmp_path):
+    work = str(tmp_path)
+    scenarios._generate(og, work, scenarios.mlp(), og.onnxblock.loss.CrossEntropyLoss(ignore_index=-1))
+    _, module, _ = scenarios._session(og, work)
+    assert module._graph.labels == {"labels": {"classes": 3, "ignore_index": -1}}
+    x = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    ignored = float(module(x, np.array([0, 1, -1, 2], np.int64)))
+    np.testing.assert_allclose(ignored, float(module(x[[0, 1, 3]], np.array([0, 1, 2], np.int64))), rtol=1e-6)
+    with pytest.raises(
+        InputError, match=r"holds class -100 at row 2: .*only ignore_index -1 may lie outside"
+    ):
+        module(x, np.array([0, 1, -100, 2], np.int64))
+
+
 # ---- export (39) -------------------------------------------------------------------------------
 def test_export_refuses_duplicate_outputs(classifier, tmp_path):
     _, module, _ = scenarios._session(og, classifier)

@@ -29,4 +29,4 @@ def test_js_training_session_matches_python(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "# pass 7" in done.stdout and "# fail 0" in done.stdout
+    assert "# pass 12" in done.stdout and "# fail 0" in done.stdout

@@ -144,3 +144,21 @@ def test_an_ort_format_file_is_not_a_module_file(tmp_path):
     state = og.api.CheckpointState.load_checkpoint(os.path.join(work, "checkpoint"))
     with pytest.raises(InputError, match=r"is in the ORT format.*pass the \.onnx file"):
         og.api.Module(os.path.join(work, "training_model.ort"), state)
+
+
+def test_returned_ortvalues_own_their_memory(folder):
+    """``.numpy()`` of an OrtValue that is dropped at once (``m.get_contiguous_parameters().numpy()``)
+    stays the parameters: it once viewed a freed temporary array and read garbage."""
+    module = module_of(folder, "checkpoint")
+    expected = np.concatenate(
+        [module._state._values()[n].astype(np.float32).ravel() for n in module._buffer_names(False)]
+    )
+    x, y = scenarios.data("classes", n=8)
+    loss = module(ort.OrtValue.ortvalue_from_numpy(x), ort.OrtValue.ortvalue_from_numpy(y)).numpy()
+    want_loss = float(module(x, y))
+    for _ in range(20):
+        view = module.get_contiguous_parameters().numpy()
+        loss = module(ort.OrtValue.ortvalue_from_numpy(x), ort.OrtValue.ortvalue_from_numpy(y)).numpy()
+        _ = [np.full(expected.size, 7.0, np.float32) for _ in range(4)]  # reuse the freed memory
+        np.testing.assert_array_equal(view, expected)
+        assert float(loss) == want_loss

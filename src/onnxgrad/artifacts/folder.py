@@ -25,7 +25,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -34,24 +34,31 @@ import onnx
 from ..errors import InputError, ModelError, PathNotFoundError
 from ..model.graph import np_dtype
 from ..model.validate import file_inside, load_untrusted
-from ..train.optimizers import check_lr
+from ..train.optimizers import check_lr, definition
 from . import tensors
 
 __all__ = [
     "FORMAT",
+    "FORMAT_VERSION",
     "MANIFEST",
     "MAX_STEP",
+    "OPTIMIZER_METADATA",
     "TensorSpec",
     "check_step_model",
     "load_model",
+    "nonnegative_state",
+    "optimizer_of",
     "path_of",
     "read_manifest",
     "read_state",
 ]
 
 FORMAT = "onnxgrad.artifacts"
+FORMAT_VERSION = 1  # the manifest's "version"
+OPTIMIZER_METADATA = "onnxgrad.optimizer"  # the step graph's optimizer: {"optimizer", "nonnegative"}
 MANIFEST = "manifest.json"
 MAX_STEP = 2**63 - 1  # the step is fed as an int64
+STEP_PATTERN = r"0|[1-9][0-9]{0,18}"  # a state's step as written: decimal digits, no leading zero
 _HEADER_BYTES = 1 << 24  # room for a safetensors header beyond the tensors' bytes
 _KEYS = ("train_step", "eval_step", "inference", "state")
 _DTYPES = {d.name: d for d in tensors.DTYPES.values()}  # what a state file can hold
@@ -81,10 +88,18 @@ def read_manifest(folder: str) -> dict[str, Any]:
             raise InputError(f"{where} is corrupt: {key!r} is not a {kind.__name__}")
         return value
 
+    if m.get("version") != FORMAT_VERSION:
+        raise InputError(
+            f"{where} is corrupt: its version is {m.get('version')!r}; this onnxgrad reads version "
+            f"{FORMAT_VERSION}"
+        )
     files = entry("files")
     for key in _KEYS:
         if not isinstance(files.get(key), str):
             raise InputError(f"{where} is corrupt: files.{key} is not a file name")
+    for key, name in files.items():  # every file the folder lists lies inside it (the state: when read)
+        if key != "state":
+            file_inside(folder, name, f"the manifest's files.{key} is")
     for key in ("lr", "step", "loss"):
         if not isinstance(entry(key).get("name"), str):
             raise InputError(f"{where} is corrupt: {key}.name is not a string")
@@ -110,8 +125,13 @@ def read_manifest(folder: str) -> dict[str, Any]:
     names = entry("inference").get("parameters")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise InputError(f"{where} is corrupt: inference.parameters is not a list of names")
-    if not isinstance(entry("optimizer").get("name"), str):
+    optimizer = entry("optimizer")
+    if not isinstance(optimizer.get("name"), str):
         raise InputError(f"{where} is corrupt: optimizer.name is not a string")
+    try:  # the registry's validation: a known optimizer, its hyperparameters in range
+        definition(optimizer["name"]).resolve({k: v for k, v in optimizer.items() if k != "name"})
+    except InputError as exc:
+        raise InputError(f"{where} is corrupt: optimizer: {exc}") from None
     carried = {s["name"] for k in ("parameters", "optimizer_state", "buffers") for s in m[k]}
     if set(feedback.values()) != carried:
         raise InputError(
@@ -174,7 +194,8 @@ def check_step_model(model: onnx.ModelProto, manifest: Mapping[str, Any], where:
     extra = [n for n in inputs if n not in set(expected)]
     if missing or extra:
         raise ModelError(
-            f"{where} does not match the manifest: inputs {missing} missing, {extra} not described"
+            f"{where} does not match the manifest: inputs {missing} missing, {extra} not described (was the "
+            "manifest copied from another folder?)"
         )
     for s in specs:
         t = inputs[s["name"]].type.tensor_type
@@ -184,15 +205,54 @@ def check_step_model(model: onnx.ModelProto, manifest: Mapping[str, Any], where:
                 f"{where} does not match the manifest: input {s['name']!r} is "
                 f"{np_dtype(t.elem_type).name} {dims}, the manifest says {s['dtype']} {s['shape']}"
             )
+    for s in manifest["batch"]:  # a dtype edited in the manifest: refused here, not at the first step
+        dtype = np_dtype(inputs[s["name"]].type.tensor_type.elem_type).name
+        if dtype != np.dtype(s["dtype"]).name:
+            raise ModelError(
+                f"{where} does not match the manifest: batch input {s['name']!r} is {dtype}, the manifest "
+                f"says {s['dtype']}"
+            )
+    recorded = optimizer_of(model)
+    if recorded is not None and recorded["optimizer"] != manifest["optimizer"]:
+        raise ModelError(
+            f"{where} does not match the manifest: the step updates with {recorded['optimizer']}, the "
+            "manifest "
+            f"says {manifest['optimizer']} (was the manifest copied from another folder?)"
+        )
     outputs = [o.name for o in g.output]
     want = [manifest["loss"]["name"], *manifest["train_step"]["feedback"]]
     if sorted(outputs) != sorted(want) or outputs[0] != want[0]:
         raise ModelError(f"{where} does not match the manifest: outputs {outputs}, the manifest says {want}")
 
 
-def read_state(path: str, specs: list[TensorSpec]) -> tuple[dict[str, np.ndarray], int]:
+def optimizer_of(model: onnx.ModelProto) -> dict[str, Any] | None:
+    """The step graph's ``onnxgrad.optimizer`` metadata (``{"optimizer": the manifest's entry,
+    "nonnegative": [state slots >= 0]}``), ``None`` for a graph written before it was recorded."""
+    text = next((p.value for p in model.metadata_props if p.key == OPTIMIZER_METADATA), None)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not (isinstance(value, dict) and isinstance(value.get("optimizer"), dict)):
+        raise ModelError(f"the step graph's {OPTIMIZER_METADATA!r} metadata is not an optimizer description")
+    return value
+
+
+def nonnegative_state(manifest: Mapping[str, Any]) -> list[str]:
+    """The optimizer state tensors of ``manifest`` that never hold a negative value (the second
+    moments of Adam and AdamW: a negative one makes its parameter NaN), from the registry."""
+    slots = definition(manifest["optimizer"]["name"]).nonnegative
+    return [s["name"] for s in manifest["optimizer_state"] if s.get("key") in slots]
+
+
+def read_state(
+    path: str, specs: list[TensorSpec], nonnegative: Iterable[str] = ()
+) -> tuple[dict[str, np.ndarray], int]:
     """(tensors, step) of the state file ``path``, checked against the tensors ``specs`` the
-    manifest declares: :class:`InputError` naming the file and the tensor otherwise."""
+    manifest declares (the tensors ``nonnegative`` without a negative value):
+    :class:`InputError` naming the file and the tensor otherwise."""
     where = f"the state file {path!r}"
     need = sum(math.prod(s["shape"]) * _DTYPES[s["dtype"]].itemsize for s in specs)
     try:
@@ -204,11 +264,16 @@ def read_state(path: str, specs: list[TensorSpec]) -> tuple[dict[str, np.ndarray
             f"{where} has {size} bytes, more than the {need} bytes of the tensors the folder carries"
         )
     values, meta = tensors.load(path)
-    step = meta.get("step", "0")
-    if not (isinstance(step, str) and re.fullmatch(r"[0-9]{1,19}", step) and int(step) <= MAX_STEP):
+    step = meta.get("step")
+    if step is None:
+        raise InputError(
+            f"{where} does not record its step (the updates already made: 'step' in its __metadata__), "
+            "which every state onnxgrad writes holds: a state written elsewhere? Add it"
+        )
+    if not (isinstance(step, str) and re.fullmatch(STEP_PATTERN, step) and int(step) <= MAX_STEP):
         raise InputError(
             f"{where}: its step (the updates already made) is {step!r}, not a whole number from 0 to "
-            f"2**63 - 1"
+            f"2**63 - 1 in decimal digits without leading zeros"
         )
     by_name = {s["name"]: s for s in specs}
     missing = [n for n in by_name if n not in values]
@@ -233,4 +298,9 @@ def read_state(path: str, specs: list[TensorSpec]) -> tuple[dict[str, np.ndarray
                     f"{where}: tensor {name!r} holds {int(bad.sum())} non-finite values (first at index "
                     f"{np.unravel_index(int(np.argmax(bad)), arr.shape)}): a state that would poison training"
                 )
+        if name in set(nonnegative) and (arr < 0).any():
+            raise InputError(
+                f"{where}: tensor {name!r} holds {int((arr < 0).sum())} negative values, which a second "
+                "moment (a mean of squares) never holds: a state that would make its parameter NaN"
+            )
     return values, int(step)

@@ -34,11 +34,11 @@ from ..autodiff.prepare import prepare
 from ..errors import InputError, InputTypeError
 from ..model.graph import check_model, np_dtype, to_array
 from ..model.load import CheckedModel
-from ..train.losses import add_loss, keep_outputs
+from ..train.losses import add_loss, check_loss_options, keep_outputs
 from ..train.optimizers import DEFAULT_LR, DEFAULT_OPTIMIZER, check_lr
 from ..train.optimizers import optimizer_options as optimizer_options_of
 from . import tensors
-from .folder import FORMAT, MANIFEST
+from .folder import FORMAT, FORMAT_VERSION, MANIFEST
 from .optim import hyperparameters
 from .step import LR, STEP, build_train_step, lowest_ir_version
 from .targets import DEFAULT_TARGETS, check_targets
@@ -46,7 +46,6 @@ from .webgpu import WEBGPU, lower_for_webgpu
 
 __all__ = ["FORMAT", "Artifacts", "generate"]
 
-FORMAT_VERSION = 1
 FILES = {
     "train_step": "train_step.onnx",
     "eval_step": "eval_step.onnx",
@@ -128,7 +127,7 @@ def generate(
     hyper = hyperparameters(opt, optimizer_options_of(optimizer_options, legacy_options, "generate"))
     prepared = prepare(model)  # the one validation: what follows rewrites the checked model
     given = [i.name for i in prepared.checked.proto.graph.input]
-    loss_options = dict(loss_options or {})
+    loss_options = check_loss_options(loss_options or {}, given=("loss_name", "target_name"))
     if loss is not None:
         opts = dict(loss_name=loss_name, target_name=target_name, **loss_options)
         prepared = prepare(CheckedModel(add_loss(prepared.checked, loss, **opts)))  # onnxgrad's rewrite

@@ -28,7 +28,16 @@ from ..train.losses import loss_spec
 from ..train.optimizers import check_lr
 from ..train.schedules import LearningRate, as_schedule
 from . import tensors
-from .folder import FORMAT, check_step_model, load_model, path_of, read_manifest, read_state
+from .folder import (
+    FORMAT,
+    MAX_STEP,
+    check_step_model,
+    load_model,
+    nonnegative_state,
+    path_of,
+    read_manifest,
+    read_state,
+)
 
 __all__ = ["MAX_CONSECUTIVE_SKIPS", "Runner"]
 
@@ -52,6 +61,11 @@ class Runner:
     counts it and a :class:`UserWarning` says so. ``max_consecutive_skips`` (default
     :data:`MAX_CONSECUTIVE_SKIPS`, 5) skipped steps in a row raise
     :class:`~onnxgrad.errors.OnnxGradRuntimeError` (the state is still the last good one).
+
+    A batch the loss counts no row of (empty, or every class label the loss's ``ignore_index``) is
+    skipped too, before anything runs: :meth:`step` returns NaN (torch's loss of it), warns, and
+    counts it in :attr:`skipped_steps` but not as a divergence (``consecutive_skips`` stays): an
+    update on it would move the parameters by weight decay and the optimizer's moments alone.
     """
 
     def __init__(
@@ -79,7 +93,9 @@ class Runner:
         check_step_model(train_model, m, f"the step graph {m['files']['train_step']!r}")
         carried_specs = [*m["parameters"], *m["optimizer_state"], *m["buffers"]]
         state_path = os.fspath(state) if state is not None else path_of(self.folder, m, "state")
-        values, self.iterations = read_state(state_path, carried_specs)  # updates made so far
+        values, self.iterations = read_state(
+            state_path, carried_specs, nonnegative_state(m)
+        )  # updates made so far
         self.schedule = as_schedule(m["lr"]["default"] if lr is None else lr)
         self.lr = check_lr(self.schedule(self.iterations))
         if threads is not None and session_options is not None:
@@ -167,7 +183,22 @@ class Runner:
         """One update on ``batch`` (input name -> array, the target included); returns the loss
         computed before the update."""
         arrays = self._batch(batch, list(self.batch_specs))
+        if self.iterations >= MAX_STEP:  # the step is fed as an int64, and a state records it
+            raise OnnxGradRuntimeError(
+                f"the step count is {self.iterations}, the largest an int64 holds: no further update can be "
+                "counted (save_state writes it; start a new count from a state with a smaller step)"
+            )
         self.lr = check_lr(self.schedule(self.iterations))
+        if self._counts_nothing(arrays):
+            self.skipped_steps += 1  # not a divergence: consecutive_skips stays
+            warnings.warn(
+                f"the batch has no row the loss counts (empty, or every label the ignore_index) at update "
+                f"{self.iterations}: the update was skipped, the parameters and optimizer state are "
+                "unchanged",
+                UserWarning,
+                stacklevel=2,
+            )
+            return math.nan
         self._lr[...] = self.lr
         self._step[...] = self.iterations
         binding = self._bindings[self._current]
@@ -182,6 +213,14 @@ class Runner:
         self._current = 1 - self._current
         self.iterations += 1
         return loss
+
+    def _counts_nothing(self, arrays: Mapping[str, np.ndarray]) -> bool:
+        """Whether the batch gives the loss no row: an input with no values (an empty batch), or
+        every class label ignored (:meth:`~onnxgrad.train.losses.LossSpec.counts_nothing`); the
+        JavaScript runner's rule too."""
+        if any(a.size == 0 for a in arrays.values()):
+            return True
+        return self.loss_spec is not None and self.loss_spec.counts_nothing(arrays)
 
     def _skip(self, loss: float) -> None:
         """Count a step skipped for its non-finite ``loss``; raise at the limit, else warn."""

@@ -16,6 +16,7 @@ it holds no judgement of its own: what trains is what the graphs were built for.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,12 +31,29 @@ from ..model.emit import Emitter
 from ..model.graph import check_model, ir_version_for, np_dtype, opset_of, subgraphs, unique_name
 from ..model.load import CheckedModel
 from ..train.losses import LOSS_METADATA, keep_outputs
+from ..train.optimizers import definition
+from .folder import OPTIMIZER_METADATA
 from .optim import STATE_KEYS, Param, emit_updates
 from .webgpu import lower_for_webgpu
 
-__all__ = ["LR", "STEP", "StepGraph", "build_train_step", "lowest_ir_version"]
+__all__ = [
+    "LR",
+    "OPTIMIZER_METADATA",
+    "STEP",
+    "StepGraph",
+    "build_train_step",
+    "lowest_ir_version",
+    "optimizer_metadata",
+]
 
 LR, STEP = "lr", "step"
+
+
+def optimizer_metadata(optimizer: str, hyper: Mapping) -> str:
+    """The step graph's ``onnxgrad.optimizer`` metadata (JSON): ``{"optimizer": the manifest's
+    optimizer entry, "nonnegative": the state slots that never hold a negative value}``."""
+    entry = {"name": optimizer, **{k: list(v) if isinstance(v, tuple) else v for k, v in hyper.items()}}
+    return json.dumps({"optimizer": entry, "nonnegative": list(definition(optimizer).nonnegative)})
 
 
 @dataclass
@@ -141,6 +159,9 @@ def build_train_step(
     # the loss add_loss appended, described (onnxgrad.train.losses.loss_spec): a runner reads from it
     # which labels to refuse before a step; the graph itself makes a label outside [0, C) a NaN loss
     model.metadata_props.extend(p for p in graphs.forward.metadata_props if p.key == LOSS_METADATA)
+    # the update the graph makes, as the manifest records it, and its state slots that are >= 0: a
+    # runner refuses a manifest that says otherwise, and a state with a negative second moment
+    model.metadata_props.add(key=OPTIMIZER_METADATA, value=optimizer_metadata(optimizer, hyper))
     _forward_identities(model)
     _keep_transposes_apart(model)
     if webgpu:

@@ -169,6 +169,16 @@ class OrtValueVector(C.OrtValueVector):
         return f"OrtValueVector({len(self)} values, shapes={shapes})"
 
 
+def owned_ortvalue(arr: np.ndarray) -> ort.OrtValue:
+    """An ``OrtValue`` holding a copy of ``arr`` in memory onnxruntime owns: ``.numpy()`` of it
+    stays valid after the ``OrtValue`` is dropped (an ``OrtValue.ortvalue_from_numpy`` of a
+    temporary array would leave that view on freed memory, read as garbage)."""
+    arr = np.asarray(arr, order="C")  # a 0-d array stays 0-d (ascontiguousarray makes it 1-d)
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(arr.shape), arr.dtype)
+    value.update_inplace(arr)
+    return value
+
+
 _PLACEHOLDER: list[Any] = []
 
 

@@ -79,6 +79,7 @@ def loads(data: bytes, *, source: str = "the data") -> tuple[dict[str, np.ndarra
         raise InputError(f"{source} is not a safetensors file: __metadata__ is not a string mapping")
     body = data[8 + n :]
     tensors = {}
+    spans = []  # (begin, end, name): they must tile the data part, as safetensors writes it
     for name, spec in header.items():
         try:
             dtype = DTYPES.get(spec["dtype"])
@@ -96,6 +97,22 @@ def loads(data: bytes, *, source: str = "the data") -> tuple[dict[str, np.ndarra
             raise InputError(f"{source}: tensor {name!r} has {end - begin} bytes for shape {shape}")
         arr = np.frombuffer(body[begin:end], dtype=dtype)
         tensors[name] = arr.reshape(shape).astype(dtype.newbyteorder("="), copy=True)
+        spans.append((begin, end, name))
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            what = (
+                "overlaps the tensor before it"
+                if begin < at
+                else f"leaves bytes {at} to {begin} to no tensor"
+            )
+            raise InputError(
+                f"{source}: tensor {name!r} (bytes {begin} to {end}) {what}: the tensors of a safetensors "
+                "file fill its data end to end"
+            )
+        at = end
+    if at != len(body):
+        raise InputError(f"{source} has {len(body) - at} bytes after its last tensor: not a safetensors file")
     return tensors, metadata
 
 

@@ -34,6 +34,7 @@ the loss of their concatenation.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -355,6 +356,19 @@ class LossSpec:
                 name=f"the target {self.target!r} of {what}",
             )
 
+    def counts_nothing(self, batch: Mapping[str, Any]) -> bool:
+        """Whether the loss of ``batch`` counts no row: no target at all (an empty batch), or
+        every class label ``ignore_index`` (torch's mean is then 0/0, NaN). A step on it must not
+        update (weight decay and the moments would still move): the runners skip it."""
+        target = np.asarray(batch[self.target])
+        if target.size == 0:
+            return True
+        return (
+            self.kind in CLASS_LOSSES
+            and self.ignore_index is not None
+            and bool((target == self.ignore_index).all())
+        )
+
     def normalizer(self, batch: Mapping[str, np.ndarray]) -> float:
         """What the loss of ``batch`` was divided by, up to a factor the same for every batch: 1
         for ``reduction="sum"``, else the sum of the sample weights, or the sample count (of the
@@ -372,6 +386,19 @@ class LossSpec:
             keep = (target != self.ignore_index).reshape(n, -1).sum(axis=1)
             return float(keep.sum() if weights is None else (keep * weights).sum())
         return float(n if weights is None else weights.sum())
+
+
+def check_loss_options(options: Mapping[str, Any], *, given: Iterable[str] = ()) -> dict[str, Any]:
+    """``options`` as a dict when each is a keyword of :func:`add_loss` (``ignore_index``,
+    ``reduction``, ``weight_name``...), :class:`InputError` listing the valid ones otherwise (a
+    door that passes a ``loss_options`` mapping on, instead of Python's TypeError). ``given``: the
+    keywords the door sets itself (``loss_name``...), refused in ``options``."""
+    params = inspect.signature(add_loss).parameters
+    valid = sorted(n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in set(given))
+    unknown = sorted(k for k in options if k not in valid)
+    if unknown:
+        raise InputError(f"unknown loss option(s) {unknown}; the loss takes {valid}")
+    return dict(options)
 
 
 def loss_spec(model: onnx.ModelProto | Mapping[str, str]) -> LossSpec | None:

@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_LR",
     "DEFAULT_OPTIMIZER",
     "DEFINITIONS",
+    "LR_MAX",
     "ORT",
     "TORCH",
     "Definition",
@@ -171,6 +172,7 @@ class Definition:
     validate: Callable[[dict[str, Any]], None] = lambda hyper: None  # may normalize in place
     counts_steps: bool = False  # numpy keeps state["step"], the updates made to each parameter
     doc: str = ""
+    nonnegative: tuple[str, ...] = ()  # state slots that are >= 0 by construction (second moments)
     _programs: dict = field(default_factory=dict, compare=False, repr=False)
 
     def resolve(self, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -209,21 +211,40 @@ def _hashable(v: Any) -> Any:
     return tuple(v) if isinstance(v, list | tuple) else v
 
 
+LR_MAX = float(np.finfo(np.float32).max)  # the largest rate a float32 update holds
+NOT_A_RATE = (str, bytes, bool, np.bool_)  # convert to a float, yet no learning rate
+
+
+def _as_float(value: Any) -> float | None:
+    """``float(value)``, or ``None`` when it does not convert."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def check_lr(lr: Any) -> float:
-    """The learning rate as a float: a finite number >= 0, :class:`InputError` otherwise.
+    """The learning rate as a float: a real number (no string, no bool), finite, >= 0 and at
+    most :data:`LR_MAX` (float32's largest value), :class:`InputError` otherwise.
 
     The one check of every door that takes a learning rate (the numpy optimizers and so
     :class:`~onnxgrad.train.Trainer` and ``onnxgrad train``, :func:`onnxgrad.artifacts.generate` and
-    ``onnxgrad artifacts``, :class:`onnxgrad.artifacts.Runner`, each value a schedule returns):
-    a negative rate climbs the loss, an infinite or NaN one turns every parameter into NaN."""
-    try:
-        value = float(lr)
-    except (TypeError, ValueError):
-        raise InputError(f"lr must be a number >= 0, got {lr!r}") from None
+    ``onnxgrad artifacts``, :class:`onnxgrad.artifacts.Runner`, each value a schedule returns; the
+    JavaScript ``checkLearningRate`` holds the same rule): a negative rate climbs the loss, an
+    infinite or NaN one turns every parameter into NaN, and one beyond float32's range overflows the
+    float32 update (every parameter inf or NaN while the step reports a normal loss)."""
+    value = None if isinstance(lr, NOT_A_RATE) else _as_float(lr)
+    if value is None:
+        raise InputError(f"lr must be a number >= 0, got {lr!r}")
     if not (math.isfinite(value) and value >= 0):
         raise InputError(
             f"lr must be >= 0, got {value}: a finite number (a negative rate climbs the loss, an "
             "infinite or NaN one makes every parameter NaN)"
+        )
+    if value > LR_MAX:
+        raise InputError(
+            f"lr must be at most {LR_MAX} (float32's largest value), got {value}: a larger rate "
+            "overflows the float32 update (every parameter inf or NaN)"
         )
     return value
 
@@ -366,6 +387,7 @@ def _torch_adam(name: str, *, decoupled: bool, weight_decay: float, doc: str) ->
         validate=_validate_adam,
         counts_steps=True,
         doc=doc,
+        nonnegative=("exp_avg_sq",),
     )
 
 
@@ -408,6 +430,7 @@ DEFINITIONS: dict[str, Definition] = {
             formula=_ort_adamw,
             validate=_validate_ort_adamw,
             counts_steps=True,
+            nonnegative=("momentum1",),
             doc="onnxruntime-training's AdamWOptimizer node: its attributes and their defaults",
         ),
         Definition(

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 
 from ..errors import InputError
-from .optimizers import check_lr
+from .optimizers import NOT_A_RATE, check_lr
 
 __all__ = [
     "Constant",
@@ -128,6 +128,8 @@ def as_schedule(lr: LearningRate) -> Callable[[int], float]:
     """A number becomes a :class:`Constant`; a callable ``step -> lr`` is used as given."""
     if callable(lr):
         return lr
+    if isinstance(lr, NOT_A_RATE):  # no rate (check_lr's rule)
+        raise InputError(f"lr must be a number or a callable step -> lr, got {lr!r}")
     try:
         value = float(lr)
     except (TypeError, ValueError):

@@ -51,6 +51,7 @@ from .opset import lower_opset
 __all__ = [
     "META_KEY",
     "TrainingGraph",
+    "class_labels",
     "eval_graph",
     "inference_graph",
     "loss_model_from_eval",
@@ -75,6 +76,8 @@ class TrainingGraph:
     grads: dict[str, str] = field(default_factory=dict)  # trainable parameter -> gradient output
     stats: dict[str, str] = field(default_factory=dict)  # running statistic -> updated value
     input_grads: dict[str, str] = field(default_factory=dict)  # graph input -> gradient output
+    # class-label input -> {"classes": C or None, "ignore_index": value or None} (class_labels)
+    labels: dict[str, dict] = field(default_factory=dict)
 
     def meta(self) -> dict:
         """What :func:`mark` stores in the file: everything but the model."""
@@ -95,6 +98,43 @@ def read_meta(model: onnx.ModelProto) -> dict | None:
         if p.key == META_KEY:
             return json.loads(p.value)
     return None
+
+
+_CLASS_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+
+
+def class_labels(model: onnx.ModelProto) -> dict[str, dict]:
+    """The class labels of ``model`` that a caller feeds: for each ``SoftmaxCrossEntropyLoss`` (or
+    ``NegativeLogLikelihoodLoss``) whose labels are a graph input, ``{label input: {"classes": C,
+    "ignore_index": value}}``. ``C`` is dimension 1 of the scores (``None`` when not known), and
+    ``ignore_index`` the node's attribute (``None`` without it). What the steps check labels
+    against before a run (:func:`onnxgrad.train.check_labels`, and ``checkClassLabels`` in
+    JavaScript): onnxruntime reads a label -1 as class C - 1, and fails inside GatherElements on
+    a label >= C."""
+    inputs = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
+    nodes = [
+        n
+        for n in model.graph.node
+        if n.op_type in _CLASS_LOSSES
+        and n.domain in ("", "ai.onnx")
+        and len(n.input) > 1
+        and n.input[1] in inputs
+    ]
+    if not nodes:
+        return {}
+    inferred = onnx.shape_inference.infer_shapes(without_weights(model))
+    infos = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input)}
+    labels: dict[str, dict] = {}
+    for n in nodes:
+        classes = None
+        info = infos.get(n.input[0])
+        if info is not None and info.type.tensor_type.HasField("shape"):
+            dims = info.type.tensor_type.shape.dim
+            if len(dims) > 1 and dims[1].HasField("dim_value"):
+                classes = int(dims[1].dim_value)
+        ignore = next((int(a.i) for a in n.attribute if a.name == "ignore_index"), None)
+        labels[n.input[1]] = {"classes": classes, "ignore_index": ignore}
+    return labels
 
 
 def set_outputs(model: onnx.ModelProto, names: list[str]) -> None:
@@ -269,6 +309,7 @@ def training_graph(
         {p: grad_outputs[p] for p in trainable},
         stats,
         {n: grad_outputs[n] for n in inputs_requiring_grad},
+        {n: spec for n, spec in class_labels(loss_model).items() if n in user_inputs},
     )
     _at_base_opset(result, loss_model)
     mark(result.model, result.meta())

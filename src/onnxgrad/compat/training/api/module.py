@@ -16,6 +16,8 @@ from ....runtime.options import options_for_state
 from ....runtime.runner import make_session
 from ....runtime.session import resolve_providers
 from ....runtime.values import check_dims_agree, check_input, coerce
+from ....train.losses import check_labels
+from ...values import owned_ortvalue
 from .. import checkpoint_file, graphs
 from .checkpoint_state import CheckpointState
 
@@ -189,6 +191,9 @@ class Module:
             raise InputError(f"the model takes {len(users)} input(s) {users}, got {len(user_inputs)}")
         feeds = {n: _array(v) for n, v in zip(users, user_inputs)}
         _check_user_inputs(model, feeds)
+        for name, spec in self._graph.labels.items():  # onnxruntime: -1 is class C - 1, C a raw error
+            if name in feeds:
+                check_labels(feeds[name], spec["classes"], spec["ignore_index"], name=f"input {name!r}")
         feeds.update({n: params[n] for n in model_inputs if n in params})
         return feeds
 
@@ -204,7 +209,7 @@ class Module:
         if not any(isinstance(v, np.ndarray) for v in user_inputs) and all(
             isinstance(v, ort.OrtValue) for v in user_inputs
         ):
-            outputs = [ort.OrtValue.ortvalue_from_numpy(np.array(o, order="C")) for o in outputs]
+            outputs = [owned_ortvalue(np.asarray(o)) for o in outputs]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _step(self, user_inputs: tuple) -> list[np.ndarray]:
@@ -262,7 +267,7 @@ class Module:
         names = self._buffer_names(trainable_only)
         flat = [values[n].astype(np.float32).ravel() for n in names]
         buffer = np.concatenate(flat) if flat else np.zeros(0, np.float32)
-        return ort.OrtValue.ortvalue_from_numpy(buffer)
+        return owned_ortvalue(buffer)  # a view of a temporary would read freed memory
 
     def copy_buffer_to_parameters(self, buffer: Any, trainable_only: bool = True) -> None:
         """Write a buffer laid out as :meth:`get_contiguous_parameters` back into the parameters
