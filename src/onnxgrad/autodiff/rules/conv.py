@@ -165,7 +165,11 @@ def _conv_input_grad(
     """ConvTranspose(dy, w) with the geometry of the forward, sized like ``x``.
 
     Input rows past the last window get no gradient: with static sizes ``output_padding`` adds
-    them, else a ``Pad`` to the run-time size of x.
+    them. With run-time sizes the ConvTranspose keeps the forward's begin pads only: its output
+    then runs from x's first row to the end of the last window, which may lie before x's end
+    (rows no window reached, padded with zeros) or past it, in the end pad (cropped). Cropping
+    the end pad inside the ConvTranspose would also cut the last real rows whenever the stride
+    leaves rows of the padded input unread.
     """
     static = static_dims(spatial)
     attrs = win.attrs()
@@ -178,11 +182,15 @@ def _conv_input_grad(
         return g.ConvTranspose(
             dy, w, group=group, output_padding=out_pad if any(out_pad) else None, shape=x.shape, **attrs
         )
-    ct = g.ConvTranspose(dy, w, group=group, **attrs)
     nsp = len(win.strides)
-    missing = g.Sub(g.Slice(g.shape_of(x), [2], [_END]), g.Slice(g.Shape(ct), [2], [_END]))
+    axes = list(range(2, 2 + nsp))
+    ct = g.ConvTranspose(dy, w, group=group, **{**attrs, "pads": [*win.begins, *[0] * nsp]})
+    size = g.Slice(g.shape_of(x), [2], [_END])
+    if any(win.ends):
+        ct = g.Slice(ct, g.const(np.zeros(nsp, dtype=np.int64)), size, axes)
+    missing = g.Sub(size, g.Slice(g.Shape(ct), [2], [_END]))
     pads = g.Concat(g.const(np.zeros(nsp, dtype=np.int64)), missing, axis=0)
-    return g.Pad(ct, pads, None, list(range(2, 2 + nsp)), shape=x.shape)
+    return g.Pad(ct, pads, None, axes, shape=x.shape)
 
 
 def _conv_weight_grad(
