@@ -26,6 +26,7 @@ from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import assert_allclose_scaled, check_op, node_model
 from tests.autodiff.conftest import (
+    DECLARED,
     F32,
     check,
     check_feeds,
@@ -251,13 +252,28 @@ def test_max_pool_other_windows_keep_the_indices(attrs: dict) -> None:
     assert "ArgMax" not in {n.op_type for n in forward.graph.node}
 
 
-def test_max_pool_versus_torch() -> None:
+@DECLARED
+def test_max_pool_versus_torch(dims: Any) -> None:
     versus_torch(
         "MaxPool",
         [rnd(2, 3, 7, 6)],
         {"kernel_shape": [3, 2], "strides": [2, 1], "pads": [1, 1, 1, 0]},
         # ONNX pads [1, 1, 1, 0]: 1 before H and W, 1 after H, 0 after W
         lambda t: F.max_pool2d(F.pad(t, (1, 0, 1, 1), value=-np.inf), (3, 2), stride=(2, 1)),
+        dims=dims,
+    )
+
+
+@DECLARED
+@pytest.mark.parametrize("xs", [(2, 3, 8, 8), (1, 2, 9, 7)], ids=["even", "odd"])
+def test_max_pool_resnet_stem_versus_torch(xs: tuple, dims: Any) -> None:
+    """MaxPool 3, stride 2, pad 1 (ResNet's stem), static and symbolic H and W."""
+    versus_torch(
+        "MaxPool",
+        [rnd(*xs)],
+        {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+        lambda t: F.max_pool2d(t, 3, stride=2, padding=1),
+        dims=dims,
     )
 
 
@@ -293,8 +309,10 @@ def test_average_pool(xs: tuple, attrs: dict) -> None:
     x = rnd(*xs)
     check_op("AveragePool", [x], attrs=attrs, backend="reference")
     check_op("AveragePool", [x.astype(F32)], attrs=attrs)
-    model = dynamic_model("AveragePool", [x.astype(F32)], {0: (0, 1)}, attrs=attrs)
-    check_model(model, [x.astype(F32)])
+    symbolic_sizes = "auto_pad" not in attrs  # strided SAME pads need static sizes (refused)
+    for dims in ((0, 1), range(len(xs))) if symbolic_sizes else ((0, 1),):  # then run-time counts
+        model = dynamic_model("AveragePool", [x.astype(F32)], {0: dims}, attrs=attrs)
+        check_model(model, [x.astype(F32)])
 
 
 @pytest.mark.parametrize("include_pad", [0, 1])
@@ -310,29 +328,36 @@ def test_average_pool_dilations_and_ceil_onnxruntime(include_pad: int) -> None:
         "count_include_pad": include_pad,
     }
     check_op("AveragePool", [x], attrs=attrs, opset=19)
+    check_model(dynamic_model("AveragePool", [x], {0: (0, 2, 3)}, attrs=attrs, opset=19), [x])
 
 
-def test_average_pool_needs_static_spatial_dims() -> None:
-    model = dynamic_model(
-        "AveragePool", [rnd(1, 2, 4, 4, dtype=F32)], {0: (2, 3)}, attrs={"kernel_shape": [2, 2]}
-    )
+def test_average_pool_same_strided_needs_static_spatial_dims() -> None:
+    """SAME pads of a strided window depend on the size: refused when it is symbolic."""
+    attrs = {"kernel_shape": [2, 2], "strides": [2, 2], "auto_pad": "SAME_UPPER"}
+    model = dynamic_model("AveragePool", [rnd(1, 2, 5, 5, dtype=F32)], {0: (2, 3)}, attrs=attrs)
     with pytest.raises(GradientNotImplementedError, match="static"):
         build_gradient(model, inputs_requiring_grad=["in0"])
 
 
+@DECLARED
+@pytest.mark.parametrize("ceil", [False, True])
 @pytest.mark.parametrize("include_pad", [False, True])
-def test_average_pool_versus_torch(include_pad: bool) -> None:
+@pytest.mark.parametrize("xs", [(2, 3, 7, 6), (1, 2, 8, 8)], ids=["odd", "even"])
+def test_average_pool_versus_torch(xs: tuple, include_pad: bool, ceil: bool, dims: Any) -> None:
+    """Static and symbolic H and W (where the window counts are computed at run time)."""
     versus_torch(
         "AveragePool",
-        [rnd(2, 3, 7, 6)],
+        [rnd(*xs)],
         {
             "kernel_shape": [3, 3],
             "strides": [2, 2],
             "pads": [1, 1, 1, 1],
             "count_include_pad": int(include_pad),
+            "ceil_mode": int(ceil),
         },
-        lambda t: F.avg_pool2d(t, 3, stride=2, padding=1, count_include_pad=include_pad),
+        lambda t: F.avg_pool2d(t, 3, stride=2, padding=1, count_include_pad=include_pad, ceil_mode=ceil),
         backend="reference",
+        dims=dims,
     )
 
 
@@ -530,11 +555,18 @@ def test_lp_pool_old_opsets_and_auto_pad(kernels: None) -> None:
         check("LpPool", f32(x), {"kernel_shape": [3, 2], "strides": [2, 1], "auto_pad": auto_pad, "p": 2})
 
 
-def test_lp_pool_versus_torch(kernels: None) -> None:
-    x = rnd(2, 3, 7, 6)
-    attrs = {"kernel_shape": [3, 2], "strides": [2, 2], "ceil_mode": 1, "p": 2}
+@DECLARED
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_lp_pool_versus_torch(kernels: None, p: int, dims: Any) -> None:
+    x = np.abs(signed(2, 3, 7, 6))  # torch's lp_pool2d takes no absolute value
+    attrs = {"kernel_shape": [3, 2], "strides": [2, 2], "ceil_mode": 1, "p": p}
     torch_grads(
-        "LpPool", [x], attrs, lambda t: F.lp_pool2d(t, 2, (3, 2), stride=2, ceil_mode=True), backend=REF
+        "LpPool",
+        [x],
+        attrs,
+        lambda t: F.lp_pool2d(t, p, (3, 2), stride=2, ceil_mode=True),
+        backend=REF,
+        dims=dims,
     )
 
 
@@ -549,10 +581,11 @@ def test_lp_pool_window_of_zeros_has_zero_gradient() -> None:
     np.testing.assert_array_equal(dx["in0"][0, 0, :2, :2], 0.0)
 
 
-def test_lp_pool_needs_static_spatial_sizes() -> None:
-    model = symbolic(node_model("LpPool", f32(rnd(1, 2, 4, 4)), attrs={"kernel_shape": [2, 2]}), {0: (2, 3)})
-    with pytest.raises(GradientNotImplementedError, match=r"LpPool node .*static spatial sizes"):
-        build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
+@pytest.mark.parametrize(("xs", "attrs"), LP_CASES, ids=["1d", "2d-overlap", "2d", "3d"])
+def test_lp_pool_symbolic_spatial_sizes(xs: tuple, attrs: dict) -> None:
+    """Every dim symbolic, padded and overlapping windows: the spread is fitted to X at run time."""
+    x = f32(signed(*xs))
+    check_model(dynamic_model("LpPool", x, {0: range(len(xs))}, attrs={**attrs, "p": 3}), x)
 
 
 @pytest.mark.parametrize(("p", "opset"), [(1, 2), (2, 2), (3, 2), (2.0, 1), (3.0, 1)])

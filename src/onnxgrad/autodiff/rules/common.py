@@ -21,6 +21,7 @@ from ..registry import NodeContext
 
 Grads = list[Var | None]  # what a rule returns: one gradient (or None) per input
 _INT64_MIN = int(np.iinfo(np.int64).min)  # Slice end meaning "before the first element"
+_INT64_MAX = int(np.iinfo(np.int64).max)  # Slice end meaning "to the end"
 
 
 # ---- messages and inputs ---------------------------------------------------------------------
@@ -218,6 +219,25 @@ def window_of(n: NodeContext, nsp: int, kernel: list[int] | None, spatial: list[
         begins.append(begin)
         ends.append(total - begin)
     return Window(strides, dilations, (*begins, *ends))
+
+
+def fit_spatial(
+    g: GradBuilder, t: Var, size: Var, nsp: int, crop: bool = True, shape: tuple[Dim, ...] | None = None
+) -> Var:
+    """``t`` (N, C, ``nsp`` spatial axes) made the run-time spatial ``size`` (1-D int64): its rows
+    past ``size`` cut (``crop``; False when the caller knows of none), its missing last rows filled
+    with zeros; ``shape``: the result's, when known.
+
+    The backward of a strided window op made with ConvTranspose starts at X's first row and ends
+    at the last row a window reaches, which may lie before X's end (rows no window read) or past
+    it (in the end padding, or a window ceil mode let run over).
+    """
+    axes = list(range(2, 2 + nsp))
+    zero = g.const(np.zeros(nsp, dtype=np.int64))
+    if crop:
+        t = g.Slice(t, zero, size, axes)
+    missing = g.Sub(size, g.Slice(g.Shape(t), [2], [_INT64_MAX]))
+    return g.Pad(t, g.Concat(zero, missing, axis=0), None, axes, shape=shape)
 
 
 # ---- Scan loops of the backward ----------------------------------------------------------------

@@ -20,7 +20,17 @@ from ...errors import GradientNotImplementedError
 from ...model.graph import Dim
 from ..builder import INT64, GradBuilder, Var, sigmoid
 from ..registry import NodeContext, rule
-from .common import Grads, Window, node_label, spatial_dims, spatial_rank, static_dims, window_of, zeros
+from .common import (
+    Grads,
+    Window,
+    fit_spatial,
+    node_label,
+    spatial_dims,
+    spatial_rank,
+    static_dims,
+    window_of,
+    zeros,
+)
 
 _END = np.iinfo(np.int64).max  # Slice end meaning "to the end"
 
@@ -183,14 +193,9 @@ def _conv_input_grad(
             dy, w, group=group, output_padding=out_pad if any(out_pad) else None, shape=x.shape, **attrs
         )
     nsp = len(win.strides)
-    axes = list(range(2, 2 + nsp))
     ct = g.ConvTranspose(dy, w, group=group, **{**attrs, "pads": [*win.begins, *[0] * nsp]})
     size = g.Slice(g.shape_of(x), [2], [_END])
-    if any(win.ends):
-        ct = g.Slice(ct, g.const(np.zeros(nsp, dtype=np.int64)), size, axes)
-    missing = g.Sub(size, g.Slice(g.Shape(ct), [2], [_END]))
-    pads = g.Concat(g.const(np.zeros(nsp, dtype=np.int64)), missing, axis=0)
-    return g.Pad(ct, pads, None, axes, shape=x.shape)
+    return fit_spatial(g, ct, size, nsp, crop=any(win.ends), shape=x.shape)
 
 
 def _conv_weight_grad(
