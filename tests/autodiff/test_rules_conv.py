@@ -121,7 +121,8 @@ def test_conv_transpose_output_shape(attrs: dict, torch_fn: Any) -> None:
     assert_allclose_scaled(grads["in1"], tw.grad.numpy(), rtol=1e-4)  # type: ignore[union-attr]
 
 
-def test_conv_transpose_versus_torch() -> None:
+@DECLARED
+def test_conv_transpose_versus_torch(dims: Any) -> None:
     x, w, b = rnd(2, 4, 3, 4), rnd(4, 3, 3, 2), rnd(6)
     attrs = {
         "group": 2,
@@ -138,6 +139,7 @@ def test_conv_transpose_versus_torch() -> None:
             x, w, b, stride=(2, 1), padding=(1, 0), output_padding=(1, 0), groups=2, dilation=(1, 2)
         ),
         backend=REF,
+        dims=dims,
     )
 
 

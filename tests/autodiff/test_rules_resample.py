@@ -33,6 +33,7 @@ from onnxgrad.testing import (
     run_gradients,
     run_model,
 )
+from tests.autodiff.conftest import DECLARED, declared_symbolic
 from tests.autodiff.random_data import rnd, rng  # one generator per test (conftest.py)
 
 F32 = np.float32
@@ -507,10 +508,14 @@ ALIGNED_SIZES = ((7, 11), (7, 3))  # (in - 1) / (out - 1) = 1/2 or 5/2: exact to
     ],
     ids=["bilinear", "bilinear-align", "nearest", "nearest-exact", "bicubic"],
 )
-def test_resize_versus_torch(attrs: dict[str, Any], fn: Callable[..., torch.Tensor], sizes: tuple) -> None:
+@DECLARED
+def test_resize_versus_torch(
+    attrs: dict[str, Any], fn: Callable[..., torch.Tensor], sizes: tuple, dims: Any
+) -> None:
+    """Constant sizes, X static or with symbolic N, H and W (the taps are then computed at run time)."""
     x = rnd(2, 2, 4, 6)
     for size in sizes:
-        model = resize_model(x, attrs, 18, sizes=i64(2, 2, *size))
+        model = declared_symbolic(resize_model(x, attrs, 18, sizes=i64(2, 2, *size)), dims)
         versus_torch(model, [x], lambda t, s=size: fn(t, s), backend="reference")
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch.nn.functional as F
 from onnx import helper
 
 import onnxgrad
 from onnxgrad.testing import check_gradients, check_op, node_model
-from tests.autodiff.conftest import assert_ok, model
+from tests.autodiff.conftest import DECLARED, assert_ok, model, versus_torch
 from tests.autodiff.random_data import rng  # one generator per test (conftest.py)
 from tests.models import ort_loads_opset
 
@@ -284,6 +285,57 @@ def test_pad_reflect_edge_wrap(mode, opset, dynamic):
     check_op("Pad", [rand(4, 5), pads], attrs={"mode": mode}, opset=opset, dynamic=dynamic)
     if mode != "wrap":
         check_op("Pad", [rand(4, 5)], attrs={"mode": mode, "pads": [2, 1, 1, 3]}, opset=2)
+
+
+@DECLARED
+@pytest.mark.parametrize(
+    ("mode", "pads", "opset"),
+    [
+        ("constant", (0, 0, 1, 2, 0, 0, 2, 1), 18),
+        ("constant", (0, 0, -1, 2, 0, 0, 1, -2), 18),  # negative pads crop
+        ("reflect", (0, 0, 1, 2, 0, 0, 2, 1), 18),
+        ("edge", (0, 0, 1, 2, 0, 0, 2, 1), 18),
+        ("wrap", (0, 0, 1, 2, 0, 0, 2, 1), 19),
+    ],
+    ids=["constant", "crop", "reflect", "edge", "wrap"],
+)
+def test_pad_versus_torch(mode: str, pads: tuple, opset: int, dims) -> None:
+    """F.pad with static and symbolic N, H and W: ONNX pads (begins, then ends) are torch's
+    (W begin, W end, H begin, H end)."""
+    torch_mode = {"edge": "replicate", "wrap": "circular"}.get(mode, mode)
+    torch_pads = (pads[3], pads[7], pads[2], pads[6])
+    versus_torch(
+        "Pad",
+        [rand(2, 3, 5, 6), i64(*pads)],
+        {"mode": mode},
+        lambda t, _: F.pad(t, torch_pads, mode=torch_mode),
+        opset=opset,
+        needs=[0],
+        dims=dims,
+    )
+
+
+@DECLARED
+@pytest.mark.parametrize(
+    ("starts", "ends", "axes", "steps", "index"),
+    [
+        ([1, -5], [-1, 100], [2, 3], [1, 2], (slice(None), slice(None), slice(1, -1), slice(1, None, 2))),
+        ([-1, 0], [-100, 3], [2, 1], [-1, 1], (slice(None), slice(0, 3), slice(None), slice(None))),
+    ],
+    ids=["clamped-strided", "reversed"],
+)
+def test_slice_versus_torch(starts, ends, axes, steps, index, dims) -> None:
+    """Bounds past the ends and negative ones, static and symbolic dims; torch has no negative
+    steps, so a reversal is a flip."""
+    reverse = [a for a, st in zip(axes, steps) if st < 0]
+    versus_torch(
+        "Slice",
+        [rand(2, 3, 5, 6), i64(*starts), i64(*ends), i64(*axes), i64(*steps)],
+        {},
+        lambda t, *_: (t.flip(reverse) if reverse else t)[index],
+        needs=[0],
+        dims=dims,
+    )
 
 
 # ---- ReverseSequence, CenterCropPad ----------------------------------------------------------
