@@ -57,21 +57,7 @@ def declared_symbolic(model: onnx.ModelProto, dims: dict[int, Sequence[int]] | N
     them; ``None`` leaves the model as it is."""
     if dims is None:
         return model
-    for inp in model.graph.input:
-        declared = inp.type.tensor_type.shape.dim
-        for j in dims.get(int(inp.name[2:]), ()):
-            if j < len(declared):
-                declared[j].dim_param = f"{inp.name}_d{j}"
-    del model.graph.value_info[:]
-    ranks = [len(out.type.tensor_type.shape.dim) for out in model.graph.output]
-    for out in model.graph.output:
-        out.type.tensor_type.ClearField("shape")
-    model = onnx.shape_inference.infer_shapes(model)
-    for out, rank in zip(model.graph.output, ranks):
-        if not out.type.tensor_type.HasField("shape"):  # inference gave up: rank only
-            for _ in range(rank):
-                out.type.tensor_type.shape.dim.add()
-    return model
+    return testing.declare_symbolic(model, {f"in{i}": axes for i, axes in dims.items()})
 
 
 def check_model(
