@@ -74,17 +74,28 @@ def test_a_rule_wrong_only_with_symbolic_dims_fails(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_refusal_with_symbolic_dims_fails() -> None:
-    """A strided SAME Conv needs static sizes: with the model's H and W symbolic the whole model
-    would be refused; the node check says so rather than passing at static shapes."""
-    model = strided_conv(["N", 2, "H", "W"])
-    node = model.graph.node[0]
-    del node.attribute[:]
-    node.attribute.extend(
-        [helper.make_attribute("strides", [2, 2]), helper.make_attribute("auto_pad", "SAME_UPPER")]
+    """DeformConv needs static spatial sizes: with the model's H and W symbolic the whole model is
+    refused; the node check says so rather than passing at static shapes."""
+    gen = np.random.default_rng(2)
+    inits = [
+        numpy_helper.from_array(gen.standard_normal(shape).astype(np.float32), name)
+        for name, shape in (("w", (3, 2, 2, 2)), ("offset", (1, 8, 4, 4)))
+    ]
+    graph = helper.make_graph(
+        [helper.make_node("DeformConv", ["x", "w", "offset"], ["y"], name="deform")],
+        "deform",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, "H", "W"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
     )
-    conv = check_nodes(onnx.shape_inference.infer_shapes(model), {"x": x_even()})[0]
-    assert conv.status == "FAIL" and conv.result is not None and conv.result.ok
-    assert conv.note.startswith("refused with the model's symbolic dims: Conv node '': auto_pad=SAME_UPPER")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model.ir_version = ir_version_for(model.opset_import)
+    x = gen.standard_normal((1, 2, 5, 5)).astype(np.float32)
+    check = check_nodes(onnx.shape_inference.infer_shapes(model), {"x": x})[0]
+    assert check.status == "FAIL" and check.result is not None and check.result.ok
+    assert check.note.startswith(
+        "refused with the model's symbolic dims: DeformConv node 'deform': DeformConv needs"
+    )
 
 
 def test_declare_symbolic_keeps_the_model() -> None:

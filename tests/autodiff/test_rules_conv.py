@@ -390,9 +390,39 @@ def test_conv_same_padding_dynamic() -> None:
     # stride 1: SAME pads do not depend on the input size
     model = dynamic_model("Conv", inputs, {0: (0, 2, 3)}, attrs={"auto_pad": "SAME_LOWER"})
     check_model(model, inputs)
+    # strided: the pads depend on the size, computed at run time (X padded in the backward)
     model = dynamic_model("Conv", inputs, {0: (0, 2, 3)}, attrs={"auto_pad": "SAME_UPPER", "strides": [2, 2]})
-    with pytest.raises(GradientNotImplementedError, match="auto_pad"):
-        build_gradient(model, inputs_requiring_grad=["in0"])
+    check_model(model, inputs)
+
+
+@pytest.mark.parametrize("xs", [(2, 3, 8, 7), (1, 3, 5, 6)], ids=["8x7", "5x6"])
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"auto_pad": "SAME_UPPER", "strides": [2, 2]},
+        {"auto_pad": "SAME_LOWER", "strides": [2, 3]},  # onnxruntime: no dilations with SAME
+        {"auto_pad": "SAME_UPPER", "strides": [3, 1], "group": 3},
+    ],
+    ids=["upper", "lower", "upper-grouped"],
+)
+def test_conv_same_strided_symbolic_sizes_equal_static(xs: tuple, attrs: dict) -> None:
+    """SAME pads of strided axes computed from the run-time size (tf2onnx exports with dynamic
+    H and W): the gradients of X, W and B equal those of the static model; were refused."""
+    group = attrs.get("group", 1)
+    inputs = f32(rnd(*xs), rnd(6, xs[1] // group, 3, 2), rnd(6))
+    feeds = {f"in{i}": a for i, a in enumerate(inputs)}
+    static = node_model("Conv", inputs, attrs=attrs)
+    symbolic_model = dynamic_model("Conv", inputs, {0: (0, 2, 3)}, attrs=attrs)
+    cot = rng().standard_normal(testing.run_model(static)(feeds)["out0"].shape).astype(F32)
+    want = testing.run_gradients(
+        build_gradient(static, inputs_requiring_grad=list(feeds)), feeds, {"out0": cot}
+    )[1]
+    got = testing.run_gradients(
+        build_gradient(symbolic_model, inputs_requiring_grad=list(feeds)), feeds, {"out0": cot}
+    )[1]
+    for name in feeds:
+        assert_allclose_scaled(got[name], want[name], rtol=1e-5, err_msg=name)
+    check_model(symbolic_model, inputs)
 
 
 @DECLARED

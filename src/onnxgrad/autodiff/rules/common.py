@@ -187,16 +187,19 @@ class Window:
         return {"strides": list(self.strides), "dilations": list(self.dilations), "pads": list(self.pads)}
 
 
-def window_of(n: NodeContext, nsp: int, kernel: list[int] | None, spatial: list[Dim]) -> Window:
+def window_of(
+    n: NodeContext, nsp: int, kernel: list[int] | None, spatial: list[Dim], *, unpadded: bool = False
+) -> Window:
     """Strides, dilations and pads of ``n``; SAME_* pads are computed from static sizes.
 
     SAME pads total ``max((ceil(H / s) - 1) s + extent - H, 0)``, split with the extra one at the
     end (SAME_UPPER) or the beginning (SAME_LOWER); with stride 1 that is ``extent - 1`` whatever H.
+    ``unpadded``: no pads whatever the node says (for a rule that pads X itself).
     """
     strides = tuple(int(s) for s in (n.attr("strides") or [1] * nsp))
     dilations = tuple(int(d) for d in (n.attr("dilations") or [1] * nsp))
     auto_pad = n.attr("auto_pad", "NOTSET") or "NOTSET"
-    if auto_pad == "VALID":
+    if auto_pad == "VALID" or unpadded:
         return Window(strides, dilations, (0,) * (2 * nsp))
     if auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
         pads = n.attr("pads") or [0] * (2 * nsp)
@@ -219,6 +222,35 @@ def window_of(n: NodeContext, nsp: int, kernel: list[int] | None, spatial: list[
         begins.append(begin)
         ends.append(total - begin)
     return Window(strides, dilations, (*begins, *ends))
+
+
+def same_pads_at_run_time(n: NodeContext, kernel: list[int] | None, spatial: list[Dim]) -> bool:
+    """Whether ``n`` has SAME ``auto_pad`` pads that depend on sizes known only at run time: a
+    strided axis whose size is not static (with the kernel known; :func:`window_of` refuses the rest)."""
+    auto_pad = n.attr("auto_pad", "NOTSET") or "NOTSET"
+    if auto_pad not in ("SAME_UPPER", "SAME_LOWER") or kernel is None:
+        return False
+    strides = [int(s) for s in (n.attr("strides") or [1] * len(spatial))]
+    return any(s != 1 and not isinstance(h, int) for s, h in zip(strides, spatial))
+
+
+def run_time_same_pads(g: GradBuilder, n: NodeContext, x: Var, kernel: list[int]) -> tuple[Var, Var]:
+    """The SAME pads of ``n`` from X's run-time sizes H, as 1-D int64 begins and ends: in total
+    ``max((ceil(H / s) - 1) s + extent - H, 0)``, the odd one at the end (SAME_UPPER) or at the
+    beginning (SAME_LOWER), as :func:`window_of` computes them from static sizes."""
+    nsp = len(kernel)
+    strides = np.array([int(s) for s in (n.attr("strides") or [1] * nsp)], dtype=np.int64)
+    dilations = np.array([int(d) for d in (n.attr("dilations") or [1] * nsp)], dtype=np.int64)
+    extent = (np.array(kernel, dtype=np.int64) - 1) * dilations + 1
+    size = g.Slice(g.shape_of(x), [2], [2 + nsp])
+    rows = g.Div(g.Add(size, g.const(strides - 1)), g.const(strides))  # ceil(H / s)
+    total = g.Max(
+        g.Sub(g.Add(g.Mul(rows, g.const(strides)), g.const(extent - strides)), size),
+        g.const(np.zeros(nsp, dtype=np.int64)),
+    )
+    small = g.Div(total, g.const(np.full(nsp, 2, dtype=np.int64)))
+    begins = small if n.attr("auto_pad") == "SAME_UPPER" else g.Sub(total, small)
+    return begins, g.Sub(total, begins)
 
 
 def fit_spatial(

@@ -25,6 +25,8 @@ from .common import (
     Window,
     fit_spatial,
     node_label,
+    run_time_same_pads,
+    same_pads_at_run_time,
     spatial_dims,
     spatial_rank,
     static_dims,
@@ -75,14 +77,31 @@ def conv(g: GradBuilder, n: NodeContext) -> Grads:
     kernel = n.attr("kernel_shape") or (static_dims(list(w.shape[2:])) if w.shape is not None else None)
     kernel = [int(k) for k in kernel] if kernel else None
     spatial = spatial_dims(x, nsp)
-    win = window_of(n, nsp, kernel, spatial)
     group = int(n.attr("group", 1))
     grads: Grads = [None] * len(n.inputs)
+    source, begins = x, None
+    if same_pads_at_run_time(n, kernel, spatial):
+        # SAME pads that depend on run-time sizes: the gradients of Conv(Pad(X), W) without pads,
+        # dX then X's part of the padded input's
+        assert kernel is not None
+        begins, ends = run_time_same_pads(g, n, x, kernel)
+        edge = g.const(np.zeros(2, dtype=np.int64))
+        source = g.Pad(x, g.Concat(edge, begins, edge, ends, axis=0))
+        win = window_of(n, nsp, kernel, spatial, unpadded=True)
+        spatial = [None] * nsp
+    else:
+        win = window_of(n, nsp, kernel, spatial)
     if n.needs[0]:
-        grads[0] = _conv_input_grad(g, n.dy, w, x, win, group, kernel, spatial)
+        dx = _conv_input_grad(g, n.dy, w, source, win, group, kernel, spatial)
+        if begins is not None:
+            size = g.Slice(g.shape_of(x), [2], [2 + nsp])
+            dx = g.Slice(dx, begins, g.Add(begins, size), list(range(2, 2 + nsp)), shape=x.shape)
+        grads[0] = dx
     if n.needs[1]:
-        dw = _unfolded_weight_grad(g, n.dy, n.y.shape, x, w, win, kernel) if group == 1 else None
-        grads[1] = dw if dw is not None else _conv_weight_grad(g, n.dy, x, w, win, group, kernel, spatial)
+        dw = _unfolded_weight_grad(g, n.dy, n.y.shape, source, w, win, kernel) if group == 1 else None
+        grads[1] = (
+            dw if dw is not None else _conv_weight_grad(g, n.dy, source, w, win, group, kernel, spatial)
+        )
     if b is not None and n.needs[2]:
         grads[2] = g.reduce_sum(n.dy, [0, *range(2, 2 + nsp)], keepdims=False)
     return grads
