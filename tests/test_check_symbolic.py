@@ -94,7 +94,7 @@ def test_a_refusal_with_symbolic_dims_fails() -> None:
     check = check_nodes(onnx.shape_inference.infer_shapes(model), {"x": x})[0]
     assert check.status == "FAIL" and check.result is not None and check.result.ok
     assert check.note.startswith(
-        "refused with the model's symbolic dims: DeformConv node 'deform': DeformConv needs"
+        "refused with the model's symbolic dims: DeformConv node '': DeformConv needs static"
     )
 
 
