@@ -309,8 +309,7 @@ def test_average_pool(xs: tuple, attrs: dict) -> None:
     x = rnd(*xs)
     check_op("AveragePool", [x], attrs=attrs, backend="reference")
     check_op("AveragePool", [x.astype(F32)], attrs=attrs)
-    symbolic_sizes = "auto_pad" not in attrs  # strided SAME pads need static sizes (refused)
-    for dims in ((0, 1), range(len(xs))) if symbolic_sizes else ((0, 1),):  # then run-time counts
+    for dims in ((0, 1), range(len(xs))):  # N and C, then every dim symbolic: run-time counts
         model = dynamic_model("AveragePool", [x.astype(F32)], {0: dims}, attrs=attrs)
         check_model(model, [x.astype(F32)])
 
@@ -331,12 +330,34 @@ def test_average_pool_dilations_and_ceil_onnxruntime(include_pad: int) -> None:
     check_model(dynamic_model("AveragePool", [x], {0: (0, 2, 3)}, attrs=attrs, opset=19), [x])
 
 
-def test_average_pool_same_strided_needs_static_spatial_dims() -> None:
-    """SAME pads of a strided window depend on the size: refused when it is symbolic."""
-    attrs = {"kernel_shape": [2, 2], "strides": [2, 2], "auto_pad": "SAME_UPPER"}
-    model = dynamic_model("AveragePool", [rnd(1, 2, 5, 5, dtype=F32)], {0: (2, 3)}, attrs=attrs)
-    with pytest.raises(GradientNotImplementedError, match="static"):
-        build_gradient(model, inputs_requiring_grad=["in0"])
+# (onnxruntime's AveragePool fails when the SAME total is negative: W 6, stride 3, kernel 2 give -1)
+@pytest.mark.parametrize("xs", [(2, 3, 8, 7), (1, 2, 5, 7)], ids=["8x7", "5x7"])
+@pytest.mark.parametrize(
+    ("op", "attrs"),
+    [
+        ("AveragePool", {"auto_pad": "SAME_UPPER", "count_include_pad": 0}),
+        ("AveragePool", {"auto_pad": "SAME_LOWER", "count_include_pad": 1}),
+        ("LpPool", {"auto_pad": "SAME_UPPER", "p": 3}),
+        ("LpPool", {"auto_pad": "SAME_LOWER", "p": 2}),
+    ],
+    ids=["avg-upper", "avg-lower-include-pad", "lp3-upper", "lp2-lower"],
+)
+def test_pool_same_strided_symbolic_sizes_equal_static(op: str, attrs: dict, xs: tuple) -> None:
+    """SAME pads of strided windows computed from the run-time sizes (X padded in the backward):
+    dX equals the static model's, and float64 finite differences; was refused."""
+    attrs = {**attrs, "kernel_shape": [3, 2], "strides": [2, 3]}
+    x = rnd(*xs, dtype=F32)
+    static = node_model(op, [x], attrs=attrs)
+    symbolic_model = dynamic_model(op, [x], {0: (0, 2, 3)}, attrs=attrs)
+    cot = rnd(*testing.run_model(static)({"in0": x})["out0"].shape, dtype=F32)
+    want = testing.run_gradients(
+        build_gradient(static, inputs_requiring_grad=["in0"]), {"in0": x}, {"out0": cot}
+    )
+    got = testing.run_gradients(
+        build_gradient(symbolic_model, inputs_requiring_grad=["in0"]), {"in0": x}, {"out0": cot}
+    )
+    assert_allclose_scaled(got[1]["in0"], want[1]["in0"], rtol=1e-5)
+    check_model(symbolic_model, [x])
 
 
 @DECLARED

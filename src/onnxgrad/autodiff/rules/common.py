@@ -253,6 +253,18 @@ def run_time_same_pads(g: GradBuilder, n: NodeContext, x: Var, kernel: list[int]
     return begins, g.Sub(total, begins)
 
 
+def pad_at_run_time(g: GradBuilder, x: Var, begins: Var, ends: Var) -> Var:
+    """X (N, C, spatial...) padded with zeros by run-time spatial ``begins`` and ``ends`` (1-D int64)."""
+    edge = g.const(np.zeros(2, dtype=np.int64))
+    return g.Pad(x, g.Concat(edge, begins, edge, ends, axis=0))
+
+
+def unpad_at_run_time(g: GradBuilder, t: Var, begins: Var, x: Var, nsp: int) -> Var:
+    """X's part of ``t``, the gradient of X padded by :func:`pad_at_run_time` with ``begins``."""
+    size = g.Slice(g.shape_of(x), [2], [2 + nsp])
+    return g.Slice(t, begins, g.Add(begins, size), list(range(2, 2 + nsp)), shape=x.shape)
+
+
 def fit_spatial(
     g: GradBuilder, t: Var, size: Var, nsp: int, crop: bool = True, shape: tuple[Dim, ...] | None = None
 ) -> Var:

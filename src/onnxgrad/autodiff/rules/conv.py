@@ -25,11 +25,13 @@ from .common import (
     Window,
     fit_spatial,
     node_label,
+    pad_at_run_time,
     run_time_same_pads,
     same_pads_at_run_time,
     spatial_dims,
     spatial_rank,
     static_dims,
+    unpad_at_run_time,
     window_of,
     zeros,
 )
@@ -85,18 +87,14 @@ def conv(g: GradBuilder, n: NodeContext) -> Grads:
         # dX then X's part of the padded input's
         assert kernel is not None
         begins, ends = run_time_same_pads(g, n, x, kernel)
-        edge = g.const(np.zeros(2, dtype=np.int64))
-        source = g.Pad(x, g.Concat(edge, begins, edge, ends, axis=0))
+        source = pad_at_run_time(g, x, begins, ends)
         win = window_of(n, nsp, kernel, spatial, unpadded=True)
         spatial = [None] * nsp
     else:
         win = window_of(n, nsp, kernel, spatial)
     if n.needs[0]:
         dx = _conv_input_grad(g, n.dy, w, source, win, group, kernel, spatial)
-        if begins is not None:
-            size = g.Slice(g.shape_of(x), [2], [2 + nsp])
-            dx = g.Slice(dx, begins, g.Add(begins, size), list(range(2, 2 + nsp)), shape=x.shape)
-        grads[0] = dx
+        grads[0] = dx if begins is None else unpad_at_run_time(g, dx, begins, x, nsp)
     if n.needs[1]:
         dw = _unfolded_weight_grad(g, n.dy, n.y.shape, source, w, win, kernel) if group == 1 else None
         grads[1] = (

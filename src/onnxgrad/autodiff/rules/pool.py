@@ -31,10 +31,14 @@ from .common import (
     max_grad,
     node_label,
     numel,
+    pad_at_run_time,
     positions,
+    run_time_same_pads,
+    same_pads_at_run_time,
     spatial_dims,
     spatial_rank,
     static_dims,
+    unpad_at_run_time,
     window_of,
     zeros,
 )
@@ -269,21 +273,29 @@ def spread_windows(
     return g.Reshape(ct, g.shape_of(x), shape=x.shape)
 
 
-def _pool_window(n: NodeContext) -> tuple[list[int], list[int] | None, Window]:
-    """Kernel, spatial sizes of X (None unless all static) and window of an average or Lp pool."""
-    nsp = spatial_rank(n, n.x, n.y)
-    kernel = [int(k) for k in n.attr("kernel_shape")]
-    spatial = spatial_dims(n.x, nsp)
-    static = static_dims(spatial)
-    return kernel, static, window_of(n, nsp, kernel, spatial)
+class _PoolWindow:
+    """Kernel, spatial sizes of X (None unless all static) and window of an average or Lp pool;
+    ``pads``: the (begins, ends) of SAME pads that depend on run-time sizes (1-D int64 Vars), the
+    window then unpadded: the rule pools X padded by them (:func:`pad_at_run_time`)."""
+
+    def __init__(self, g: GradBuilder, n: NodeContext) -> None:
+        nsp = spatial_rank(n, n.x, n.y)
+        self.kernel = [int(k) for k in n.attr("kernel_shape")]
+        spatial = spatial_dims(n.x, nsp)
+        self.static = static_dims(spatial)
+        self.pads = None
+        if same_pads_at_run_time(n, self.kernel, spatial):
+            self.pads = run_time_same_pads(g, n, n.x, self.kernel)
+        self.win = window_of(n, nsp, self.kernel, spatial, unpadded=self.pads is not None)
 
 
 def _run_time_inverse_count(
-    g: GradBuilder, n: NodeContext, kernel: list[int], win: Window, include_pad: bool
+    g: GradBuilder, n: NodeContext, kernel: list[int], win: Window, include_pad: bool, pads: Any
 ) -> Var:
     """1 / count of each AveragePool window, from the run-time sizes of X and Y: along axis i,
     window o reads positions o s - pb + j d (j < k), counted when inside X, or inside the padded X
-    with ``count_include_pad``; the count of a window is the product of its axes' counts."""
+    with ``count_include_pad``; the count of a window is the product of its axes' counts. With
+    run-time ``pads`` (begins, ends) the window is unpadded over X padded by them."""
     x, nsp = n.x, len(kernel)
     inverse: Var | None = None
     for i, k in enumerate(kernel):
@@ -291,9 +303,16 @@ def _run_time_inverse_count(
         rows = _arange(g, g.dim(n.y, 2 + i))
         starts = g.Unsqueeze(rows * s - pb, [1]) + g.const(np.arange(k)[None, :] * d)  # (O, k)
         h = g.dim(x, 2 + i)
-        lo, hi = (-pb, h + pe) if include_pad else (0, h)
+        lo: Any
+        hi: Any
+        if pads is not None:  # X lies at [b, b + H) of the padded X, which ends at b + H + e
+            b, e = (g.Slice(p, [i], [i + 1]) for p in pads)
+            lo, hi = (0, g.Add(g.Add(b, h), e)) if include_pad else (b, g.Add(b, h))
+        else:
+            lo, hi = (-pb, h + pe) if include_pad else (0, h)
+        lo_v = g.const(np.int64(lo)) if isinstance(lo, int) else lo
         hi_v = g.const(np.int64(hi)) if isinstance(hi, int) else hi
-        inside = g.And(starts >= g.const(np.int64(lo)), starts < hi_v)
+        inside = g.And(starts >= lo_v, starts < hi_v)
         count = g.ReduceSum(g.Cast(inside, to=x.dtype), [1], keepdims=0)  # (O,)
         others = [a for a in range(2 + nsp) if a != 2 + i]
         inv = g.Unsqueeze(g.Reciprocal(count), others)
@@ -313,12 +332,13 @@ def average_pool(g: GradBuilder, n: NodeContext) -> Grads:
     if not n.needs[0]:
         return [None]
     x, dy = n.x, n.dy
-    kernel, static, win = _pool_window(n)
+    pool = _PoolWindow(g, n)
+    kernel, static, win = pool.kernel, pool.static, pool.win
     ceil = bool(n.attr("ceil_mode", 0))
     include_pad = bool(n.attr("count_include_pad", 0))
     if static is None:
-        inverse = _run_time_inverse_count(g, n, kernel, win, include_pad)
-        return [spread_windows(g, dy * inverse, x, kernel, win, None, ceil)]
+        inverse = _run_time_inverse_count(g, n, kernel, win, include_pad, pool.pads)
+        return [_spread_at_run_time(g, dy * inverse, x, pool, ceil)]
     counts = []
     for i, h in enumerate(static):
         k, s, d = kernel[i], win.strides[i], win.dilations[i]
@@ -377,10 +397,24 @@ def lp_pool(g: GradBuilder, n: NodeContext) -> Grads:
     if not n.needs[0]:
         return [None]
     x = n.x
-    kernel, static, win = _pool_window(n)
+    pool = _PoolWindow(g, n)
     per_window, per_element = _lp_factors(g, x, n.y, n.dy, _lp_p(n))
-    spread = spread_windows(g, per_window, x, kernel, win, static, bool(n.attr("ceil_mode", 0)))
+    ceil = bool(n.attr("ceil_mode", 0))
+    if pool.static is None:
+        return [_spread_at_run_time(g, per_window, x, pool, ceil) * per_element]
+    spread = spread_windows(g, per_window, x, pool.kernel, pool.win, pool.static, ceil)
     return [spread * per_element]
+
+
+def _spread_at_run_time(g: GradBuilder, v: Var, x: Var, pool: _PoolWindow, ceil: bool) -> Var:
+    """:func:`spread_windows` over X of run-time sizes; with run-time pads, over X padded by them,
+    X's part then cut out."""
+    if pool.pads is None:
+        return spread_windows(g, v, x, pool.kernel, pool.win, None, ceil)
+    begins, ends = pool.pads
+    padded = pad_at_run_time(g, x, begins, ends)
+    spread = spread_windows(g, v, padded, pool.kernel, pool.win, None, ceil)
+    return unpad_at_run_time(g, spread, begins, x, len(pool.kernel))
 
 
 @rule("GlobalLpPool")
