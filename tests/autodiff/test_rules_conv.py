@@ -29,6 +29,7 @@ from tests.autodiff.conftest import (
     F32,
     check,
     check_model,
+    declared_symbolic,
     dynamic_model,
     ensure_output_shape,
     f32,
@@ -103,12 +104,16 @@ def test_conv_transpose_opset1() -> None:
     ],
     ids=["notset", "same-upper", "even-total"],
 )
-def test_conv_transpose_output_shape(attrs: dict, torch_fn: Any) -> None:
+@pytest.mark.parametrize(
+    "dims", [None, {0: (0, 2, 3)}, {0: (0, 2, 3), 1: (2, 3)}], ids=["static", "symbolic", "kernel"]
+)
+def test_conv_transpose_output_shape(attrs: dict, torch_fn: Any, dims: Any) -> None:
     """onnx.reference places output_shape padding unlike onnxruntime (and the spec): float32 on
-    onnxruntime against finite differences, and against torch with the equivalent explicit padding."""
+    onnxruntime against finite differences, and against torch with the equivalent explicit padding.
+    With X's sizes (or the kernel's) symbolic the pads are computed at run time (were refused)."""
     x, w = rnd(1, 2, 3, 4), rnd(2, 3, 3, 3)
-    check("ConvTranspose", f32(x, w), attrs)
-    model = node_model("ConvTranspose", f32(x, w), attrs=attrs)
+    model = declared_symbolic(node_model("ConvTranspose", f32(x, w), attrs=attrs), dims)
+    check_model(model, f32(x, w))
     graphs = build_gradient(model, trainable=[], inputs_requiring_grad=["in0", "in1"])
     tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
     ty = torch_fn(tx, tw)
@@ -150,12 +155,24 @@ def test_conv_transpose_dynamic_batch_and_size() -> None:
     check("ConvTranspose", inputs[:2], {"strides": [2, 2], "output_padding": [1, 1]}, dynamic=True)
 
 
-def test_conv_transpose_output_shape_needs_static_sizes() -> None:
-    attrs = {"strides": [2, 2], "output_shape": [6, 8]}
-    model = node_model("ConvTranspose", f32(rnd(1, 2, 3, 4), rnd(2, 3, 3, 3)), attrs=attrs, dynamic=True)
-    ensure_output_shape(model, (1, 3, 6, 8), dynamic=True)
-    with pytest.raises(GradientNotImplementedError, match=r"ConvTranspose node .*output_shape"):
-        build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"strides": [2, 2], "output_shape": [6, 8]},
+        {"strides": [2, 3], "auto_pad": "SAME_UPPER", "output_padding": [1, 0]},
+        {"strides": [2, 2], "auto_pad": "SAME_LOWER", "dilations": [1, 2]},
+    ],
+    ids=["output-shape", "same-upper", "same-lower"],
+)
+def test_conv_transpose_every_size_symbolic(attrs: dict) -> None:
+    """Every dim of X and W symbolic (the kernel too): the adjoint Conv's pads at run time."""
+    inputs = f32(rnd(1, 2, 3, 4), rnd(2, 3, 3, 3))
+    model = node_model("ConvTranspose", inputs, attrs=attrs, dynamic=True)
+    y = testing.run_model(node_model("ConvTranspose", inputs, attrs=attrs))(
+        {"in0": inputs[0], "in1": inputs[1]}
+    )["out0"]
+    ensure_output_shape(model, y.shape, dynamic=True)
+    check_model(model, inputs)
 
 
 # ---- DeformConv -----------------------------------------------------------------------------

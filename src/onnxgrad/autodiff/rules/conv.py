@@ -304,6 +304,49 @@ def transpose_window(n: NodeContext, nsp: int, kernel: list[int] | None, spatial
     return Window(tuple(strides), tuple(dilations), (*begins, *ends))
 
 
+def unpadded_transpose_window(n: NodeContext, nsp: int) -> Window:
+    """The strides and dilations of a ConvTranspose node's adjoint Conv, without pads."""
+    strides = tuple(int(s) for s in (n.attr("strides") or [1] * nsp))
+    dilations = tuple(int(d) for d in (n.attr("dilations") or [1] * nsp))
+    return Window(strides, dilations, (0,) * (2 * nsp))
+
+
+def _transpose_pads_at_run_time(n: NodeContext, kernel: list[int] | None, spatial: list[Dim]) -> bool:
+    """Whether the pads of a ConvTranspose's adjoint Conv depend on sizes known only at run time:
+    ``output_shape`` with X's spatial sizes or the kernel not static, SAME with the kernel not."""
+    auto_pad = n.attr("auto_pad", "NOTSET") or "NOTSET"
+    if n.attr("output_shape"):
+        return kernel is None or static_dims(spatial) is None
+    return auto_pad in ("SAME_UPPER", "SAME_LOWER") and kernel is None
+
+
+def _run_time_transpose_pads(g: GradBuilder, n: NodeContext, x: Var, w: Var, nsp: int) -> tuple[Var, Var]:
+    """:func:`transpose_window`'s begin and end pads from the run-time sizes of X and W (1-D int64)."""
+    strides = np.array([int(s) for s in (n.attr("strides") or [1] * nsp)], dtype=np.int64)
+    dilations = np.array([int(d) for d in (n.attr("dilations") or [1] * nsp)], dtype=np.int64)
+    out_pad = np.array([int(p) for p in (n.attr("output_padding") or [0] * nsp)][-nsp:], dtype=np.int64)
+    kernel = n.attr("kernel_shape")
+    k = g.const(np.array(kernel[-nsp:], dtype=np.int64)) if kernel else g.Slice(g.shape_of(w), [2], [2 + nsp])
+    extent = g.Add(
+        g.Mul(g.Sub(k, g.const(np.ones(nsp, dtype=np.int64))), g.const(dilations)),
+        g.const(np.ones(nsp, dtype=np.int64)),
+    )
+    output_shape = n.attr("output_shape")
+    if output_shape:  # s (H - 1) + output_padding + extent - out
+        size = g.Slice(g.shape_of(x), [2], [2 + nsp])
+        natural = g.Add(g.Mul(g.Sub(size, g.const(np.ones(nsp, dtype=np.int64))), g.const(strides)), extent)
+        out = np.array([int(o) for o in output_shape][-nsp:], dtype=np.int64)
+        total = g.Add(natural, g.const(out_pad - out))
+    else:  # SAME: out = H s, whatever H
+        total = g.Add(extent, g.const(out_pad - strides))
+    zero = g.const(np.zeros(nsp, dtype=np.int64))
+    total = g.Max(total, zero)
+    half = g.Div(total, g.const(np.full(nsp, 2, dtype=np.int64)))
+    begins = half if n.attr("auto_pad") == "SAME_UPPER" else g.Sub(total, half)
+    ends = g.Max(g.Sub(g.Sub(total, begins), g.const(out_pad)), zero)
+    return begins, ends
+
+
 @rule("ConvTranspose")
 def conv_transpose(g: GradBuilder, n: NodeContext) -> Grads:
     """Y = ConvTranspose(X, W) + B, the adjoint of Conv(., W).
@@ -319,13 +362,19 @@ def conv_transpose(g: GradBuilder, n: NodeContext) -> Grads:
     nsp = spatial_rank(n, w, x, n.y)
     kernel = _kernel(n, w, nsp)
     spatial = spatial_dims(x, nsp)
-    win = transpose_window(n, nsp, kernel, spatial)
+    source, dy_spatial = dy, spatial_dims(dy, nsp)
+    if _transpose_pads_at_run_time(n, kernel, spatial):
+        # the adjoint Conv's pads depend on run-time sizes: that Conv unpadded, of dY padded
+        source = pad_at_run_time(g, dy, *_run_time_transpose_pads(g, n, x, w, nsp))
+        win, dy_spatial = unpadded_transpose_window(n, nsp), [None] * nsp
+    else:
+        win = transpose_window(n, nsp, kernel, spatial)
     group = int(n.attr("group", 1))
     grads: Grads = [None] * len(n.inputs)
     if n.needs[0]:
-        grads[0] = g.Conv(dy, w, group=group, **win.attrs(), shape=x.shape)
+        grads[0] = g.Conv(source, w, group=group, **win.attrs(), shape=x.shape)
     if n.needs[1]:
-        grads[1] = _conv_weight_grad(g, x, dy, w, win, group, kernel, spatial_dims(dy, nsp))
+        grads[1] = _conv_weight_grad(g, x, source, w, win, group, kernel, dy_spatial)
     if b is not None and n.needs[2]:
         grads[2] = g.reduce_sum(dy, [0, *range(2, 2 + nsp)], keepdims=False)
     return grads
