@@ -533,6 +533,55 @@ def _batch_index(g: GradBuilder, index: Var, og: int) -> Var:
 
 
 # ---- CausalConvWithState --------------------------------------------------------------------
+class _StaticTaps:
+    """The k taps p_j = p[.., j : j + L] of CausalConvWithState as slices (k static)."""
+
+    def __init__(self, g: GradBuilder, padded: Var, w: Var, k: int) -> None:
+        self.g, self.k = g, k
+        self.taps = [g.Slice(padded, [j], [j - (k - 1) if j < k - 1 else _END], [2]) for j in range(k)]
+        self.w_taps = [g.Squeeze(g.Slice(w, [j], [j + 1], [2]), [2]) for j in range(k)]  # (C, 1) each
+
+    def conv(self) -> Var:
+        """sum_j w_j p_j (B, C, L)."""
+        return _sum([wj * pj for wj, pj in zip(self.w_taps, self.taps)])
+
+    def weight_grad(self, dz: Var) -> Var:
+        """(C, k): sum over batch and time of dz p_j."""
+        g = self.g
+        per_tap = [g.Unsqueeze(g.reduce_sum(dz * pj, [0, 2], keepdims=False), [1]) for pj in self.taps]
+        return g.Concat(*per_tap, axis=1) if self.k > 1 else per_tap[0]
+
+    def input_grad(self, dz: Var) -> Var:
+        """dp (B, C, L + k - 1): dz w_j placed at j."""
+        k, g = self.k, self.g
+        return _sum([g.Pad(dz * wj, [0, 0, j, 0, 0, k - 1 - j]) for j, wj in enumerate(self.w_taps)])
+
+
+class _RunTimeTaps:
+    """The taps of CausalConvWithState for a kernel size k known only at run time: p gathered
+    at t + j into (B, C, L, k), the gradient of p scatter-added back from there."""
+
+    def __init__(self, g: GradBuilder, padded: Var, w: Var, length: Var, k: Var) -> None:
+        self.g, self.padded = g, padded
+        steps = g.Range(g.const(np.int64(0)), g.Squeeze(length, [0]), g.const(np.int64(1)))
+        taps = g.Range(g.const(np.int64(0)), g.Squeeze(k, [0]), g.const(np.int64(1)))
+        self.index = g.Unsqueeze(steps, [1]) + g.Unsqueeze(taps, [0])  # (L, k): t + j
+        self.p = g.Gather(padded, self.index, axis=2)  # (B, C, L, k)
+        self.w = g.Unsqueeze(g.Squeeze(w, [1]), [0, 2])  # (1, C, 1, k)
+
+    def conv(self) -> Var:
+        return self.g.ReduceSum(self.p * self.w, [3], keepdims=0)
+
+    def weight_grad(self, dz: Var) -> Var:
+        return self.g.ReduceSum(self.g.Unsqueeze(dz, [3]) * self.p, [0, 2], keepdims=0)
+
+    def input_grad(self, dz: Var) -> Var:
+        g = self.g
+        spread = g.Reshape(g.Unsqueeze(dz, [3]) * self.w, [0, 0, -1])  # (B, C, L k)
+        where_to = g.Expand(g.Reshape(self.index, [1, 1, -1]), g.Shape(spread))
+        return g.ScatterElements(g.zeros_like(self.padded), where_to, spread, axis=2, reduction="add")
+
+
 @rule("CausalConvWithState", since=27)
 def causal_conv_with_state(g: GradBuilder, n: NodeContext) -> Grads:
     """y = act(z), z[b, c, t] = sum_j w[c, 0, j] p[b, c, t + j] + bias[c], p = concat(past_state
@@ -541,34 +590,38 @@ def causal_conv_with_state(g: GradBuilder, n: NodeContext) -> Grads:
     With the k taps p_j = p[.., j : j + L]: dz = dy act'(z) (SiLU: s (1 + z (1 - s)), s the sigmoid
     of z, recomputed), dw[c, 0, j] = sum dz p_j, dbias = sum dz, dp = sum_j dz w_j placed at j (plus
     the gradient of present_state on the last k - 1 positions); dx and d past_state are the two
-    parts of dp. The kernel size k must be static.
+    parts of dp. The taps are slices when the kernel size k is static, else gathered at run time.
     """
     x, w = n.inputs[0], n.inputs[1]
     assert x is not None and w is not None
     bias = n.inputs[2] if len(n.inputs) > 2 else None
     past = n.inputs[3] if len(n.inputs) > 3 else None
     grads: Grads = [None] * len(n.inputs)
-    k = w.shape[-1] if w.shape is not None and len(w.shape) == 3 else None
-    if not isinstance(k, int):
-        raise GradientNotImplementedError(f"{node_label(n)}: the kernel size (weight dim 2) must be static")
     act = str(n.attr("activation", "none")).lower()
     if act not in ("none", "silu", "swish"):
         raise GradientNotImplementedError(f"{node_label(n)}: unknown activation {act!r}")
+    k_static = w.shape[-1] if w.shape is not None and len(w.shape) == 3 else None
+    k = k_static if isinstance(k_static, int) else g.Slice(g.shape_of(w), [2], [3])
+    history = k - 1 if isinstance(k, int) else g.Sub(k, g.const(np.ones(1, dtype=np.int64)))
+    history_v = g.const(np.array([history], dtype=np.int64)) if isinstance(history, int) else history
     dy = n.dout[0]
     d_present = n.dout[1] if len(n.dout) > 1 else None
     if past is not None:
         padded = g.Concat(past, x, axis=2)
     else:
         lead = g.Slice(g.shape_of(x), [0], [2])
-        before = zeros(g, g.Concat(lead, g.const(np.array([k - 1], dtype=np.int64)), axis=0), x.dtype)
+        before = zeros(g, g.Concat(lead, history_v, axis=0), x.dtype)
         padded = g.Concat(before, x, axis=2)
-    taps = [g.Slice(padded, [j], [j - (k - 1) if j < k - 1 else _END], [2]) for j in range(k)]
-    w_taps = [g.Squeeze(g.Slice(w, [j], [j + 1], [2]), [2]) for j in range(k)]  # (C, 1) each
+    taps: _StaticTaps | _RunTimeTaps
+    if isinstance(k, int):
+        taps = _StaticTaps(g, padded, w, k)
+    else:
+        taps = _RunTimeTaps(g, padded, w, g.Slice(g.shape_of(x), [2], [3]), k)
     dp = None
     if dy is not None:
         dz = dy
         if act != "none":
-            z = _sum([wj * pj for wj, pj in zip(w_taps, taps)])
+            z = taps.conv()
             if bias is not None:
                 z = z + g.Unsqueeze(bias, [1])
             sg = sigmoid(z)
@@ -576,16 +629,15 @@ def causal_conv_with_state(g: GradBuilder, n: NodeContext) -> Grads:
         if bias is not None and n.needs[2]:
             grads[2] = g.reduce_sum(dz, [0, 2], keepdims=False)
         if n.needs[1]:
-            per_tap = [g.Unsqueeze(g.reduce_sum(dz * pj, [0, 2], keepdims=False), [1]) for pj in taps]
-            grads[1] = g.Unsqueeze(g.Concat(*per_tap, axis=1) if k > 1 else per_tap[0], [1], shape=w.shape)
+            grads[1] = g.Unsqueeze(taps.weight_grad(dz), [1], shape=w.shape)
         if n.needs[0] or (past is not None and n.needs[3]):
-            dp = _sum([g.Pad(dz * wj, [0, 0, j, 0, 0, k - 1 - j]) for j, wj in enumerate(w_taps)])
+            dp = taps.input_grad(dz)
     if d_present is not None and (n.needs[0] or (past is not None and n.needs[3])):
         tail = g.Concat(g.zeros_like(x), d_present, axis=2)
         dp = tail if dp is None else dp + tail
     if dp is not None:
         if n.needs[0]:
-            grads[0] = g.Slice(dp, [k - 1], [_END], [2], shape=x.shape)
+            grads[0] = g.Slice(dp, history_v, [_END], [2], shape=x.shape)
         if past is not None and n.needs[3]:
-            grads[3] = g.Slice(dp, [0], [k - 1], [2], shape=past.shape)
+            grads[3] = g.Slice(dp, [0], history_v, [2], shape=past.shape)
     return grads
