@@ -33,6 +33,16 @@ def test_reshape(shape, target, dynamic):
     check_op("Reshape", [rand(*shape), i64(*target)], dynamic=dynamic)
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "symbolic"])
+def test_reshape_of_an_empty_tensor(dynamic):
+    """(0, 3, 4) -> (3, 4, 0) with allowzero: dy goes back to X's shape, whose 0 is a size (the
+    backward's Reshape once read it as "copy that dim" and onnxruntime refused it)."""
+    x = rand(0, 3, 4)
+    m = node_model("Reshape", [x, i64(3, 4, 0)], attrs={"allowzero": 1}, opset=14, dynamic=dynamic)
+    grads = onnxgrad.gradients(m, {"in0": x}, {"out0": np.zeros((3, 4, 0))}, wrt=["in0"])
+    assert grads["in0"].shape == (0, 3, 4)
+
+
 def test_reshape_saves_only_a_shape():
     m = node_model("Reshape", [rand(2, 3, 4), i64(-1)], dynamic=True)
     graphs = onnxgrad.build_gradient(m, inputs_requiring_grad=["in0"])
