@@ -5,7 +5,9 @@ exported by both exporters with the batch, H and W symbolic, fed odd and even si
 padded Convs leave the last rows of their padded input unread on some sizes: their input gradient
 once lost its last row and column there (issue 37 §0), 30-70 % off torch before the first Conv.
 Gradients of the input and of every weight, in training mode (batch statistics), against torch's
-in float64, through ``ForwardBackward`` and ``OnnxModule``.
+in float64, through ``ForwardBackward`` and ``OnnxModule``, and one SGD step of the one-graph
+training step (``artifacts.generate`` + ``Runner``), the weights after it against torch's. The
+dynamo export takes about 12 s (once per session).
 """
 
 from __future__ import annotations
@@ -116,3 +118,27 @@ def test_onnx_module_matches_torch(exporter: str, hw: tuple[int, int]) -> None:
     got = {module.onnx_names[k]: p.grad.numpy() for k, p in module.named_parameters()}
     got["x"] = tx.grad.numpy()  # type: ignore[union-attr]
     _assert_matches(got, want, f"{exporter} OnnxModule {hw}")
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_one_graph_step_matches_torch(exporter: str, tmp_path) -> None:
+    """``artifacts.generate`` + ``Runner``: one SGD step on mean((y - target)^2) at 33x31 leaves
+    the weights where torch's step leaves them (float64, batch statistics)."""
+    from onnxgrad.artifacts import Runner, generate
+
+    lr = 0.5
+    generate(_model(exporter), loss="mse", optimizer="sgd", lr=lr, out_dir=str(tmp_path))
+    runner = Runner(str(tmp_path))
+    before = {k: v.copy() for k, v in runner.parameters.items()}
+    gen = np.random.default_rng(3)
+    x = gen.standard_normal((2, 3, 33, 31)).astype(np.float32)
+    net = _stem().double().train()
+    y = net(torch.tensor(x, dtype=torch.float64))
+    target = gen.standard_normal(tuple(y.shape)).astype(np.float32)
+    ((y - torch.tensor(target, dtype=torch.float64)) ** 2).mean().backward()
+    runner.step({"x": x, "target": target})
+    after = runner.parameters
+    assert set(after) == {k for k, _ in net.named_parameters()}
+    for name, p in net.named_parameters():
+        step = after[name].astype(np.float64) - before[name]
+        assert_allclose_scaled(step, -lr * p.grad.numpy(), rtol=RTOL, err_msg=name)  # type: ignore[union-attr]
