@@ -666,16 +666,17 @@ def test_col2im_run_time_shapes(
 
 
 # ---- AffineGrid ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "symbolic"])
 @pytest.mark.parametrize("align_corners", [0, 1])
 @pytest.mark.parametrize("size", [[2, 3, 4, 5], [2, 1, 3, 2, 4]])
-def test_affine_grid(align_corners: int, size: list[int]) -> None:
+def test_affine_grid(align_corners: int, size: list[int], dynamic: bool) -> None:
+    """``dynamic``: theta's dims symbolic, k read from ``size`` (was refused)."""
     k = len(size) - 2
     theta = rnd(2, k, k + 1)
-    check_op("AffineGrid", [theta, np.int64(size)], attrs={"align_corners": align_corners}, opset=20)
+    attrs = {"align_corners": align_corners}
+    check_op("AffineGrid", [theta, np.int64(size)], attrs=attrs, opset=20, dynamic=dynamic)
     # and against torch
-    model = node_model(
-        "AffineGrid", [theta, np.int64(size)], attrs={"align_corners": align_corners}, opset=20
-    )
+    model = node_model("AffineGrid", [theta, np.int64(size)], attrs=attrs, opset=20, dynamic=dynamic)
     graphs = build_gradient(model, inputs_requiring_grad=["in0"])
     cot = rnd(*size[:1], *size[2:], k)
     _, grads = run_gradients(graphs, {"in0": theta}, {"out0": cot})
