@@ -277,10 +277,28 @@ def test_deform_conv_versus_torch() -> None:
     )
 
 
-def test_deform_conv_needs_static_sizes() -> None:
+@pytest.mark.parametrize(
+    ("xs", "ws", "og", "attrs", "mask", "bias"),
+    DEFORM_CASES,
+    ids=["plain", "groups-geometry", "offset-groups"],
+)
+def test_deform_conv_symbolic_sizes(
+    xs: tuple, ws: tuple, og: int, attrs: dict, mask: bool, bias: bool
+) -> None:
+    """N, H and W of X, offset and mask symbolic (a detector exported with dynamic image sizes):
+    the sampling positions from the run-time sizes; were refused."""
+    inputs = deform_inputs(xs, ws, og, attrs, mask, bias)
+    dims = {i: (0, 2, 3) for i in (0, 2, 4) if inputs[i] is not None}
+    model = declared_symbolic(
+        node_model("DeformConv", inputs, attrs={**attrs, "offset_group": og}, opset=19), dims
+    )
+    check_model(model, inputs, wrt=[i for i, a in enumerate(inputs) if a is not None])
+
+
+def test_deform_conv_needs_a_static_weight_shape() -> None:
     inputs = deform_inputs(*DEFORM_CASES[0])
-    model = symbolic(node_model("DeformConv", inputs, opset=19), {0: (2, 3)})
-    with pytest.raises(GradientNotImplementedError, match=r"DeformConv node .*static spatial sizes"):
+    model = symbolic(node_model("DeformConv", inputs, opset=19), {1: (2, 3)})
+    with pytest.raises(GradientNotImplementedError, match=r"DeformConv node .*static weight shape"):
         build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
 
 

@@ -399,19 +399,20 @@ def deform_conv(g: GradBuilder, n: NodeContext) -> Grads:
     assert x is not None and w is not None and offset is not None
     nsp = spatial_rank(n, w, x, n.y)
     kernel = _kernel(n, w, nsp)
-    size = static_dims(spatial_dims(x, nsp))
-    out = static_dims(spatial_dims(n.y, nsp))
-    if kernel is None or size is None or out is None or w.static_shape is None:
-        raise GradientNotImplementedError(
-            f"{node_label(n)}: DeformConv needs static spatial sizes of X and Y and a static weight shape"
-        )
+    if kernel is None or w.static_shape is None:
+        raise GradientNotImplementedError(f"{node_label(n)}: DeformConv needs a static weight shape")
+    # spatial sizes of X and Y: ints when static, else (1,) int64 Vars read at run time
+    size = [g.dim(x, 2 + a) for a in range(nsp)]
+    out = [g.dim(n.y, 2 + a) for a in range(nsp)]
     group, og = int(n.attr("group", 1)), int(n.attr("offset_group", 1))
     strides = [int(s) for s in (n.attr("strides") or [1] * nsp)]
     dilations = [int(d) for d in (n.attr("dilations") or [1] * nsp)]
     pads = [int(p) for p in (n.attr("pads") or [0] * (2 * nsp))]
     m_out, c_grp = w.static_shape[0], w.static_shape[1]
     channels = c_grp * group
-    kk, oo = math.prod(kernel), math.prod(out)
+    kk = math.prod(kernel)
+    oo = math.prod(out) if all(isinstance(o, int) for o in out) else -1  # type: ignore[arg-type]
+    ko = kk * oo if oo != -1 else -1  # kernel times output positions, in reshapes
     dtype = x.dtype
     grads: Grads = [None] * len(n.inputs)
 
@@ -421,10 +422,10 @@ def deform_conv(g: GradBuilder, n: NodeContext) -> Grads:
     # X as (N, og, H W..., C / og): one gather per (image, offset group) batch.
     cg = channels // og
     xt = g.Transpose(g.Reshape(x, [0, og, cg, -1]), perm=[0, 1, 3, 2])
-    values = g.Reshape(g.GatherND(xt, index, batch_dims=2), [0, og, kk * oo, nc, cg])
+    values = g.Reshape(g.GatherND(xt, index, batch_dims=2), [0, og, ko, nc, cg])
     samples = g.Squeeze(g.MatMul(g.Unsqueeze(weight, [3]), values), [3])  # (N, og, K O, cg)
     samples = g.Transpose(samples, perm=[0, 1, 3, 2])  # (N, og, cg, K O)
-    mask_r = None if mask is None else g.Reshape(mask, [0, og, 1, kk * oo])
+    mask_r = None if mask is None else g.Reshape(mask, [0, og, 1, ko])
     cols = samples if mask_r is None else samples * mask_r
     cols_g = g.Reshape(cols, [0, group, c_grp * kk, oo])
     dy_g = g.Reshape(n.dy, [0, group, m_out // group, oo])
@@ -436,7 +437,7 @@ def deform_conv(g: GradBuilder, n: NodeContext) -> Grads:
         grads[3] = g.reduce_sum(n.dy, [0, *range(2, 2 + nsp)], keepdims=False)
     if not (n.needs[0] or n.needs[2] or (mask is not None and n.needs[4])):
         return grads
-    dcols = g.Reshape(g.MatMul(g.Transpose(w_g, perm=[0, 2, 1]), dy_g), [0, og, cg, kk * oo])
+    dcols = g.Reshape(g.MatMul(g.Transpose(w_g, perm=[0, 2, 1]), dy_g), [0, og, cg, ko])
     if mask is not None and n.needs[4]:
         dmask = g.ReduceSum(dcols * samples, [2], keepdims=0)  # (N, og, K O)
         grads[4] = g.Reshape(dmask, g.shape_of(mask), shape=mask.shape)
@@ -456,12 +457,37 @@ def deform_conv(g: GradBuilder, n: NodeContext) -> Grads:
     return grads
 
 
+def _deform_base(
+    g: GradBuilder,
+    kernel: list[int],
+    out: list[int | Var],
+    strides: list[int],
+    dilations: list[int],
+    pads: list[int],
+    a: int,
+    dtype: int,
+) -> Var:
+    """k d - pad + o s along axis a for every (kernel position, output position), flattened
+    (K O,): a constant when the output sizes are static, else built from them at run time."""
+    nsp, kk = len(kernel), math.prod(kernel)
+    k_grid = np.meshgrid(*[np.arange(k) for k in kernel], indexing="ij")[a].reshape(kk, 1)
+    if all(isinstance(o, int) for o in out):
+        o_grid = np.meshgrid(*[np.arange(o) for o in out], indexing="ij")[a].reshape(1, -1)  # type: ignore[arg-type]
+        return g.const((k_grid * dilations[a] - pads[a] + o_grid * strides[a]).reshape(-1), dtype)
+    sizes = g.Concat(*[g.const(np.array([o])) if isinstance(o, int) else o for o in out], axis=0)
+    rows = g.Range(g.const(np.int64(0)), g.Gather(sizes, g.const(np.int64(a))), g.const(np.int64(1)))
+    along = g.Reshape(rows, [1] * a + [-1] + [1] * (nsp - a - 1))
+    o_flat = g.Reshape(g.Expand(along, sizes), [1, -1])  # (1, O): this axis' coordinate of each position
+    o_part = g.Cast(o_flat, to=dtype) * float(strides[a])
+    return g.Reshape(o_part + g.const(k_grid * dilations[a] - pads[a], dtype), [-1])
+
+
 def _deform_corners(
     g: GradBuilder,
     off: Var,
     kernel: list[int],
-    out: list[int],
-    size: list[int],
+    out: list[int | Var],
+    size: list[int | Var],
     strides: list[int],
     dilations: list[int],
     pads: list[int],
@@ -469,34 +495,43 @@ def _deform_corners(
 ) -> tuple[Var, Var, list[Var]]:
     """Bilinear sampling of DeformConv at p = o s - pad + k d + offset, over the 2^D cell corners.
 
-    ``off`` is the offset as (N, og, K, D, O). Returns the weight of each corner (N, og, K O, 2^D),
+    ``off`` is the offset as (N, og, K, D, O); ``out`` and ``size``: the spatial sizes of Y and X,
+    ints or (1,) int64 Vars of run-time sizes. Returns the weight of each corner (N, og, K O, 2^D),
     its flat position in X's spatial plane as GatherND indices (N, og, K O 2^D, 1), clamped into X
     (a corner outside weighs 0), and per axis a the derivative of each weight along p_a.
     """
-    nsp, kk, oo = len(kernel), math.prod(kernel), math.prod(out)
+    nsp = len(kernel)
     dtype = off.dtype
-    grid = np.meshgrid(*[np.arange(k) for k in kernel], *[np.arange(o) for o in out], indexing="ij")
     per_axis = []  # per axis, for the lower and the upper corner: (weight, inside, index)
     for a in range(nsp):
-        base = (grid[a] * dilations[a] + grid[nsp + a] * strides[a] - pads[a]).reshape(kk * oo)
-        pos = g.Reshape(g.Gather(off, [a], axis=3), [0, og, kk * oo]) + g.const(base, dtype)
+        base = _deform_base(g, kernel, out, strides, dilations, pads, a, dtype)
+        pos = g.Reshape(g.Gather(off, [a], axis=3), [0, og, -1]) + base
         low = g.Floor(pos)
         frac = pos - low
+        h = size[a]
+        last: float | Var = float(h - 1) if isinstance(h, int) else g.Cast(g.Squeeze(h, [0]), to=dtype) - 1.0
         ends = []
         for c in (0, 1):
             idx = low + float(c)
-            inside = g.Cast(g.And(idx >= 0.0, idx <= float(size[a] - 1)), to=dtype)
-            clamped = g.Min(g.Max(idx, g.const(np.array(0.0), dtype)), float(size[a] - 1))
+            inside = g.Cast(g.And(idx >= 0.0, idx <= last), to=dtype)
+            clamped = g.Min(g.Max(idx, g.const(np.array(0.0), dtype)), last)
             ends.append(((frac if c else 1.0 - frac) * inside, inside, g.Cast(clamped, to=INT64)))
         per_axis.append(ends)
-    plane = [math.prod(size[a + 1 :]) for a in range(nsp)]
+    plane = [_product_of(g, size[a + 1 :]) for a in range(nsp)]
     weights: list[Var] = []
     flat: list[Var] = []
     slopes: list[list[Var]] = [[] for _ in range(nsp)]
     for corner in itertools.product((0, 1), repeat=nsp):
         parts = [per_axis[a][c] for a, c in enumerate(corner)]
         weights.append(_product([p[0] for p in parts]))
-        flat.append(_sum([p[2] * plane[a] if plane[a] != 1 else p[2] for a, p in enumerate(parts)]))
+        flat.append(
+            _sum(
+                [
+                    p[2] if isinstance(plane[a], int) and plane[a] == 1 else p[2] * plane[a]
+                    for a, p in enumerate(parts)
+                ]
+            )
+        )
         for a, c in enumerate(corner):  # d weight / d p_a: +-1 inside X, times the other axes' weights
             slope = parts[a][1] if c else -parts[a][1]
             others = [parts[e][0] for e in range(nsp) if e != a]
@@ -507,6 +542,18 @@ def _deform_corners(
 
     index = g.Unsqueeze(g.Reshape(stack(flat), [0, 0, -1]), [3])
     return stack(weights), index, [stack(s) for s in slopes]
+
+
+def _product_of(g: GradBuilder, sizes: list[int | Var]) -> int | Var:
+    """The product of sizes, ints or (1,) int64 Vars: an int when every one is."""
+    static = math.prod(s for s in sizes if isinstance(s, int))
+    product: int | Var = static
+    for s in sizes:
+        if not isinstance(s, int):
+            product = s if isinstance(product, int) and product == 1 else product * s
+    if not isinstance(product, int) and static != 1:
+        product = product * static
+    return product
 
 
 def _sum(vs: list[Var]) -> Var:
