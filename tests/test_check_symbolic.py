@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxgrad import supported_ops
 from onnxgrad.autodiff import registry
+from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import check_nodes, declare_symbolic
 
@@ -73,23 +74,20 @@ def test_a_rule_wrong_only_with_symbolic_dims_fails(monkeypatch: pytest.MonkeyPa
     assert check_nodes(strided_conv([2, 2, 8, 8]), {"x": x_even()})[0].status == "ok"
 
 
-def test_a_refusal_with_symbolic_dims_fails() -> None:
-    """DFT needs a static input shape: with the model's length symbolic the whole model is
-    refused; the node check says so rather than passing at static shapes."""
-    graph = helper.make_graph(
-        [helper.make_node("DFT", ["x"], ["y"], name="dft")],
-        "spectrum",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "T", 1])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = ir_version_for(model.opset_import)
-    x = np.random.default_rng(2).standard_normal((2, 6, 1)).astype(np.float32)
-    check = check_nodes(onnx.shape_inference.infer_shapes(model), {"x": x})[0]
-    assert check.status == "FAIL" and check.result is not None and check.result.ok, check.note
-    assert check.note.startswith("refused with the model's symbolic dims: no gradient for node ''"), (
-        check.note
-    )
+def test_a_refusal_with_symbolic_dims_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rule that refuses symbolic sizes: the whole model would be refused; the node check says
+    so rather than passing at static shapes."""
+    supported_ops()
+
+    def static_only(g, n):  # type: ignore[no-untyped-def]
+        if n.x.static_shape is None:
+            raise GradientNotImplementedError("Relu node: needs static sizes (planted)")
+        return [n.dy * g.Cast(g.Greater(n.x, 0.0), to=n.x.dtype)]
+
+    monkeypatch.setitem(registry._RULES, ("", "Relu"), [registry.Rule("Relu", "", 1, static_only, "rule")])
+    relu = check_nodes(strided_conv(["N", 2, "H", "W"]), {"x": x_even()})[1]
+    assert relu.status == "FAIL" and relu.result is not None and relu.result.ok, relu.note
+    assert relu.note == "refused with the model's symbolic dims: Relu node: needs static sizes (planted)"
 
 
 def test_declare_symbolic_keeps_the_model() -> None:

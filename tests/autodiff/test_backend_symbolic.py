@@ -5,7 +5,8 @@ A model exported with dynamic axes gives the rules symbolic dims, where their st
 these ops (from onnx's own test-case generators, ``onnx.backend.test.case.node``) is built twice,
 as given and with every dim of its floating-point inputs symbolic: the gradients must agree, and
 none may be refused with symbolic dims (issue 37 §0 measured 81 refusals and, in Conv's, wrong
-gradients). Both run on onnxruntime, or onnx.reference where onnxruntime has no kernel.
+gradients). Both run on onnxruntime, or onnx.reference where onnxruntime has no kernel. Cases
+refused at static shapes too are left out.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import pytest
 
 from onnxgrad import testing
 from onnxgrad.autodiff.engine import build_gradient
+from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.model.graph import FLOAT_TYPES
 
 OPS = [
     "AffineGrid",
+    "DFT",
     "AveragePool",
     "CausalConvWithState",
     "Conv",
@@ -90,7 +93,10 @@ def test_backend_cases_with_symbolic_dims(op: str) -> None:
         pytest.skip(f"onnx {onnx.__version__} has no backend test case of {op}")
     for name, model, feeds in cases:
         wrt = [k for k, v in feeds.items() if v.dtype.kind == "f"]
-        want = _gradients(model, feeds, wrt)
+        try:
+            want = _gradients(model, feeds, wrt)
+        except GradientNotImplementedError:  # refused whatever the shapes (DFT's irfft form)
+            continue
         got = _gradients(_symbolic(model), feeds, wrt)
         for w in wrt:
             # the same sums in another order: a few roundings of the dtype (measured: float16 at
