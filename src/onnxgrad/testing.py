@@ -608,8 +608,97 @@ def _check_node(
         check.status = result_status(result)
         check.note = "; ".join(n for n in (result.nondiff_note(), result.unprobed_note()) if n)
         check.checked_in, check.max_error, check.result = f"{precision} {backend}", f"{worst:.2e}", result
+        symbolic = {i: _symbolic_axes(infos.get(name)) for i, name in enumerate(node.input) if name}
+        if result.ok and any(symbolic.values()):
+            _check_symbolic(check, single, {f"in{i}": a for i, a in symbolic.items() if a}, feeds, wrt, seed)
         return
     check.note = f"cannot check the node: {' '.join(str(error).split())[:200]}"
+
+
+def _symbolic_axes(info: Any) -> list[int]:
+    """The axes of a value that the model declares without a static size."""
+    if info is None or info.shape is None:
+        return []
+    return [j for j, d in enumerate(info.shape) if not isinstance(d, int)]
+
+
+def _check_symbolic(
+    check: NodeCheck,
+    single: onnx.ModelProto,
+    axes: Mapping[str, Sequence[int]],
+    feeds: Mapping[str, np.ndarray],
+    wrt: Sequence[str],
+    seed: int,
+) -> None:
+    """Compare the gradients of the one-node model ``single`` (checked at static shapes) with those
+    of the same node built with the model's symbolic dims (``axes``, by input name), as the whole
+    model builds it: shape-dependent rules take another path then, which must agree. A refusal or
+    a difference fails the check."""
+    backend: Backend = "reference" if check.checked_in.endswith("reference") else "onnxruntime"
+    static = _seeded_gradients(single, feeds, wrt, backend, seed)
+    try:
+        symbolic = _seeded_gradients(declare_symbolic(single, axes), feeds, wrt, backend, seed)
+    except GradientNotImplementedError as exc:
+        check.status = "FAIL"
+        check.note = f"refused with the model's symbolic dims: {' '.join(str(exc).split())}"
+        return
+    precise = all(np.asarray(v).dtype == np.float64 for v in static.values())
+    rtol = 1e-9 if precise else 1e-4  # the same sums in another order: rounding only
+    for name, want in static.items():
+        got = np.asarray(symbolic[name], dtype=np.float64)
+        want64 = np.asarray(want, dtype=np.float64)
+        finite = np.isfinite(want64)
+        bound = rtol * float(np.abs(want64[finite]).max(initial=0.0)) + (1e-12 if precise else 1e-6)
+        same = got.shape == want64.shape and np.array_equal(np.isfinite(got), finite)
+        if not same or not np.all(np.abs(got[finite] - want64[finite]) <= bound):
+            check.status = "FAIL"
+            check.note = f"the gradient of {name} differs with the model's symbolic dims {dict(axes)}"
+            return
+
+
+def _seeded_gradients(
+    model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], wrt: Sequence[str], backend: Backend, seed: int
+) -> dict[str, np.ndarray]:
+    """The gradients of ``wrt`` (inputs and initializers of a one-node model) for cotangents drawn
+    from ``seed``: the same for two models with outputs of the same shapes."""
+    checked = load_checked(model)
+    inits = {i.name: i for i in checked.proto.graph.initializer}
+    graphs = build_gradient(
+        checked,
+        trainable=[w for w in wrt if w in inits],
+        inputs_requiring_grad=[w for w in wrt if w not in inits],
+        tie_weights=False,
+    )
+    out = run_model(graphs.forward, backend)(
+        {**feeds, **{t: numpy_helper.to_array(inits[t]) for t in graphs.trainable}}
+    )
+    gen = np.random.default_rng(seed)
+    cot = {o: gen.standard_normal(np.shape(out[o])).astype(out[o].dtype) for o in graphs.grad_inputs}
+    return run_gradients(graphs, feeds, cot, backend)[1]
+
+
+def declare_symbolic(model: onnx.ModelProto, axes: Mapping[str, Sequence[int]]) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph inputs have the dims ``axes[name]`` symbolic (axes past an
+    input's rank are ignored), its value types inferred again from them; outputs that inference
+    leaves untyped keep their rank. For checking a rule along the path it takes when sizes are
+    known only at run time, as in a model exported with dynamic axes."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for inp in out.graph.input:
+        dims = inp.type.tensor_type.shape.dim
+        for j in axes.get(inp.name, ()):
+            if j < len(dims):
+                dims[j].dim_param = f"{inp.name}_d{j}"
+    del out.graph.value_info[:]
+    ranks = [len(o.type.tensor_type.shape.dim) for o in out.graph.output]
+    for o in out.graph.output:
+        o.type.tensor_type.ClearField("shape")
+    out = onnx.shape_inference.infer_shapes(out)
+    for o, rank in zip(out.graph.output, ranks):
+        if not o.type.tensor_type.HasField("shape"):
+            for _ in range(rank):
+                o.type.tensor_type.shape.dim.add()
+    return out
 
 
 def _declare_output_shapes(model: onnx.ModelProto, values: Sequence[np.ndarray | None]) -> None:

@@ -42,20 +42,22 @@ def dynamic_model(
 
     (``node_model(dynamic=True)`` makes every dim of every input symbolic, weights included.)
     """
-    model = node_model(op, inputs, **kw)
-    for inp in model.graph.input:
-        for j in dims.get(int(inp.name[2:]), ()):
-            inp.type.tensor_type.shape.dim[j].dim_param = f"{inp.name}_d{j}"
-    del model.graph.value_info[:]
-    ranks = [len(out.type.tensor_type.shape.dim) for out in model.graph.output]
-    for out in model.graph.output:
-        out.type.tensor_type.ClearField("shape")
-    model = onnx.shape_inference.infer_shapes(model)
-    for out, rank in zip(model.graph.output, ranks):
-        if not out.type.tensor_type.HasField("shape"):  # inference gave up: rank only
-            for _ in range(rank):
-                out.type.tensor_type.shape.dim.add()
-    return model
+    return declared_symbolic(node_model(op, inputs, **kw), dims)
+
+
+SPATIAL = {0: (0, 2, 3, 4)}  # ``dims`` of the batch and spatial dims of input 0 (up to 3-D images)
+# a test's ``dims`` argument: every dim static, then batch and spatial dims of input 0 symbolic (an
+# export with dynamic H/W): shape-dependent rules take another path then, which must agree
+DECLARED = pytest.mark.parametrize("dims", [None, SPATIAL], ids=["static", "symbolic"])
+
+
+def declared_symbolic(model: onnx.ModelProto, dims: dict[int, Sequence[int]] | None) -> onnx.ModelProto:
+    """``model`` with dims ``dims[i]`` of input ``in{i}`` made symbolic (those past its rank are
+    ignored, so :data:`SPATIAL` fits 1-D to 3-D images) and its value types inferred again from
+    them; ``None`` leaves the model as it is."""
+    if dims is None:
+        return model
+    return testing.declare_symbolic(model, {f"in{i}": axes for i, axes in dims.items()})
 
 
 def check_model(
@@ -101,9 +103,11 @@ def versus_torch(
     backend: testing.Backend = "onnxruntime",
     opset: int = 18,
     needs: Sequence[int] | None = None,
+    dims: dict[int, Sequence[int]] | None = None,
 ) -> None:
-    """Compare output and input gradients of a one-node model with torch autograd (float64)."""
-    model = node_model(op, inputs, attrs=attrs, opset=opset)
+    """Compare output and input gradients of a one-node model with torch autograd (float64);
+    ``dims``: the input dims declared symbolic (:func:`declared_symbolic`), None for all static."""
+    model = declared_symbolic(node_model(op, inputs, attrs=attrs, opset=opset), dims)
     feeds = {i.name: inputs[int(i.name[2:])] for i in model.graph.input}
     wrt = [f"in{i}" for i in (needs if needs is not None else range(len(inputs)))]
     y, cot, ours = grads(model, feeds, wrt, backend)

@@ -8,10 +8,12 @@ and against torch autograd in float64 where torch has the op or its forward is a
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,9 +25,11 @@ from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.testing import assert_allclose_scaled, check_gradients, check_op, node_model
 from tests.autodiff.conftest import (
+    DECLARED,
     F32,
     check,
     check_model,
+    declared_symbolic,
     dynamic_model,
     ensure_output_shape,
     f32,
@@ -100,12 +104,16 @@ def test_conv_transpose_opset1() -> None:
     ],
     ids=["notset", "same-upper", "even-total"],
 )
-def test_conv_transpose_output_shape(attrs: dict, torch_fn: Any) -> None:
+@pytest.mark.parametrize(
+    "dims", [None, {0: (0, 2, 3)}, {0: (0, 2, 3), 1: (2, 3)}], ids=["static", "symbolic", "kernel"]
+)
+def test_conv_transpose_output_shape(attrs: dict, torch_fn: Any, dims: Any) -> None:
     """onnx.reference places output_shape padding unlike onnxruntime (and the spec): float32 on
-    onnxruntime against finite differences, and against torch with the equivalent explicit padding."""
+    onnxruntime against finite differences, and against torch with the equivalent explicit padding.
+    With X's sizes (or the kernel's) symbolic the pads are computed at run time (were refused)."""
     x, w = rnd(1, 2, 3, 4), rnd(2, 3, 3, 3)
-    check("ConvTranspose", f32(x, w), attrs)
-    model = node_model("ConvTranspose", f32(x, w), attrs=attrs)
+    model = declared_symbolic(node_model("ConvTranspose", f32(x, w), attrs=attrs), dims)
+    check_model(model, f32(x, w))
     graphs = build_gradient(model, trainable=[], inputs_requiring_grad=["in0", "in1"])
     tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
     ty = torch_fn(tx, tw)
@@ -118,7 +126,8 @@ def test_conv_transpose_output_shape(attrs: dict, torch_fn: Any) -> None:
     assert_allclose_scaled(grads["in1"], tw.grad.numpy(), rtol=1e-4)  # type: ignore[union-attr]
 
 
-def test_conv_transpose_versus_torch() -> None:
+@DECLARED
+def test_conv_transpose_versus_torch(dims: Any) -> None:
     x, w, b = rnd(2, 4, 3, 4), rnd(4, 3, 3, 2), rnd(6)
     attrs = {
         "group": 2,
@@ -135,6 +144,7 @@ def test_conv_transpose_versus_torch() -> None:
             x, w, b, stride=(2, 1), padding=(1, 0), output_padding=(1, 0), groups=2, dilation=(1, 2)
         ),
         backend=REF,
+        dims=dims,
     )
 
 
@@ -145,12 +155,24 @@ def test_conv_transpose_dynamic_batch_and_size() -> None:
     check("ConvTranspose", inputs[:2], {"strides": [2, 2], "output_padding": [1, 1]}, dynamic=True)
 
 
-def test_conv_transpose_output_shape_needs_static_sizes() -> None:
-    attrs = {"strides": [2, 2], "output_shape": [6, 8]}
-    model = node_model("ConvTranspose", f32(rnd(1, 2, 3, 4), rnd(2, 3, 3, 3)), attrs=attrs, dynamic=True)
-    ensure_output_shape(model, (1, 3, 6, 8), dynamic=True)
-    with pytest.raises(GradientNotImplementedError, match=r"ConvTranspose node .*output_shape"):
-        build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"strides": [2, 2], "output_shape": [6, 8]},
+        {"strides": [2, 3], "auto_pad": "SAME_UPPER", "output_padding": [1, 0]},
+        {"strides": [2, 2], "auto_pad": "SAME_LOWER", "dilations": [1, 2]},
+    ],
+    ids=["output-shape", "same-upper", "same-lower"],
+)
+def test_conv_transpose_every_size_symbolic(attrs: dict) -> None:
+    """Every dim of X and W symbolic (the kernel too): the adjoint Conv's pads at run time."""
+    inputs = f32(rnd(1, 2, 3, 4), rnd(2, 3, 3, 3))
+    model = node_model("ConvTranspose", inputs, attrs=attrs, dynamic=True)
+    y = testing.run_model(node_model("ConvTranspose", inputs, attrs=attrs))(
+        {"in0": inputs[0], "in1": inputs[1]}
+    )["out0"]
+    ensure_output_shape(model, y.shape, dynamic=True)
+    check_model(model, inputs)
 
 
 # ---- DeformConv -----------------------------------------------------------------------------
@@ -255,10 +277,28 @@ def test_deform_conv_versus_torch() -> None:
     )
 
 
-def test_deform_conv_needs_static_sizes() -> None:
+@pytest.mark.parametrize(
+    ("xs", "ws", "og", "attrs", "mask", "bias"),
+    DEFORM_CASES,
+    ids=["plain", "groups-geometry", "offset-groups"],
+)
+def test_deform_conv_symbolic_sizes(
+    xs: tuple, ws: tuple, og: int, attrs: dict, mask: bool, bias: bool
+) -> None:
+    """N, H and W of X, offset and mask symbolic (a detector exported with dynamic image sizes):
+    the sampling positions from the run-time sizes; were refused."""
+    inputs = deform_inputs(xs, ws, og, attrs, mask, bias)
+    dims = {i: (0, 2, 3) for i in (0, 2, 4) if inputs[i] is not None}
+    model = declared_symbolic(
+        node_model("DeformConv", inputs, attrs={**attrs, "offset_group": og}, opset=19), dims
+    )
+    check_model(model, inputs, wrt=[i for i, a in enumerate(inputs) if a is not None])
+
+
+def test_deform_conv_needs_a_static_weight_shape() -> None:
     inputs = deform_inputs(*DEFORM_CASES[0])
-    model = symbolic(node_model("DeformConv", inputs, opset=19), {0: (2, 3)})
-    with pytest.raises(GradientNotImplementedError, match=r"DeformConv node .*static spatial sizes"):
+    model = symbolic(node_model("DeformConv", inputs, opset=19), {1: (2, 3)})
+    with pytest.raises(GradientNotImplementedError, match=r"DeformConv node .*static weight shape"):
         build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
 
 
@@ -272,6 +312,7 @@ CAUSAL_CONV_CASES = [
 ]
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "symbolic"])
 @pytest.mark.parametrize("outputs", [(0, 1), (0,), (1,)], ids=["both", "output", "present_state"])
 @pytest.mark.parametrize(
     ("length", "k", "bias", "past", "act"),
@@ -279,21 +320,24 @@ CAUSAL_CONV_CASES = [
     ids=[c[0] for c in CAUSAL_CONV_CASES],
 )
 def test_causal_conv_with_state(
-    length: int, k: int, bias: bool, past: bool, act: str, outputs: tuple
+    length: int, k: int, bias: bool, past: bool, act: str, outputs: tuple, dynamic: bool
 ) -> None:
     """float64 through onnx.reference (onnxruntime runs it in float32 only; onnx.reference takes the
     SiLU in float32, hence the wider step there), then float32 on onnxruntime at opsets 27 and 28,
-    and float64 against torch (conv1d with groups, then silu)."""
+    and float64 against torch (conv1d with groups, then silu). ``dynamic``: every dim symbolic, the
+    kernel size too (the taps are then gathered at run time; was refused)."""
     inputs = [rnd(2, 3, length), rnd(3, 1, k), rnd(3) if bias else None, rnd(2, 3, k - 1) if past else None]
     while inputs[-1] is None:
         inputs.pop()
     names = ["out0", "out1"]
     runs = [(np.float64, "reference", 27), (np.float32, "onnxruntime", 27), (np.float32, "onnxruntime", 28)]
     for dtype, backend, opset in runs:
-        if backend == "onnxruntime" and not ort_loads_opset(opset):
-            continue
+        if backend == "onnxruntime" and (dynamic or not ort_loads_opset(opset)):
+            continue  # onnxruntime 1.32 runs the op by its function body, which needs static shapes
         ins = [None if a is None else a.astype(dtype) for a in inputs]
-        model = node_model("CausalConvWithState", ins, attrs={"activation": act}, n_outputs=2, opset=opset)
+        model = node_model(
+            "CausalConvWithState", ins, attrs={"activation": act}, n_outputs=2, opset=opset, dynamic=dynamic
+        )
         feeds = {i.name: ins[int(i.name[2:])] for i in model.graph.input}
         wanted = [names[o] for o in outputs]
         graphs = build_gradient(model, trainable=[], inputs_requiring_grad=list(feeds), outputs=wanted)
@@ -385,12 +429,43 @@ def test_conv_same_padding_dynamic() -> None:
     # stride 1: SAME pads do not depend on the input size
     model = dynamic_model("Conv", inputs, {0: (0, 2, 3)}, attrs={"auto_pad": "SAME_LOWER"})
     check_model(model, inputs)
+    # strided: the pads depend on the size, computed at run time (X padded in the backward)
     model = dynamic_model("Conv", inputs, {0: (0, 2, 3)}, attrs={"auto_pad": "SAME_UPPER", "strides": [2, 2]})
-    with pytest.raises(GradientNotImplementedError, match="auto_pad"):
-        build_gradient(model, inputs_requiring_grad=["in0"])
+    check_model(model, inputs)
 
 
-def test_conv_versus_torch() -> None:
+@pytest.mark.parametrize("xs", [(2, 3, 8, 7), (1, 3, 5, 6)], ids=["8x7", "5x6"])
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"auto_pad": "SAME_UPPER", "strides": [2, 2]},
+        {"auto_pad": "SAME_LOWER", "strides": [2, 3]},  # onnxruntime: no dilations with SAME
+        {"auto_pad": "SAME_UPPER", "strides": [3, 1], "group": 3},
+    ],
+    ids=["upper", "lower", "upper-grouped"],
+)
+def test_conv_same_strided_symbolic_sizes_equal_static(xs: tuple, attrs: dict) -> None:
+    """SAME pads of strided axes computed from the run-time size (tf2onnx exports with dynamic
+    H and W): the gradients of X, W and B equal those of the static model; were refused."""
+    group = attrs.get("group", 1)
+    inputs = f32(rnd(*xs), rnd(6, xs[1] // group, 3, 2), rnd(6))
+    feeds = {f"in{i}": a for i, a in enumerate(inputs)}
+    static = node_model("Conv", inputs, attrs=attrs)
+    symbolic_model = dynamic_model("Conv", inputs, {0: (0, 2, 3)}, attrs=attrs)
+    cot = rng().standard_normal(testing.run_model(static)(feeds)["out0"].shape).astype(F32)
+    want = testing.run_gradients(
+        build_gradient(static, inputs_requiring_grad=list(feeds)), feeds, {"out0": cot}
+    )[1]
+    got = testing.run_gradients(
+        build_gradient(symbolic_model, inputs_requiring_grad=list(feeds)), feeds, {"out0": cot}
+    )[1]
+    for name in feeds:
+        assert_allclose_scaled(got[name], want[name], rtol=1e-5, err_msg=name)
+    check_model(symbolic_model, inputs)
+
+
+@DECLARED
+def test_conv_versus_torch(dims: Any) -> None:
     x, w, b = rnd(2, 4, 6, 5), rnd(6, 2, 3, 2), rnd(6)
     attrs = {"group": 2, "strides": [2, 1], "pads": [1, 0, 1, 0], "dilations": [1, 2]}
     versus_torch(
@@ -399,7 +474,79 @@ def test_conv_versus_torch() -> None:
         attrs,
         lambda x, w, b: F.conv2d(x, w, b, stride=(2, 1), padding=(1, 0), dilation=(1, 2), groups=2),
         backend="reference",
+        dims=dims,
     )
+
+
+@DECLARED
+@pytest.mark.parametrize(
+    ("xs", "ws", "stride", "pad"),
+    [
+        ((2, 3, 8, 6), (4, 3, 3, 3), 2, 1),  # 3x3 s2 p1 on even sizes: ResNet's downsampling
+        ((1, 2, 10, 9), (3, 2, 7, 7), 2, 3),  # 7x7 s2 p3: its stem, odd and even
+        ((2, 4, 6, 7), (4, 1, 3, 3), 2, 1),  # depthwise
+        ((1, 2, 9, 8), (3, 2, 2, 2), 3, 1),
+    ],
+    ids=["3x3-s2-p1", "7x7-s2-p3", "depthwise", "2x2-s3-p1"],
+)
+def test_conv2d_strided_padded_versus_torch(xs: tuple, ws: tuple, stride: int, pad: int, dims: Any) -> None:
+    """Strides that leave the last rows of the padded input unread: with H and W symbolic, dX
+    once lost its last row and column (the ConvTranspose cropped the end pad, real rows included)."""
+    group = xs[1] // ws[1]
+    attrs = {"strides": [stride, stride], "pads": [pad] * 4, "group": group}
+    versus_torch(
+        "Conv",
+        [rnd(*xs), rnd(*ws), rnd(ws[0])],
+        attrs,
+        lambda x, w, b: F.conv2d(x, w, b, stride=stride, padding=pad, groups=group),
+        backend="reference",
+        dims=dims,
+    )
+
+
+# (kernel, stride, (begin pad, end pad), dilation) of the 1-D sweep: every stride that leaves rows
+# of the padded input unread, with and without an end pad, symmetric and not
+SWEEP_1D = list(
+    itertools.product((1, 2, 3), (1, 2, 3), ((0, 0), (1, 1), (2, 2), (0, 2), (2, 1), (1, 0)), (1, 2))
+)
+
+
+@DECLARED
+def test_conv1d_sweep_versus_torch(dims: Any) -> None:
+    """Conv1d over kernels, strides, pads and dilations, on lengths 8 and 9 (every remainder of
+    strides 2 and 3 but one), against torch in float64: one model holds a Conv per configuration.
+    With the lengths symbolic, 129 of 648 such configurations once got a wrong dX, all with a
+    stride of 2 or more and an end pad; with them static, none."""
+    nodes, inputs, outputs, inits, feeds, cots, want = [], [], [], [], {}, {}, {}
+    for i, ((k, s, (pb, pe), d), length) in enumerate(itertools.product(SWEEP_1D, (8, 9))):
+        x, w = rnd(2, 2, length, dtype=F32), rnd(3, 2, k, dtype=F32)
+        tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+        ty = F.conv1d(F.pad(tx, (pb, pe)), torch.tensor(w, dtype=torch.float64), stride=s, dilation=d)
+        cot = rnd(*ty.shape, dtype=F32)
+        ty.backward(torch.tensor(cot, dtype=torch.float64))
+        attrs = {"strides": [s], "pads": [pb, pe], "dilations": [d]}
+        nodes.append(
+            helper.make_node(
+                "Conv", [f"x{i}", f"w{i}"], [f"y{i}"], name=f"{k, s, pb, pe, d, length}", **attrs
+            )
+        )
+        shape = [f"n{i}", 2, f"t{i}"] if dims else list(x.shape)
+        inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, shape))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        feeds[f"x{i}"], cots[f"y{i}"], want[f"x{i}"] = x, cot, tx.grad.numpy()  # type: ignore[union-attr]
+    model = helper.make_model(
+        helper.make_graph(nodes, "sweep", inputs, outputs, inits), opset_imports=[helper.make_opsetid("", 18)]
+    )
+    model.ir_version = 9
+    graphs = build_gradient(
+        onnx.shape_inference.infer_shapes(model), trainable=[], inputs_requiring_grad=list(feeds)
+    )
+    _, ours = testing.run_gradients(graphs, feeds, cots)
+    wrong = [
+        n.name for n in nodes if not np.allclose(ours[n.input[0]], want[n.input[0]], rtol=1e-4, atol=1e-5)
+    ]
+    assert not wrong, f"{len(wrong)} of {len(nodes)} wrong (kernel, stride, pads, dilation, length): {wrong}"
 
 
 def test_layers_in_a_small_network() -> None:

@@ -19,7 +19,7 @@ from onnxgrad.autodiff.engine import build_gradient
 from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import Backend, check_gradients, check_op, node_model, run_model
-from tests.autodiff.conftest import ensure_output_shape
+from tests.autodiff.conftest import declared_symbolic, ensure_output_shape
 from tests.autodiff.random_data import rnd, rng  # one generator per test (conftest.py)
 
 F32 = np.float32
@@ -35,13 +35,15 @@ def torch_grads(
     opset: int = 18,
     wrt: Sequence[int] | None = None,
     rtol: float = 1e-8,
+    dims: dict[int, Sequence[int]] | None = None,
 ) -> None:
     """Compare the output and input gradients of a one-node model with torch autograd (float64).
 
     ``fn`` takes one tensor per input (None for absent ones); ``wrt``: indices of the inputs to
-    differentiate (default: every floating-point one). Shared by the other rule test modules.
+    differentiate (default: every floating-point one); ``dims``: the input dims declared symbolic
+    (``declared_symbolic``), None for all static. Shared by the other rule test modules.
     """
-    model = node_model(op, inputs, attrs=attrs, opset=opset)
+    model = declared_symbolic(node_model(op, inputs, attrs=attrs, opset=opset), dims)
     feeds = {i.name: np.asarray(inputs[int(i.name[2:])]) for i in model.graph.input}
     if wrt is None:
         wrt = [i for i, x in enumerate(inputs) if x is not None and np.asarray(x).dtype.kind == "f"]

@@ -26,6 +26,7 @@ from onnxgrad.errors import GradientNotImplementedError
 from onnxgrad.model.graph import ir_version_for
 from onnxgrad.testing import assert_allclose_scaled, check_op, node_model
 from tests.autodiff.conftest import (
+    DECLARED,
     F32,
     check,
     check_feeds,
@@ -251,13 +252,28 @@ def test_max_pool_other_windows_keep_the_indices(attrs: dict) -> None:
     assert "ArgMax" not in {n.op_type for n in forward.graph.node}
 
 
-def test_max_pool_versus_torch() -> None:
+@DECLARED
+def test_max_pool_versus_torch(dims: Any) -> None:
     versus_torch(
         "MaxPool",
         [rnd(2, 3, 7, 6)],
         {"kernel_shape": [3, 2], "strides": [2, 1], "pads": [1, 1, 1, 0]},
         # ONNX pads [1, 1, 1, 0]: 1 before H and W, 1 after H, 0 after W
         lambda t: F.max_pool2d(F.pad(t, (1, 0, 1, 1), value=-np.inf), (3, 2), stride=(2, 1)),
+        dims=dims,
+    )
+
+
+@DECLARED
+@pytest.mark.parametrize("xs", [(2, 3, 8, 8), (1, 2, 9, 7)], ids=["even", "odd"])
+def test_max_pool_resnet_stem_versus_torch(xs: tuple, dims: Any) -> None:
+    """MaxPool 3, stride 2, pad 1 (ResNet's stem), static and symbolic H and W."""
+    versus_torch(
+        "MaxPool",
+        [rnd(*xs)],
+        {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+        lambda t: F.max_pool2d(t, 3, stride=2, padding=1),
+        dims=dims,
     )
 
 
@@ -293,8 +309,9 @@ def test_average_pool(xs: tuple, attrs: dict) -> None:
     x = rnd(*xs)
     check_op("AveragePool", [x], attrs=attrs, backend="reference")
     check_op("AveragePool", [x.astype(F32)], attrs=attrs)
-    model = dynamic_model("AveragePool", [x.astype(F32)], {0: (0, 1)}, attrs=attrs)
-    check_model(model, [x.astype(F32)])
+    for dims in ((0, 1), range(len(xs))):  # N and C, then every dim symbolic: run-time counts
+        model = dynamic_model("AveragePool", [x.astype(F32)], {0: dims}, attrs=attrs)
+        check_model(model, [x.astype(F32)])
 
 
 @pytest.mark.parametrize("include_pad", [0, 1])
@@ -310,29 +327,58 @@ def test_average_pool_dilations_and_ceil_onnxruntime(include_pad: int) -> None:
         "count_include_pad": include_pad,
     }
     check_op("AveragePool", [x], attrs=attrs, opset=19)
+    check_model(dynamic_model("AveragePool", [x], {0: (0, 2, 3)}, attrs=attrs, opset=19), [x])
 
 
-def test_average_pool_needs_static_spatial_dims() -> None:
-    model = dynamic_model(
-        "AveragePool", [rnd(1, 2, 4, 4, dtype=F32)], {0: (2, 3)}, attrs={"kernel_shape": [2, 2]}
+# (onnxruntime's AveragePool fails when the SAME total is negative: W 6, stride 3, kernel 2 give -1)
+@pytest.mark.parametrize("xs", [(2, 3, 8, 7), (1, 2, 5, 7)], ids=["8x7", "5x7"])
+@pytest.mark.parametrize(
+    ("op", "attrs"),
+    [
+        ("AveragePool", {"auto_pad": "SAME_UPPER", "count_include_pad": 0}),
+        ("AveragePool", {"auto_pad": "SAME_LOWER", "count_include_pad": 1}),
+        ("LpPool", {"auto_pad": "SAME_UPPER", "p": 3}),
+        ("LpPool", {"auto_pad": "SAME_LOWER", "p": 2}),
+    ],
+    ids=["avg-upper", "avg-lower-include-pad", "lp3-upper", "lp2-lower"],
+)
+def test_pool_same_strided_symbolic_sizes_equal_static(op: str, attrs: dict, xs: tuple) -> None:
+    """SAME pads of strided windows computed from the run-time sizes (X padded in the backward):
+    dX equals the static model's, and float64 finite differences; was refused."""
+    attrs = {**attrs, "kernel_shape": [3, 2], "strides": [2, 3]}
+    x = rnd(*xs, dtype=F32)
+    static = node_model(op, [x], attrs=attrs)
+    symbolic_model = dynamic_model(op, [x], {0: (0, 2, 3)}, attrs=attrs)
+    cot = rnd(*testing.run_model(static)({"in0": x})["out0"].shape, dtype=F32)
+    want = testing.run_gradients(
+        build_gradient(static, inputs_requiring_grad=["in0"]), {"in0": x}, {"out0": cot}
     )
-    with pytest.raises(GradientNotImplementedError, match="static"):
-        build_gradient(model, inputs_requiring_grad=["in0"])
+    got = testing.run_gradients(
+        build_gradient(symbolic_model, inputs_requiring_grad=["in0"]), {"in0": x}, {"out0": cot}
+    )
+    assert_allclose_scaled(got[1]["in0"], want[1]["in0"], rtol=1e-5)
+    check_model(symbolic_model, [x])
 
 
+@DECLARED
+@pytest.mark.parametrize("ceil", [False, True])
 @pytest.mark.parametrize("include_pad", [False, True])
-def test_average_pool_versus_torch(include_pad: bool) -> None:
+@pytest.mark.parametrize("xs", [(2, 3, 7, 6), (1, 2, 8, 8)], ids=["odd", "even"])
+def test_average_pool_versus_torch(xs: tuple, include_pad: bool, ceil: bool, dims: Any) -> None:
+    """Static and symbolic H and W (where the window counts are computed at run time)."""
     versus_torch(
         "AveragePool",
-        [rnd(2, 3, 7, 6)],
+        [rnd(*xs)],
         {
             "kernel_shape": [3, 3],
             "strides": [2, 2],
             "pads": [1, 1, 1, 1],
             "count_include_pad": int(include_pad),
+            "ceil_mode": int(ceil),
         },
-        lambda t: F.avg_pool2d(t, 3, stride=2, padding=1, count_include_pad=include_pad),
+        lambda t: F.avg_pool2d(t, 3, stride=2, padding=1, count_include_pad=include_pad, ceil_mode=ceil),
         backend="reference",
+        dims=dims,
     )
 
 
@@ -530,11 +576,18 @@ def test_lp_pool_old_opsets_and_auto_pad(kernels: None) -> None:
         check("LpPool", f32(x), {"kernel_shape": [3, 2], "strides": [2, 1], "auto_pad": auto_pad, "p": 2})
 
 
-def test_lp_pool_versus_torch(kernels: None) -> None:
-    x = rnd(2, 3, 7, 6)
-    attrs = {"kernel_shape": [3, 2], "strides": [2, 2], "ceil_mode": 1, "p": 2}
+@DECLARED
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_lp_pool_versus_torch(kernels: None, p: int, dims: Any) -> None:
+    x = np.abs(signed(2, 3, 7, 6))  # torch's lp_pool2d takes no absolute value
+    attrs = {"kernel_shape": [3, 2], "strides": [2, 2], "ceil_mode": 1, "p": p}
     torch_grads(
-        "LpPool", [x], attrs, lambda t: F.lp_pool2d(t, 2, (3, 2), stride=2, ceil_mode=True), backend=REF
+        "LpPool",
+        [x],
+        attrs,
+        lambda t: F.lp_pool2d(t, p, (3, 2), stride=2, ceil_mode=True),
+        backend=REF,
+        dims=dims,
     )
 
 
@@ -549,10 +602,11 @@ def test_lp_pool_window_of_zeros_has_zero_gradient() -> None:
     np.testing.assert_array_equal(dx["in0"][0, 0, :2, :2], 0.0)
 
 
-def test_lp_pool_needs_static_spatial_sizes() -> None:
-    model = symbolic(node_model("LpPool", f32(rnd(1, 2, 4, 4)), attrs={"kernel_shape": [2, 2]}), {0: (2, 3)})
-    with pytest.raises(GradientNotImplementedError, match=r"LpPool node .*static spatial sizes"):
-        build_gradient(model, trainable=[], inputs_requiring_grad=["in0"])
+@pytest.mark.parametrize(("xs", "attrs"), LP_CASES, ids=["1d", "2d-overlap", "2d", "3d"])
+def test_lp_pool_symbolic_spatial_sizes(xs: tuple, attrs: dict) -> None:
+    """Every dim symbolic, padded and overlapping windows: the spread is fitted to X at run time."""
+    x = f32(signed(*xs))
+    check_model(dynamic_model("LpPool", x, {0: range(len(xs))}, attrs={**attrs, "p": 3}), x)
 
 
 @pytest.mark.parametrize(("p", "opset"), [(1, 2), (2, 2), (3, 2), (2.0, 1), (3.0, 1)])

@@ -33,6 +33,7 @@ from onnxgrad.testing import (
     run_gradients,
     run_model,
 )
+from tests.autodiff.conftest import DECLARED, declared_symbolic
 from tests.autodiff.random_data import rnd, rng  # one generator per test (conftest.py)
 
 F32 = np.float32
@@ -507,10 +508,14 @@ ALIGNED_SIZES = ((7, 11), (7, 3))  # (in - 1) / (out - 1) = 1/2 or 5/2: exact to
     ],
     ids=["bilinear", "bilinear-align", "nearest", "nearest-exact", "bicubic"],
 )
-def test_resize_versus_torch(attrs: dict[str, Any], fn: Callable[..., torch.Tensor], sizes: tuple) -> None:
+@DECLARED
+def test_resize_versus_torch(
+    attrs: dict[str, Any], fn: Callable[..., torch.Tensor], sizes: tuple, dims: Any
+) -> None:
+    """Constant sizes, X static or with symbolic N, H and W (the taps are then computed at run time)."""
     x = rnd(2, 2, 4, 6)
     for size in sizes:
-        model = resize_model(x, attrs, 18, sizes=i64(2, 2, *size))
+        model = declared_symbolic(resize_model(x, attrs, 18, sizes=i64(2, 2, *size)), dims)
         versus_torch(model, [x], lambda t, s=size: fn(t, s), backend="reference")
 
 
@@ -661,16 +666,17 @@ def test_col2im_run_time_shapes(
 
 
 # ---- AffineGrid ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "symbolic"])
 @pytest.mark.parametrize("align_corners", [0, 1])
 @pytest.mark.parametrize("size", [[2, 3, 4, 5], [2, 1, 3, 2, 4]])
-def test_affine_grid(align_corners: int, size: list[int]) -> None:
+def test_affine_grid(align_corners: int, size: list[int], dynamic: bool) -> None:
+    """``dynamic``: theta's dims symbolic, k read from ``size`` (was refused)."""
     k = len(size) - 2
     theta = rnd(2, k, k + 1)
-    check_op("AffineGrid", [theta, np.int64(size)], attrs={"align_corners": align_corners}, opset=20)
+    attrs = {"align_corners": align_corners}
+    check_op("AffineGrid", [theta, np.int64(size)], attrs=attrs, opset=20, dynamic=dynamic)
     # and against torch
-    model = node_model(
-        "AffineGrid", [theta, np.int64(size)], attrs={"align_corners": align_corners}, opset=20
-    )
+    model = node_model("AffineGrid", [theta, np.int64(size)], attrs=attrs, opset=20, dynamic=dynamic)
     graphs = build_gradient(model, inputs_requiring_grad=["in0"])
     cot = rnd(*size[:1], *size[2:], k)
     _, grads = run_gradients(graphs, {"in0": theta}, {"out0": cot})

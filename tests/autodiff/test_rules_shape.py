@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch.nn.functional as F
 from onnx import helper
 
 import onnxgrad
 from onnxgrad.testing import check_gradients, check_op, node_model
-from tests.autodiff.conftest import assert_ok, model
+from tests.autodiff.conftest import DECLARED, assert_ok, model, versus_torch
 from tests.autodiff.random_data import rng  # one generator per test (conftest.py)
 from tests.models import ort_loads_opset
 
@@ -30,6 +31,16 @@ def i64(*values: int) -> np.ndarray:
 @pytest.mark.parametrize(("shape", "target"), [((2, 3, 4), (6, -1)), ((5,), (1, 5, 1)), ((2, 3), (0, 3))])
 def test_reshape(shape, target, dynamic):
     check_op("Reshape", [rand(*shape), i64(*target)], dynamic=dynamic)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "symbolic"])
+def test_reshape_of_an_empty_tensor(dynamic):
+    """(0, 3, 4) -> (3, 4, 0) with allowzero: dy goes back to X's shape, whose 0 is a size (the
+    backward's Reshape once read it as "copy that dim" and onnxruntime refused it)."""
+    x = rand(0, 3, 4)
+    m = node_model("Reshape", [x, i64(3, 4, 0)], attrs={"allowzero": 1}, opset=14, dynamic=dynamic)
+    grads = onnxgrad.gradients(m, {"in0": x}, {"out0": np.zeros((3, 4, 0))}, wrt=["in0"])
+    assert grads["in0"].shape == (0, 3, 4)
 
 
 def test_reshape_saves_only_a_shape():
@@ -284,6 +295,57 @@ def test_pad_reflect_edge_wrap(mode, opset, dynamic):
     check_op("Pad", [rand(4, 5), pads], attrs={"mode": mode}, opset=opset, dynamic=dynamic)
     if mode != "wrap":
         check_op("Pad", [rand(4, 5)], attrs={"mode": mode, "pads": [2, 1, 1, 3]}, opset=2)
+
+
+@DECLARED
+@pytest.mark.parametrize(
+    ("mode", "pads", "opset"),
+    [
+        ("constant", (0, 0, 1, 2, 0, 0, 2, 1), 18),
+        ("constant", (0, 0, -1, 2, 0, 0, 1, -2), 18),  # negative pads crop
+        ("reflect", (0, 0, 1, 2, 0, 0, 2, 1), 18),
+        ("edge", (0, 0, 1, 2, 0, 0, 2, 1), 18),
+        ("wrap", (0, 0, 1, 2, 0, 0, 2, 1), 19),
+    ],
+    ids=["constant", "crop", "reflect", "edge", "wrap"],
+)
+def test_pad_versus_torch(mode: str, pads: tuple, opset: int, dims) -> None:
+    """F.pad with static and symbolic N, H and W: ONNX pads (begins, then ends) are torch's
+    (W begin, W end, H begin, H end)."""
+    torch_mode = {"edge": "replicate", "wrap": "circular"}.get(mode, mode)
+    torch_pads = (pads[3], pads[7], pads[2], pads[6])
+    versus_torch(
+        "Pad",
+        [rand(2, 3, 5, 6), i64(*pads)],
+        {"mode": mode},
+        lambda t, _: F.pad(t, torch_pads, mode=torch_mode),
+        opset=opset,
+        needs=[0],
+        dims=dims,
+    )
+
+
+@DECLARED
+@pytest.mark.parametrize(
+    ("starts", "ends", "axes", "steps", "index"),
+    [
+        ([1, -5], [-1, 100], [2, 3], [1, 2], (slice(None), slice(None), slice(1, -1), slice(1, None, 2))),
+        ([-1, 0], [-100, 3], [2, 1], [-1, 1], (slice(None), slice(0, 3), slice(None), slice(None))),
+    ],
+    ids=["clamped-strided", "reversed"],
+)
+def test_slice_versus_torch(starts, ends, axes, steps, index, dims) -> None:
+    """Bounds past the ends and negative ones, static and symbolic dims; torch has no negative
+    steps, so a reversal is a flip."""
+    reverse = [a for a, st in zip(axes, steps) if st < 0]
+    versus_torch(
+        "Slice",
+        [rand(2, 3, 5, 6), i64(*starts), i64(*ends), i64(*axes), i64(*steps)],
+        {},
+        lambda t, *_: (t.flip(reverse) if reverse else t)[index],
+        needs=[0],
+        dims=dims,
+    )
 
 
 # ---- ReverseSequence, CenterCropPad ----------------------------------------------------------

@@ -171,8 +171,11 @@ class ShapeHelpers(Generic[V]):
         return self.op("Concat", *pieces, axis=0, dtype=INT64, shape=(len(parts),) if singles else None)
 
     def reshape(self, x: Value, like: Value) -> V:
-        """``x`` reshaped to the shape of forward value ``like``."""
-        return self.op("Reshape", x, self.shape_of(like), shape=like.shape)
+        """``x`` reshaped to the shape of forward value ``like``; a size 0 in that shape (static,
+        or possible at run time) is a size, not Reshape's "copy this dim" (``allowzero``)."""
+        static = like.static_shape
+        zero = 1 if static is None or 0 in static else None
+        return self.op("Reshape", x, self.shape_of(like), shape=like.shape, allowzero=zero)
 
     def unbroadcast(self, grad: Value, target: Value, result_shape: tuple[Dim, ...] | None) -> V:
         """Sum ``grad`` (of shape ``result_shape``) down to the shape of ``target``, undoing broadcasting.

@@ -21,6 +21,7 @@ from ..registry import NodeContext
 
 Grads = list[Var | None]  # what a rule returns: one gradient (or None) per input
 _INT64_MIN = int(np.iinfo(np.int64).min)  # Slice end meaning "before the first element"
+_INT64_MAX = int(np.iinfo(np.int64).max)  # Slice end meaning "to the end"
 
 
 # ---- messages and inputs ---------------------------------------------------------------------
@@ -186,16 +187,19 @@ class Window:
         return {"strides": list(self.strides), "dilations": list(self.dilations), "pads": list(self.pads)}
 
 
-def window_of(n: NodeContext, nsp: int, kernel: list[int] | None, spatial: list[Dim]) -> Window:
+def window_of(
+    n: NodeContext, nsp: int, kernel: list[int] | None, spatial: list[Dim], *, unpadded: bool = False
+) -> Window:
     """Strides, dilations and pads of ``n``; SAME_* pads are computed from static sizes.
 
     SAME pads total ``max((ceil(H / s) - 1) s + extent - H, 0)``, split with the extra one at the
     end (SAME_UPPER) or the beginning (SAME_LOWER); with stride 1 that is ``extent - 1`` whatever H.
+    ``unpadded``: no pads whatever the node says (for a rule that pads X itself).
     """
     strides = tuple(int(s) for s in (n.attr("strides") or [1] * nsp))
     dilations = tuple(int(d) for d in (n.attr("dilations") or [1] * nsp))
     auto_pad = n.attr("auto_pad", "NOTSET") or "NOTSET"
-    if auto_pad == "VALID":
+    if auto_pad == "VALID" or unpadded:
         return Window(strides, dilations, (0,) * (2 * nsp))
     if auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
         pads = n.attr("pads") or [0] * (2 * nsp)
@@ -218,6 +222,66 @@ def window_of(n: NodeContext, nsp: int, kernel: list[int] | None, spatial: list[
         begins.append(begin)
         ends.append(total - begin)
     return Window(strides, dilations, (*begins, *ends))
+
+
+def same_pads_at_run_time(n: NodeContext, kernel: list[int] | None, spatial: list[Dim]) -> bool:
+    """Whether ``n`` has SAME ``auto_pad`` pads that depend on sizes known only at run time: a
+    strided axis whose size is not static (with the kernel known; :func:`window_of` refuses the rest)."""
+    auto_pad = n.attr("auto_pad", "NOTSET") or "NOTSET"
+    if auto_pad not in ("SAME_UPPER", "SAME_LOWER") or kernel is None:
+        return False
+    strides = [int(s) for s in (n.attr("strides") or [1] * len(spatial))]
+    return any(s != 1 and not isinstance(h, int) for s, h in zip(strides, spatial))
+
+
+def run_time_same_pads(g: GradBuilder, n: NodeContext, x: Var, kernel: list[int]) -> tuple[Var, Var]:
+    """The SAME pads of ``n`` from X's run-time sizes H, as 1-D int64 begins and ends: in total
+    ``max((ceil(H / s) - 1) s + extent - H, 0)``, the odd one at the end (SAME_UPPER) or at the
+    beginning (SAME_LOWER), as :func:`window_of` computes them from static sizes."""
+    nsp = len(kernel)
+    strides = np.array([int(s) for s in (n.attr("strides") or [1] * nsp)], dtype=np.int64)
+    dilations = np.array([int(d) for d in (n.attr("dilations") or [1] * nsp)], dtype=np.int64)
+    extent = (np.array(kernel, dtype=np.int64) - 1) * dilations + 1
+    size = g.Slice(g.shape_of(x), [2], [2 + nsp])
+    rows = g.Div(g.Add(size, g.const(strides - 1)), g.const(strides))  # ceil(H / s)
+    total = g.Max(
+        g.Sub(g.Add(g.Mul(rows, g.const(strides)), g.const(extent - strides)), size),
+        g.const(np.zeros(nsp, dtype=np.int64)),
+    )
+    small = g.Div(total, g.const(np.full(nsp, 2, dtype=np.int64)))
+    begins = small if n.attr("auto_pad") == "SAME_UPPER" else g.Sub(total, small)
+    return begins, g.Sub(total, begins)
+
+
+def pad_at_run_time(g: GradBuilder, x: Var, begins: Var, ends: Var) -> Var:
+    """X (N, C, spatial...) padded with zeros by run-time spatial ``begins`` and ``ends`` (1-D int64)."""
+    edge = g.const(np.zeros(2, dtype=np.int64))
+    return g.Pad(x, g.Concat(edge, begins, edge, ends, axis=0))
+
+
+def unpad_at_run_time(g: GradBuilder, t: Var, begins: Var, x: Var, nsp: int) -> Var:
+    """X's part of ``t``, the gradient of X padded by :func:`pad_at_run_time` with ``begins``."""
+    size = g.Slice(g.shape_of(x), [2], [2 + nsp])
+    return g.Slice(t, begins, g.Add(begins, size), list(range(2, 2 + nsp)), shape=x.shape)
+
+
+def fit_spatial(
+    g: GradBuilder, t: Var, size: Var, nsp: int, crop: bool = True, shape: tuple[Dim, ...] | None = None
+) -> Var:
+    """``t`` (N, C, ``nsp`` spatial axes) made the run-time spatial ``size`` (1-D int64): its rows
+    past ``size`` cut (``crop``; False when the caller knows of none), its missing last rows filled
+    with zeros; ``shape``: the result's, when known.
+
+    The backward of a strided window op made with ConvTranspose starts at X's first row and ends
+    at the last row a window reaches, which may lie before X's end (rows no window read) or past
+    it (in the end padding, or a window ceil mode let run over).
+    """
+    axes = list(range(2, 2 + nsp))
+    zero = g.const(np.zeros(nsp, dtype=np.int64))
+    if crop:
+        t = g.Slice(t, zero, size, axes)
+    missing = g.Sub(size, g.Slice(g.Shape(t), [2], [_INT64_MAX]))
+    return g.Pad(t, g.Concat(zero, missing, axis=0), None, axes, shape=shape)
 
 
 # ---- Scan loops of the backward ----------------------------------------------------------------

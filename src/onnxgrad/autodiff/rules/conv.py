@@ -20,7 +20,21 @@ from ...errors import GradientNotImplementedError
 from ...model.graph import Dim
 from ..builder import INT64, GradBuilder, Var, sigmoid
 from ..registry import NodeContext, rule
-from .common import Grads, Window, node_label, spatial_dims, spatial_rank, static_dims, window_of, zeros
+from .common import (
+    Grads,
+    Window,
+    fit_spatial,
+    node_label,
+    pad_at_run_time,
+    run_time_same_pads,
+    same_pads_at_run_time,
+    spatial_dims,
+    spatial_rank,
+    static_dims,
+    unpad_at_run_time,
+    window_of,
+    zeros,
+)
 
 _END = np.iinfo(np.int64).max  # Slice end meaning "to the end"
 
@@ -65,14 +79,27 @@ def conv(g: GradBuilder, n: NodeContext) -> Grads:
     kernel = n.attr("kernel_shape") or (static_dims(list(w.shape[2:])) if w.shape is not None else None)
     kernel = [int(k) for k in kernel] if kernel else None
     spatial = spatial_dims(x, nsp)
-    win = window_of(n, nsp, kernel, spatial)
     group = int(n.attr("group", 1))
     grads: Grads = [None] * len(n.inputs)
+    source, begins = x, None
+    if same_pads_at_run_time(n, kernel, spatial):
+        # SAME pads that depend on run-time sizes: the gradients of Conv(Pad(X), W) without pads,
+        # dX then X's part of the padded input's
+        assert kernel is not None
+        begins, ends = run_time_same_pads(g, n, x, kernel)
+        source = pad_at_run_time(g, x, begins, ends)
+        win = window_of(n, nsp, kernel, spatial, unpadded=True)
+        spatial = [None] * nsp
+    else:
+        win = window_of(n, nsp, kernel, spatial)
     if n.needs[0]:
-        grads[0] = _conv_input_grad(g, n.dy, w, x, win, group, kernel, spatial)
+        dx = _conv_input_grad(g, n.dy, w, source, win, group, kernel, spatial)
+        grads[0] = dx if begins is None else unpad_at_run_time(g, dx, begins, x, nsp)
     if n.needs[1]:
-        dw = _unfolded_weight_grad(g, n.dy, n.y.shape, x, w, win, kernel) if group == 1 else None
-        grads[1] = dw if dw is not None else _conv_weight_grad(g, n.dy, x, w, win, group, kernel, spatial)
+        dw = _unfolded_weight_grad(g, n.dy, n.y.shape, source, w, win, kernel) if group == 1 else None
+        grads[1] = (
+            dw if dw is not None else _conv_weight_grad(g, n.dy, source, w, win, group, kernel, spatial)
+        )
     if b is not None and n.needs[2]:
         grads[2] = g.reduce_sum(n.dy, [0, *range(2, 2 + nsp)], keepdims=False)
     return grads
@@ -165,7 +192,11 @@ def _conv_input_grad(
     """ConvTranspose(dy, w) with the geometry of the forward, sized like ``x``.
 
     Input rows past the last window get no gradient: with static sizes ``output_padding`` adds
-    them, else a ``Pad`` to the run-time size of x.
+    them. With run-time sizes the ConvTranspose keeps the forward's begin pads only: its output
+    then runs from x's first row to the end of the last window, which may lie before x's end
+    (rows no window reached, padded with zeros) or past it, in the end pad (cropped). Cropping
+    the end pad inside the ConvTranspose would also cut the last real rows whenever the stride
+    leaves rows of the padded input unread.
     """
     static = static_dims(spatial)
     attrs = win.attrs()
@@ -178,11 +209,10 @@ def _conv_input_grad(
         return g.ConvTranspose(
             dy, w, group=group, output_padding=out_pad if any(out_pad) else None, shape=x.shape, **attrs
         )
-    ct = g.ConvTranspose(dy, w, group=group, **attrs)
     nsp = len(win.strides)
-    missing = g.Sub(g.Slice(g.shape_of(x), [2], [_END]), g.Slice(g.Shape(ct), [2], [_END]))
-    pads = g.Concat(g.const(np.zeros(nsp, dtype=np.int64)), missing, axis=0)
-    return g.Pad(ct, pads, None, list(range(2, 2 + nsp)), shape=x.shape)
+    ct = g.ConvTranspose(dy, w, group=group, **{**attrs, "pads": [*win.begins, *[0] * nsp]})
+    size = g.Slice(g.shape_of(x), [2], [_END])
+    return fit_spatial(g, ct, size, nsp, crop=any(win.ends), shape=x.shape)
 
 
 def _conv_weight_grad(
@@ -274,6 +304,49 @@ def transpose_window(n: NodeContext, nsp: int, kernel: list[int] | None, spatial
     return Window(tuple(strides), tuple(dilations), (*begins, *ends))
 
 
+def unpadded_transpose_window(n: NodeContext, nsp: int) -> Window:
+    """The strides and dilations of a ConvTranspose node's adjoint Conv, without pads."""
+    strides = tuple(int(s) for s in (n.attr("strides") or [1] * nsp))
+    dilations = tuple(int(d) for d in (n.attr("dilations") or [1] * nsp))
+    return Window(strides, dilations, (0,) * (2 * nsp))
+
+
+def _transpose_pads_at_run_time(n: NodeContext, kernel: list[int] | None, spatial: list[Dim]) -> bool:
+    """Whether the pads of a ConvTranspose's adjoint Conv depend on sizes known only at run time:
+    ``output_shape`` with X's spatial sizes or the kernel not static, SAME with the kernel not."""
+    auto_pad = n.attr("auto_pad", "NOTSET") or "NOTSET"
+    if n.attr("output_shape"):
+        return kernel is None or static_dims(spatial) is None
+    return auto_pad in ("SAME_UPPER", "SAME_LOWER") and kernel is None
+
+
+def _run_time_transpose_pads(g: GradBuilder, n: NodeContext, x: Var, w: Var, nsp: int) -> tuple[Var, Var]:
+    """:func:`transpose_window`'s begin and end pads from the run-time sizes of X and W (1-D int64)."""
+    strides = np.array([int(s) for s in (n.attr("strides") or [1] * nsp)], dtype=np.int64)
+    dilations = np.array([int(d) for d in (n.attr("dilations") or [1] * nsp)], dtype=np.int64)
+    out_pad = np.array([int(p) for p in (n.attr("output_padding") or [0] * nsp)][-nsp:], dtype=np.int64)
+    kernel = n.attr("kernel_shape")
+    k = g.const(np.array(kernel[-nsp:], dtype=np.int64)) if kernel else g.Slice(g.shape_of(w), [2], [2 + nsp])
+    extent = g.Add(
+        g.Mul(g.Sub(k, g.const(np.ones(nsp, dtype=np.int64))), g.const(dilations)),
+        g.const(np.ones(nsp, dtype=np.int64)),
+    )
+    output_shape = n.attr("output_shape")
+    if output_shape:  # s (H - 1) + output_padding + extent - out
+        size = g.Slice(g.shape_of(x), [2], [2 + nsp])
+        natural = g.Add(g.Mul(g.Sub(size, g.const(np.ones(nsp, dtype=np.int64))), g.const(strides)), extent)
+        out = np.array([int(o) for o in output_shape][-nsp:], dtype=np.int64)
+        total = g.Add(natural, g.const(out_pad - out))
+    else:  # SAME: out = H s, whatever H
+        total = g.Add(extent, g.const(out_pad - strides))
+    zero = g.const(np.zeros(nsp, dtype=np.int64))
+    total = g.Max(total, zero)
+    half = g.Div(total, g.const(np.full(nsp, 2, dtype=np.int64)))
+    begins = half if n.attr("auto_pad") == "SAME_UPPER" else g.Sub(total, half)
+    ends = g.Max(g.Sub(g.Sub(total, begins), g.const(out_pad)), zero)
+    return begins, ends
+
+
 @rule("ConvTranspose")
 def conv_transpose(g: GradBuilder, n: NodeContext) -> Grads:
     """Y = ConvTranspose(X, W) + B, the adjoint of Conv(., W).
@@ -289,13 +362,19 @@ def conv_transpose(g: GradBuilder, n: NodeContext) -> Grads:
     nsp = spatial_rank(n, w, x, n.y)
     kernel = _kernel(n, w, nsp)
     spatial = spatial_dims(x, nsp)
-    win = transpose_window(n, nsp, kernel, spatial)
+    source, dy_spatial = dy, spatial_dims(dy, nsp)
+    if _transpose_pads_at_run_time(n, kernel, spatial):
+        # the adjoint Conv's pads depend on run-time sizes: that Conv unpadded, of dY padded
+        source = pad_at_run_time(g, dy, *_run_time_transpose_pads(g, n, x, w, nsp))
+        win, dy_spatial = unpadded_transpose_window(n, nsp), [None] * nsp
+    else:
+        win = transpose_window(n, nsp, kernel, spatial)
     group = int(n.attr("group", 1))
     grads: Grads = [None] * len(n.inputs)
     if n.needs[0]:
-        grads[0] = g.Conv(dy, w, group=group, **win.attrs(), shape=x.shape)
+        grads[0] = g.Conv(source, w, group=group, **win.attrs(), shape=x.shape)
     if n.needs[1]:
-        grads[1] = _conv_weight_grad(g, x, dy, w, win, group, kernel, spatial_dims(dy, nsp))
+        grads[1] = _conv_weight_grad(g, x, source, w, win, group, kernel, dy_spatial)
     if b is not None and n.needs[2]:
         grads[2] = g.reduce_sum(dy, [0, *range(2, 2 + nsp)], keepdims=False)
     return grads
@@ -320,19 +399,20 @@ def deform_conv(g: GradBuilder, n: NodeContext) -> Grads:
     assert x is not None and w is not None and offset is not None
     nsp = spatial_rank(n, w, x, n.y)
     kernel = _kernel(n, w, nsp)
-    size = static_dims(spatial_dims(x, nsp))
-    out = static_dims(spatial_dims(n.y, nsp))
-    if kernel is None or size is None or out is None or w.static_shape is None:
-        raise GradientNotImplementedError(
-            f"{node_label(n)}: DeformConv needs static spatial sizes of X and Y and a static weight shape"
-        )
+    if kernel is None or w.static_shape is None:
+        raise GradientNotImplementedError(f"{node_label(n)}: DeformConv needs a static weight shape")
+    # spatial sizes of X and Y: ints when static, else (1,) int64 Vars read at run time
+    size = [g.dim(x, 2 + a) for a in range(nsp)]
+    out = [g.dim(n.y, 2 + a) for a in range(nsp)]
     group, og = int(n.attr("group", 1)), int(n.attr("offset_group", 1))
     strides = [int(s) for s in (n.attr("strides") or [1] * nsp)]
     dilations = [int(d) for d in (n.attr("dilations") or [1] * nsp)]
     pads = [int(p) for p in (n.attr("pads") or [0] * (2 * nsp))]
     m_out, c_grp = w.static_shape[0], w.static_shape[1]
     channels = c_grp * group
-    kk, oo = math.prod(kernel), math.prod(out)
+    kk = math.prod(kernel)
+    oo = math.prod(out) if all(isinstance(o, int) for o in out) else -1  # type: ignore[arg-type]
+    ko = kk * oo if oo != -1 else -1  # kernel times output positions, in reshapes
     dtype = x.dtype
     grads: Grads = [None] * len(n.inputs)
 
@@ -342,10 +422,10 @@ def deform_conv(g: GradBuilder, n: NodeContext) -> Grads:
     # X as (N, og, H W..., C / og): one gather per (image, offset group) batch.
     cg = channels // og
     xt = g.Transpose(g.Reshape(x, [0, og, cg, -1]), perm=[0, 1, 3, 2])
-    values = g.Reshape(g.GatherND(xt, index, batch_dims=2), [0, og, kk * oo, nc, cg])
+    values = g.Reshape(g.GatherND(xt, index, batch_dims=2), [0, og, ko, nc, cg])
     samples = g.Squeeze(g.MatMul(g.Unsqueeze(weight, [3]), values), [3])  # (N, og, K O, cg)
     samples = g.Transpose(samples, perm=[0, 1, 3, 2])  # (N, og, cg, K O)
-    mask_r = None if mask is None else g.Reshape(mask, [0, og, 1, kk * oo])
+    mask_r = None if mask is None else g.Reshape(mask, [0, og, 1, ko])
     cols = samples if mask_r is None else samples * mask_r
     cols_g = g.Reshape(cols, [0, group, c_grp * kk, oo])
     dy_g = g.Reshape(n.dy, [0, group, m_out // group, oo])
@@ -357,7 +437,7 @@ def deform_conv(g: GradBuilder, n: NodeContext) -> Grads:
         grads[3] = g.reduce_sum(n.dy, [0, *range(2, 2 + nsp)], keepdims=False)
     if not (n.needs[0] or n.needs[2] or (mask is not None and n.needs[4])):
         return grads
-    dcols = g.Reshape(g.MatMul(g.Transpose(w_g, perm=[0, 2, 1]), dy_g), [0, og, cg, kk * oo])
+    dcols = g.Reshape(g.MatMul(g.Transpose(w_g, perm=[0, 2, 1]), dy_g), [0, og, cg, ko])
     if mask is not None and n.needs[4]:
         dmask = g.ReduceSum(dcols * samples, [2], keepdims=0)  # (N, og, K O)
         grads[4] = g.Reshape(dmask, g.shape_of(mask), shape=mask.shape)
@@ -377,12 +457,37 @@ def deform_conv(g: GradBuilder, n: NodeContext) -> Grads:
     return grads
 
 
+def _deform_base(
+    g: GradBuilder,
+    kernel: list[int],
+    out: list[int | Var],
+    strides: list[int],
+    dilations: list[int],
+    pads: list[int],
+    a: int,
+    dtype: int,
+) -> Var:
+    """k d - pad + o s along axis a for every (kernel position, output position), flattened
+    (K O,): a constant when the output sizes are static, else built from them at run time."""
+    nsp, kk = len(kernel), math.prod(kernel)
+    k_grid = np.meshgrid(*[np.arange(k) for k in kernel], indexing="ij")[a].reshape(kk, 1)
+    if all(isinstance(o, int) for o in out):
+        o_grid = np.meshgrid(*[np.arange(o) for o in out], indexing="ij")[a].reshape(1, -1)  # type: ignore[arg-type]
+        return g.const((k_grid * dilations[a] - pads[a] + o_grid * strides[a]).reshape(-1), dtype)
+    sizes = g.Concat(*[g.const(np.array([o])) if isinstance(o, int) else o for o in out], axis=0)
+    rows = g.Range(g.const(np.int64(0)), g.Gather(sizes, g.const(np.int64(a))), g.const(np.int64(1)))
+    along = g.Reshape(rows, [1] * a + [-1] + [1] * (nsp - a - 1))
+    o_flat = g.Reshape(g.Expand(along, sizes), [1, -1])  # (1, O): this axis' coordinate of each position
+    o_part = g.Cast(o_flat, to=dtype) * float(strides[a])
+    return g.Reshape(o_part + g.const(k_grid * dilations[a] - pads[a], dtype), [-1])
+
+
 def _deform_corners(
     g: GradBuilder,
     off: Var,
     kernel: list[int],
-    out: list[int],
-    size: list[int],
+    out: list[int | Var],
+    size: list[int | Var],
     strides: list[int],
     dilations: list[int],
     pads: list[int],
@@ -390,34 +495,43 @@ def _deform_corners(
 ) -> tuple[Var, Var, list[Var]]:
     """Bilinear sampling of DeformConv at p = o s - pad + k d + offset, over the 2^D cell corners.
 
-    ``off`` is the offset as (N, og, K, D, O). Returns the weight of each corner (N, og, K O, 2^D),
+    ``off`` is the offset as (N, og, K, D, O); ``out`` and ``size``: the spatial sizes of Y and X,
+    ints or (1,) int64 Vars of run-time sizes. Returns the weight of each corner (N, og, K O, 2^D),
     its flat position in X's spatial plane as GatherND indices (N, og, K O 2^D, 1), clamped into X
     (a corner outside weighs 0), and per axis a the derivative of each weight along p_a.
     """
-    nsp, kk, oo = len(kernel), math.prod(kernel), math.prod(out)
+    nsp = len(kernel)
     dtype = off.dtype
-    grid = np.meshgrid(*[np.arange(k) for k in kernel], *[np.arange(o) for o in out], indexing="ij")
     per_axis = []  # per axis, for the lower and the upper corner: (weight, inside, index)
     for a in range(nsp):
-        base = (grid[a] * dilations[a] + grid[nsp + a] * strides[a] - pads[a]).reshape(kk * oo)
-        pos = g.Reshape(g.Gather(off, [a], axis=3), [0, og, kk * oo]) + g.const(base, dtype)
+        base = _deform_base(g, kernel, out, strides, dilations, pads, a, dtype)
+        pos = g.Reshape(g.Gather(off, [a], axis=3), [0, og, -1]) + base
         low = g.Floor(pos)
         frac = pos - low
+        h = size[a]
+        last: float | Var = float(h - 1) if isinstance(h, int) else g.Cast(g.Squeeze(h, [0]), to=dtype) - 1.0
         ends = []
         for c in (0, 1):
             idx = low + float(c)
-            inside = g.Cast(g.And(idx >= 0.0, idx <= float(size[a] - 1)), to=dtype)
-            clamped = g.Min(g.Max(idx, g.const(np.array(0.0), dtype)), float(size[a] - 1))
+            inside = g.Cast(g.And(idx >= 0.0, idx <= last), to=dtype)
+            clamped = g.Min(g.Max(idx, g.const(np.array(0.0), dtype)), last)
             ends.append(((frac if c else 1.0 - frac) * inside, inside, g.Cast(clamped, to=INT64)))
         per_axis.append(ends)
-    plane = [math.prod(size[a + 1 :]) for a in range(nsp)]
+    plane = [_product_of(g, size[a + 1 :]) for a in range(nsp)]
     weights: list[Var] = []
     flat: list[Var] = []
     slopes: list[list[Var]] = [[] for _ in range(nsp)]
     for corner in itertools.product((0, 1), repeat=nsp):
         parts = [per_axis[a][c] for a, c in enumerate(corner)]
         weights.append(_product([p[0] for p in parts]))
-        flat.append(_sum([p[2] * plane[a] if plane[a] != 1 else p[2] for a, p in enumerate(parts)]))
+        flat.append(
+            _sum(
+                [
+                    p[2] if isinstance(plane[a], int) and plane[a] == 1 else p[2] * plane[a]
+                    for a, p in enumerate(parts)
+                ]
+            )
+        )
         for a, c in enumerate(corner):  # d weight / d p_a: +-1 inside X, times the other axes' weights
             slope = parts[a][1] if c else -parts[a][1]
             others = [parts[e][0] for e in range(nsp) if e != a]
@@ -428,6 +542,18 @@ def _deform_corners(
 
     index = g.Unsqueeze(g.Reshape(stack(flat), [0, 0, -1]), [3])
     return stack(weights), index, [stack(s) for s in slopes]
+
+
+def _product_of(g: GradBuilder, sizes: list[int | Var]) -> int | Var:
+    """The product of sizes, ints or (1,) int64 Vars: an int when every one is."""
+    static = math.prod(s for s in sizes if isinstance(s, int))
+    product: int | Var = static
+    for s in sizes:
+        if not isinstance(s, int):
+            product = s if isinstance(product, int) and product == 1 else product * s
+    if not isinstance(product, int) and static != 1:
+        product = product * static
+    return product
 
 
 def _sum(vs: list[Var]) -> Var:
@@ -454,6 +580,55 @@ def _batch_index(g: GradBuilder, index: Var, og: int) -> Var:
 
 
 # ---- CausalConvWithState --------------------------------------------------------------------
+class _StaticTaps:
+    """The k taps p_j = p[.., j : j + L] of CausalConvWithState as slices (k static)."""
+
+    def __init__(self, g: GradBuilder, padded: Var, w: Var, k: int) -> None:
+        self.g, self.k = g, k
+        self.taps = [g.Slice(padded, [j], [j - (k - 1) if j < k - 1 else _END], [2]) for j in range(k)]
+        self.w_taps = [g.Squeeze(g.Slice(w, [j], [j + 1], [2]), [2]) for j in range(k)]  # (C, 1) each
+
+    def conv(self) -> Var:
+        """sum_j w_j p_j (B, C, L)."""
+        return _sum([wj * pj for wj, pj in zip(self.w_taps, self.taps)])
+
+    def weight_grad(self, dz: Var) -> Var:
+        """(C, k): sum over batch and time of dz p_j."""
+        g = self.g
+        per_tap = [g.Unsqueeze(g.reduce_sum(dz * pj, [0, 2], keepdims=False), [1]) for pj in self.taps]
+        return g.Concat(*per_tap, axis=1) if self.k > 1 else per_tap[0]
+
+    def input_grad(self, dz: Var) -> Var:
+        """dp (B, C, L + k - 1): dz w_j placed at j."""
+        k, g = self.k, self.g
+        return _sum([g.Pad(dz * wj, [0, 0, j, 0, 0, k - 1 - j]) for j, wj in enumerate(self.w_taps)])
+
+
+class _RunTimeTaps:
+    """The taps of CausalConvWithState for a kernel size k known only at run time: p gathered
+    at t + j into (B, C, L, k), the gradient of p scatter-added back from there."""
+
+    def __init__(self, g: GradBuilder, padded: Var, w: Var, length: Var, k: Var) -> None:
+        self.g, self.padded = g, padded
+        steps = g.Range(g.const(np.int64(0)), g.Squeeze(length, [0]), g.const(np.int64(1)))
+        taps = g.Range(g.const(np.int64(0)), g.Squeeze(k, [0]), g.const(np.int64(1)))
+        self.index = g.Unsqueeze(steps, [1]) + g.Unsqueeze(taps, [0])  # (L, k): t + j
+        self.p = g.Gather(padded, self.index, axis=2)  # (B, C, L, k)
+        self.w = g.Unsqueeze(g.Squeeze(w, [1]), [0, 2])  # (1, C, 1, k)
+
+    def conv(self) -> Var:
+        return self.g.ReduceSum(self.p * self.w, [3], keepdims=0)
+
+    def weight_grad(self, dz: Var) -> Var:
+        return self.g.ReduceSum(self.g.Unsqueeze(dz, [3]) * self.p, [0, 2], keepdims=0)
+
+    def input_grad(self, dz: Var) -> Var:
+        g = self.g
+        spread = g.Reshape(g.Unsqueeze(dz, [3]) * self.w, [0, 0, -1])  # (B, C, L k)
+        where_to = g.Expand(g.Reshape(self.index, [1, 1, -1]), g.Shape(spread))
+        return g.ScatterElements(g.zeros_like(self.padded), where_to, spread, axis=2, reduction="add")
+
+
 @rule("CausalConvWithState", since=27)
 def causal_conv_with_state(g: GradBuilder, n: NodeContext) -> Grads:
     """y = act(z), z[b, c, t] = sum_j w[c, 0, j] p[b, c, t + j] + bias[c], p = concat(past_state
@@ -462,34 +637,38 @@ def causal_conv_with_state(g: GradBuilder, n: NodeContext) -> Grads:
     With the k taps p_j = p[.., j : j + L]: dz = dy act'(z) (SiLU: s (1 + z (1 - s)), s the sigmoid
     of z, recomputed), dw[c, 0, j] = sum dz p_j, dbias = sum dz, dp = sum_j dz w_j placed at j (plus
     the gradient of present_state on the last k - 1 positions); dx and d past_state are the two
-    parts of dp. The kernel size k must be static.
+    parts of dp. The taps are slices when the kernel size k is static, else gathered at run time.
     """
     x, w = n.inputs[0], n.inputs[1]
     assert x is not None and w is not None
     bias = n.inputs[2] if len(n.inputs) > 2 else None
     past = n.inputs[3] if len(n.inputs) > 3 else None
     grads: Grads = [None] * len(n.inputs)
-    k = w.shape[-1] if w.shape is not None and len(w.shape) == 3 else None
-    if not isinstance(k, int):
-        raise GradientNotImplementedError(f"{node_label(n)}: the kernel size (weight dim 2) must be static")
     act = str(n.attr("activation", "none")).lower()
     if act not in ("none", "silu", "swish"):
         raise GradientNotImplementedError(f"{node_label(n)}: unknown activation {act!r}")
+    k_static = w.shape[-1] if w.shape is not None and len(w.shape) == 3 else None
+    k = k_static if isinstance(k_static, int) else g.Slice(g.shape_of(w), [2], [3])
+    history = k - 1 if isinstance(k, int) else g.Sub(k, g.const(np.ones(1, dtype=np.int64)))
+    history_v = g.const(np.array([history], dtype=np.int64)) if isinstance(history, int) else history
     dy = n.dout[0]
     d_present = n.dout[1] if len(n.dout) > 1 else None
     if past is not None:
         padded = g.Concat(past, x, axis=2)
     else:
         lead = g.Slice(g.shape_of(x), [0], [2])
-        before = zeros(g, g.Concat(lead, g.const(np.array([k - 1], dtype=np.int64)), axis=0), x.dtype)
+        before = zeros(g, g.Concat(lead, history_v, axis=0), x.dtype)
         padded = g.Concat(before, x, axis=2)
-    taps = [g.Slice(padded, [j], [j - (k - 1) if j < k - 1 else _END], [2]) for j in range(k)]
-    w_taps = [g.Squeeze(g.Slice(w, [j], [j + 1], [2]), [2]) for j in range(k)]  # (C, 1) each
+    taps: _StaticTaps | _RunTimeTaps
+    if isinstance(k, int):
+        taps = _StaticTaps(g, padded, w, k)
+    else:
+        taps = _RunTimeTaps(g, padded, w, g.Slice(g.shape_of(x), [2], [3]), k)
     dp = None
     if dy is not None:
         dz = dy
         if act != "none":
-            z = _sum([wj * pj for wj, pj in zip(w_taps, taps)])
+            z = taps.conv()
             if bias is not None:
                 z = z + g.Unsqueeze(bias, [1])
             sg = sigmoid(z)
@@ -497,16 +676,15 @@ def causal_conv_with_state(g: GradBuilder, n: NodeContext) -> Grads:
         if bias is not None and n.needs[2]:
             grads[2] = g.reduce_sum(dz, [0, 2], keepdims=False)
         if n.needs[1]:
-            per_tap = [g.Unsqueeze(g.reduce_sum(dz * pj, [0, 2], keepdims=False), [1]) for pj in taps]
-            grads[1] = g.Unsqueeze(g.Concat(*per_tap, axis=1) if k > 1 else per_tap[0], [1], shape=w.shape)
+            grads[1] = g.Unsqueeze(taps.weight_grad(dz), [1], shape=w.shape)
         if n.needs[0] or (past is not None and n.needs[3]):
-            dp = _sum([g.Pad(dz * wj, [0, 0, j, 0, 0, k - 1 - j]) for j, wj in enumerate(w_taps)])
+            dp = taps.input_grad(dz)
     if d_present is not None and (n.needs[0] or (past is not None and n.needs[3])):
         tail = g.Concat(g.zeros_like(x), d_present, axis=2)
         dp = tail if dp is None else dp + tail
     if dp is not None:
         if n.needs[0]:
-            grads[0] = g.Slice(dp, [k - 1], [_END], [2], shape=x.shape)
+            grads[0] = g.Slice(dp, history_v, [_END], [2], shape=x.shape)
         if past is not None and n.needs[3]:
-            grads[3] = g.Slice(dp, [0], [k - 1], [2], shape=past.shape)
+            grads[3] = g.Slice(dp, [0], history_v, [2], shape=past.shape)
     return grads

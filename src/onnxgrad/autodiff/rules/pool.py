@@ -27,13 +27,18 @@ from .common import (
     Grads,
     Window,
     first_only,
+    fit_spatial,
     max_grad,
     node_label,
     numel,
+    pad_at_run_time,
     positions,
+    run_time_same_pads,
+    same_pads_at_run_time,
     spatial_dims,
     spatial_rank,
     static_dims,
+    unpad_at_run_time,
     window_of,
     zeros,
 )
@@ -227,7 +232,7 @@ def spread_windows(
     x: Var,
     kernel: list[int],
     win: Window,
-    spatial: list[int],
+    spatial: list[int] | None,
     ceil: bool,
 ) -> Var:
     """t[i] = sum of v[w] over the pooling windows w that contain position i of x.
@@ -235,8 +240,20 @@ def spread_windows(
     One ``ConvTranspose`` of v with a ones kernel and the pooling geometry, channels folded into
     the batch so the kernel does not depend on C. ``output_padding`` reaches positions after the
     last window; a window that ceil mode let run past the padded input is cropped by a larger end
-    pad. (AveragePool's rule is this with v = dY / count.)
+    pad. (AveragePool's rule is this with v = dY / count.) With ``spatial`` sizes unknown
+    (None) the ConvTranspose keeps the begin pads only and its result is cut or zero-filled to
+    X's run-time size (:func:`fit_spatial`).
     """
+    ones = g.const(np.ones((1, 1, *kernel)), x.dtype)
+    geometry = {"strides": list(win.strides), "dilations": list(win.dilations)}
+    if spatial is None:
+        nsp = len(kernel)
+        folded = g.Reshape(
+            v, g.Concat(g.const(np.array([-1, 1])), g.Slice(g.Shape(v), [2], [2 + nsp]), axis=0)
+        )
+        ct = g.ConvTranspose(folded, ones, pads=[*win.begins, *[0] * nsp], **geometry)
+        fitted = fit_spatial(g, ct, g.Slice(g.shape_of(x), [2], [2 + nsp]), nsp)
+        return g.Reshape(fitted, g.shape_of(x), shape=x.shape)
     rows, ends, out_pad = [], [], []
     for i, h in enumerate(spatial):
         k, s, d = kernel[i], win.strides[i], win.dilations[i]
@@ -246,26 +263,62 @@ def spread_windows(
         extra = h - (s * (o - 1) + (k - 1) * d + 1 - pb - pe)
         ends.append(pe if extra >= 0 else pe - extra)
         out_pad.append(max(extra, 0))
-    ones = g.const(np.ones((1, 1, *kernel)), x.dtype)
     ct = g.ConvTranspose(
         g.Reshape(v, [-1, 1, *rows]),
         ones,
-        strides=list(win.strides),
-        dilations=list(win.dilations),
         pads=[*win.begins, *ends],
         output_padding=out_pad if any(out_pad) else None,
+        **geometry,
     )
     return g.Reshape(ct, g.shape_of(x), shape=x.shape)
 
 
-def _static_window(n: NodeContext) -> tuple[list[int], list[int], Window]:
-    """Kernel, static spatial sizes of X and window of a pooling node whose rule needs static sizes."""
-    nsp = spatial_rank(n, n.x, n.y)
-    kernel = [int(k) for k in n.attr("kernel_shape")]
-    static = static_dims(spatial_dims(n.x, nsp))
-    if static is None:
-        raise GradientNotImplementedError(f"{node_label(n)}: {n.node.op_type} needs static spatial sizes")
-    return kernel, static, window_of(n, nsp, kernel, static)
+class _PoolWindow:
+    """Kernel, spatial sizes of X (None unless all static) and window of an average or Lp pool;
+    ``pads``: the (begins, ends) of SAME pads that depend on run-time sizes (1-D int64 Vars), the
+    window then unpadded: the rule pools X padded by them (:func:`pad_at_run_time`)."""
+
+    def __init__(self, g: GradBuilder, n: NodeContext) -> None:
+        nsp = spatial_rank(n, n.x, n.y)
+        self.kernel = [int(k) for k in n.attr("kernel_shape")]
+        spatial = spatial_dims(n.x, nsp)
+        self.static = static_dims(spatial)
+        self.pads = None
+        if same_pads_at_run_time(n, self.kernel, spatial):
+            self.pads = run_time_same_pads(g, n, n.x, self.kernel)
+        self.win = window_of(n, nsp, self.kernel, spatial, unpadded=self.pads is not None)
+
+
+def _run_time_inverse_count(
+    g: GradBuilder, n: NodeContext, kernel: list[int], win: Window, include_pad: bool, pads: Any
+) -> Var:
+    """1 / count of each AveragePool window, from the run-time sizes of X and Y: along axis i,
+    window o reads positions o s - pb + j d (j < k), counted when inside X, or inside the padded X
+    with ``count_include_pad``; the count of a window is the product of its axes' counts. With
+    run-time ``pads`` (begins, ends) the window is unpadded over X padded by them."""
+    x, nsp = n.x, len(kernel)
+    inverse: Var | None = None
+    for i, k in enumerate(kernel):
+        s, d, pb, pe = win.strides[i], win.dilations[i], win.begins[i], win.ends[i]
+        rows = _arange(g, g.dim(n.y, 2 + i))
+        starts = g.Unsqueeze(rows * s - pb, [1]) + g.const(np.arange(k)[None, :] * d)  # (O, k)
+        h = g.dim(x, 2 + i)
+        lo: Any
+        hi: Any
+        if pads is not None:  # X lies at [b, b + H) of the padded X, which ends at b + H + e
+            b, e = (g.Slice(p, [i], [i + 1]) for p in pads)
+            lo, hi = (0, g.Add(g.Add(b, h), e)) if include_pad else (b, g.Add(b, h))
+        else:
+            lo, hi = (-pb, h + pe) if include_pad else (0, h)
+        lo_v = g.const(np.int64(lo)) if isinstance(lo, int) else lo
+        hi_v = g.const(np.int64(hi)) if isinstance(hi, int) else hi
+        inside = g.And(starts >= lo_v, starts < hi_v)
+        count = g.ReduceSum(g.Cast(inside, to=x.dtype), [1], keepdims=0)  # (O,)
+        others = [a for a in range(2 + nsp) if a != 2 + i]
+        inv = g.Unsqueeze(g.Reciprocal(count), others)
+        inverse = inv if inverse is None else inverse * inv
+    assert inverse is not None
+    return inverse
 
 
 @rule("AveragePool")
@@ -273,14 +326,19 @@ def average_pool(g: GradBuilder, n: NodeContext) -> Grads:
     """dX = ConvTranspose(dY / count, ones kernel): a window spreads dY / count over its elements.
 
     count is the number of elements of a window inside X (``count_include_pad=0``) or inside the
-    padded X (``=1``), per output position, from static sizes; :func:`spread_windows` does the rest.
+    padded X (``=1``), per output position: constants from static sizes, else computed from the
+    run-time sizes of X and Y; :func:`spread_windows` does the rest.
     """
     if not n.needs[0]:
         return [None]
     x, dy = n.x, n.dy
-    kernel, static, win = _static_window(n)
+    pool = _PoolWindow(g, n)
+    kernel, static, win = pool.kernel, pool.static, pool.win
     ceil = bool(n.attr("ceil_mode", 0))
     include_pad = bool(n.attr("count_include_pad", 0))
+    if static is None:
+        inverse = _run_time_inverse_count(g, n, kernel, win, include_pad, pool.pads)
+        return [_spread_at_run_time(g, dy * inverse, x, pool, ceil)]
     counts = []
     for i, h in enumerate(static):
         k, s, d = kernel[i], win.strides[i], win.dilations[i]
@@ -334,15 +392,29 @@ def lp_pool(g: GradBuilder, n: NodeContext) -> Grads:
     """y = (sum over the window of |x|^p)^(1/p): dx = sign(x) |x|^(p-1) * spread(dy y^(1-p)).
 
     Padding adds zeros, which add nothing; ``spread`` sums over the windows holding each element
-    (:func:`spread_windows`). Needs static spatial sizes.
+    (:func:`spread_windows`).
     """
     if not n.needs[0]:
         return [None]
     x = n.x
-    kernel, static, win = _static_window(n)
+    pool = _PoolWindow(g, n)
     per_window, per_element = _lp_factors(g, x, n.y, n.dy, _lp_p(n))
-    spread = spread_windows(g, per_window, x, kernel, win, static, bool(n.attr("ceil_mode", 0)))
+    ceil = bool(n.attr("ceil_mode", 0))
+    if pool.static is None:
+        return [_spread_at_run_time(g, per_window, x, pool, ceil) * per_element]
+    spread = spread_windows(g, per_window, x, pool.kernel, pool.win, pool.static, ceil)
     return [spread * per_element]
+
+
+def _spread_at_run_time(g: GradBuilder, v: Var, x: Var, pool: _PoolWindow, ceil: bool) -> Var:
+    """:func:`spread_windows` over X of run-time sizes; with run-time pads, over X padded by them,
+    X's part then cut out."""
+    if pool.pads is None:
+        return spread_windows(g, v, x, pool.kernel, pool.win, None, ceil)
+    begins, ends = pool.pads
+    padded = pad_at_run_time(g, x, begins, ends)
+    spread = spread_windows(g, v, padded, pool.kernel, pool.win, None, ceil)
+    return unpad_at_run_time(g, spread, begins, x, len(pool.kernel))
 
 
 @rule("GlobalLpPool")

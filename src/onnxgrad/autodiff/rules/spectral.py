@@ -6,7 +6,7 @@ The gradient of a linear map is its adjoint. For the DFT of length ``n`` (``z = 
 the gradient ``(d re, d im)`` of the output as the complex number ``d re + i d im``. Around it the
 adjoints of the padding and slicing the op does: a one-sided output is zero-padded back to ``n``
 frequencies, a ``dft_length`` that padded the signal slices its gradient (and zero-pads it where the
-signal was truncated), and a real input keeps the real part.
+signal was truncated), and a real input keeps the real part. Sizes not static are read at run time.
 
 Not covered: STFT, and the opset-27 CausalConvWithState and LinearAttention (onnxruntime 1.31 runs
 opsets up to 26 only).
@@ -18,7 +18,7 @@ import numpy as np
 
 from ..builder import GradBuilder, Var
 from ..registry import NodeContext, rule
-from .common import Grads, optional_input, refuse
+from .common import Grads, need_rank, optional_input, refuse
 
 
 def _const_int(n: NodeContext, i: int, what: str) -> int | None:
@@ -60,11 +60,14 @@ def _slice(g: GradBuilder, x: Var, axis: int, start: int, end: int) -> Var:
 @rule("DFT", since=17)
 def dft_grad(g: GradBuilder, n: NodeContext) -> Grads:
     """``z = DFT_n(x)``: ``dx = n IDFT(dz)`` (forward DFT) or ``DFT(dz) / n`` (inverse), with the
-    adjoints of one-sided output, ``dft_length`` padding/truncation and real input around it."""
+    adjoints of one-sided output, ``dft_length`` padding/truncation and real input around it.
+    Sizes not static (the signal's length, real or complex input) are read at run time."""
     x = n.x
+    if n.attr("inverse", 0) and n.attr("onesided", 0):
+        raise refuse(n, "an inverse one-sided DFT (a half spectrum in, a real signal out) is not supported")
     shape = x.static_shape
     if shape is None:
-        raise refuse(n, "the input needs a static shape")
+        return [_dft_grad_run_time(g, n, x, need_rank(n, x)), None, None]
     rank = len(shape)
     axis = _dft_axis(n, rank)
     length = shape[axis]
@@ -86,3 +89,28 @@ def dft_grad(g: GradBuilder, n: NodeContext) -> Grads:
     if shape[-1] == 1:  # real input: the real part
         dx = _slice(g, dx, rank - 1, 0, 1)
     return [dx, None, None]
+
+
+def _dft_grad_run_time(g: GradBuilder, n: NodeContext, x: Var, rank: int) -> Var:
+    """:func:`dft_grad` with the sizes read at run time: the transform's length n (``dft_length``
+    or X's along the axis), the signal's length and X's last dim (1: real, 2: complex)."""
+    axis = _dft_axis(n, rank)
+    dims = g.shape_of(x)
+    length = g.Slice(dims, [axis], [axis + 1])  # (1,)
+    fixed = _const_int(n, 1, "dft_length")
+    size = length if fixed is None else g.const(np.int64([fixed]))
+    inverse, onesided = bool(n.attr("inverse", 0)), bool(n.attr("onesided", 0))
+    dz = n.dy
+    if onesided:  # frequencies n//2 + 1 .. n - 1 were not output
+        half = g.Add(g.Div(size, g.const(np.int64([2]))), g.const(np.int64([1])))
+        missing = g.Sub(size, half)
+        dz = g.Pad(dz, g.Concat(g.const(np.int64([0])), missing, axis=0), None, g.const(np.int64([axis])))
+    dx = _dft(g, dz, axis, not inverse, None)
+    scale = g.Cast(g.Squeeze(size, [0]), to=x.dtype)
+    dx = dx * scale if not inverse else dx / scale
+    # the signal's own length: its padding cut, its truncated samples back as zeros
+    dx = g.Slice(dx, g.const(np.int64([0])), length, g.const(np.int64([axis])))
+    short = g.Sub(length, g.Slice(g.Shape(dx), [axis], [axis + 1]))
+    dx = g.Pad(dx, g.Concat(g.const(np.int64([0])), short, axis=0), None, g.const(np.int64([axis])))
+    last = g.Slice(dims, [rank - 1], [rank])  # 1 (real input: the real part) or 2
+    return g.Slice(dx, g.const(np.int64([0])), last, g.const(np.int64([rank - 1])), shape=x.shape)

@@ -224,11 +224,21 @@ def grid_sample(g: GradBuilder, n: NodeContext) -> Grads:
 # ---- AffineGrid ------------------------------------------------------------------------------
 @rule("AffineGrid", since=20)
 def affine_grid_grad(g: GradBuilder, n: NodeContext) -> Grads:
-    """``grid[b, p] = theta[b] @ [base(p), 1]``: ``dtheta[b] = dgrid[b]^T @ [base, 1]``."""
+    """``grid[b, p] = theta[b] @ [base(p), 1]``: ``dtheta[b] = dgrid[b]^T @ [base, 1]``.
+
+    The grid's number of spatial dims k (2 or 3) is theta's dim 1, or the length of ``size`` less
+    2, or the grid's rank less 2: whichever is known when building."""
     theta, size = n.inputs[0], n.inputs[1]
-    if theta is None or theta.static_shape is None:
-        raise refuse(n, "theta needs a static shape")
-    k = theta.static_shape[1]  # 2 (2-D grid) or 3 (3-D grid)
+    assert theta is not None and size is not None
+    ks = {
+        theta.shape[1] if theta.shape is not None and len(theta.shape) == 3 else None,
+        size.shape[0] - 2 if size.shape is not None and isinstance(size.shape[0], int) else None,
+        n.y.rank - 2 if n.y.rank is not None else None,
+    }
+    known = [v for v in ks if isinstance(v, int)]
+    if not known:
+        raise refuse(n, "the grid's number of spatial dims (theta's dim 1) must be known")
+    k = known[0]  # 2 (2-D grid) or 3 (3-D grid)
     eye = np.eye(k, k + 1)[None]
     # base coordinates: the grid of the identity transform for one batch item, flattened to [P, k]
     one = g.Concat(g.const(np.int64([1])), g.op("Slice", size, [1], [k + 2], [0]), axis=0)
