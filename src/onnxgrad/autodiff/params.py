@@ -16,6 +16,7 @@ The names these modules define are importable from here too, as before the split
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ import onnx
 from onnx import helper
 
 from ..errors import InputError
-from ..model.graph import FLOAT_TYPES
+from ..model.graph import FLOAT_TYPES, node_operands
 from .ties import (
     BROADCAST_MIN_DISTINCT,
     GATHER_MIN_REPEAT,
@@ -52,7 +53,7 @@ __all__ = [
     "TIE_MIN_SIZE", "TRAINABLE_KEY", "Decision", "Selection", "Tie", "checked_names", "decisions",
     "declared_trainable", "default_trainable", "find_ties", "padding_rows", "parameter_reasons",
     "require_trainable", "running_statistics", "select_parameters", "split_aliases", "tie_parameters",
-    "untie",
+    "untie", "values_reaching",
 ]  # fmt: skip
 
 
@@ -66,6 +67,8 @@ class Selection:
     initializers now computed from a parameter. ``aliases``: initializers the file read under
     another's name through ``Identity`` (alias -> the initializer it read), now apart.
     ``decisions``: every initializer's default decision with its reason (``onnxgrad info``).
+    ``unreached``: parameters left out because none of the outputs the loss uses depends on them
+    (``outputs=`` of :func:`select_parameters`).
     """
 
     model: onnx.ModelProto
@@ -74,6 +77,7 @@ class Selection:
     ties: list[Tie] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
     decisions: dict[str, Decision] = field(default_factory=dict)
+    unreached: list[str] = field(default_factory=list)
 
     @property
     def groups(self) -> dict[str, list[Tie]]:
@@ -102,6 +106,7 @@ def select_parameters(
     frozen: Iterable[str] | str = (),
     tie_weights: bool = True,
     buffers: Iterable[str] = (),
+    outputs: Iterable[str] | None = None,
 ) -> Selection:
     """What to train in ``model``: the default set (``trainable=None``) or the named initializers,
     checked, less the ``frozen`` ones; with ``tie_weights``, initializers that are one parameter
@@ -112,10 +117,14 @@ def select_parameters(
     trained apart, a table rebuilt as ``<name>_core``); freezing any copy of a tied parameter
     freezes the parameter, and its copies stay constants. ``buffers``: running statistics, never
     trained (those a BatchNormalization in training mode reads are found in ``model`` too).
+    ``outputs``: the outputs the loss uses (``None``: every output). A parameter none of them
+    depends on gets no gradient (torch's grad stays ``None`` and its optimizers skip it, weight
+    decay and momentum included): it is left out, named in :attr:`Selection.unreached` and in a
+    :class:`UserWarning`, and stays as it is in the model.
 
     Raises :class:`InputError` for a ``trainable`` name that is not a floating-point initializer
     or is a running statistic, for a ``frozen`` name that is none of the names above, and when
-    ``frozen`` leaves nothing to train.
+    ``frozen`` (or ``outputs``) leaves nothing to train.
     """
     stats = set(buffers) | set(running_statistics(model))
     if trainable is not None:
@@ -129,7 +138,7 @@ def select_parameters(
     selection = _select(model, trainable, tie_weights)
     frozen = [frozen] if isinstance(frozen, str) else list(dict.fromkeys(frozen))
     if not frozen:
-        return selection
+        return _reaching(selection, outputs)
     groups: dict[str, set[str]] = {}  # any name of a tied parameter -> every name of it
     for source, ties in selection.groups.items():
         names = {source, *(t.name for t in ties)}
@@ -152,7 +161,58 @@ def select_parameters(
     names = {i.name for i in selection.model.graph.initializer}
     for n in sorted(off & names):
         selection.reasons.setdefault(n, "frozen (frozen=)")
-    return selection
+    return _reaching(selection, outputs)
+
+
+def values_reaching(graph: onnx.GraphProto, outputs: Iterable[str]) -> set[str]:
+    """The values of ``graph`` that ``outputs`` depend on (the outputs included): the operands of
+    every node computing one, transitively, the values a node's subgraphs read included."""
+    producer = {o: n for n in graph.node for o in n.output if o}
+    needed = set(outputs)
+    stack = list(needed)
+    while stack:
+        node = producer.get(stack.pop())
+        if node is None:
+            continue
+        for i in node_operands(node):
+            if i and i not in needed:
+                needed.add(i)
+                stack.append(i)
+    return needed
+
+
+def _reaching(selection: Selection, outputs: Iterable[str] | None) -> Selection:
+    """``selection`` less the parameters that none of ``outputs`` depends on, with a warning
+    naming them (``outputs=None``, or a name that is no output, which the caller reports: as is)."""
+    if outputs is None:
+        return selection
+    outputs = list(dict.fromkeys(outputs))
+    graph = selection.model.graph
+    if not outputs or not set(outputs) <= {o.name for o in graph.output}:
+        return selection
+    reached = values_reaching(graph, outputs)
+    unreached = [n for n in selection.trainable if n not in reached]
+    if not unreached:
+        return selection
+    kept = [n for n in selection.trainable if n in reached]
+    if not kept:
+        raise InputError(
+            f"nothing to train: no parameter reaches the outputs {outputs} (the loss does not depend on "
+            f"{unreached})"
+        )
+    warnings.warn(
+        f"{unreached} reach none of the outputs {outputs}: they get no gradient and are left out of "
+        "training (torch's optimizers skip a parameter whose grad is None, weight decay and momentum "
+        "included); they keep their values",
+        UserWarning,
+        stacklevel=3,
+    )
+    reasons = dict(selection.reasons)
+    for n in unreached:
+        reasons[n] = f"reaches none of the outputs {outputs}"
+    return Selection(
+        selection.model, kept, reasons, selection.ties, selection.aliases, selection.decisions, unreached
+    )
 
 
 def require_trainable(names: Iterable[str]) -> list[str]:
