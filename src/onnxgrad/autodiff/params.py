@@ -17,14 +17,15 @@ The names these modules define are importable from here too, as before the split
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ..errors import InputError
-from ..model.graph import FLOAT_TYPES, node_operands
+from ..model.graph import FLOAT_TYPES, node_operands, np_dtype, to_array
 from .ties import (
     BROADCAST_MIN_DISTINCT,
     GATHER_MIN_REPEAT,
@@ -49,11 +50,31 @@ from .trainable import (
 )
 
 __all__ = [
-    "BROADCAST_MIN_DISTINCT", "CONSTANT_SLOTS", "GATHER_MIN_REPEAT", "MASK_NEGATIVE", "RULES",
-    "TIE_MIN_SIZE", "TRAINABLE_KEY", "Decision", "Selection", "Tie", "checked_names", "decisions",
-    "declared_trainable", "default_trainable", "find_ties", "padding_rows", "parameter_reasons",
-    "require_trainable", "running_statistics", "select_parameters", "split_aliases", "tie_parameters",
-    "untie", "values_reaching",
+    "BROADCAST_MIN_DISTINCT",
+    "CONSTANT_SLOTS",
+    "GATHER_MIN_REPEAT",
+    "MASK_NEGATIVE",
+    "RULES",
+    "TIE_MIN_SIZE",
+    "TRAINABLE_KEY",
+    "Decision",
+    "Selection",
+    "Tie",
+    "apply_parameters",
+    "checked_names",
+    "decisions",
+    "declared_trainable",
+    "default_trainable",
+    "find_ties",
+    "padding_rows",
+    "parameter_reasons",
+    "require_trainable",
+    "running_statistics",
+    "select_parameters",
+    "split_aliases",
+    "tie_parameters",
+    "untie",
+    "values_reaching",
 ]  # fmt: skip
 
 
@@ -288,3 +309,77 @@ def _select(model: onnx.ModelProto, trainable: list[str] | None, tie_weights: bo
     for t in ties:
         left_out.pop(t.name, None)
     return Selection(tie_parameters(model, ties), selected, left_out, ties, aliases, judged)
+
+
+def apply_parameters(
+    model: onnx.ModelProto, params: Mapping[str, np.ndarray], *, tie_weights: bool = True
+) -> onnx.ModelProto:
+    """A copy of ``model`` holding the trained values ``params`` (name -> array, dtypes kept), as
+    every front end chose and tied its parameters (the default :func:`select_parameters`).
+
+    A tied parameter's copies are computed from its new value (GPT-2's folded transposed head
+    follows its embedding; a gathered copy follows its rebuilt table ``<name>_core``, a broadcast
+    copy its core); an alias trained apart (an ``Identity`` of a value the exporter stored once,
+    TorchScript BERT's biases) becomes an initializer of its own. A copy named without its
+    parameter, or with a value that is not computed from the parameter's, would be left stale:
+    :class:`InputError` naming the copies and their parameter. ``tie_weights=False``: every name is
+    an initializer written as given (a model trained with ``tie_weights=False``).
+
+    :class:`InputError` also for a name that is no initializer (nor a rebuilt core, nor an alias)
+    and for a value of another shape.
+    """
+    split, aliases = split_aliases(model)
+    ties = _select(model, None, True).ties if tie_weights else []  # found on ``split``
+    base = split if any(n in aliases for n in params) else model  # an alias trained: apart
+    inits = {i.name: i for i in base.graph.initializer}
+    made = {t.source: t for t in ties if t.made}
+    copies = {t.name: t for t in ties if not t.made}
+    unknown = [n for n in params if n not in inits and n not in made]
+    if unknown:
+        raise InputError(f"{unknown} are not initializers of the model (nor tables or cores it trains)")
+
+    def value_of(name: str, like: str) -> np.ndarray:
+        init = inits[like]
+        value = np.asarray(params[name], dtype=np_dtype(init.data_type))
+        shape = tuple(made[name].core(to_array(init)).shape) if name in made else tuple(init.dims)
+        if tuple(value.shape) != shape:
+            raise InputError(f"{name!r} has shape {shape}, got {value.shape}")
+        return value
+
+    new: dict[str, np.ndarray] = {}
+    for name in params:
+        if name in made:  # a rebuilt table or core: the copy it computes is what the file holds
+            new[made[name].name] = made[name].compute(value_of(name, made[name].name))
+        elif name not in copies:
+            new[name] = value_of(name, name)
+    for t in ties:  # every copy follows its parameter
+        if not t.made and t.source in new:
+            new[t.name] = t.compute(new[t.source])
+    stale = []
+    for name in params:
+        if name in copies:
+            t = copies[name]
+            given = value_of(name, name)
+            if t.source not in new or not _same_bits(given, new[name]):
+                stale.append(f"{name!r} (computed from {t.source!r}: {t.how})")
+    if stale:
+        raise InputError(
+            f"{', '.join(stale)} would be left stale: these are copies of one tied parameter; pass the "
+            "parameter's value only (the copies follow it), or tie_weights=False to write each as given"
+        )
+    out = _copy(base)
+    for init in out.graph.initializer:
+        if init.name in new:
+            init.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(new[init.name]), init.name))
+    return out
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    bits = np.dtype(f"u{a.dtype.itemsize}")
+    return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a.view(bits), b.view(bits)))
