@@ -6,8 +6,8 @@ of equal constants trained apart; and what ``onnxgrad info`` says about each."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import onnx
+import pytest
 from onnx import helper, numpy_helper
 
 import onnxgrad

@@ -71,7 +71,9 @@ def test_rounded_linear_weight_trains_every_element(kind):
     # the gradient of each element is its own: x^T dy, not summed over equal values
     x, dy = RNG.standard_normal((4, N_IN)).astype(F32), RNG.standard_normal((4, N_OUT)).astype(F32)
     grads = fb.forward({"x": x}).backward({"y": dy})
-    np.testing.assert_allclose(grads["W"], x.T.astype(np.float64) @ dy, rtol=1e-4, atol=1e-5 * np.abs(x).max())
+    np.testing.assert_allclose(
+        grads["W"], x.T.astype(np.float64) @ dy, rtol=1e-4, atol=1e-5 * np.abs(x).max()
+    )
 
 
 def test_rounded_weight_through_every_door(tmp_path):
@@ -81,7 +83,10 @@ def test_rounded_weight_through_every_door(tmp_path):
     assert {n: v.size for n, v in trainer.parameters.items()} == {"W": 65536, "b": N_OUT}
     # the artifacts the Python runner, Node and the browser train
     art = generate(model, loss="mse", targets=("onnxruntime",))
-    assert [(p["name"], p["shape"]) for p in art.manifest["parameters"]] == [("W", [N_IN, N_OUT]), ("b", [N_OUT])]
+    assert [(p["name"], p["shape"]) for p in art.manifest["parameters"]] == [
+        ("W", [N_IN, N_OUT]),
+        ("b", [N_OUT]),
+    ]
     # OnnxModule: nn.Parameters
     pytest.importorskip("torch")
     from onnxgrad.torch import OnnxModule
@@ -118,7 +123,10 @@ def test_float16_model_trains_every_element():
 # ---- what the graph says is a table ----------------------------------------------------------------
 def attention(bias: np.ndarray) -> onnx.ModelProto:
     """Softmax(s + bias): ``bias`` added to attention scores ``s``, as a relative-position bias is."""
-    nodes = [helper.make_node("Add", ["s", "bias"], ["scores"]), helper.make_node("Softmax", ["scores"], ["y"])]
+    nodes = [
+        helper.make_node("Add", ["s", "bias"], ["scores"]),
+        helper.make_node("Softmax", ["scores"], ["y"]),
+    ]
     shape = [2, *bias.shape[1:]]
     return make_model(nodes, [("s", F32, shape)], [("y", F32, shape)], {"bias": bias})
 

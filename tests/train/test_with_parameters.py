@@ -58,7 +58,9 @@ def test_trained_tied_weights_applied_back_are_the_runners_model(tmp_path):
 def test_a_mapping_that_would_leave_a_copy_stale_is_refused():
     model = tied_lm()
     e = RNG.standard_normal((VOCAB, DIM)).astype(F32)
-    with pytest.raises(InputError, match=r"'E_T' \(computed from 'E': transpose \[1, 0\]\) would be left stale"):
+    with pytest.raises(
+        InputError, match=r"'E_T' \(computed from 'E': transpose \[1, 0\]\) would be left stale"
+    ):
         with_parameters(model, {"E_T": e.T})
     with pytest.raises(InputError, match=r"'E_T' \(computed from 'E'"):
         with_parameters(model, {"E": e, "E_T": np.zeros((DIM, VOCAB), F32)})
@@ -99,7 +101,10 @@ def test_a_rebuilt_table_writes_its_gathered_copy():
     index = rel[0] * (2 * window - 1) + rel[1]
     table = RNG.standard_normal(((2 * window - 1) ** 2, heads)).astype(F32)
     copy = np.ascontiguousarray(table[index].transpose(2, 0, 1)[None])
-    nodes = [helper.make_node("Add", ["s", "bias"], ["scores"]), helper.make_node("Softmax", ["scores"], ["y"])]
+    nodes = [
+        helper.make_node("Add", ["s", "bias"], ["scores"]),
+        helper.make_node("Softmax", ["scores"], ["y"]),
+    ]
     model = make_model(nodes, [("s", F32, list(copy.shape))], [("y", F32, list(copy.shape))], {"bias": copy})
     import onnxgrad
 

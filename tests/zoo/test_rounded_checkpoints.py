@@ -93,7 +93,7 @@ def _logits(model, ids: np.ndarray) -> np.ndarray:
 
 
 def test_every_weight_element_is_a_parameter(case):
-    name, module, model, *_ = case
+    _, module, model, *_ = case
     selection = select_parameters(model)
     assert not [t for t in selection.ties if t.gather is not None]
     inits = {i.name: i for i in selection.model.graph.initializer}
@@ -103,7 +103,7 @@ def test_every_weight_element_is_a_parameter(case):
 
 
 def test_trainer_follows_torch(case):
-    name, module, model, ids, target, before, after = case
+    _, _, model, ids, target, before, after = case
     trainer = Trainer(model, loss="mse", lr=LR, optimizer_options={"weight_decay": WD}, batch_size=2,
                       shuffle=False, progress=False)  # fmt: skip
     feeds = {i.name: ids for i in model.graph.input} | {"target": target}
@@ -112,7 +112,7 @@ def test_trainer_follows_torch(case):
 
 
 def test_artifacts_runner_follows_torch(case, tmp_path):
-    name, module, model, ids, target, before, after = case
+    _, _, model, ids, target, before, after = case
     generate(model, loss="mse", lr=LR, optimizer_options={"weight_decay": WD}, out_dir=tmp_path,
              targets=("onnxruntime",))  # fmt: skip
     runner = Runner(tmp_path)
@@ -124,7 +124,7 @@ def test_artifacts_runner_follows_torch(case, tmp_path):
 def test_onnxmodule_follows_torch(case):
     from onnxgrad.torch import OnnxModule
 
-    name, module, model, ids, target, before, after = case
+    _, _, model, ids, target, before, after = case
     layer = OnnxModule(model)
     opt = torch.optim.AdamW(layer.parameters(), lr=LR, weight_decay=WD)
     x, y = torch.from_numpy(ids), torch.from_numpy(target)

@@ -32,7 +32,10 @@ from .ties import (
     TIE_MIN_SIZE,
     Tie,
     find_ties,
+    merge_suspects,
+    shared_constants,
     split_aliases,
+    split_shared,
     tie_parameters,
     untie,
 )
@@ -50,31 +53,11 @@ from .trainable import (
 )
 
 __all__ = [
-    "BROADCAST_MIN_DISTINCT",
-    "CONSTANT_SLOTS",
-    "GATHER_MIN_REPEAT",
-    "MASK_NEGATIVE",
-    "RULES",
-    "TIE_MIN_SIZE",
-    "TRAINABLE_KEY",
-    "Decision",
-    "Selection",
-    "Tie",
-    "apply_parameters",
-    "checked_names",
-    "decisions",
-    "declared_trainable",
-    "default_trainable",
-    "find_ties",
-    "padding_rows",
-    "parameter_reasons",
-    "require_trainable",
-    "running_statistics",
-    "select_parameters",
-    "split_aliases",
-    "tie_parameters",
-    "untie",
-    "values_reaching",
+    "BROADCAST_MIN_DISTINCT", "CONSTANT_SLOTS", "GATHER_MIN_REPEAT", "MASK_NEGATIVE", "RULES",
+    "TIE_MIN_SIZE", "TRAINABLE_KEY", "Decision", "Selection", "Tie", "apply_parameters", "checked_names",
+    "decisions", "declared_trainable", "default_trainable", "find_ties", "padding_rows",
+    "parameter_reasons", "require_trainable", "running_statistics", "select_parameters",
+    "shared_constants", "split_aliases", "split_shared", "tie_parameters", "untie", "values_reaching",
 ]  # fmt: skip
 
 
@@ -89,7 +72,9 @@ class Selection:
     another's name through ``Identity`` (alias -> the initializer it read), now apart.
     ``decisions``: every initializer's default decision with its reason (``onnxgrad info``).
     ``unreached``: parameters left out because none of the outputs the loss uses depends on them
-    (``outputs=`` of :func:`select_parameters`).
+    (``outputs=`` of :func:`select_parameters`). ``shared``: parameters holding one value repeated
+    that several nodes read, the file not saying whether they are one parameter or several an
+    exporter merged (name -> the nodes; :func:`~onnxgrad.autodiff.ties.merge_suspects`).
     """
 
     model: onnx.ModelProto
@@ -99,6 +84,7 @@ class Selection:
     aliases: dict[str, str] = field(default_factory=dict)
     decisions: dict[str, Decision] = field(default_factory=dict)
     unreached: list[str] = field(default_factory=list)
+    shared: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def groups(self) -> dict[str, list[Tie]]:
@@ -157,6 +143,8 @@ def select_parameters(
                 "trained"
             )
     selection = _select(model, trainable, tie_weights)
+    if trainable is None and selection.shared:
+        _warn_shared(selection.shared)
     frozen = [frozen] if isinstance(frozen, str) else list(dict.fromkeys(frozen))
     if not frozen:
         return _reaching(selection, outputs)
@@ -183,6 +171,21 @@ def select_parameters(
     for n in sorted(off & names):
         selection.reasons.setdefault(n, "frozen (frozen=)")
     return _reaching(selection, outputs)
+
+
+def _warn_shared(shared: dict[str, list[str]]) -> None:
+    """The warning every front end gives for :attr:`Selection.shared` (the default choice)."""
+    listed = "; ".join(f"{name!r} by {nodes}" for name, nodes in shared.items())
+    warnings.warn(
+        f"initializers holding one value repeated are each read by several nodes, and trained as one "
+        f"parameter: {listed}. An exporter that merges equal initializers (torch.onnx.export(dynamo=True) "
+        "of a freshly initialised model: zero biases, ones norm weights) stores several parameters so. "
+        "If they are several, keep them apart: export after loading trained weights or with "
+        "optimize=False, or give each node its own copy with onnxgrad.autodiff.params.split_shared(model) "
+        "before training; if they are one parameter (a layer applied several times), this is right",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def values_reaching(graph: onnx.GraphProto, outputs: Iterable[str]) -> set[str]:
@@ -232,7 +235,14 @@ def _reaching(selection: Selection, outputs: Iterable[str] | None) -> Selection:
     for n in unreached:
         reasons[n] = f"reaches none of the outputs {outputs}"
     return Selection(
-        selection.model, kept, reasons, selection.ties, selection.aliases, selection.decisions, unreached
+        selection.model,
+        kept,
+        reasons,
+        selection.ties,
+        selection.aliases,
+        selection.decisions,
+        unreached,
+        selection.shared,
     )
 
 
@@ -298,8 +308,9 @@ def _select(model: onnx.ModelProto, trainable: list[str] | None, tie_weights: bo
         for source, group in by_source.items():
             if source in chosen or any(t.name in chosen for t in group):
                 ties.extend(group)
+    shared = merge_suspects(model, names)
     if not ties:
-        return Selection(model, names, left_out, [], aliases, judged)
+        return Selection(model, names, left_out, [], aliases, judged, shared=shared)
     tied = {t.name: t.source for t in ties}
     selected: list[str] = []
     for n in names:
@@ -308,7 +319,7 @@ def _select(model: onnx.ModelProto, trainable: list[str] | None, tie_weights: bo
             selected.append(n)
     for t in ties:
         left_out.pop(t.name, None)
-    return Selection(tie_parameters(model, ties), selected, left_out, ties, aliases, judged)
+    return Selection(tie_parameters(model, ties), selected, left_out, ties, aliases, judged, shared=shared)
 
 
 def apply_parameters(

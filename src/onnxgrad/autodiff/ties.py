@@ -14,6 +14,18 @@ them either), so an ``Identity`` of a floating-point initializer that holds one 
 value), trained apart as torch trains them. An ``Identity`` of any other initializer is a use of it,
 as before (it is not split: a copy of distinct values would be tied back anyway).
 
+**Merged constants.** The dynamo exporter's optimizer merges equal initializers too, and reads the
+one left directly: a fresh BERT's zero biases are one ``model.embeddings.LayerNorm.bias`` read by
+15 nodes. Its node metadata still tells the modules apart (``pkg.torch.onnx.name_scopes``): a
+torch parameter (``InputSpec.kind`` PARAMETER) holding one value repeated, read by nodes of modules
+other than its own, is split too (:func:`split_aliases`): the nodes of each other module read a
+copy named after that module (``model.encoder.layer.0.attention.self.query.bias``), trained apart
+as torch trains them. A module applied several times (ALBERT's shared layer) reads its parameter
+from its own module each time: one parameter, as in torch. Without that metadata nothing tells a
+merge from a sharing: :func:`shared_constants` finds such initializers (one value repeated, read by
+several nodes), every front end warns (:func:`~onnxgrad.autodiff.params.select_parameters`),
+``onnxgrad info`` lists them, and :func:`split_shared` gives each node its own copy.
+
 **Tied weights.** Exporters fold a transposed copy of a tied embedding (GPT-2's ``lm_head``), so the
 file holds two initializers for one parameter. Two floating-point initializers are *one parameter*
 when one is bit-equal to the other, to a transpose of it, to a cast of it, or to a cast of a
@@ -73,6 +85,7 @@ all-zero table at initialization, cannot be told from a constant and is trained 
 
 from __future__ import annotations
 
+import ast
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -81,7 +94,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..model.graph import FLOAT_TYPES, np_dtype, to_array, unique_name
+from ..errors import InputError
+from ..model.graph import FLOAT_TYPES, all_names, np_dtype, to_array, unique_name
 from .trainable import _dtype_name
 
 TIE_MIN_SIZE = 256
@@ -163,8 +177,9 @@ class Tie:
 # ---- aliases ------------------------------------------------------------------------------------
 def split_aliases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
     """``model`` with each ``Identity`` of a floating-point initializer in its main graph replaced by
-    an initializer of its own (a copy of the value, named as the Identity's output), and those
-    aliases as name -> the initializer they were read from (see the module's documentation).
+    an initializer of its own (a copy of the value, named as the Identity's output), and the
+    parameters the dynamo exporter merged read apart (see the module's documentation); and those
+    aliases as name -> the initializer they were read from.
     ``model`` itself when it has none; a copy otherwise. Aliases that are graph outputs, and those
     of initializers that are also graph inputs (fed at run time), are left alone."""
     graph = model.graph
@@ -178,6 +193,11 @@ def split_aliases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, st
         free = src not in fixed and dst not in fixed and dst not in inits
         if free and src in inits and inits[src].data_type in FLOAT_TYPES and _constant(inits[src]):
             aliases[dst] = src
+    merged = _merged_by_exporter(model)
+    if merged:  # several parameters the dynamo exporter merged: each module reads its own
+        model, copies = _give_copies(model, merged)
+        split, more = split_aliases(model) if aliases else (model, {})
+        return split, {**copies, **more}
     if not aliases:
         return model, {}
     out = onnx.ModelProto()
@@ -198,6 +218,178 @@ def split_aliases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, st
 def _constant(t: TensorProto) -> bool:
     flat = to_array(t).ravel()
     return bool(flat.size) and bool((flat == flat[0]).all())
+
+
+_SCOPES = "pkg.torch.onnx.name_scopes"  # the dynamo exporter's module path of each node
+_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"  # its torch input kind of an initializer
+
+
+def shared_constants(
+    model: onnx.ModelProto, names: Iterable[str] | None = None
+) -> dict[str, list[onnx.NodeProto]]:
+    """Floating-point initializers of ``model``'s main graph (among ``names``, default all) that
+    hold one value repeated (two elements or more) and that several nodes read directly: name ->
+    those nodes, in graph order. An exporter that merged equal parameters stores them so (see the
+    module's documentation); so does a layer applied several times."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    fixed = {o.name for o in graph.output} | {i.name for i in graph.input}
+    wanted = set(inits) if names is None else set(names) & set(inits)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for i in dict.fromkeys(node.input):
+            if i in wanted:
+                readers.setdefault(i, []).append(node)
+    out = {}
+    for name, nodes in readers.items():
+        t = inits[name]
+        if len(nodes) < 2 or name in fixed or t.data_type not in FLOAT_TYPES:
+            continue
+        if int(np.prod(t.dims, dtype=np.int64)) >= 2 and _constant(t):
+            out[name] = nodes
+    return out
+
+
+def merge_suspects(model: onnx.ModelProto, names: Iterable[str] | None = None) -> dict[str, list[str]]:
+    """The :func:`shared_constants` among ``names`` that the file does not explain (no module known
+    for some reader; readers all in the parameter's own module are a layer applied several times):
+    name -> the names of the nodes that read it."""
+    out = {}
+    for name, nodes in shared_constants(model, names).items():
+        groups = _owner_groups(name, nodes)
+        if groups is None or len(groups) > 1:
+            out[name] = [n.name or n.output[0] for n in nodes]
+    return out
+
+
+def _module(node: onnx.NodeProto) -> str | None:
+    """The module path of the torch call ``node`` came from (dynamo metadata), or None."""
+    raw = next((p.value for p in node.metadata_props if p.key == _SCOPES), None)
+    try:
+        scopes = ast.literal_eval(raw) if raw is not None else None
+    except (ValueError, SyntaxError):
+        return None
+    if not isinstance(scopes, list) or len(scopes) < 2 or not all(isinstance(x, str) for x in scopes):
+        return None
+    return scopes[-2]  # the last entry is the call itself
+
+
+def _kind(model: onnx.ModelProto, name: str) -> str | None:
+    for v in (*model.graph.value_info, *model.graph.input, *model.graph.initializer):
+        if v.name == name:
+            for p in v.metadata_props:
+                if p.key == _KIND:
+                    return p.value
+    return None
+
+
+def _owner_groups(name: str, nodes: list[onnx.NodeProto]) -> dict[str, list[onnx.NodeProto]] | None:
+    """The readers ``nodes`` of parameter ``name`` grouped by module (``""``: its own module), when
+    every reader's module is known; None otherwise."""
+    owner = name.rsplit(".", 1)[0] if "." in name else ""
+    groups: dict[str, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        module = _module(node)
+        if module is None:
+            return None
+        mine = module == owner or module.startswith(f"{owner}.") if owner else True
+        groups.setdefault("" if mine else module, []).append(node)
+    return groups
+
+
+def _give_copies(
+    model: onnx.ModelProto, plans: dict[str, dict[str, list[onnx.NodeProto]]]
+) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """A copy of ``model`` where, for each initializer of ``plans`` (name -> copy name -> readers),
+    the readers of each copy read a new initializer of that name holding the same value (with the
+    original's value_info, renamed); and the copies as copy -> original."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    inits = {i.name: i for i in graph.initializer}
+    infos = {v.name: v for v in graph.value_info}
+    position = {id(n): k for k, n in enumerate(model.graph.node)}
+    made: dict[str, str] = {}
+    for name, copies in plans.items():
+        for copy_name, readers in copies.items():
+            for node in readers:
+                target = graph.node[position[id(node)]]
+                for k, i in enumerate(target.input):
+                    if i == name:
+                        target.input[k] = copy_name
+            tensor = TensorProto()
+            tensor.CopyFrom(inits[name])
+            tensor.name = copy_name
+            graph.initializer.append(tensor)
+            if name in infos:
+                info = onnx.ValueInfoProto()
+                info.CopyFrom(infos[name])
+                info.name = copy_name
+                graph.value_info.append(info)
+            made[copy_name] = name
+    return out, made
+
+
+def _copy_names(
+    name: str, groups: dict[str, list[onnx.NodeProto]], taken: set[str]
+) -> dict[str, list[onnx.NodeProto]]:
+    """Copy name -> readers, for every group of ``groups`` but the one keeping ``name`` (its own
+    module's, else the first): ``<module>.<leaf>`` (a torch parameter's name) when free."""
+    leaf = name.rsplit(".", 1)[-1]
+    keep = "" if "" in groups else next(iter(groups))
+    plan: dict[str, list[onnx.NodeProto]] = {}
+    for k, (module, readers) in enumerate(groups.items()):
+        if module == keep:
+            continue
+        wanted = f"{module}.{leaf}" if module and not module.startswith("#") else f"{name}_{k}"
+        copy_name = unique_name(wanted, taken)
+        taken.add(copy_name)
+        plan[copy_name] = readers
+    return plan
+
+
+def _merged_by_exporter(model: onnx.ModelProto) -> dict[str, dict[str, list[onnx.NodeProto]]]:
+    """The torch parameters the dynamo exporter merged (see the module's documentation): name ->
+    copy name -> the nodes that read it."""
+    taken = all_names(model.graph)
+    plans = {}
+    for name, nodes in shared_constants(model).items():
+        if _kind(model, name) != "PARAMETER":
+            continue
+        groups = _owner_groups(name, nodes)
+        if groups is None or len(groups) < 2:
+            continue  # unknown modules, or one module applied several times: one parameter
+        plans[name] = _copy_names(name, groups, taken)
+    return plans
+
+
+def split_shared(model: onnx.ModelProto, names: Iterable[str] | None = None) -> onnx.ModelProto:
+    """A copy of ``model`` where each node reading one of the initializers ``names`` (default: every
+    initializer :func:`shared_constants` finds, one value repeated read by several nodes) reads a
+    copy of its own, so that they train apart: the way to keep apart parameters that an exporter
+    merged (the dynamo exporter's optimizer on a freshly initialised model) when the file does not
+    say which modules read them. The first reader keeps the name; a reader whose torch module is
+    known (dynamo metadata) reads ``<module>.<leaf>``, another ``<name>_<k>``. :class:`InputError`
+    for a name that is no initializer read by several nodes."""
+    found = shared_constants(model) if names is None else None
+    if names is not None:
+        names = [names] if isinstance(names, str) else list(dict.fromkeys(names))
+        graph = model.graph
+        inits = {i.name for i in graph.initializer}
+        found = {}
+        for name in names:
+            readers = [n for n in graph.node if name in n.input]
+            if name not in inits or len(readers) < 2:
+                raise InputError(f"{name!r} is not an initializer that several nodes read (split_shared)")
+            found[name] = readers
+    taken = all_names(model.graph)
+    plans = {}
+    for name, nodes in found.items():
+        groups = _owner_groups(name, nodes)
+        if groups is None or len(groups) < 2:  # no module known: a copy per node
+            groups = {f"#{k}": [node] for k, node in enumerate(nodes)}
+        plans[name] = _copy_names(name, groups, taken)
+    return _give_copies(model, plans)[0]
 
 
 # ---- tied weights --------------------------------------------------------------------------------

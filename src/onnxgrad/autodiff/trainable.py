@@ -23,9 +23,10 @@ reasons that applies (:data:`RULES`, in order): what the file *declares* first, 
    scales, a ``BatchNormalization`` running statistic, quantization scales, an RNN's initial state
    (table :data:`CONSTANT_SLOTS`), read directly or through ops that pass a part of it on
    (``Slice``, ``Split``, ``Gather``, ``Concat``, ``Tile``: the dynamo exporter's zero initial state
-   of a multi-layer RNN, a scalar expanded over the batch and sliced per layer); and, in onnxruntime's ops, the ``cos_cache`` / ``sin_cache`` of
-   a ``RotaryEmbedding`` or ``GroupQueryAttention`` (the rotary tables, constants in torch; the
-   ONNX RotaryEmbedding's too): ``"rotary cache"`` (table :data:`ROTARY_CACHE_SLOTS`);
+   of a multi-layer RNN, a scalar expanded over the batch and sliced per layer); and, in
+   onnxruntime's ops, the ``cos_cache`` / ``sin_cache`` of a ``RotaryEmbedding`` or
+   ``GroupQueryAttention`` (the rotary tables, constants in torch; the ONNX RotaryEmbedding's too):
+   ``"rotary cache"`` (table :data:`ROTARY_CACHE_SLOTS`);
 6. it has one value and is added to the result of a reduction or a square root (the epsilon of a
    hand-written normalization): ``"epsilon"``;
 7. it is read by elementwise ops only and holds a mask: only 0 and one or more values at most
