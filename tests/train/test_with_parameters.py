@@ -112,3 +112,23 @@ def test_a_rebuilt_table_writes_its_gathered_copy():
     got = inits_of(with_parameters(model, {"bias_core": 2 * core}))
     assert sorted(got) == ["bias"]
     np.testing.assert_array_equal(got["bias"], 2 * copy)
+
+
+def test_a_copy_named_with_its_table_must_agree():
+    window, heads = 4, 2
+    coords = np.stack(np.meshgrid(np.arange(window), np.arange(window), indexing="ij")).reshape(2, -1)
+    rel = coords[:, :, None] - coords[:, None, :] + window - 1
+    index = rel[0] * (2 * window - 1) + rel[1]
+    copy = np.ascontiguousarray(RNG.standard_normal((49, heads)).astype(F32)[index].transpose(2, 0, 1)[None])
+    nodes = [
+        helper.make_node("Add", ["s", "bias"], ["scores"]),
+        helper.make_node("Softmax", ["scores"], ["y"]),
+    ]
+    model = make_model(nodes, [("s", F32, list(copy.shape))], [("y", F32, list(copy.shape))], {"bias": copy})
+    import onnxgrad
+
+    core = onnxgrad.ForwardBackward(model).parameters["bias_core"]
+    with pytest.raises(InputError, match=r"'bias' \(computed from 'bias_core': gather of 98 entries"):
+        with_parameters(model, {"bias_core": 2 * core, "bias": copy})
+    got = inits_of(with_parameters(model, {"bias_core": 2 * core, "bias": 2 * copy}))
+    np.testing.assert_array_equal(got["bias"], 2 * copy)

@@ -361,7 +361,11 @@ def apply_parameters(
     for name in params:
         if name in made:  # a rebuilt table or core: the copy it computes is what the file holds
             new[made[name].name] = made[name].compute(value_of(name, made[name].name))
-        elif name not in copies:
+    for t in made.values():  # the copy named with its core: one of them would be lost
+        if t.name in params and t.source in params:
+            copies[t.name] = t
+    for name in params:
+        if name not in made and name not in copies:
             new[name] = value_of(name, name)
     for t in ties:  # every copy follows its parameter
         if not t.made and t.source in new:
@@ -371,7 +375,7 @@ def apply_parameters(
         if name in copies:
             t = copies[name]
             given = value_of(name, name)
-            if t.source not in new or not _same_bits(given, new[name]):
+            if t.source not in params or not _same_bits(given, new[name]):
                 stale.append(f"{name!r} (computed from {t.source!r}: {t.how})")
     if stale:
         raise InputError(
