@@ -102,6 +102,11 @@ def test_merged_by_the_dynamo_exporter_trains_apart_as_torch():
     applied = with_parameters(model, {"model.b.bias": np.ones(8, F32)})
     got = {i.name: numpy_helper.to_array(i) for i in applied.graph.initializer}
     assert not got["model.a.bias"].any() and (got["model.b.bias"] == 1).all()
+    only = {
+        i.name: numpy_helper.to_array(i)
+        for i in with_parameters(model, {"model.a.bias": np.ones(8, F32)}).graph.initializer
+    }
+    assert (only["model.a.bias"] == 1).all() and not only["model.b.bias"].any()  # b is another parameter
 
 
 def test_one_module_applied_twice_is_one_parameter():

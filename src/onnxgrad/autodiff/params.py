@@ -339,9 +339,8 @@ def apply_parameters(
     :class:`InputError` also for a name that is no initializer (nor a rebuilt core, nor an alias)
     and for a value of another shape.
     """
-    split, aliases = split_aliases(model)
-    ties = _select(model, None, True).ties if tie_weights else []  # found on ``split``
-    base = split if any(n in aliases for n in params) else model  # an alias trained: apart
+    base, _ = split_aliases(model)  # aliases apart: a value written under one name changes no other
+    ties = _select(model, None, True).ties if tie_weights else []  # found on ``base``
     inits = {i.name: i for i in base.graph.initializer}
     made = {t.source: t for t in ties if t.made}
     copies = {t.name: t for t in ties if not t.made}
