@@ -81,7 +81,17 @@ def test_selection_names_what_the_outputs_do_not_reach():
     assert len(select_parameters(model, outputs=["y1", "y2"]).trainable) == 6
     assert len(select_parameters(model).trainable) == 6
     with pytest.raises(InputError, match=r"nothing to train: no parameter reaches the outputs \['y2'\]"):
-        select_parameters(model, ["h1.weight"], outputs=["y2"])
+        select_parameters(
+            model, outputs=["y2"], frozen=["trunk.weight", "trunk.bias", "h2.weight", "h2.bias"]
+        )
+    # named in trainable=: the caller's choice, kept, with a warning saying what moves them
+    with pytest.warns(
+        UserWarning, match=r"\['h1.weight'\] \(named in trainable=\) reach none of the outputs"
+    ):
+        assert select_parameters(model, ["h1.weight", "h2.bias"], outputs=["y2"]).trainable == [
+            "h1.weight",
+            "h2.bias",
+        ]
 
 
 @pytest.mark.parametrize("case", list(OPTIMIZERS))

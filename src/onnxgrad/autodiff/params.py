@@ -124,10 +124,11 @@ def select_parameters(
     trained apart, a table rebuilt as ``<name>_core``); freezing any copy of a tied parameter
     freezes the parameter, and its copies stay constants. ``buffers``: running statistics, never
     trained (those a BatchNormalization in training mode reads are found in ``model`` too).
-    ``outputs``: the outputs the loss uses (``None``: every output). A parameter none of them
-    depends on gets no gradient (torch's grad stays ``None`` and its optimizers skip it, weight
-    decay and momentum included): it is left out, named in :attr:`Selection.unreached` and in a
-    :class:`UserWarning`, and stays as it is in the model.
+    ``outputs``: the outputs the loss uses (``None``: every output). A parameter of the default set
+    that none of them depends on gets no gradient (torch's grad stays ``None`` and its optimizers
+    skip it, weight decay and momentum included): it is left out, named in
+    :attr:`Selection.unreached` and in a :class:`UserWarning`, and stays as it is in the model. One
+    named in ``trainable`` is kept (the caller's choice), with a warning.
 
     Raises :class:`InputError` for a ``trainable`` name that is not a floating-point initializer
     or is a running statistic, for a ``frozen`` name that is none of the names above, and when
@@ -147,7 +148,7 @@ def select_parameters(
         _warn_shared(selection.shared)
     frozen = [frozen] if isinstance(frozen, str) else list(dict.fromkeys(frozen))
     if not frozen:
-        return _reaching(selection, outputs)
+        return _reaching(selection, outputs, trainable is not None)
     groups: dict[str, set[str]] = {}  # any name of a tied parameter -> every name of it
     for source, ties in selection.groups.items():
         names = {source, *(t.name for t in ties)}
@@ -170,7 +171,7 @@ def select_parameters(
     names = {i.name for i in selection.model.graph.initializer}
     for n in sorted(off & names):
         selection.reasons.setdefault(n, "frozen (frozen=)")
-    return _reaching(selection, outputs)
+    return _reaching(selection, outputs, trainable is not None)
 
 
 def _warn_shared(shared: dict[str, list[str]]) -> None:
@@ -205,9 +206,10 @@ def values_reaching(graph: onnx.GraphProto, outputs: Iterable[str]) -> set[str]:
     return needed
 
 
-def _reaching(selection: Selection, outputs: Iterable[str] | None) -> Selection:
-    """``selection`` less the parameters that none of ``outputs`` depends on, with a warning
-    naming them (``outputs=None``, or a name that is no output, which the caller reports: as is)."""
+def _reaching(selection: Selection, outputs: Iterable[str] | None, named: bool) -> Selection:
+    """``selection`` less the parameters of the default choice that none of ``outputs`` depends on,
+    with a warning naming them; parameters ``named`` by the caller are kept, with a warning
+    (``outputs=None``, or a name that is no output, which the caller reports: as is)."""
     if outputs is None:
         return selection
     outputs = list(dict.fromkeys(outputs))
@@ -217,6 +219,15 @@ def _reaching(selection: Selection, outputs: Iterable[str] | None) -> Selection:
     reached = values_reaching(graph, outputs)
     unreached = [n for n in selection.trainable if n not in reached]
     if not unreached:
+        return selection
+    if named:
+        warnings.warn(
+            f"{unreached} (named in trainable=) reach none of the outputs {outputs}: their gradient is "
+            "zero, and weight decay or momentum still move them (torch's optimizers would skip them); "
+            "leave them out of trainable= to keep them as they are",
+            UserWarning,
+            stacklevel=3,
+        )
         return selection
     kept = [n for n in selection.trainable if n in reached]
     if not kept:
