@@ -96,7 +96,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import InputError
 from ..model.graph import FLOAT_TYPES, all_names, np_dtype, to_array, unique_name
-from .trainable import _dtype_name
+from .trainable import TORCH_KIND, _dtype_name
 
 TIE_MIN_SIZE = 256
 """The fewest values an initializer needs to be tied to another (smaller ones agree by accident)."""
@@ -221,7 +221,6 @@ def _constant(t: TensorProto) -> bool:
 
 
 _SCOPES = "pkg.torch.onnx.name_scopes"  # the dynamo exporter's module path of each node
-_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"  # its torch input kind of an initializer
 
 
 def shared_constants(
@@ -278,7 +277,7 @@ def _kind(model: onnx.ModelProto, name: str) -> str | None:
     for v in (*model.graph.value_info, *model.graph.input, *model.graph.initializer):
         if v.name == name:
             for p in v.metadata_props:
-                if p.key == _KIND:
+                if p.key == TORCH_KIND:
                     return p.value
     return None
 
