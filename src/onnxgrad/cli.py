@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -269,7 +270,9 @@ def _info(args: argparse.Namespace) -> int:
         print(f"\n{title}:")
         print(_table(("name", "type", "shape"), [_describe(v) for v in values], indent=2))
 
-    selection = select_parameters(model)
+    with warnings.catch_warnings():  # said below, in its own section
+        warnings.filterwarnings("ignore", "initializers holding one value repeated", UserWarning)
+        selection = select_parameters(model)
     inits = {i.name: i for i in selection.model.graph.initializer}  # aliases apart, rebuilt tables
     params = [inits[n] for n in selection.trainable]
     total = sum(_numel(t.dims) for t in params)
@@ -290,10 +293,18 @@ def _info(args: argparse.Namespace) -> int:
         print(_table(("name", "type", "shape", "size", "why"), rows, indent=2))
     if selection.aliases:
         print(
-            "\naliases (one constant initializer read under several names through Identity; trained apart):"
+            "\naliases (one constant initializer read under several names through Identity, or merged by "
+            "the exporter; trained apart):"
         )
         rows = [(alias, source) for alias, source in selection.aliases.items()]
         print(_table(("parameter", "read from"), rows, indent=2))
+    if selection.shared:
+        print(
+            "\nshared constants (one value repeated, read by several nodes: trained as one parameter; if an "
+            "exporter merged several, keep them apart with onnxgrad.autodiff.params.split_shared):"
+        )
+        rows = [(name, ", ".join(nodes)) for name, nodes in selection.shared.items()]
+        print(_table(("initializer", "read by"), rows, indent=2))
     groups = selection.groups
     if groups:
         print("\ntied weights (one parameter stored several times, trained as one unless tie_weights=False):")

@@ -6,6 +6,7 @@ of equal constants trained apart; and what ``onnxgrad info`` says about each."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import helper, numpy_helper
 
@@ -88,6 +89,15 @@ def test_swin_shifted_window_mask_of_minus_100():
 
 
 # ---- gathered copies -------------------------------------------------------------------------------
+def scored(inits: dict[str, np.ndarray], shape) -> onnx.ModelProto:
+    """Attention scores: y = Softmax(x * w + each of ``inits`` in turn), the graph of a
+    relative-position bias added to ``q k^T`` (x * w stands for the product)."""
+    model = added(inits, shape=shape)
+    model.graph.node[-1].output[0] = "scores"
+    model.graph.node.append(helper.make_node("Softmax", ["scores"], ["y"], axis=-1))
+    return model
+
+
 def swin_copy(heads: int = 2, window: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Swin's relative-position bias: table ((2w-1)^2, heads), index (w*w, w*w), copy
     table[index] as (1, heads, w*w, w*w)."""
@@ -101,7 +111,7 @@ def swin_copy(heads: int = 2, window: int = 4) -> tuple[np.ndarray, np.ndarray, 
 def test_gathered_copy_trains_one_table_as_torch():
     torch = pytest.importorskip("torch")
     table, index, copy = swin_copy()
-    model = added({"bias": copy}, shape=copy.shape)
+    model = scored({"bias": copy}, shape=copy.shape)
     selection = select_parameters(model)
     assert [(t.name, t.source, t.how) for t in selection.ties] == [
         ("bias", "bias_core", "gather of 98 entries over [1, 2, 16, 16]")
@@ -113,7 +123,9 @@ def test_gathered_copy_trains_one_table_as_torch():
     x, dy = rnd(*copy.shape), rnd(*copy.shape)
     grads = fb.forward({"x": x}).backward({"y": dy})
     t = torch.tensor(table, dtype=torch.float64, requires_grad=True)
-    (t[torch.tensor(index)].permute(2, 0, 1)[None] * torch.tensor(dy, dtype=torch.float64)).sum().backward()
+    w = torch.tensor(fb.parameters["w"], dtype=torch.float64)
+    scores = torch.tensor(x, dtype=torch.float64) * w + t[torch.tensor(index)].permute(2, 0, 1)[None]
+    (torch.softmax(scores, -1) * torch.tensor(dy, dtype=torch.float64)).sum().backward()
     want = {float(v): float(g) for v, g in zip(table.ravel(), t.grad.numpy().ravel())}
     got = grads["bias_core"]
     np.testing.assert_allclose(got, [want[float(v)] for v in core], rtol=1e-5, atol=1e-5 * np.abs(got).max())
@@ -127,7 +139,7 @@ def test_gathered_copy_expanded_over_the_batch_is_one_gather():
     # T5's decoder bias: buckets gathered over (heads, q, k), then expanded over the batch
     *_, copy = swin_copy()
     batched = np.broadcast_to(copy, (2, *copy.shape[1:])).copy()
-    (tie,) = select_parameters(added({"bias": batched}, shape=batched.shape)).ties
+    (tie,) = select_parameters(scored({"bias": batched}, shape=batched.shape)).ties
     assert (tie.source, tie.how) == ("bias_core", "gather of 98 entries over [2, 2, 16, 16]")
 
 
@@ -146,10 +158,11 @@ def test_relative_position_bias_over_few_positions_is_a_gathered_copy():
     # 5 positions: 36 distinct values in 100, too few repeats to count, but constant along diagonals
     bias = t5_copy(5)
     decoder = np.broadcast_to(t5_copy(3, causal=True), (2, 4, 3, 3)).copy()  # 13 distinct values
-    (tie,) = select_parameters(added({"bias": bias}, shape=bias.shape)).ties
+    (tie,) = select_parameters(scored({"bias": bias}, shape=bias.shape)).ties
     assert (tie.name, tie.source, tie.how) == ("bias", "bias_core", "gather of 36 entries over [1, 4, 5, 5]")
-    (tie,) = select_parameters(added({"dec": decoder}, shape=decoder.shape)).ties
-    assert (tie.source, tie.how) == ("dec_core", "gather of 13 entries over [2, 4, 3, 3]")
+    # 3 buckets and the causal mask's lowest value, per head
+    (tie,) = select_parameters(scored({"dec": decoder}, shape=decoder.shape)).ties
+    assert (tie.source, tie.how) == ("dec_core", "gather of 16 entries over [2, 4, 3, 3]")
 
 
 def test_no_gather_tie_without_repeats_or_distinct_entries():
@@ -157,13 +170,13 @@ def test_no_gather_tie_without_repeats_or_distinct_entries():
     few = np.arange(8, dtype=F32)[index % 8][None, None]  # 8 distinct values: too few to tell
     zeros = np.zeros((1, 2, 16, 16), F32)  # Swin's table at initialization: a constant
     weight = rnd(1, 2, 16, 16)  # no repeats
-    model = added({"few": few.repeat(2, 1), "zeros": zeros, "weight": weight}, shape=(1, 2, 16, 16))
+    model = scored({"few": few.repeat(2, 1), "zeros": zeros, "weight": weight}, shape=(1, 2, 16, 16))
     assert select_parameters(model).ties == []
     # constant along the diagonals, as a relative-position bias is, but an initialisation: identity,
     # banded (three values)
     eye = np.broadcast_to(np.eye(16, dtype=F32), (1, 2, 16, 16)).copy()
     banded = (eye + 0.5 * np.roll(eye, 1, axis=-1) - 0.25 * np.roll(eye, -1, axis=-1)).astype(F32)
-    assert select_parameters(added({"eye": eye, "banded": banded}, shape=(1, 2, 16, 16))).ties == []
+    assert select_parameters(scored({"eye": eye, "banded": banded}, shape=(1, 2, 16, 16))).ties == []
 
 
 # ---- aliases ---------------------------------------------------------------------------------------
@@ -214,14 +227,20 @@ def test_info_shows_each_decision_aliases_and_rebuilt_tables(tmp_path, capsys):
 
     _, _, copy = swin_copy()
     model = aliased_model()
-    model.graph.initializer.append(numpy_helper.from_array(copy.reshape(4, 128), "bias"))
+    model.graph.initializer.append(numpy_helper.from_array(copy, "bias"))
     model.graph.initializer.append(
         numpy_helper.from_array(np.where(rnd(4, 8) > 0, 0, -100).astype(F32), "mask")
     )
+    model.graph.input.append(helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, list(copy.shape)))
     model.graph.node.extend(
-        [helper.make_node("Add", ["y", "mask"], ["y1"]), helper.make_node("MatMul", ["y1", "bias"], ["y2"])]
+        [
+            helper.make_node("Add", ["y", "mask"], ["y1"]),
+            helper.make_node("Add", ["s", "bias"], ["s1"]),  # an attention-score bias
+            helper.make_node("Softmax", ["s1"], ["y2"]),
+        ]
     )
-    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y2", onnx.TensorProto.FLOAT, [4, 128]))
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y1", onnx.TensorProto.FLOAT, [4, 8]))
+    model.graph.output.append(helper.make_tensor_value_info("y2", onnx.TensorProto.FLOAT, list(copy.shape)))
     path = tmp_path / "m.onnx"
     onnx.save(model, path)
     assert main(["info", str(path)]) == 0
@@ -235,5 +254,5 @@ def test_info_shows_each_decision_aliases_and_rebuilt_tables(tmp_path, capsys):
     assert row("b1", "float") == "b1 float [8] 8 read as a weight; Identity alias of b0, apart"
     assert row("b1", "b0") == "b1 b0"  # the aliases table
     assert row("bias_core") == "bias_core float [98] 98 rebuilt from bias"
-    assert row("bias_core", "bias") == "bias_core bias gather of 98 entries over [4, 128]"
+    assert row("bias_core", "bias") == "bias_core bias gather of 98 entries over [1, 2, 16, 16]"
     assert row("mask") == "mask float [4, 8] additive mask"

@@ -121,3 +121,86 @@ def test_uses_inside_if_branches_are_followed():
     reasons = parameter_reasons(model)
     assert reasons["one"] == "read as a boolean"
     assert reasons["w"] is None
+
+
+def test_a_constant_sliced_into_rnn_initial_states_is_not_trained():
+    # the dynamo exporter's zero initial state of a 2-layer GRU with a dynamic batch: a scalar
+    # Expanded to (layers, batch, hidden), then Sliced per layer into each GRU's initial_h
+    w = np.full((1, 6, 2), 0.1, np.float32)
+    r = np.full((1, 6, 2), 0.2, np.float32)
+    model = _model(
+        [
+            helper.make_node("Expand", ["zero", "shape"], ["zeros"]),
+            helper.make_node("Slice", ["zeros", "start", "end", "axis"], ["h0"]),
+            helper.make_node("GRU", ["x", "W", "R", "", "", "h0"], ["y"], hidden_size=2),
+        ],
+        [
+            helper.make_tensor_value_info("x", F, [3, "b", 2]),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [3]),
+        ],
+        [helper.make_tensor_value_info("y", F, [3, 1, "b", 2])],
+        {
+            "zero": np.array(0.0, np.float32), "W": w, "R": r, "start": np.array([0]),
+            "end": np.array([1]), "axis": np.array([0]),
+        },
+    )  # fmt: skip
+    reasons = parameter_reasons(model)
+    assert reasons["zero"] == "RNN initial state"
+    assert reasons["W"] is None and reasons["R"] is None
+
+
+def test_dynamo_rnns_without_an_initial_state_train_like_torch():
+    # issue 37 §15: exported with a dynamic batch, torch's GRU / LSTM start from a scalar zero
+    # (val_2) expanded and sliced per layer; trained as a weight, the model drifted from torch's
+    # (1e-4 to 6e-3 after 3 SGD steps) and started every sequence from a nonzero state
+    import warnings
+
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    import onnxruntime as ort
+
+    from onnxgrad.train import Trainer
+
+    class First(torch.nn.Module):
+        def __init__(self, rnn: torch.nn.Module) -> None:
+            super().__init__()
+            self.rnn = rnn
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.rnn(x)[0]
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 5, 3, generator=gen)
+    target = torch.randn(4, 5, 6, generator=gen)
+    for cls in (torch.nn.GRU, torch.nn.LSTM):
+        torch.manual_seed(0)
+        module = First(cls(3, 6, num_layers=2, batch_first=True))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            batch = torch.export.Dim("batch")
+            model = torch.onnx.export(
+                module, (x,), dynamo=True, verbose=False, dynamic_shapes=({0: batch},)
+            ).model_proto
+        reasons = parameter_reasons(model)
+        states = [n for n, r in reasons.items() if r == "RNN initial state"]
+        assert states, reasons
+        trainer = Trainer(model, loss="mse", optimizer="sgd", lr=0.5, batch_size=4, shuffle=False,
+                          progress=False)  # fmt: skip
+        name = model.graph.input[0].name
+        trainer.fit({name: x.numpy(), "target": target.numpy()}, epochs=3)
+        opt = torch.optim.SGD(module.parameters(), lr=0.5)
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(module(x), target).backward()
+            opt.step()
+        with torch.no_grad():
+            want = module(x).numpy()
+        sess = ort.InferenceSession(trainer.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"])
+        got = sess.run(None, {name: x.numpy()})[0]
+        # float32 noise over 3 steps is ~1e-7; a trained initial state moved outputs by 1e-4 and more
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6, err_msg=cls.__name__)
+        saved = {i.name: numpy_helper.to_array(i) for i in trainer.to_onnx().graph.initializer}
+        for n in states:
+            assert not saved[n].any()  # the saved model still starts every sequence from zero

@@ -134,7 +134,7 @@ def generate(
     elif loss_name not in prepared.output_names:
         raise InputError(f"the model has no output {loss_name!r}; pass loss= to append one")
     # the parameters every front end trains, chosen and tied once (as OnnxModule chooses them)
-    selected = prepared.select(trainable, frozen=frozen)
+    selected = prepared.select(trainable, frozen=frozen, outputs=[loss_name])
     params = require_trainable(selected.selection.trainable)  # type: ignore[union-attr]
     stats = selected.running_stats
     graphs = selected.gradient_graphs(trainable=params, outputs=[loss_name], tie_weights=False)

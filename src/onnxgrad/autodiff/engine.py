@@ -127,7 +127,8 @@ def build_gradient(
     (``GradientGraphs.ties``); ``False`` trains them apart.
     ``inputs_requiring_grad``: graph inputs whose gradients the backward also returns.
     ``outputs``: outputs that take a gradient (``None``: every floating-point output); the others
-    are treated as having a zero gradient.
+    are treated as having a zero gradient, and parameters that none of these outputs depends on
+    are not trained (a :class:`UserWarning` names them; see ``select_parameters``).
     ``quantized``: the gradient through quantization ops (QuantizeLinear, DynamicQuantizeLinear and
     the integer products they feed; see ``docs/quantized.md``): ``"ste"`` (default) the
     straight-through estimator of quantization-aware training, ``"zero"`` none (they stop the
@@ -140,8 +141,9 @@ def build_gradient(
     """
     if quantized not in QUANTIZED_MODES:
         raise InputError(f"quantized must be one of {list(QUANTIZED_MODES)}, got {quantized!r}")
+    outputs = None if outputs is None else list(outputs)
     selection = select_parameters(
-        _prepare(load_model(model)), trainable, frozen=frozen, tie_weights=tie_weights
+        _prepare(load_model(model)), trainable, frozen=frozen, tie_weights=tie_weights, outputs=outputs
     )
     model = selection.model
     graph = model.graph

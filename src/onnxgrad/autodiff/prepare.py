@@ -110,6 +110,7 @@ class PreparedModel:
         *,
         frozen: Iterable[str] = (),
         tie_weights: bool = True,
+        outputs: Iterable[str] | None = None,
     ) -> PreparedModel:
         """The prepared model of the parameters chosen now, before the modes are switched: tied
         initializers are computed from their parameter in both variants (:attr:`selection`).
@@ -117,11 +118,17 @@ class PreparedModel:
         ``trainable`` / ``frozen`` / ``tie_weights``: the choice every front end makes
         (:func:`~onnxgrad.autodiff.params.select_parameters`): ``trainable=None`` the default set,
         less the ``frozen`` names (freezing any copy of a tied parameter freezes the parameter);
-        running statistics are never trained. :class:`InputError` for a bad name, or when
-        ``frozen`` leaves nothing to train."""
+        running statistics are never trained; with ``outputs`` (those the loss uses), parameters
+        none of them depends on are left out, with a warning. :class:`InputError` for a bad name, or
+        when ``frozen`` leaves nothing to train."""
         buffers = self.buffers if trainable is not None else ()  # checked against named ones only
         selection = select_parameters(
-            self.checked.proto, trainable, frozen=frozen, tie_weights=tie_weights, buffers=buffers
+            self.checked.proto,
+            trainable,
+            frozen=frozen,
+            tie_weights=tie_weights,
+            buffers=buffers,
+            outputs=outputs,
         )
         tied = CheckedModel(selection.model)  # onnxgrad's own rewrite of a checked model
         return PreparedModel(tied, modes=self.follows_training, selection=selection)

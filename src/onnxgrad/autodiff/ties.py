@@ -14,6 +14,18 @@ them either), so an ``Identity`` of a floating-point initializer that holds one 
 value), trained apart as torch trains them. An ``Identity`` of any other initializer is a use of it,
 as before (it is not split: a copy of distinct values would be tied back anyway).
 
+**Merged constants.** The dynamo exporter's optimizer merges equal initializers too, and reads the
+one left directly: a fresh BERT's zero biases are one ``model.embeddings.LayerNorm.bias`` read by
+15 nodes. Its node metadata still tells the modules apart (``pkg.torch.onnx.name_scopes``): a
+torch parameter (``InputSpec.kind`` PARAMETER) holding one value repeated, read by nodes of modules
+other than its own, is split too (:func:`split_aliases`): the nodes of each other module read a
+copy named after that module (``model.encoder.layer.0.attention.self.query.bias``), trained apart
+as torch trains them. A module applied several times (ALBERT's shared layer) reads its parameter
+from its own module each time: one parameter, as in torch. Without that metadata nothing tells a
+merge from a sharing: :func:`shared_constants` finds such initializers (one value repeated, read by
+several nodes), every front end warns (:func:`~onnxgrad.autodiff.params.select_parameters`),
+``onnxgrad info`` lists them, and :func:`split_shared` gives each node its own copy.
+
 **Tied weights.** Exporters fold a transposed copy of a tied embedding (GPT-2's ``lm_head``), so the
 file holds two initializers for one parameter. Two floating-point initializers are *one parameter*
 when one is bit-equal to the other, to a transpose of it, to a cast of it, or to a cast of a
@@ -44,23 +56,36 @@ length 1 along its repeated axes), which is the parameter; :func:`untie` writes 
 
 **Gathered copies.** A relative-position bias is a small table read through a constant index
 (``table[index]``: Swin's 49 x heads table spread over 16 x 16 window positions, T5's buckets);
-exporters fold the gather and keep only the copy, one per layer, the table gone. An initializer
-``B`` left untied by the rules above is such a copy when its elements take few values, each many
-times: at least :data:`BROADCAST_MIN_DISTINCT` distinct values, at most 1/:data:`GATHER_MIN_REPEAT`
-as many as ``B`` has elements, all finite; or, fewer repeats, when ``B`` is a bias over 1-D
-relative positions (constant along the diagonals of its last two axes, at least
-:data:`RELATIVE_MIN_DISTINCT` distinct values: T5's buckets over a short sequence, 36 distinct
-values in 100 for 5 positions, which the dynamo exporter keeps as a folded ``slice_1``). The table
-is rebuilt as a new initializer ``B_core`` (one entry per distinct value, in order of first
-appearance) and ``B`` is computed from it by a ``Gather`` with the constant index map, so each
+exporters fold the gather and keep only the copy, one per layer, the table gone. A table is a table
+when the graph says so: equal values alone never tie weights (a checkpoint rounded through bfloat16
+or float16, a float16 model, a weight fake-quantized or round-tripped through int8 holds few distinct
+values, each many times, and torch trains every element apart). An initializer ``B`` left untied by
+the rules above is a gathered copy only when
+
+- the graph reads it as an *attention-score bias* (:func:`score_biases`): every read (through
+  ``Identity``, ``Cast``, ``Reshape``, ``Unsqueeze``, ``Expand``...) is an ``Add`` whose sum reaches
+  a ``Softmax`` through elementwise and layout ops only, and its last two axes (the query and key
+  positions) are at least 2 long; and
+- its values are a table spread over those positions by one index shared by every head: the
+  positions ``(i, j)`` fall into *classes*, those holding equal values in every slice of the leading
+  axes (every head; copies over the batch count once), and either each class covers at least
+  :data:`GATHER_MIN_REPEAT` positions on average with at least :data:`BROADCAST_MIN_DISTINCT` table
+  entries (classes x distinct slices), or, fewer repeats, the bias is over 1-D relative positions
+  (constant along the diagonals of its last two axes, at least :data:`RELATIVE_MIN_DISTINCT`
+  entries: T5's buckets over a short sequence, 9 classes over 25 positions, 36 entries for 4 heads,
+  which the dynamo exporter keeps as a folded ``slice_1``).
+
+The table is rebuilt as a new initializer ``B_core`` (one entry per class and head, in order of
+first appearance) and ``B`` is computed from it by a ``Gather`` with the constant index map, so each
 entry trains once, its gradient summed over every position that reads it, as torch sums it into its
-table (perturbed or trained tables hold distinct entries; a table whose entries are equal, such as
-Swin's all-zero table at initialization, cannot be told from a constant and is trained
-elementwise).
+table. A rounded checkpoint's values repeat by accident in one head and not in the others, so its
+classes are single positions: nothing is tied. (A table whose entries are equal, such as Swin's
+all-zero table at initialization, cannot be told from a constant and is trained elementwise.)
 """
 
 from __future__ import annotations
 
+import ast
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -69,8 +94,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..model.graph import FLOAT_TYPES, np_dtype, to_array, unique_name
-from .trainable import _dtype_name
+from ..errors import InputError
+from ..model.graph import FLOAT_TYPES, all_names, np_dtype, to_array, unique_name
+from .trainable import TORCH_KIND, _dtype_name
 
 TIE_MIN_SIZE = 256
 """The fewest values an initializer needs to be tied to another (smaller ones agree by accident)."""
@@ -79,12 +105,12 @@ BROADCAST_MIN_DISTINCT = 16
 """The fewest distinct values the core of a broadcast copy needs (see the module's documentation)."""
 
 GATHER_MIN_REPEAT = 4
-"""A gathered copy holds at most 1/this as many distinct values as elements (see above)."""
+"""A gathered copy holds at most 1/this as many classes of positions as positions (see above)."""
 
 RELATIVE_MIN_DISTINCT = 8
-"""The fewest distinct values of a bias over 1-D relative positions that repeats too little for
+"""The fewest table entries of a bias over 1-D relative positions that repeats too little for
 :data:`GATHER_MIN_REPEAT` (an identity or banded initialisation, constant along its diagonals too,
-holds two or three)."""
+holds two or three per head)."""
 
 
 @dataclass(frozen=True)
@@ -151,8 +177,9 @@ class Tie:
 # ---- aliases ------------------------------------------------------------------------------------
 def split_aliases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
     """``model`` with each ``Identity`` of a floating-point initializer in its main graph replaced by
-    an initializer of its own (a copy of the value, named as the Identity's output), and those
-    aliases as name -> the initializer they were read from (see the module's documentation).
+    an initializer of its own (a copy of the value, named as the Identity's output), and the
+    parameters the dynamo exporter merged read apart (see the module's documentation); and those
+    aliases as name -> the initializer they were read from.
     ``model`` itself when it has none; a copy otherwise. Aliases that are graph outputs, and those
     of initializers that are also graph inputs (fed at run time), are left alone."""
     graph = model.graph
@@ -166,6 +193,11 @@ def split_aliases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, st
         free = src not in fixed and dst not in fixed and dst not in inits
         if free and src in inits and inits[src].data_type in FLOAT_TYPES and _constant(inits[src]):
             aliases[dst] = src
+    merged = _merged_by_exporter(model)
+    if merged:  # several parameters the dynamo exporter merged: each module reads its own
+        model, copies = _give_copies(model, merged)
+        split, more = split_aliases(model) if aliases else (model, {})
+        return split, {**copies, **more}
     if not aliases:
         return model, {}
     out = onnx.ModelProto()
@@ -186,6 +218,177 @@ def split_aliases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, st
 def _constant(t: TensorProto) -> bool:
     flat = to_array(t).ravel()
     return bool(flat.size) and bool((flat == flat[0]).all())
+
+
+_SCOPES = "pkg.torch.onnx.name_scopes"  # the dynamo exporter's module path of each node
+
+
+def shared_constants(
+    model: onnx.ModelProto, names: Iterable[str] | None = None
+) -> dict[str, list[onnx.NodeProto]]:
+    """Floating-point initializers of ``model``'s main graph (among ``names``, default all) that
+    hold one value repeated (two elements or more) and that several nodes read directly: name ->
+    those nodes, in graph order. An exporter that merged equal parameters stores them so (see the
+    module's documentation); so does a layer applied several times."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    fixed = {o.name for o in graph.output} | {i.name for i in graph.input}
+    wanted = set(inits) if names is None else set(names) & set(inits)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for i in dict.fromkeys(node.input):
+            if i in wanted:
+                readers.setdefault(i, []).append(node)
+    out = {}
+    for name, nodes in readers.items():
+        t = inits[name]
+        if len(nodes) < 2 or name in fixed or t.data_type not in FLOAT_TYPES:
+            continue
+        if int(np.prod(t.dims, dtype=np.int64)) >= 2 and _constant(t):
+            out[name] = nodes
+    return out
+
+
+def merge_suspects(model: onnx.ModelProto, names: Iterable[str] | None = None) -> dict[str, list[str]]:
+    """The :func:`shared_constants` among ``names`` that the file does not explain (no module known
+    for some reader; readers all in the parameter's own module are a layer applied several times):
+    name -> the names of the nodes that read it."""
+    out = {}
+    for name, nodes in shared_constants(model, names).items():
+        groups = _owner_groups(name, nodes)
+        if groups is None or len(groups) > 1:
+            out[name] = [n.name or n.output[0] for n in nodes]
+    return out
+
+
+def _module(node: onnx.NodeProto) -> str | None:
+    """The module path of the torch call ``node`` came from (dynamo metadata), or None."""
+    raw = next((p.value for p in node.metadata_props if p.key == _SCOPES), None)
+    try:
+        scopes = ast.literal_eval(raw) if raw is not None else None
+    except (ValueError, SyntaxError):
+        return None
+    if not isinstance(scopes, list) or len(scopes) < 2 or not all(isinstance(x, str) for x in scopes):
+        return None
+    return scopes[-2]  # the last entry is the call itself
+
+
+def _kind(model: onnx.ModelProto, name: str) -> str | None:
+    for v in (*model.graph.value_info, *model.graph.input, *model.graph.initializer):
+        if v.name == name:
+            for p in v.metadata_props:
+                if p.key == TORCH_KIND:
+                    return p.value
+    return None
+
+
+def _owner_groups(name: str, nodes: list[onnx.NodeProto]) -> dict[str, list[onnx.NodeProto]] | None:
+    """The readers ``nodes`` of parameter ``name`` grouped by module (``""``: its own module), when
+    every reader's module is known; None otherwise."""
+    owner = name.rsplit(".", 1)[0] if "." in name else ""
+    groups: dict[str, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        module = _module(node)
+        if module is None:
+            return None
+        mine = module == owner or module.startswith(f"{owner}.") if owner else True
+        groups.setdefault("" if mine else module, []).append(node)
+    return groups
+
+
+def _give_copies(
+    model: onnx.ModelProto, plans: dict[str, dict[str, list[onnx.NodeProto]]]
+) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """A copy of ``model`` where, for each initializer of ``plans`` (name -> copy name -> readers),
+    the readers of each copy read a new initializer of that name holding the same value (with the
+    original's value_info, renamed); and the copies as copy -> original."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    inits = {i.name: i for i in graph.initializer}
+    infos = {v.name: v for v in graph.value_info}
+    position = {id(n): k for k, n in enumerate(model.graph.node)}
+    made: dict[str, str] = {}
+    for name, copies in plans.items():
+        for copy_name, readers in copies.items():
+            for node in readers:
+                target = graph.node[position[id(node)]]
+                for k, i in enumerate(target.input):
+                    if i == name:
+                        target.input[k] = copy_name
+            tensor = TensorProto()
+            tensor.CopyFrom(inits[name])
+            tensor.name = copy_name
+            graph.initializer.append(tensor)
+            if name in infos:
+                info = onnx.ValueInfoProto()
+                info.CopyFrom(infos[name])
+                info.name = copy_name
+                graph.value_info.append(info)
+            made[copy_name] = name
+    return out, made
+
+
+def _copy_names(
+    name: str, groups: dict[str, list[onnx.NodeProto]], taken: set[str]
+) -> dict[str, list[onnx.NodeProto]]:
+    """Copy name -> readers, for every group of ``groups`` but the one keeping ``name`` (its own
+    module's, else the first): ``<module>.<leaf>`` (a torch parameter's name) when free."""
+    leaf = name.rsplit(".", 1)[-1]
+    keep = "" if "" in groups else next(iter(groups))
+    plan: dict[str, list[onnx.NodeProto]] = {}
+    for k, (module, readers) in enumerate(groups.items()):
+        if module == keep:
+            continue
+        wanted = f"{module}.{leaf}" if module and not module.startswith("#") else f"{name}_{k}"
+        copy_name = unique_name(wanted, taken)
+        taken.add(copy_name)
+        plan[copy_name] = readers
+    return plan
+
+
+def _merged_by_exporter(model: onnx.ModelProto) -> dict[str, dict[str, list[onnx.NodeProto]]]:
+    """The torch parameters the dynamo exporter merged (see the module's documentation): name ->
+    copy name -> the nodes that read it."""
+    taken = all_names(model.graph)
+    plans = {}
+    for name, nodes in shared_constants(model).items():
+        if _kind(model, name) != "PARAMETER":
+            continue
+        groups = _owner_groups(name, nodes)
+        if groups is None or len(groups) < 2:
+            continue  # unknown modules, or one module applied several times: one parameter
+        plans[name] = _copy_names(name, groups, taken)
+    return plans
+
+
+def split_shared(model: onnx.ModelProto, names: Iterable[str] | None = None) -> onnx.ModelProto:
+    """A copy of ``model`` where each node reading one of the initializers ``names`` (default: every
+    initializer :func:`shared_constants` finds, one value repeated read by several nodes) reads a
+    copy of its own, so that they train apart: the way to keep apart parameters that an exporter
+    merged (the dynamo exporter's optimizer on a freshly initialised model) when the file does not
+    say which modules read them. The first reader keeps the name; a reader whose torch module is
+    known (dynamo metadata) reads ``<module>.<leaf>``, another ``<name>_<k>``. :class:`InputError`
+    for a name that is no initializer read by several nodes."""
+    found = shared_constants(model) if names is None else None
+    if names is not None:
+        names = [names] if isinstance(names, str) else list(dict.fromkeys(names))
+        graph = model.graph
+        inits = {i.name for i in graph.initializer}
+        found = {}
+        for name in names:
+            readers = [n for n in graph.node if name in n.input]
+            if name not in inits or len(readers) < 2:
+                raise InputError(f"{name!r} is not an initializer that several nodes read (split_shared)")
+            found[name] = readers
+    taken = all_names(model.graph)
+    plans = {}
+    for name, nodes in found.items():
+        groups = _owner_groups(name, nodes)
+        if groups is None or len(groups) < 2:  # no module known: a copy per node
+            groups = {f"#{k}": [node] for k, node in enumerate(nodes)}
+        plans[name] = _copy_names(name, groups, taken)
+    return _give_copies(model, plans)[0]
 
 
 # ---- tied weights --------------------------------------------------------------------------------
@@ -237,38 +440,122 @@ def find_ties(model: onnx.ModelProto, candidates: Iterable[str], prefer: Iterabl
 
 
 def _gather_ties(model: onnx.ModelProto, wanted: list[str], ties: list[Tie]) -> list[Tie]:
-    """Gathered copies among ``wanted`` that no tie in ``ties`` holds: each computed from a new
-    table of its distinct values (see the module's documentation)."""
+    """Gathered copies among ``wanted`` that no tie in ``ties`` holds: attention-score biases each
+    computed from a new table of its entries (see the module's documentation)."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     taken = set(inits) | {i.name for i in graph.input} | {o for n in graph.node for o in n.output}
     taken |= {t.source for t in ties}
     grouped = {t.name for t in ties} | {t.source for t in ties}
+    biases = score_biases(model)
     out: list[Tie] = []
     for n in wanted:
         t = inits[n]
-        if n in grouped or t.data_type not in FLOAT_TYPES or int(np.prod(t.dims, dtype=np.int64)) < 4:
+        if n in grouped or n not in biases or t.data_type not in FLOAT_TYPES:
             continue
-        v = np.ascontiguousarray(to_array(t))
-        if not np.isfinite(v).all():
-            continue
-        _, first, inverse = np.unique(_bits(v).ravel(), return_index=True, return_inverse=True)
-        k = first.size
-        if not _gathered(v, k):
-            continue
-        rank = np.empty(k, np.int64)
-        rank[np.argsort(first)] = np.arange(k)  # entries in order of first appearance
-        index = rank[inverse.ravel()].reshape(v.shape)
-        out.append(Tie(n, unique_name(f"{n}_core", taken), made=True, gather=index))
+        index = gather_index(to_array(t))
+        if index is not None:
+            out.append(Tie(n, unique_name(f"{n}_core", taken), made=True, gather=index))
     return out
 
 
-def _gathered(v: np.ndarray, distinct: int) -> bool:
-    """Whether ``v``, holding ``distinct`` distinct values, is a gathered copy of a table (see the
-    module's documentation): few values each many times, or a bias over 1-D relative positions."""
-    if distinct >= BROADCAST_MIN_DISTINCT and distinct * GATHER_MIN_REPEAT <= v.size:
-        return True
-    return RELATIVE_MIN_DISTINCT <= distinct < v.size and _relative_positions(v)
+def gather_index(v: np.ndarray) -> np.ndarray | None:
+    """The index map (int64, of ``v``'s shape) of ``v`` as a gathered copy of a table, or None when
+    its values are no such copy (see the module's documentation): positions (the last two axes)
+    are classed by their values in every slice of the leading axes, and a table entry is one class
+    in one distinct slice, numbered in order of first appearance."""
+    if v.ndim < 2 or v.shape[-1] < 2 or v.shape[-2] < 2:
+        return None
+    v = np.ascontiguousarray(v)
+    if not np.isfinite(v).all():
+        return None
+    positions = v.shape[-1] * v.shape[-2]
+    rows = _bits(v).reshape(-1, positions)  # one row per slice of the leading axes (each head)
+    _, first_row, unique_of = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    rank_of_unique = np.argsort(np.argsort(first_row))  # distinct slices in order of appearance
+    slice_of = rank_of_unique[unique_of.ravel()]  # each row's distinct slice: batch copies are one
+    slices = rows[np.sort(first_row)]
+    _, class_of = np.unique(slices.T, axis=0, return_inverse=True)  # positions equal in every slice
+    class_of = class_of.ravel()
+    classes, n_slices = int(class_of.max()) + 1, slices.shape[0]
+    entries = classes * n_slices
+    if entries == 1:
+        return None  # one value: a constant
+    many = entries >= BROADCAST_MIN_DISTINCT and classes * GATHER_MIN_REPEAT <= positions
+    relative = entries >= RELATIVE_MIN_DISTINCT and classes < positions and _relative_positions(v)
+    if not (many or relative):
+        return None
+    key = (slice_of[:, None] * classes + class_of[None, :]).ravel()
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    rank = np.empty(first.size, np.int64)
+    rank[np.argsort(first)] = np.arange(first.size)  # entries in order of first appearance
+    return rank[inverse.ravel()].reshape(v.shape)
+
+
+# ops a score bias may pass through on its way to the Softmax: elementwise and layout ops
+_TO_SOFTMAX = {
+    "Add", "Sub", "Mul", "Div", "Where", "Identity", "Cast", "CastLike", "Reshape", "Unsqueeze",
+    "Squeeze", "Expand", "Transpose", "Flatten",
+}  # fmt: skip
+# ops an initializer may be read through before its Add (input 0 only)
+_BIAS_LAYOUT = {"Identity", "Cast", "CastLike", "Reshape", "Unsqueeze", "Squeeze", "Expand", "Flatten"}
+_SOFTMAX_DEPTH = 8  # nodes between a bias's Add and its Softmax, at most
+
+
+def score_biases(model: onnx.ModelProto) -> set[str]:
+    """The initializers of ``model``'s main graph that the graph reads as attention-score biases:
+    every read, through layout ops, is an ``Add`` whose sum reaches a ``Softmax`` through at most
+    :data:`_SOFTMAX_DEPTH` elementwise or layout ops (the form of a relative-position bias added to
+    ``q k^T``, Swin's and T5's)."""
+    graph = model.graph
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in graph.node:
+        for k, i in enumerate(node.input):
+            if i:
+                consumers.setdefault(i, []).append((node, k))
+    outputs = {o.name for o in graph.output}
+
+    def standard(node: onnx.NodeProto) -> bool:
+        return node.domain in ("", "ai.onnx")
+
+    def softmax_after(value: str) -> bool:
+        seen, frontier = {value}, [value]
+        for _ in range(_SOFTMAX_DEPTH):
+            nxt = []
+            for name in frontier:
+                for node, _k in consumers.get(name, []):
+                    if not standard(node):
+                        continue
+                    if node.op_type == "Softmax":
+                        return True
+                    if node.op_type in _TO_SOFTMAX:
+                        nxt.extend(o for o in node.output if o and o not in seen)
+                        seen.update(node.output)
+            frontier = nxt
+        return False
+
+    def reads(name: str, depth: int = 0) -> list[tuple[onnx.NodeProto, int]] | None:
+        found = []
+        if name in outputs or depth > _SOFTMAX_DEPTH:
+            return None
+        for node, k in consumers.get(name, []):
+            if standard(node) and node.op_type in _BIAS_LAYOUT and k == 0 and node.output:
+                inner = reads(node.output[0], depth + 1)
+                if inner is None:
+                    return None
+                found.extend(inner)
+            else:
+                found.append((node, k))
+        return found
+
+    out = set()
+    for init in graph.initializer:
+        if init.data_type not in FLOAT_TYPES or len(init.dims) < 2 or min(init.dims[-2:]) < 2:
+            continue
+        uses = reads(init.name)
+        if uses and all(standard(n) and n.op_type == "Add" and softmax_after(n.output[0]) for n, _ in uses):
+            out.add(init.name)
+    return out
 
 
 def _relative_positions(v: np.ndarray) -> bool:
@@ -331,6 +618,7 @@ def _broadcast_ties(
         if repeated:
             cores[n] = core
     rank = {n: (prefer.index(n) if n in prefer else len(prefer), order[n]) for n in values}
+    biases = score_biases(model) if cores else set()
     sources = sorted((n for n in values if n not in cores and n not in copies), key=lambda n: rank[n])
     out: list[Tie] = []
     for b, core in cores.items():
@@ -359,9 +647,10 @@ def _broadcast_ties(
             shape = None if tuple(core.shape) == (n_rows, *va.shape[1:]) else tuple(core.shape)
             out.append(Tie(b, a, rows=rows, shape=shape, expand=tuple(values[b].shape)))
             break
-        # no initializer holds the core: it becomes a new one, the parameter; unless the core is
-        # itself a gathered copy (T5's decoder position bias expanded over the batch): a gather then
-        if not matched and not _gathered(core, np.unique(core).size):
+        # no initializer holds the core: it becomes a new one, the parameter; unless the copy is an
+        # attention-score bias whose core is a gathered copy (T5's decoder position bias expanded
+        # over the batch): a gather then
+        if not matched and not (b in biases and gather_index(values[b]) is not None):
             source = unique_name(f"{b}_core", taken)
             out.append(Tie(b, source, shape=tuple(core.shape), expand=tuple(values[b].shape), made=True))
     return out

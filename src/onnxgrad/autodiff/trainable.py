@@ -21,9 +21,12 @@ reasons that applies (:data:`RULES`, in order): what the file *declares* first, 
    weight makes it a parameter): a ``Pow`` exponent, a ``Clip`` bound, a ``Reshape``/``Expand``
    shape, ``Range`` arguments, a ``Pad`` or ``ConstantOfShape`` value, ``Dropout``'s ratio, ``Resize``
    scales, a ``BatchNormalization`` running statistic, quantization scales, an RNN's initial state
-   (table :data:`CONSTANT_SLOTS`); and, in onnxruntime's ops, the ``cos_cache`` / ``sin_cache`` of
-   a ``RotaryEmbedding`` or ``GroupQueryAttention`` (the rotary tables, constants in torch; the
-   ONNX RotaryEmbedding's too): ``"rotary cache"`` (table :data:`ROTARY_CACHE_SLOTS`);
+   (table :data:`CONSTANT_SLOTS`), read directly or through ops that pass a part of it on
+   (``Slice``, ``Split``, ``Gather``, ``Concat``, ``Tile``: the dynamo exporter's zero initial state
+   of a multi-layer RNN, a scalar expanded over the batch and sliced per layer); and, in
+   onnxruntime's ops, the ``cos_cache`` / ``sin_cache`` of a ``RotaryEmbedding`` or
+   ``GroupQueryAttention`` (the rotary tables, constants in torch; the ONNX RotaryEmbedding's too):
+   ``"rotary cache"`` (table :data:`ROTARY_CACHE_SLOTS`);
 6. it has one value and is added to the result of a reduction or a square root (the epsilon of a
    hand-written normalization): ``"epsilon"``;
 7. it is read by elementwise ops only and holds a mask: only 0 and one or more values at most
@@ -179,6 +182,13 @@ class _Judge:
         return {n: _through(consumers, n, set()) for n in self.inits}
 
     @cached_property
+    def uses_through_parts(self) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+        """The uses, read through the ops that pass a part of a value on too (:data:`_PARTS`)."""
+        values = set(self.inits) | {o for n in self.nodes for o in n.output if o}
+        consumers = _uses(self.graph, values)
+        return {n: _through(consumers, n, set(), parts=True) for n in self.inits}
+
+    @cached_property
     def used(self) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
         """The uses that can carry a gradient: boolean ops' are left out."""
         return {k: [(n, i) for n, i in v if n.op_type not in _BOOLEAN_OPS] for k, v in self.uses.items()}
@@ -248,9 +258,13 @@ def _folded_constant(j: _Judge, name: str, t: TensorProto) -> Decision | None:
 def _constant_slots(j: _Judge, name: str, t: TensorProto) -> Decision | None:
     # every read in a constant slot: exporters alias equal initializers (the TorchScript one reads a
     # BatchNormalization's ones running variance through Identity of its ones weight), so one read
-    # as a weight makes a parameter
-    slots = [_slot_reason(n, k) for n, k in j.uses[name]]
-    return Decision(False, slots[0]) if slots and all(slots) else None
+    # as a weight makes a parameter. Read through parts too: the dynamo exporter's zero initial
+    # state of a multi-layer RNN is a scalar Expanded over the batch, then Sliced per layer
+    for uses in (j.uses[name], j.uses_through_parts[name]):
+        slots = [_slot_reason(n, k) for n, k in uses]
+        if slots and all(slots):
+            return Decision(False, slots[0])
+    return None
 
 
 def _rotary_caches(j: _Judge, name: str, t: TensorProto) -> Decision | None:
@@ -380,16 +394,25 @@ _TRANSPARENT = {
 }  # fmt: skip
 
 
+# ops that pass a part of a value on (input 0; any input of a Concat): read through them only where
+# a value that reaches nothing but constant slots is a constant (rule 5)
+_PARTS = {"Slice", "Split", "Gather", "Concat", "Tile"}
+
+
 def _through(
-    consumers: dict[str, list[tuple[onnx.NodeProto, int]]], name: str, seen: set[str]
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]], name: str, seen: set[str], parts: bool = False
 ) -> list[tuple[onnx.NodeProto, int]]:
     out = []
     for node, k in consumers.get(name, []):
-        passes = k == 0 and node.domain in ("", "ai.onnx") and node.op_type in _TRANSPARENT
-        if passes and node.output and node.output[0] in consumers:
-            if node.output[0] not in seen:
-                seen.add(node.output[0])
-                out.extend(_through(consumers, node.output[0], seen))
+        standard = node.domain in ("", "ai.onnx")
+        passes = k == 0 and standard and node.op_type in _TRANSPARENT
+        if parts and standard and node.op_type in _PARTS:
+            passes = k == 0 or node.op_type == "Concat"
+        if passes and node.output and all(o in consumers for o in node.output if o):
+            for o in node.output:
+                if o and o not in seen:
+                    seen.add(o)
+                    out.extend(_through(consumers, o, seen, parts))
         else:
             out.append((node, k))
     return out

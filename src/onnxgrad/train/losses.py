@@ -43,8 +43,9 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
+from ..autodiff.params import apply_parameters
 from ..errors import InputError
 from ..model.emit import Emitter
 from ..model.graph import (
@@ -565,21 +566,14 @@ def remove_loss(
 
 
 def with_parameters(
-    model: CheckedModel | onnx.ModelProto | str | os.PathLike | bytes, params: Mapping[str, np.ndarray]
+    model: CheckedModel | onnx.ModelProto | str | os.PathLike | bytes,
+    params: Mapping[str, np.ndarray],
+    *,
+    tie_weights: bool = True,
 ) -> onnx.ModelProto:
-    """A copy of ``model`` whose initializers named in ``params`` hold these values (dtype kept)."""
-    result = onnx.ModelProto()
-    result.CopyFrom(load_model(model))
-    g = result.graph
-    done = set()
-    for i, init in enumerate(g.initializer):
-        if init.name in params:
-            value = np.asarray(params[init.name], dtype=np_dtype(init.data_type))
-            if tuple(value.shape) != tuple(init.dims):
-                raise InputError(f"{init.name!r} has shape {tuple(init.dims)}, got {value.shape}")
-            g.initializer[i].CopyFrom(numpy_helper.from_array(value, init.name))
-            done.add(init.name)
-    unknown = [n for n in params if n not in done]
-    if unknown:
-        raise InputError(f"{unknown} are not initializers of the model")
-    return result
+    """A copy of ``model`` holding the trained ``params`` (dtypes kept): the way to put weights
+    trained anywhere (``Runner.parameters``, JS ``exportParameters()``, ``Trainer.parameters``) back
+    into the model file. Tied copies follow their parameter and aliases trained apart become
+    initializers, as every front end chose them; a mapping that would leave a copy stale raises
+    :class:`InputError` naming it (:func:`onnxgrad.autodiff.params.apply_parameters`)."""
+    return apply_parameters(load_model(model), params, tie_weights=tie_weights)
