@@ -57,7 +57,10 @@ CASES = {
         np.full(N, 2**64 - 1, np.uint64),
         (InputError, r"holds 18446744073709551615, outside the range of int64"),
     ),
-    "float beyond int64": (np.full(N, 1e19, np.float64), (InputError, r"holds 1e\+19, outside the range of int64")),
+    "float beyond int64": (
+        np.full(N, 1e19, np.float64),
+        (InputError, r"holds 1e\+19, outside the range of int64"),
+    ),
     "strings": (np.array(["a"] * N), (InputTypeError, r"has dtype str32, the model expects int64")),
 }
 

@@ -168,7 +168,9 @@ def test_a_weight_beside_its_adapters_keeps_both():
 def test_a_value_of_another_type_assigned_is_refused_at_the_forward(net):
     m = OnnxModule(export_net(net, torch.randn(2, 4)))
     m.load_state_dict({k: v.double() for k, v in net.state_dict().items()}, assign=True)
-    with pytest.raises(InputTypeError, match=r"'fc1.weight' holds float64 values, the model computes in float32"):
+    with pytest.raises(
+        InputTypeError, match=r"'fc1.weight' holds float64 values, the model computes in float32"
+    ):
         m(torch.randn(2, 4))
     m.load_state_dict(net.state_dict(), assign=True)  # its type again: runs
     torch.testing.assert_close(m(torch.ones(2, 4)), net(torch.ones(2, 4)), rtol=1e-5, atol=1e-6)
