@@ -88,3 +88,31 @@ def test_early_stopping_on_val_acc_is_not_fooled_by_ignored_labels():
                 eval_batch_size=4, progress=False)  # fmt: skip
     h = t.fit(data, data, epochs=2)
     assert all(0 <= a <= 1 for a in h["val_acc"]) and stopper.best == max(h["val_acc"])
+
+
+# ---- 3. a ReduceLROnPlateau given to two trainers ------------------------------------------------
+def test_a_plateau_given_to_two_trainers_is_not_shared():
+    """Building t2 reset t1's lr to 0.1 mid-run; interleaved trainers stepped one object."""
+    from onnxgrad.train.schedules import LinearWarmup, ReduceLROnPlateau
+    from tests.train.test_trainer import regression_data
+
+    plateau = ReduceLROnPlateau(0.1, monitor="loss", patience=0, factor=0.5)
+    data = regression_data(16, flip=True)
+
+    def trainer(lr):
+        return Trainer(linear(), loss="mse", optimizer="sgd", lr=lr, progress=False)
+
+    t1 = trainer(plateau)
+    t1.plateau.step(1.0)
+    t1.plateau.step(2.0)  # a bad epoch: halved
+    assert t1.optimizer.schedule(0) == 0.05
+    t2 = trainer(plateau)
+    assert t1.optimizer.schedule(0) == 0.05 and t2.optimizer.schedule(0) == 0.1
+    assert t1.plateau is not t2.plateau and plateau.last_epoch == 0 and plateau.current == 0.1
+    alone = trainer(ReduceLROnPlateau(0.1, monitor="loss", patience=0, factor=0.5))
+    a, b = trainer(plateau), trainer(LinearWarmup(plateau, warmup_steps=1))
+    for _ in range(3):  # in turn: each as if it ran alone
+        for t in (a, b, alone):
+            t.fit(data, epochs=t.epoch + 1)
+    assert a.history["lr"] == alone.history["lr"]
+    assert b.plateau is not plateau and b.plateau.last_epoch == 3 and plateau.last_epoch == 0

@@ -181,8 +181,7 @@ class ReduceLROnPlateau(Schedule):
 
     def reset(self) -> None:
         """Back to the state of a new schedule: the rate ``lr``, no best value, no epoch seen.
-        :class:`onnxgrad.train.Trainer` calls it when it is made, so that a schedule reused in a
-        second trainer does not carry the first run's reductions over (a checkpoint restores them)."""
+        (:class:`onnxgrad.train.Trainer` steps a copy of the schedule it is given, reset so.)"""
         self.current = self.lr
         self.best = math.inf if self.mode == "min" else -math.inf
         self.num_bad_epochs, self.cooldown_counter, self.last_epoch = 0, 0, 0

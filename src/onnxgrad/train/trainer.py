@@ -14,6 +14,7 @@ The parts live beside it: :mod:`.callbacks` (hooks, early stopping, the accuracy
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
@@ -139,9 +140,11 @@ class Trainer:
     it (:mod:`onnxgrad.train.accumulate`). ``clip_norm``: the gradients are scaled to this
     global L2 norm at most (``torch.nn.utils.clip_grad_norm_``); ``clip_value``: each element is
     clipped to ``[-clip_value, clip_value]``. The three run forward, backward and the numpy update
-    (the two-session path). A :class:`ReduceLROnPlateau` given as ``lr`` is reset when the trainer
-    is made (one reused from another trainer does not carry its reductions over), then stepped at
-    the end of every epoch with its ``monitor`` value.
+    (the two-session path). A :class:`ReduceLROnPlateau` given as ``lr`` (alone or after a
+    warm-up) is copied when the trainer is made (``copy.deepcopy``): the trainer steps its own
+    copy, :attr:`plateau`, from ``lr`` and no best value, at the end of every epoch with its
+    ``monitor`` value; the object given is never changed, so two trainers given the same one never
+    share its state (a checkpoint restores the copy's).
     ``providers`` / ``session_options``: the onnxruntime providers and ``SessionOptions`` of every
     session the trainer makes (forward, backward, the one-graph step, evaluation). A model whose
     blocked (4-bit) DequantizeLinear feeds a MatMul, which onnxruntime fuses into a MatMulNBits
@@ -262,8 +265,10 @@ class Trainer:
         self.loss_spec: LossSpec | None = loss_spec(fb.graphs.forward)
         self._index_bounds = index_bounds(fb.graphs.forward)  # token ids within their tables
         self.accumulate, self.clip_norm, self.clip_value = accumulate, clip_norm, clip_value
+        if _plateau(self.optimizer.schedule) is not None:  # stateful: this trainer's own copy
+            self.optimizer.schedule = copy.deepcopy(self.optimizer.schedule)
         self.plateau = _plateau(self.optimizer.schedule)
-        if self.plateau is not None:  # its state is this trainer's run's, not an earlier trainer's
+        if self.plateau is not None:  # its state is this trainer's run's, not an earlier one's
             self.plateau.reset()
         # recomputation saves memory between the forward and the backward session, accumulation and
         # clipping work on the gradients between backward and update: two sessions then
