@@ -116,3 +116,43 @@ def test_a_plateau_given_to_two_trainers_is_not_shared():
             t.fit(data, epochs=t.epoch + 1)
     assert a.history["lr"] == alone.history["lr"]
     assert b.plateau is not plateau and b.plateau.last_epoch == 3 and plateau.last_epoch == 0
+
+
+# ---- 4. token ids in [0, rows) by every door -----------------------------------------------------
+def lm():
+    """``y = mean(emb[ids], axis=1)``: a 10-row, 3-wide embedding table."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    nodes = [
+        helper.make_node("Gather", ["emb", "ids"], ["e"]),
+        helper.make_node("ReduceMean", ["e"], ["y"], axes=[1], keepdims=0),
+    ]
+    table = numpy_helper.from_array(np.random.default_rng(0).standard_normal((10, 3)).astype(np.float32), "emb")
+    graph = helper.make_graph(
+        nodes, "lm", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["N", 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 3])], [table],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("bad", [-1, -10, 10])
+def test_negative_token_ids_are_refused_by_every_door(tmp_path, bad):
+    """-1 was read as the last row (torch's nn.Embedding raises); the Runner checked no id."""
+    from onnxgrad.artifacts import Runner, generate
+
+    ids = np.random.default_rng(1).integers(0, 10, (6, 4))
+    ids[3, 2] = bad
+    data = {"ids": ids, "target": np.zeros((6, 3), np.float32)}
+    message = rf"input 'ids' of {{}} holds index {bad} at row 3 \(position \[3, 2\]\), outside the 10 rows of 'emb' that Gather #\d reads \(indices must lie in \[0, 10\)"
+    with pytest.raises(InputError, match=message.format("the training data")):
+        Trainer(lm(), loss="mse", progress=False).fit(data, epochs=1)
+    generate(lm(), loss="mse", out_dir=tmp_path)
+    runner = Runner(tmp_path)
+    for run in (runner.step, runner.evaluate):
+        with pytest.raises(InputError, match=message.format("the batch")):
+            run(data)
+    data["ids"][3, 2] = 9
+    assert math.isfinite(runner.step(data))

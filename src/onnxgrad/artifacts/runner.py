@@ -24,6 +24,7 @@ from ..model.graph import ValueInfo, onnx_dtype
 from ..runtime.runner import make_session, session_options_for
 from ..runtime.session import resolve_providers
 from ..runtime.values import check_dims_agree, check_input, coerce
+from ..train.data import check_indices, index_bounds
 from ..train.losses import loss_spec
 from ..train.optimizers import check_lr
 from ..train.schedules import LearningRate, as_schedule
@@ -89,6 +90,7 @@ class Runner:
         self._train = self._session(train_model)
         # the loss add_loss wrote into the step (class labels to check before a step), or None
         self.loss_spec = loss_spec(self._train.get_modelmeta().custom_metadata_map)
+        self._index_bounds = index_bounds(train_model)  # token ids in [0, rows), as the Trainer checks
         self._eval: ort.InferenceSession | None = None
         train = m["train_step"]
         self.feedback: dict[str, str] = dict(train["feedback"])  # output -> input
@@ -160,6 +162,7 @@ class Runner:
         check_dims_agree({k: a.shape for k, a in out.items()}, self._infos)
         if self.loss_spec is not None:
             self.loss_spec.check(out, "the batch")
+        check_indices(out, self._index_bounds, "the batch")
         return out
 
     # ---- training ------------------------------------------------------------------------------
