@@ -156,3 +156,28 @@ def test_negative_token_ids_are_refused_by_every_door(tmp_path, bad):
             run(data)
     data["ids"][3, 2] = 9
     assert math.isfinite(runner.step(data))
+
+
+# ---- 5. optimizer hyperparameters within float32 -------------------------------------------------
+@pytest.mark.parametrize(
+    ("optimizer", "options", "message"),
+    [
+        ("adamw", {"weight_decay": 1e39}, r"weight_decay must fit in float32 \(at most 3\.403e\+38 in size\), got 1e\+39"),
+        ("sgd", {"momentum": np.float64(1e39)}, r"momentum must fit in float32 .*, got np\.float64\(1e\+39\)|momentum must fit in float32 .*, got 1e\+39"),
+        ("adam", {"eps": 1e300}, r"eps must fit in float32"),
+        ("sgd", {"weight_decay": "0.1"}, r"weight_decay must be a number, got '0\.1'"),
+        ("sgd", {"momentum": True}, r"momentum must be a number, got True"),
+    ],
+)
+def test_hyperparameters_beyond_float32_are_refused_by_every_door(tmp_path, capsys, optimizer, options, message):
+    """weight_decay=1e39 overflowed float32 in the update (inf parameters, a raw RuntimeWarning)."""
+    from onnxgrad.artifacts import generate
+    from onnxgrad.train.optimizers import definition
+
+    with pytest.raises(InputError, match=message):
+        definition(optimizer).resolve(options)
+    with pytest.raises(InputError, match=message):
+        Trainer(linear(dtype=np.float32), loss="mse", optimizer=optimizer, optimizer_options=options)
+    with pytest.raises(InputError, match=message):
+        generate(linear(dtype=np.float32), loss="mse", optimizer=optimizer, optimizer_options=options,
+                 out_dir=tmp_path)  # fmt: skip
