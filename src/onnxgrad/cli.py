@@ -561,6 +561,8 @@ def _train(args: argparse.Namespace) -> int:
         trainer.load_checkpoint(args.resume)
         resumed_at = trainer.epoch
         _resume_notes(args.resume, trainer.changed_since_checkpoint)
+        if writer:  # the other ranks hold a placeholder for --history
+            _callback_notes(args.resume, trainer.callbacks_since_checkpoint)
     done_before = trainer.epoch
     history = trainer.fit(data, val, epochs=args.epochs, checkpoint=args.checkpoint)
     if not writer:
@@ -656,6 +658,24 @@ def _resume_notes(path: str, changed: dict[str, tuple[Any, Any]]) -> None:
             f"onnxgrad: note: resuming {path} with settings changed since the checkpoint: {what}",
             file=sys.stderr,
         )
+
+
+# the options that add a callback, by its kind, for the notes of a resumed run
+CALLBACK_OPTIONS = {"EarlyStopping": "--patience", "HistoryFile": "--history"}
+
+
+def _callback_notes(path: str, since: dict[str, list[str]]) -> None:
+    """Note on stderr the options that add a callback (``--patience``, ``--history``) given or
+    left out since the checkpoint: the run resumes, with what matches restored."""
+    for change, what in (("added", "starts afresh"), ("dropped", "its state in the checkpoint is left out")):
+        for kind in since[change]:
+            option = CALLBACK_OPTIONS.get(kind, kind)
+            why = "early stopping starts afresh" if option == "--patience" and change == "added" else what
+            print(
+                f"onnxgrad: note: resuming {path}: {option} {'given' if change == 'added' else 'left out'} "
+                f"since the checkpoint ({why})",
+                file=sys.stderr,
+            )
 
 
 def _stop_reason(trainer: Any, stopper: Any, epochs: int, ran: int) -> str:

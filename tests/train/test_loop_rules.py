@@ -181,3 +181,24 @@ def test_hyperparameters_beyond_float32_are_refused_by_every_door(tmp_path, caps
     with pytest.raises(InputError, match=message):
         generate(linear(dtype=np.float32), loss="mse", optimizer=optimizer, optimizer_options=options,
                  out_dir=tmp_path)  # fmt: skip
+
+
+# ---- 6. resuming with other callbacks ------------------------------------------------------------
+def test_resume_restores_the_callbacks_that_match_by_kind(tmp_path):
+    """The count had to match: any callback added or dropped refused the checkpoint."""
+    from onnxgrad.train import HistoryFile
+    from tests.train.test_trainer import regression_data
+
+    ckpt = tmp_path / "c.npz"
+    data, val = regression_data(16), regression_data(8, seed=2)
+    stopper = EarlyStopping(patience=5)
+    Trainer(linear(), loss="mse", callbacks=[stopper], progress=False).fit(data, val, epochs=2, checkpoint=ckpt)
+    again = EarlyStopping(patience=5)
+    t = Trainer(linear(), loss="mse", callbacks=[HistoryFile(tmp_path / "h.csv"), again], progress=False)
+    with pytest.warns(UserWarning, match=r"other callbacks than the checkpoint's \(matched by kind, the "
+                      r"others restored\): added \['HistoryFile'\] \(starting afresh\)$"):  # fmt: skip
+        t.fit(data, val, epochs=3, resume=ckpt)
+    assert again.best_epoch >= stopper.best_epoch > 0 and t.epoch == 3
+    bare = Trainer(linear(), loss="mse", progress=False)
+    with pytest.warns(UserWarning, match=r"restored\): dropped \['EarlyStopping'\] \(their states left out\)$"):
+        bare.fit(data, val, epochs=3, resume=ckpt)

@@ -284,6 +284,8 @@ class Trainer:
         # on resume with the rest of setup()
         self.run_info: dict[str, Any] = {}
         self.changed_since_checkpoint: dict[str, tuple[Any, Any]] = {}
+        # callbacks (by kind) this trainer has that the checkpoint had not, and the reverse
+        self.callbacks_since_checkpoint: dict[str, list[str]] = {"added": [], "dropped": []}
 
     @property
     def step_path(self) -> str:
@@ -342,6 +344,15 @@ class Trainer:
                 )
                 warnings.warn(
                     f"resuming {os.fspath(resume)!r} with settings changed since the checkpoint: {changes}",
+                    stacklevel=2,
+                )
+            added, dropped = self.callbacks_since_checkpoint.values()
+            if added or dropped:
+                parts = [f"added {added} (starting afresh)"] * bool(added)
+                parts += [f"dropped {dropped} (their states left out)"] * bool(dropped)
+                warnings.warn(
+                    f"resuming {os.fspath(resume)!r} with other callbacks than the checkpoint's "
+                    f"(matched by kind, the others restored): {'; '.join(parts)}",
                     stacklevel=2,
                 )
         self.has_validation = val is not None
@@ -572,6 +583,7 @@ class Trainer:
             "optimizer_type": type(self.optimizer).__name__,
             "optimizer": self.optimizer.state_dict(),
             "callbacks": [cb.state_dict() for cb in self.callbacks],
+            "callback_kinds": [type(cb).__name__ for cb in self.callbacks],  # to match them on resume
             "schedule": self.plateau.state_dict() if self.plateau is not None else None,
             "setup": self.setup(),
             "amp": self.amp.state_dict() if self.amp is not None else None,
@@ -593,17 +605,22 @@ class Trainer:
                 f"checkpoint {path!r} was written with {state['optimizer_type']}, this trainer uses "
                 f"{type(self.optimizer).__name__}"
             )
-        if len(state["callbacks"]) != len(self.callbacks):
-            raise InputError(
-                f"checkpoint {path!r} has the state of {len(state['callbacks'])} callbacks, "
-                f"this trainer has {len(self.callbacks)}"
-            )
+        kinds = state.get("callback_kinds")
+        if kinds is None:  # a checkpoint of an earlier version: matched by position
+            if len(state["callbacks"]) != len(self.callbacks):
+                raise InputError(
+                    f"checkpoint {path!r} has the state of {len(state['callbacks'])} callbacks, "
+                    f"this trainer has {len(self.callbacks)}"
+                )
+            kinds = [type(cb).__name__ for cb in self.callbacks]
+        matched, added, dropped = _match_callbacks(self.callbacks, kinds, state["callbacks"])
         self.set_parameters(state["params"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.amp is not None and state.get("amp"):
             self.amp.load_state_dict(state["amp"])
-        for cb, cb_state in zip(self.callbacks, state["callbacks"]):
+        for cb, cb_state in matched:
             cb.load_state_dict(cb_state)
+        self.callbacks_since_checkpoint = {"added": added, "dropped": dropped}
         if self.plateau is not None and state.get("schedule"):
             self.plateau.load_state_dict(state["schedule"])
         self.rng.bit_generator.state = state["rng"]
@@ -634,6 +651,24 @@ class Trainer:
             "schedule": type(opt.schedule).__name__,
             **{f"optimizer.{k}": list(v) if isinstance(v, tuple) else v for k, v in sorted(options.items())},
         }
+
+
+def _match_callbacks(
+    callbacks: Sequence[Callback], kinds: Sequence[str], states: Sequence[Any]
+) -> tuple[list[tuple[Callback, Any]], list[str], list[str]]:
+    """Pair each callback with the first saved state of its kind (class name) not taken yet, in
+    order: ``(pairs, added, dropped)``, the kinds of the callbacks without a state (new since the
+    checkpoint: they start afresh) and of the states without a callback (left out)."""
+    free = list(zip(kinds, states))
+    pairs, added = [], []
+    for cb in callbacks:
+        kind = type(cb).__name__
+        k = next((i for i, (saved, _) in enumerate(free) if saved == kind), None)
+        if k is None:
+            added.append(kind)
+        else:
+            pairs.append((cb, free.pop(k)[1]))
+    return pairs, added, [kind for kind, _ in free]
 
 
 def _plateau(schedule: Any) -> ReduceLROnPlateau | None:

@@ -1,0 +1,40 @@
+"""`onnxgrad train` under the training loop's one rule: resuming with --history or --patience given
+or left out, hyperparameters beyond float32, --warmup checked as LinearWarmup checks it, a resume
+with nothing left to run, the summary line, -h."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnxgrad.cli import main
+from tests.test_cli_loop import classifier, one_line_error  # noqa: F401 (a fixture)
+
+
+def run_args(tmp_path, classifier, *more):  # noqa: F811
+    return [*classifier, "--data", str(tmp_path / "d.npz"), *more, "-o", str(tmp_path / "o.onnx")]
+
+
+# ---- 6. --resume with --history / --patience given or left out ----------------------------------
+def test_resume_matches_callbacks_by_kind(tmp_path, capsys, classifier):  # noqa: F811
+    """'checkpoint has the state of 0 callbacks, this trainer has 1': a CLI user never wrote one."""
+    ckpt, hist = str(tmp_path / "c.npz"), str(tmp_path / "h.csv")
+    argv = run_args(tmp_path, classifier, "--val-split", "0.25", "--checkpoint", ckpt)
+    assert main([*argv, "--epochs", "2"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--epochs", "3", "--resume", ckpt, "--history", hist, "--patience", "4"]) == 0
+    err = capsys.readouterr().err
+    assert f"onnxgrad: note: resuming {ckpt}: --patience given since the checkpoint (early stopping " in err
+    assert f"onnxgrad: note: resuming {ckpt}: --history given since the checkpoint (starts afresh)" in err
+    from onnxgrad.train.checkpoint import read_checkpoint
+
+    saved = read_checkpoint(ckpt)
+    assert saved["callback_kinds"] == ["EarlyStopping", "HistoryFile"] and saved["epoch"] == 3
+    best = saved["callbacks"][0]["best_epoch"]
+    assert main([*argv, "--epochs", "4", "--resume", ckpt, "--patience", "4"]) == 0  # --history left out
+    err = capsys.readouterr().err
+    assert err == (
+        f"onnxgrad: note: resuming {ckpt}: --history left out since the checkpoint (its state in the "
+        "checkpoint is left out)\n"
+    )
+    assert read_checkpoint(ckpt)["callbacks"][0]["best_epoch"] >= best  # restored, not afresh
