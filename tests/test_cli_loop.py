@@ -169,8 +169,8 @@ def test_warmup_longer_than_the_run_is_said(tmp_path, capsys, classifier):
     argv = [*classifier, "--data", str(tmp_path / "d.npz"), "--epochs", "2", "-o", str(tmp_path / "o.onnx")]
     assert main([*argv, "--warmup", "16"]) == 0
     assert capsys.readouterr().err == (
-        "onnxgrad: warning: --warmup 16 is longer than the run (16 updates: 2 epochs of 8): the learning "
-        "rate never reaches --lr 0.001\n"
+        "onnxgrad: warning: the warm-up of 16 updates is as long as the run or longer (16 updates: 2 "
+        "epochs of 8): the learning rate never reaches 0.001\n"
     )
     assert main([*argv, "--warmup", "15"]) == 0
     assert capsys.readouterr().err == ""

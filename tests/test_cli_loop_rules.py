@@ -38,3 +38,19 @@ def test_resume_matches_callbacks_by_kind(tmp_path, capsys, classifier):  # noqa
         "checkpoint is left out)\n"
     )
     assert read_checkpoint(ckpt)["callbacks"][0]["best_epoch"] >= best  # restored, not afresh
+
+
+# ---- 5, 7. usage errors: --warmup as LinearWarmup takes it, hyperparameters within float32 ------
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--warmup", "-5"], "--warmup must be >= 0, got -5"),
+        (["--weight-decay", "1e39"], "weight_decay must fit in float32"),
+        (["--optimizer", "sgd", "--momentum", "1e39"], "momentum must fit in float32"),
+    ],
+)
+def test_usage_errors_exit_2(tmp_path, capsys, classifier, options, message):  # noqa: F811
+    """--warmup -5 ran as no warm-up; --weight-decay 1e39 overflowed float32 in the update."""
+    err = one_line_error(capsys, run_args(tmp_path, classifier, *options))
+    assert message in err
+    assert not (tmp_path / "o.onnx").exists()

@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -461,6 +462,7 @@ def _check_train_args(args: argparse.Namespace) -> None:
         ("--batch-size", args.batch_size, 1),
         ("--accumulate", args.accumulate, 1),
         ("--patience", args.patience, 1),
+        ("--warmup", args.warmup, 0),  # LinearWarmup's rule: 0 means none
     ):
         if value is not None and value < low:
             raise InputError(f"{flag} must be >= {low}, got {value}")
@@ -517,12 +519,6 @@ def _train(args: argparse.Namespace) -> int:
     world = DataParallel().world if args.distributed else 1
     steps = math.ceil(math.ceil(math.ceil(n_train / world) / args.batch_size) / args.accumulate)
     schedule_epochs = _schedule_epochs(args, steps)
-    if args.warmup and args.warmup >= args.epochs * steps:
-        print(
-            f"onnxgrad: warning: --warmup {args.warmup} is longer than the run ({args.epochs * steps} "
-            f"updates: {args.epochs} epochs of {steps}): the learning rate never reaches --lr {args.lr:g}",
-            file=sys.stderr,
-        )
     monitor = "val_loss" if val else "loss"
     stopper = EarlyStopping(monitor=monitor, patience=args.patience) if args.patience else None
     callbacks: list[Any] = [c for c in (stopper,) if c is not None]
@@ -564,7 +560,9 @@ def _train(args: argparse.Namespace) -> int:
         if writer:  # the other ranks hold a placeholder for --history
             _callback_notes(args.resume, trainer.callbacks_since_checkpoint)
     done_before = trainer.epoch
-    history = trainer.fit(data, val, epochs=args.epochs, checkpoint=args.checkpoint)
+    with warnings.catch_warnings():  # the trainer's warnings (a warm-up past the run): one line each
+        warnings.showwarning = _show_warning
+        history = trainer.fit(data, val, epochs=args.epochs, checkpoint=args.checkpoint)
     if not writer:
         return 0
     out = os.fspath(args.out_file)
@@ -612,6 +610,11 @@ def _train(args: argparse.Namespace) -> int:
         print(f"  checkpoint    {args.checkpoint}")
     print(f"  time          {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    """A warning as one line on stderr, ``onnxgrad: warning: ...``."""
+    print(f"onnxgrad: warning: {' '.join(str(message).split())}", file=sys.stderr)
 
 
 def _schedule_epochs(args: argparse.Namespace, steps: int) -> int:

@@ -202,3 +202,68 @@ def test_resume_restores_the_callbacks_that_match_by_kind(tmp_path):
     bare = Trainer(linear(), loss="mse", progress=False)
     with pytest.warns(UserWarning, match=r"restored\): dropped \['EarlyStopping'\] \(their states left out\)$"):
         bare.fit(data, val, epochs=3, resume=ckpt)
+
+
+# ---- 7, 8. schedules checked when made; one warm-up warning; lr=None the default ---------------
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda s: s.LinearWarmup(0.01, warmup_steps=2.5), r"warmup_steps must be an integer >= 1, got 2\.5"),
+        (lambda s: s.LinearWarmup(0.01, warmup_steps="3"), r"warmup_steps must be an integer >= 1, got '3'"),
+        (lambda s: s.LinearWarmup(0.01, warmup_steps=-5), r"warmup_steps must be an integer >= 1, got -5"),
+        (lambda s: s.Cosine(0.01, total_steps=True), r"total_steps must be an integer >= 1, got True"),
+        (lambda s: s.StepDecay(0.01, step_size=0.5), r"step_size must be an integer >= 1, got 0\.5"),
+        (lambda s: s.Cosine(math.inf, total_steps=10), r"lr must be >= 0, got inf"),
+        (lambda s: s.StepDecay(math.nan, step_size=2), r"lr must be >= 0, got nan"),
+        (lambda s: s.InverseScaling(-0.1), r"lr must be >= 0, got -0\.1"),
+        (lambda s: s.ReduceLROnPlateau(math.inf), r"lr must be >= 0, got inf"),
+        (lambda s: s.ReduceLROnPlateau(0.1, factor="x"), r"factor must be a number, got 'x'"),
+        (lambda s: s.Cosine(0.01, total_steps=10, min_lr=math.inf), r"min_lr must be a finite number, got inf"),
+    ],
+)
+def test_schedules_check_their_arguments_when_made(make, message):
+    """Cosine(inf) was made and failed at its first use; warmup_steps=2.5 ran as 2; "3" and a
+    string lr were raw TypeErrors."""
+    from onnxgrad.train import schedules
+
+    with pytest.raises(InputError, match=message):
+        make(schedules)
+
+
+@pytest.mark.parametrize("make", ["Cosine", "StepDecay", "InverseScaling", "ReduceLROnPlateau"])
+def test_a_schedules_lr_goes_through_the_one_lr_check(monkeypatch, make):
+    """Whatever rule check_lr has (a string, lr beyond float32...), every schedule applies it."""
+    from onnxgrad.train import schedules
+
+    def refuse(lr):
+        raise InputError(f"refused {lr!r}")
+
+    monkeypatch.setattr(schedules, "check_lr", refuse)
+    args = {"Cosine": (10,), "StepDecay": (2,)}.get(make, ())
+    with pytest.raises(InputError, match="refused '0.01'"):
+        getattr(schedules, make)("0.01", *args)
+
+
+def test_a_warmup_longer_than_the_run_is_said_by_the_trainer():
+    """The CLI said it, the Trainer did not: the rule is below both (warmup_past_run)."""
+    from onnxgrad.train import LinearWarmup
+    from tests.train.test_trainer import regression_data
+
+    t = Trainer(linear(), loss="mse", lr=LinearWarmup(0.01, warmup_steps=100), batch_size=4, progress=False)
+    with pytest.warns(UserWarning, match=r"^the warm-up of 100 updates is as long as the run or longer \(4 "
+                      r"updates: 1 epochs of 4\): the learning rate never reaches 0\.01$"):  # fmt: skip
+        t.fit(regression_data(16), epochs=1)
+    import warnings
+
+    short = Trainer(linear(), loss="mse", lr=LinearWarmup(0.01, warmup_steps=3), batch_size=4, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        short.fit(regression_data(16), epochs=1)
+
+
+def test_generate_takes_lr_none_as_the_default(tmp_path):
+    from onnxgrad.artifacts import Runner, generate
+    from onnxgrad.train.optimizers import DEFAULT_LR
+
+    generate(linear(dtype=np.float32), loss="mse", lr=None, out_dir=tmp_path)
+    assert Runner(tmp_path).lr == DEFAULT_LR == Runner(tmp_path, lr=None).lr

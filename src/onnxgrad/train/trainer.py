@@ -52,7 +52,7 @@ from .losses import LossSpec, add_loss, loss_spec, remove_loss
 from .onegraph import one_graph_step
 from .optim import OPTIMIZERS, Optimizer, clip_grad_norm, clip_grad_value
 from .optimizers import DEFAULT_LR, DEFAULT_OPTIMIZER
-from .schedules import LearningRate, LinearWarmup, ReduceLROnPlateau
+from .schedules import LearningRate, LinearWarmup, ReduceLROnPlateau, warmup_past_run
 
 __all__ = [
     "OPTIMIZERS",
@@ -368,6 +368,12 @@ class Trainer:
                 checkpoint = None
         else:
             loader = BatchLoader(train, self.batch_size, **kw)
+        per_epoch = math.ceil(len(loader) / self.accumulate)  # optimizer updates
+        if epochs > self.epoch:
+            updates = self.optimizer.iterations + (epochs - self.epoch) * per_epoch
+            message = warmup_past_run(self.optimizer.schedule, updates, f"{epochs} epochs of {per_epoch}")
+            if message is not None:
+                warnings.warn(message, UserWarning, stacklevel=2)
         for cb in self.callbacks:
             cb.on_train_begin(self)
         bar = self._bar(max(epochs - self.epoch, 0) * len(loader), _epoch_label(self.epoch + 1, epochs))
