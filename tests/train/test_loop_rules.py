@@ -267,3 +267,26 @@ def test_generate_takes_lr_none_as_the_default(tmp_path):
 
     generate(linear(dtype=np.float32), loss="mse", lr=None, out_dir=tmp_path)
     assert Runner(tmp_path).lr == DEFAULT_LR == Runner(tmp_path, lr=None).lr
+
+
+# ---- 9. targets (N,) for an output (N, 1), in the Runner too ------------------------------------
+def test_the_runner_takes_targets_without_the_trailing_axis_as_the_trainer(tmp_path):
+    """Runner.step wanted the target as (N, 1) where Trainer and CLI take (N,)."""
+    from onnx import helper
+
+    from onnxgrad.artifacts import Runner, generate
+    from tests.models import make_model
+
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((3, 1)).astype(np.float32)
+    model = make_model([helper.make_node("MatMul", ["x", "W"], ["y"])], [("x", np.float32, ["N", 3])],
+                       [("y", np.float32, ["N", 1])], {"W": W})  # fmt: skip
+    generate(model, loss="mse", optimizer="sgd", lr=0.1, out_dir=tmp_path)
+    x, y = rng.standard_normal((5, 3)).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+    flat, column = Runner(tmp_path), Runner(tmp_path)
+    assert flat.evaluate({"x": x, "target": y})["loss"] == column.evaluate({"x": x, "target": y[:, None]})["loss"]
+    assert flat.step({"x": x, "target": y}) == column.step({"x": x, "target": y[:, None]})
+    np.testing.assert_array_equal(flat.parameters["W"], column.parameters["W"])
+    t = Trainer(model, loss="mse", optimizer="sgd", lr=0.1, batch_size=5, shuffle=False, progress=False)
+    t.fit({"x": x, "target": y}, epochs=1)
+    np.testing.assert_allclose(t.parameters["W"], flat.parameters["W"], rtol=1e-5)

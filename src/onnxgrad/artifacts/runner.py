@@ -24,7 +24,7 @@ from ..model.graph import ValueInfo, onnx_dtype
 from ..runtime.runner import make_session, session_options_for
 from ..runtime.session import resolve_providers
 from ..runtime.values import check_dims_agree, check_input, coerce
-from ..train.data import check_indices, index_bounds
+from ..train.data import check_indices, index_bounds, with_trailing_axis
 from ..train.losses import loss_spec
 from ..train.optimizers import check_lr
 from ..train.schedules import LearningRate, as_schedule
@@ -157,6 +157,7 @@ class Runner:
             info = self._infos[name]
             expected = np.dtype(self.batch_specs[name]["dtype"])
             given = coerce(f"batch input {name!r}", batch[name], expected)  # the one input contract
+            given = with_trailing_axis(given, info)  # targets (N,) for an output (N, 1), as the Trainer
             check_input(name, expected.name, given.shape, info)
             out[name] = np.ascontiguousarray(given)
         check_dims_agree({k: a.shape for k, a in out.items()}, self._infos)

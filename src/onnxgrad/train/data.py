@@ -21,7 +21,16 @@ from ..errors import InputError
 from ..model.graph import ValueInfo, np_dtype
 from ..runtime.values import coerce
 
-__all__ = ["BatchLoader", "as_feeds", "check_indices", "index_bounds", "load_dataset", "read_csv", "split"]
+__all__ = [
+    "BatchLoader",
+    "as_feeds",
+    "check_indices",
+    "index_bounds",
+    "load_dataset",
+    "read_csv",
+    "split",
+    "with_trailing_axis",
+]
 
 Data = Mapping[str, Any]
 
@@ -32,13 +41,22 @@ def _shape_text(shape: Sequence[Any] | None) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
+def with_trailing_axis(arr: np.ndarray, info: ValueInfo) -> np.ndarray:
+    """``arr`` with the trailing size-1 axis the input declares and ``arr`` lacks (a view): targets
+    ``(N,)`` for an output ``(N, 1)``, as torch's losses take them. The one rule of the Trainer,
+    ``onnxgrad train`` and the artifacts Runner; ``arr`` as it is otherwise."""
+    shape = info.shape
+    if shape is not None and arr.ndim + 1 == len(shape) and shape[-1] == 1:
+        return arr.reshape(*arr.shape, 1)
+    return arr
+
+
 def _fit_shape(name: str, arr: np.ndarray, info: ValueInfo) -> np.ndarray:
     """Check ``arr``'s shape against the input's; a missing trailing size-1 axis is added (a view)."""
     shape = info.shape
     if shape is None:
         return arr
-    if arr.ndim + 1 == len(shape) and shape[-1] == 1:  # targets (N,) for an output (N, 1)
-        arr = arr.reshape(*arr.shape, 1)
+    arr = with_trailing_axis(arr, info)
     ok = arr.ndim == len(shape) and all(
         not isinstance(d, int) or d == n for d, n in zip(shape[1:], arr.shape[1:])
     )
