@@ -209,4 +209,7 @@ def test_a_resumed_run_keeps_its_schedule_and_says_so(tmp_path, capsys, classifi
     assert capsys.readouterr().err == ""
     # another schedule is a change, sized for --epochs, and named
     assert main([*common, "--schedule", "constant", "--epochs", "4", "--resume", str(ckpt)]) == 0
-    assert "lr_schedule '" + schedule + "' -> 'constant'; schedule_epochs 3 -> 4" in capsys.readouterr().err
+    assert (
+        f"with options changed since the checkpoint: --schedule {schedule} -> constant (a new schedule, "
+        "sized for --epochs 4)\n"
+    ) in capsys.readouterr().err

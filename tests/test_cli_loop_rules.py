@@ -54,3 +54,39 @@ def test_usage_errors_exit_2(tmp_path, capsys, classifier, options, message):  #
     err = one_line_error(capsys, run_args(tmp_path, classifier, *options))
     assert message in err
     assert not (tmp_path / "o.onnx").exists()
+
+
+# ---- 10, 11. nothing to run on resume, one note in the options' terms, the summary, -h ----------
+def test_a_resume_with_nothing_to_run_says_so(tmp_path, capsys, classifier):  # noqa: F811
+    """The summary said "0 epochs (epochs 4-3, resumed from epoch 3)"; the changed-schedule note
+    named lr_schedule, schedule_epochs and schedule (internal names, the change twice)."""
+    ckpt = str(tmp_path / "c.npz")
+    argv = run_args(tmp_path, classifier, "--checkpoint", ckpt)
+    assert main([*argv, "--epochs", "3", "--schedule", "cosine"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--epochs", "3", "--resume", ckpt]) == 0
+    captured = capsys.readouterr()
+    assert "trained " in captured.out and ": no epoch (the checkpoint is at epoch 3, --epochs 3: nothing to run)" in captured.out
+    assert "epochs 4-3" not in captured.out
+    assert captured.err == (
+        f"onnxgrad: note: resuming {ckpt} with options changed since the checkpoint: --schedule cosine -> "
+        "constant\n"
+    )
+
+
+def test_the_summary_names_the_optimizer_options_and_the_warmup(tmp_path, capsys, classifier):  # noqa: F811
+    argv = run_args(tmp_path, classifier, "--epochs", "1", "--optimizer", "sgd", "--momentum", "0.9",
+                    "--nesterov", "--warmup", "3")  # fmt: skip
+    assert main(argv) == 0
+    assert "of sgd (lr 0.001, constant schedule, batch 16, momentum 0.9, nesterov, 3 warm-up updates)" in (
+        capsys.readouterr().out
+    )
+    assert main(run_args(tmp_path, classifier, "--epochs", "1", "--optimizer", "adam", "--betas", "0.8", "0.9")) == 0
+    assert "(lr 0.001, constant schedule, batch 16, betas 0.8 0.9)" in capsys.readouterr().out
+
+
+def test_help_shows_the_out_file_as_required(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "-h"])
+    usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
+    assert " -o FILE" in usage and "[-o FILE]" not in usage

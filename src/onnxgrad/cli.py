@@ -68,6 +68,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+class _UsageFormatter(argparse.HelpFormatter):
+    """Help whose usage line shows an option marked ``shown_required`` without brackets: required,
+    though argparse does not check it (its older spellings fill it too, ``-o`` of ``train``)."""
+
+    def _format_usage(self, usage: Any, actions: Any, groups: Any, prefix: Any) -> str:
+        flipped = [a for a in actions if getattr(a, "shown_required", False) and not a.required]
+        for action in flipped:
+            action.required = True
+        try:
+            return super()._format_usage(usage, actions, groups, prefix)
+        finally:
+            for action in flipped:
+                action.required = False
+
+
 def _model_command(sub: Any, name: str, help: str, **kwargs: Any) -> argparse.ArgumentParser:
     """The parser of a subcommand that reads one model: its ``MODEL`` argument added."""
     p = sub.add_parser(name, help=help, **kwargs)
@@ -421,9 +436,11 @@ def _add_train_parser(sub: Any) -> None:
     p.add_argument("--history", metavar="FILE", help="write one row per epoch to this .csv or .json file")
     p.add_argument("--checkpoint", metavar="FILE", help="save a checkpoint (.npz) after every epoch")
     p.add_argument("--resume", metavar="FILE", help="resume from a checkpoint written by --checkpoint")
-    p.add_argument(
+    out = p.add_argument(
         "-o", "--out-file", metavar="FILE", help="where to write the trained model (.onnx; required)"
     )
+    out.shown_required = True  # checked by _check_train_args: the deprecated spellings fill it too
+    p.formatter_class = _UsageFormatter
     add_deprecated(p, "--output-file", "--out-file", "out_file")
     add_deprecated(p, "--out", "--out-file", "out_file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -573,11 +590,16 @@ def _train(args: argparse.Namespace) -> int:
     val_text = f" / {len(next(iter(val.values())))} validation" if val else ""
     ran = trainer.epoch - done_before
     epochs = f"{ran} epoch{'s' if ran != 1 else ''}"
-    if resumed_at:
+    if resumed_at and ran:
         epochs += f" (epochs {resumed_at + 1}-{trainer.epoch}, resumed from epoch {resumed_at})"
+    elif resumed_at:  # nothing ran: the checkpoint's model is saved as it was
+        epochs = f"no epoch (the checkpoint is at epoch {resumed_at}, --epochs {args.epochs}: nothing to run)"
+    given = [f"{k.replace('_', ' ')} {_setting(v) if v is not True else ''}".strip() for k, v in options.items()]
     extra = "".join(
         f", {text}"
         for text, on in (
+            *((text, True) for text in given),  # the optimizer options given (--momentum, --betas...)
+            (f"{args.warmup} warm-up updates", args.warmup),
             (f"{args.accumulate} batches per update", args.accumulate > 1),
             (f"gradient norm clipped to {args.clip_norm}", args.clip_norm),
             (f"gradients clipped to ±{args.clip_value}", args.clip_value),
@@ -655,12 +677,44 @@ def _resume_notes(path: str, changed: dict[str, tuple[Any, Any]]) -> None:
             f"--resume {path}: the data or its split changed ({what}): resuming would move samples "
             f"between training and validation; use the checkpoint's values or start without --resume"
         )
-    if changed:
-        what = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+    parts = []
+    for key, (old, new) in changed.items():
+        if key in ("schedule", "schedule_epochs"):  # the schedule's class and length: --schedule's
+            continue
+        text = f"{SETTING_OPTIONS.get(key, key)} {_setting(old)} -> {_setting(new)}"
+        if key == "lr_schedule" and "schedule_epochs" in changed:
+            text += f" (a new schedule, sized for --epochs {changed['schedule_epochs'][1]})"
+        parts.append(text)
+    if parts:
         print(
-            f"onnxgrad: note: resuming {path} with settings changed since the checkpoint: {what}",
+            f"onnxgrad: note: resuming {path} with options changed since the checkpoint: {'; '.join(parts)}",
             file=sys.stderr,
         )
+
+
+# the option of each setting a checkpoint records (Trainer.setup and the run_info of _train)
+SETTING_OPTIONS = {
+    "lr_schedule": "--schedule",
+    "warmup": "--warmup",
+    "lr": "--lr",
+    "batch_size": "--batch-size",
+    "accumulate": "--accumulate",
+    "clip_norm": "--clip-norm",
+    "clip_value": "--clip-value",
+    "optimizer": "--optimizer",
+    **{f"optimizer.{k}": "--" + k.replace("_", "-") for k in ("momentum", "nesterov", "dampening", "eps")},
+    "optimizer.weight_decay": "--weight-decay",
+    "optimizer.betas": "--betas",
+}
+
+
+def _setting(value: Any) -> str:
+    """A setting's value as the command line writes it: ``none`` for unset, lists space-separated."""
+    if value is None:
+        return "none"
+    if isinstance(value, list | tuple):
+        return " ".join(_setting(v) for v in value)
+    return str(value)
 
 
 # the options that add a callback, by its kind, for the notes of a resumed run

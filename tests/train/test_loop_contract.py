@@ -265,7 +265,7 @@ def test_a_plateau_schedule_reused_by_a_second_trainer_starts_afresh():
 
 def test_the_progress_bar_shows_each_epoch_when_it_starts(monkeypatch):
     """The epoch label was set without a refresh: after fast first batches tqdm refreshes rarely,
-    so the bar could say "epoch 1/2" all run long."""
+    so the bar could say "epoch 1/2" all run long. (Now a bar per epoch, named when made.)"""
     import tqdm.auto
 
     shown = []

@@ -290,3 +290,46 @@ def test_the_runner_takes_targets_without_the_trailing_axis_as_the_trainer(tmp_p
     t = Trainer(model, loss="mse", optimizer="sgd", lr=0.1, batch_size=5, shuffle=False, progress=False)
     t.fit({"x": x, "target": y}, epochs=1)
     np.testing.assert_allclose(t.parameters["W"], flat.parameters["W"], rtol=1e-5)
+
+
+# ---- 11. a progress bar per epoch, as the docs say ------------------------------------------------
+def test_one_progress_bar_per_epoch(monkeypatch):
+    """One bar ran over the whole run, where docs/finetune.md says a tqdm bar per epoch."""
+    import tqdm.auto
+
+    bars = []
+
+    class Bar:
+        def __init__(self, *args, total=0, desc="", **kwargs):
+            self.total, self.desc, self.n, self.closed = total, desc, 0, False
+            bars.append(self)
+
+        def set_description(self, desc, refresh=True):
+            self.desc = desc
+
+        def set_postfix(self, *args, **kwargs): ...
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    from tests.train.test_trainer import regression_data
+
+    Trainer(linear(), loss="mse", batch_size=4).fit(regression_data(10), epochs=3)
+    assert [(b.desc, b.total, b.n, b.closed) for b in bars] == [(f"epoch {e}/3", 3, 3, True) for e in (1, 2, 3)]
+
+
+def test_an_extra_validation_array_without_metrics_names_the_data_and_the_way_out():
+    from tests.train.test_trainer import regression_data
+
+    t = Trainer(linear(), loss="mse", progress=False)
+    val = {**regression_data(4, seed=2), "group": np.arange(4)}
+    with pytest.raises(
+        InputError,
+        match=r"^the validation data has arrays \['group'\] that are not model inputs \(\['x', 'target'\]\): "
+        r"a trainer with metrics= passes such arrays \(extra targets\) to its metrics",
+    ):
+        t.fit(regression_data(8), val, epochs=1)

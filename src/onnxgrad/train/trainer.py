@@ -376,30 +376,24 @@ class Trainer:
                 warnings.warn(message, UserWarning, stacklevel=2)
         for cb in self.callbacks:
             cb.on_train_begin(self)
-        bar = self._bar(max(epochs - self.epoch, 0) * len(loader), _epoch_label(self.epoch + 1, epochs))
-        try:
-            while self.epoch < epochs and not self.stop_training:
-                self._run_epoch(loader, val, epochs, bar)
-                if checkpoint is not None:
-                    self.save_checkpoint(checkpoint)
-        finally:
-            if bar is not None:
-                bar.close()
+        while self.epoch < epochs and not self.stop_training:
+            bar = self._bar(len(loader), _epoch_label(self.epoch + 1, epochs))  # one per epoch
+            try:
+                self._run_epoch(loader, val, bar)
+            finally:
+                if bar is not None:
+                    bar.close()
+            if checkpoint is not None:
+                self.save_checkpoint(checkpoint)
         for cb in self.callbacks:
             cb.on_train_end(self)
         return self.history
 
-    def _run_epoch(
-        self, loader: BatchLoader, val: dict[str, np.ndarray] | None, epochs: int, bar: Any
-    ) -> None:
+    def _run_epoch(self, loader: BatchLoader, val: dict[str, np.ndarray] | None, bar: Any) -> None:
         epoch = self.epoch + 1
         start = time.perf_counter()
         for cb in self.callbacks:
             cb.on_epoch_begin(self, epoch)
-        if bar is not None:
-            # shown now: a bar refreshes every `miniters` updates, which fast first batches make
-            # large, so a description left to the next refresh could show epoch 1 all run long
-            bar.set_description(_epoch_label(epoch, epochs), refresh=True)
         total, seen = 0.0, 0.0  # Σ D_b L_b and Σ D_b (the batches' normalizers)
         summed = self._summed
         pending: Accumulated | None = None  # gradients of the batches of the next update
@@ -489,8 +483,8 @@ class Trainer:
             cb.on_step_end(self, self.updates, logs)
 
     def _bar(self, total: int, desc: str) -> Any:
-        """One tqdm bar over every batch of a ``fit`` run (its description names the epoch), or
-        ``None`` (no progress wanted, or no tqdm)."""
+        """A tqdm bar over the batches of one epoch (its description names the epoch, its last
+        figures stay on screen: a line per epoch), or ``None`` (no progress wanted, or no tqdm)."""
         if not self.progress or (self.distributed is not None and not self.distributed.is_writer):
             return None
         try:
@@ -516,7 +510,14 @@ class Trainer:
         """``data`` checked for evaluation: the model's inputs as :func:`as_feeds` makes them, plus,
         when the trainer has metrics, the arrays that are not model inputs (extra targets a metric
         reads), as given; every array with the same number of samples, at least one."""
-        extra = {k: np.asarray(v) for k, v in data.items() if k not in self.inputs} if self.metrics else {}
+        unknown = [k for k in data if k not in self.inputs]
+        if unknown and not self.metrics:
+            raise InputError(
+                f"{what} has arrays {unknown} that are not model inputs ({list(self.inputs)}): "
+                "a trainer with metrics= passes such arrays (extra targets) to its metrics, never "
+                "to the model; without metrics, leave them out"
+            )
+        extra = {k: np.asarray(data[k]) for k in unknown}
         feeds = as_feeds(data, self.inputs, allow_extra=bool(extra))
         n = n_samples(feeds)
         if not n:
