@@ -90,3 +90,56 @@ def test_help_shows_the_out_file_as_required(capsys):
         main(["train", "-h"])
     usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
     assert " -o FILE" in usage and "[-o FILE]" not in usage
+
+
+# ---- 12. onnxgrad check: an EMPTY check fails unless --allow-empty; the whole model's dtype ------
+def partly_masked(path) -> str:
+    """``y = Softmax(x + min)`` (every score masked: the step is lost in rounding, EMPTY; a
+    dead branch, so that the whole model checks ``z``) beside ``z = 2 x`` (checked)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    bias = np.full(4, np.finfo(np.float32).min, np.float32)
+    nodes = [
+        helper.make_node("Add", ["x", "bias"], ["s"]),
+        helper.make_node("Softmax", ["s"], ["y"], axis=-1),
+        helper.make_node("Mul", ["x", "two"], ["z"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "masked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 4])],
+        [numpy_helper.from_array(bias, "bias"), numpy_helper.from_array(np.float32(2.0), "two")],
+    )  # fmt: skip
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    return str(path)
+
+
+def test_check_fails_on_an_empty_check_unless_allowed(tmp_path, capsys):
+    """A BERT's masked attention Add and Softmax were EMPTY and the command exited 0, where the doc
+    says a check that compares nothing fails."""
+    from tests.test_cli import report_rows
+
+    path = partly_masked(tmp_path / "m.onnx")
+    assert main(["check", path]) == 1
+    captured = capsys.readouterr()
+    statuses = {r[1]: r[-1].split(" ")[0] for r in report_rows(captured.out)}
+    assert statuses == {"Add": "EMPTY", "Softmax": "EMPTY", "Mul": "ok", "-": "ok"}, captured.out
+    assert captured.err == (
+        "2 check(s) compared no element (EMPTY) and prove nothing: probe other values (--seed, --shape) "
+        "or pass --allow-empty to accept them\n"
+    )
+    assert main(["check", path, "--allow-empty"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_the_whole_model_row_names_the_parameters_dtype(tmp_path, capsys):
+    """An embedding model (integer inputs only) printed "- onnxruntime" for the whole model."""
+    import onnx
+
+    from tests.test_cli import report_rows
+    from tests.train.test_loop_rules import lm
+
+    onnx.save(lm(), tmp_path / "lm.onnx")
+    assert main(["check", str(tmp_path / "lm.onnx"), "--no-nodes"]) == 0
+    (row,) = report_rows(capsys.readouterr().out)
+    assert row[0] == "whole model" and row[2] == "float32 onnxruntime"

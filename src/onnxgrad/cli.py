@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="check the gradients of each node and of the whole model against finite differences",
         description="Feed random inputs, then compare onnxgrad's gradients with central finite "
         "differences, node by node (each node as a one-node model, in float64 when it can) and for "
-        "the whole model. Exit code 1 when a check fails.",
+        "the whole model. Exit code 1 when a check fails, or compares no element (EMPTY) without "
+        "--allow-empty.",
     )
     p.add_argument(
         "--shape",
@@ -149,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-nodes", action="store_true", help="check the whole model only")
     p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: per dtype)")
     p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: per dtype)")
+    p.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="exit 0 even when some checks compared no element (EMPTY), if the others passed",
+    )
     p.set_defaults(func=_check)
 
     p = sub.add_parser("coverage", help="the ops with gradient rules")
@@ -879,7 +885,11 @@ def _check(args: argparse.Namespace) -> int:
     try:
         whole = check_gradients(checked, feeds, max_elements=args.max_elements, seed=args.seed, **tolerances)
         worst = max(whole.max_error.values(), default=0.0)
-        dtypes = sorted({str(v.dtype) for k, v in feeds.items() if v.dtype.kind == "f"}) or ["-"]
+        # what the check differentiates: the floating-point inputs and parameters (a BERT has
+        # integer inputs only, its parameters float32)
+        dtypes = {str(v.dtype) for v in feeds.values() if v.dtype.kind == "f"}
+        dtypes |= {FLOATS[_dtype(i.data_type)] for i in model.graph.initializer if _dtype(i.data_type) in FLOATS}
+        dtypes = sorted(dtypes) or ["-"]
         status = result_status(whole)
         notes = "; ".join(n for n in (whole.nondiff_note(), whole.unprobed_note()) if n)
         status += f" ({notes})" if notes else ""
@@ -916,7 +926,18 @@ def _check(args: argparse.Namespace) -> int:
     if not failed and empty and len(rows) == skipped + empty:
         print("nothing was checked: no check compared a single element", file=sys.stderr)
         return 1
+    if not failed and empty and not args.allow_empty:
+        print(
+            f"{empty} check(s) compared no element (EMPTY) and prove nothing: probe other values "
+            "(--seed, --shape) or pass --allow-empty to accept them",
+            file=sys.stderr,
+        )
+        return 1
     return 1 if failed else 0
+
+
+# _dtype's names of the floating-point types -> numpy's, as the inputs' dtypes are written
+FLOATS = {"float16": "float16", "bfloat16": "bfloat16", "float": "float32", "double": "float64"}
 
 
 # ---- formatting --------------------------------------------------------------------------------
