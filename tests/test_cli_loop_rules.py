@@ -66,7 +66,10 @@ def test_a_resume_with_nothing_to_run_says_so(tmp_path, capsys, classifier):  # 
     capsys.readouterr()
     assert main([*argv, "--epochs", "3", "--resume", ckpt]) == 0
     captured = capsys.readouterr()
-    assert "trained " in captured.out and ": no epoch (the checkpoint is at epoch 3, --epochs 3: nothing to run)" in captured.out
+    assert (
+        "trained " in captured.out
+        and ": no epoch (the checkpoint is at epoch 3, --epochs 3: nothing to run)" in captured.out
+    )
     assert "epochs 4-3" not in captured.out
     assert captured.err == (
         f"onnxgrad: note: resuming {ckpt} with options changed since the checkpoint: --schedule cosine -> "
@@ -81,7 +84,10 @@ def test_the_summary_names_the_optimizer_options_and_the_warmup(tmp_path, capsys
     assert "of sgd (lr 0.001, constant schedule, batch 16, momentum 0.9, nesterov, 3 warm-up updates)" in (
         capsys.readouterr().out
     )
-    assert main(run_args(tmp_path, classifier, "--epochs", "1", "--optimizer", "adam", "--betas", "0.8", "0.9")) == 0
+    assert (
+        main(run_args(tmp_path, classifier, "--epochs", "1", "--optimizer", "adam", "--betas", "0.8", "0.9"))
+        == 0
+    )
     assert "(lr 0.001, constant schedule, batch 16, betas 0.8 0.9)" in capsys.readouterr().out
 
 

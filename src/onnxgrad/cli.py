@@ -600,7 +600,9 @@ def _train(args: argparse.Namespace) -> int:
         epochs += f" (epochs {resumed_at + 1}-{trainer.epoch}, resumed from epoch {resumed_at})"
     elif resumed_at:  # nothing ran: the checkpoint's model is saved as it was
         epochs = f"no epoch (the checkpoint is at epoch {resumed_at}, --epochs {args.epochs}: nothing to run)"
-    given = [f"{k.replace('_', ' ')} {_setting(v) if v is not True else ''}".strip() for k, v in options.items()]
+    given = [
+        f"{k.replace('_', ' ')} {_setting(v) if v is not True else ''}".strip() for k, v in options.items()
+    ]
     extra = "".join(
         f", {text}"
         for text, on in (
@@ -888,7 +890,9 @@ def _check(args: argparse.Namespace) -> int:
         # what the check differentiates: the floating-point inputs and parameters (a BERT has
         # integer inputs only, its parameters float32)
         dtypes = {str(v.dtype) for v in feeds.values() if v.dtype.kind == "f"}
-        dtypes |= {FLOATS[_dtype(i.data_type)] for i in model.graph.initializer if _dtype(i.data_type) in FLOATS}
+        dtypes |= {
+            FLOATS[_dtype(i.data_type)] for i in model.graph.initializer if _dtype(i.data_type) in FLOATS
+        }
         dtypes = sorted(dtypes) or ["-"]
         status = result_status(whole)
         notes = "; ".join(n for n in (whole.nondiff_note(), whole.unprobed_note()) if n)

@@ -31,7 +31,9 @@ def test_val_loss_is_the_whole_sets_when_an_eval_batch_counts_nothing(options, e
     else:
         data["target"][:4] = -100
         del data["w"]
-    t = Trainer(linear(), loss="cross_entropy", loss_options=options, eval_batch_size=eval_batch, progress=False)
+    t = Trainer(
+        linear(), loss="cross_entropy", loss_options=options, eval_batch_size=eval_batch, progress=False
+    )
     from onnx import numpy_helper
 
     W, b = (torch.tensor(numpy_helper.to_array(i)) for i in linear().graph.initializer)
@@ -128,7 +130,9 @@ def lm():
         helper.make_node("Gather", ["emb", "ids"], ["e"]),
         helper.make_node("ReduceMean", ["e"], ["y"], axes=[1], keepdims=0),
     ]
-    table = numpy_helper.from_array(np.random.default_rng(0).standard_normal((10, 3)).astype(np.float32), "emb")
+    table = numpy_helper.from_array(
+        np.random.default_rng(0).standard_normal((10, 3)).astype(np.float32), "emb"
+    )
     graph = helper.make_graph(
         nodes, "lm", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["N", 4])],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 3])], [table],
@@ -146,7 +150,10 @@ def test_negative_token_ids_are_refused_by_every_door(tmp_path, bad):
     ids = np.random.default_rng(1).integers(0, 10, (6, 4))
     ids[3, 2] = bad
     data = {"ids": ids, "target": np.zeros((6, 3), np.float32)}
-    message = rf"input 'ids' of {{}} holds index {bad} at row 3 \(position \[3, 2\]\), outside the 10 rows of 'emb' that Gather #\d reads \(indices must lie in \[0, 10\)"
+    message = (
+        rf"input 'ids' of {{}} holds index {bad} at row 3 \(position \[3, 2\]\), outside the 10 rows "
+        r"of 'emb' that Gather #\d reads \(indices must lie in \[0, 10\)"
+    )
     with pytest.raises(InputError, match=message.format("the training data")):
         Trainer(lm(), loss="mse", progress=False).fit(data, epochs=1)
     generate(lm(), loss="mse", out_dir=tmp_path)
@@ -162,14 +169,24 @@ def test_negative_token_ids_are_refused_by_every_door(tmp_path, bad):
 @pytest.mark.parametrize(
     ("optimizer", "options", "message"),
     [
-        ("adamw", {"weight_decay": 1e39}, r"weight_decay must fit in float32 \(at most 3\.403e\+38 in size\), got 1e\+39"),
-        ("sgd", {"momentum": np.float64(1e39)}, r"momentum must fit in float32 .*, got np\.float64\(1e\+39\)|momentum must fit in float32 .*, got 1e\+39"),
+        (
+            "adamw",
+            {"weight_decay": 1e39},
+            r"weight_decay must fit in float32 \(at most 3\.403e\+38 in size\), got 1e\+39",
+        ),
+        (
+            "sgd",
+            {"momentum": np.float64(1e39)},
+            r"momentum must fit in float32 .*, got (np\.float64\()?1e\+39",
+        ),
         ("adam", {"eps": 1e300}, r"eps must fit in float32"),
         ("sgd", {"weight_decay": "0.1"}, r"weight_decay must be a number, got '0\.1'"),
         ("sgd", {"momentum": True}, r"momentum must be a number, got True"),
     ],
 )
-def test_hyperparameters_beyond_float32_are_refused_by_every_door(tmp_path, capsys, optimizer, options, message):
+def test_hyperparameters_beyond_float32_are_refused_by_every_door(
+    tmp_path, capsys, optimizer, options, message
+):
     """weight_decay=1e39 overflowed float32 in the update (inf parameters, a raw RuntimeWarning)."""
     from onnxgrad.artifacts import generate
     from onnxgrad.train.optimizers import definition
@@ -192,7 +209,9 @@ def test_resume_restores_the_callbacks_that_match_by_kind(tmp_path):
     ckpt = tmp_path / "c.npz"
     data, val = regression_data(16), regression_data(8, seed=2)
     stopper = EarlyStopping(patience=5)
-    Trainer(linear(), loss="mse", callbacks=[stopper], progress=False).fit(data, val, epochs=2, checkpoint=ckpt)
+    Trainer(linear(), loss="mse", callbacks=[stopper], progress=False).fit(
+        data, val, epochs=2, checkpoint=ckpt
+    )
     again = EarlyStopping(patience=5)
     t = Trainer(linear(), loss="mse", callbacks=[HistoryFile(tmp_path / "h.csv"), again], progress=False)
     with pytest.warns(UserWarning, match=r"other callbacks than the checkpoint's \(matched by kind, the "
@@ -200,7 +219,9 @@ def test_resume_restores_the_callbacks_that_match_by_kind(tmp_path):
         t.fit(data, val, epochs=3, resume=ckpt)
     assert again.best_epoch >= stopper.best_epoch > 0 and t.epoch == 3
     bare = Trainer(linear(), loss="mse", progress=False)
-    with pytest.warns(UserWarning, match=r"restored\): dropped \['EarlyStopping'\] \(their states left out\)$"):
+    with pytest.warns(
+        UserWarning, match=r"restored\): dropped \['EarlyStopping'\] \(their states left out\)$"
+    ):
         bare.fit(data, val, epochs=3, resume=ckpt)
 
 
@@ -218,7 +239,10 @@ def test_resume_restores_the_callbacks_that_match_by_kind(tmp_path):
         (lambda s: s.InverseScaling(-0.1), r"lr must be >= 0, got -0\.1"),
         (lambda s: s.ReduceLROnPlateau(math.inf), r"lr must be >= 0, got inf"),
         (lambda s: s.ReduceLROnPlateau(0.1, factor="x"), r"factor must be a number, got 'x'"),
-        (lambda s: s.Cosine(0.01, total_steps=10, min_lr=math.inf), r"min_lr must be a finite number, got inf"),
+        (
+            lambda s: s.Cosine(0.01, total_steps=10, min_lr=math.inf),
+            r"min_lr must be a finite number, got inf",
+        ),
     ],
 )
 def test_schedules_check_their_arguments_when_made(make, message):
@@ -240,7 +264,7 @@ def test_a_schedules_lr_goes_through_the_one_lr_check(monkeypatch, make):
 
     monkeypatch.setattr(schedules, "check_lr", refuse)
     args = {"Cosine": (10,), "StepDecay": (2,)}.get(make, ())
-    with pytest.raises(InputError, match="refused '0.01'"):
+    with pytest.raises(InputError, match=r"refused '0\.01'"):
         getattr(schedules, make)("0.01", *args)
 
 
@@ -284,7 +308,10 @@ def test_the_runner_takes_targets_without_the_trailing_axis_as_the_trainer(tmp_p
     generate(model, loss="mse", optimizer="sgd", lr=0.1, out_dir=tmp_path)
     x, y = rng.standard_normal((5, 3)).astype(np.float32), rng.standard_normal(5).astype(np.float32)
     flat, column = Runner(tmp_path), Runner(tmp_path)
-    assert flat.evaluate({"x": x, "target": y})["loss"] == column.evaluate({"x": x, "target": y[:, None]})["loss"]
+    assert (
+        flat.evaluate({"x": x, "target": y})["loss"]
+        == column.evaluate({"x": x, "target": y[:, None]})["loss"]
+    )
     assert flat.step({"x": x, "target": y}) == column.step({"x": x, "target": y[:, None]})
     np.testing.assert_array_equal(flat.parameters["W"], column.parameters["W"])
     t = Trainer(model, loss="mse", optimizer="sgd", lr=0.1, batch_size=5, shuffle=False, progress=False)
@@ -319,7 +346,9 @@ def test_one_progress_bar_per_epoch(monkeypatch):
     from tests.train.test_trainer import regression_data
 
     Trainer(linear(), loss="mse", batch_size=4).fit(regression_data(10), epochs=3)
-    assert [(b.desc, b.total, b.n, b.closed) for b in bars] == [(f"epoch {e}/3", 3, 3, True) for e in (1, 2, 3)]
+    assert [(b.desc, b.total, b.n, b.closed) for b in bars] == [
+        (f"epoch {e}/3", 3, 3, True) for e in (1, 2, 3)
+    ]
 
 
 def test_an_extra_validation_array_without_metrics_names_the_data_and_the_way_out():
