@@ -149,3 +149,31 @@ def test_the_whole_model_row_names_the_parameters_dtype(tmp_path, capsys):
     assert main(["check", str(tmp_path / "lm.onnx"), "--no-nodes"]) == 0
     (row,) = report_rows(capsys.readouterr().out)
     assert row[0] == "whole model" and row[2] == "float32 onnxruntime"
+
+
+# ---- 2. the CLI's val accuracy over the labels that count ----------------------------------------
+def test_val_accuracy_leaves_ignored_labels_out(tmp_path, capsys, classifier):  # noqa: F811
+    """-100 labels counted as wrong answers in "val accuracy" (and val_acc of --history)."""
+    import csv
+
+    import onnxruntime as ort
+
+    from onnxgrad.train import split
+
+    x = np.random.default_rng(1).standard_normal((120, 8)).astype(np.float32)
+    label = (x[:, 0] > 0).astype(np.int64)
+    label[::3] = -100
+    np.savez(tmp_path / "d.npz", pixels=x, label=label)
+    hist = tmp_path / "h.csv"
+    assert (
+        main(run_args(tmp_path, classifier, "--epochs", "1", "--val-split", "0.5", "--history", str(hist)))
+        == 0
+    )
+    with open(hist, newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    _, val = split({"pixels": x, "label": label}, 0.5, seed=0)
+    session = ort.InferenceSession(str(tmp_path / "o.onnx"), providers=["CPUExecutionProvider"])
+    pred = session.run(None, {"pixels": val["pixels"]})[0].argmax(axis=1)
+    keep = val["label"] != -100
+    assert float(row["val_acc"]) == pytest.approx(np.mean(pred[keep] == val["label"][keep]), rel=1e-12)
+    assert f"val accuracy  {float(row['val_acc']):.2%} -> " in capsys.readouterr().out
