@@ -169,8 +169,8 @@ def test_warmup_longer_than_the_run_is_said(tmp_path, capsys, classifier):
     argv = [*classifier, "--data", str(tmp_path / "d.npz"), "--epochs", "2", "-o", str(tmp_path / "o.onnx")]
     assert main([*argv, "--warmup", "16"]) == 0
     assert capsys.readouterr().err == (
-        "onnxgrad: warning: --warmup 16 is longer than the run (16 updates: 2 epochs of 8): the learning "
-        "rate never reaches --lr 0.001\n"
+        "onnxgrad: warning: the warm-up of 16 updates is as long as the run or longer (16 updates: 2 "
+        "epochs of 8): the learning rate never reaches 0.001\n"
     )
     assert main([*argv, "--warmup", "15"]) == 0
     assert capsys.readouterr().err == ""
@@ -209,4 +209,7 @@ def test_a_resumed_run_keeps_its_schedule_and_says_so(tmp_path, capsys, classifi
     assert capsys.readouterr().err == ""
     # another schedule is a change, sized for --epochs, and named
     assert main([*common, "--schedule", "constant", "--epochs", "4", "--resume", str(ckpt)]) == 0
-    assert "lr_schedule '" + schedule + "' -> 'constant'; schedule_epochs 3 -> 4" in capsys.readouterr().err
+    assert (
+        f"with options changed since the checkpoint: --schedule {schedule} -> constant (a new schedule, "
+        "sized for --epochs 4)\n"
+    ) in capsys.readouterr().err

@@ -68,6 +68,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+class _UsageFormatter(argparse.HelpFormatter):
+    """Help whose usage line shows an option marked ``shown_required`` without brackets: required,
+    though argparse does not check it (its older spellings fill it too, ``-o`` of ``train``)."""
+
+    def _format_usage(self, usage: Any, actions: Any, groups: Any, prefix: Any) -> str:
+        flipped = [a for a in actions if getattr(a, "shown_required", False) and not a.required]
+        for action in flipped:
+            action.required = True
+        try:
+            return super()._format_usage(usage, actions, groups, prefix)
+        finally:
+            for action in flipped:
+                action.required = False
+
+
 def _model_command(sub: Any, name: str, help: str, **kwargs: Any) -> argparse.ArgumentParser:
     """The parser of a subcommand that reads one model: its ``MODEL`` argument added."""
     p = sub.add_parser(name, help=help, **kwargs)
@@ -118,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="check the gradients of each node and of the whole model against finite differences",
         description="Feed random inputs, then compare onnxgrad's gradients with central finite "
         "differences, node by node (each node as a one-node model, in float64 when it can) and for "
-        "the whole model. Exit code 1 when a check fails.",
+        "the whole model. Exit code 1 when a check fails, or compares no element (EMPTY) without "
+        "--allow-empty.",
     )
     p.add_argument(
         "--shape",
@@ -134,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-nodes", action="store_true", help="check the whole model only")
     p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: per dtype)")
     p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: per dtype)")
+    p.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="exit 0 even when some checks compared no element (EMPTY), if the others passed",
+    )
     p.set_defaults(func=_check)
 
     p = sub.add_parser("coverage", help="the ops with gradient rules")
@@ -431,9 +452,11 @@ def _add_train_parser(sub: Any) -> None:
     p.add_argument("--history", metavar="FILE", help="write one row per epoch to this .csv or .json file")
     p.add_argument("--checkpoint", metavar="FILE", help="save a checkpoint (.npz) after every epoch")
     p.add_argument("--resume", metavar="FILE", help="resume from a checkpoint written by --checkpoint")
-    p.add_argument(
+    out = p.add_argument(
         "-o", "--out-file", metavar="FILE", help="where to write the trained model (.onnx; required)"
     )
+    out.shown_required = True  # checked by _check_train_args: the deprecated spellings fill it too
+    p.formatter_class = _UsageFormatter
     add_deprecated(p, "--output-file", "--out-file", "out_file")
     add_deprecated(p, "--out", "--out-file", "out_file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -472,6 +495,7 @@ def _check_train_args(args: argparse.Namespace) -> None:
         ("--batch-size", args.batch_size, 1),
         ("--accumulate", args.accumulate, 1),
         ("--patience", args.patience, 1),
+        ("--warmup", args.warmup, 0),  # LinearWarmup's rule: 0 means none
     ):
         if value is not None and value < low:
             raise InputError(f"{flag} must be >= {low}, got {value}")
@@ -494,7 +518,7 @@ def _train(args: argparse.Namespace) -> int:
         split,
     )
     from .train.distributed import DataParallel
-    from .train.losses import CLASS_LOSSES
+    from .train.losses import CLASS_LOSSES, loss_spec
     from .train.trainer import input_infos
 
     start = time.perf_counter()
@@ -528,16 +552,11 @@ def _train(args: argparse.Namespace) -> int:
     world = DataParallel().world if args.distributed else 1
     steps = math.ceil(math.ceil(math.ceil(n_train / world) / args.batch_size) / args.accumulate)
     schedule_epochs = _schedule_epochs(args, steps)
-    if args.warmup and args.warmup >= args.epochs * steps:
-        print(
-            f"onnxgrad: warning: --warmup {args.warmup} is longer than the run ({args.epochs * steps} "
-            f"updates: {args.epochs} epochs of {steps}): the learning rate never reaches --lr {args.lr:g}",
-            file=sys.stderr,
-        )
     monitor = "val_loss" if val else "loss"
     stopper = EarlyStopping(monitor=monitor, patience=args.patience) if args.patience else None
     callbacks: list[Any] = [c for c in (stopper,) if c is not None]
     classifier = args.loss in CLASS_LOSSES
+    spec = loss_spec(model)  # the accuracy leaves out the labels the loss ignores
     trainer = Trainer(
         fb,
         optimizer=args.optimizer,
@@ -547,7 +566,9 @@ def _train(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         callbacks=callbacks,
-        metrics={"acc": accuracy_metric(loss_reads, target_input)} if classifier else None,
+        metrics={"acc": accuracy_metric(loss_reads, target_input, ignore_index=spec.ignore_index)}
+        if classifier and spec is not None
+        else None,
         accumulate=args.accumulate,
         clip_norm=args.clip_norm,
         clip_value=args.clip_value,
@@ -569,8 +590,12 @@ def _train(args: argparse.Namespace) -> int:
         trainer.load_checkpoint(args.resume)
         resumed_at = trainer.epoch
         _resume_notes(args.resume, trainer.changed_since_checkpoint)
+        if writer:  # the other ranks hold a placeholder for --history
+            _callback_notes(args.resume, trainer.callbacks_since_checkpoint)
     done_before = trainer.epoch
-    history = trainer.fit(data, val, epochs=args.epochs, checkpoint=args.checkpoint)
+    with warnings.catch_warnings():  # the trainer's warnings (a warm-up past the run): one line each
+        warnings.showwarning = _show_warning
+        history = trainer.fit(data, val, epochs=args.epochs, checkpoint=args.checkpoint)
     if not writer:
         return 0
     out = os.fspath(args.out_file)
@@ -581,11 +606,18 @@ def _train(args: argparse.Namespace) -> int:
     val_text = f" / {len(next(iter(val.values())))} validation" if val else ""
     ran = trainer.epoch - done_before
     epochs = f"{ran} epoch{'s' if ran != 1 else ''}"
-    if resumed_at:
+    if resumed_at and ran:
         epochs += f" (epochs {resumed_at + 1}-{trainer.epoch}, resumed from epoch {resumed_at})"
+    elif resumed_at:  # nothing ran: the checkpoint's model is saved as it was
+        epochs = f"no epoch (the checkpoint is at epoch {resumed_at}, --epochs {args.epochs}: nothing to run)"
+    given = [
+        f"{k.replace('_', ' ')} {_setting(v) if v is not True else ''}".strip() for k, v in options.items()
+    ]
     extra = "".join(
         f", {text}"
         for text, on in (
+            *((text, True) for text in given),  # the optimizer options given (--momentum, --betas...)
+            (f"{args.warmup} warm-up updates", args.warmup),
             (f"{args.accumulate} batches per update", args.accumulate > 1),
             (f"gradient norm clipped to {args.clip_norm}", args.clip_norm),
             (f"gradients clipped to ±{args.clip_value}", args.clip_value),
@@ -618,6 +650,11 @@ def _train(args: argparse.Namespace) -> int:
         print(f"  checkpoint    {args.checkpoint}")
     print(f"  time          {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    """A warning as one line on stderr, ``onnxgrad: warning: ...``."""
+    print(f"onnxgrad: warning: {' '.join(str(message).split())}", file=sys.stderr)
 
 
 def _schedule_epochs(args: argparse.Namespace, steps: int) -> int:
@@ -658,12 +695,62 @@ def _resume_notes(path: str, changed: dict[str, tuple[Any, Any]]) -> None:
             f"--resume {path}: the data or its split changed ({what}): resuming would move samples "
             f"between training and validation; use the checkpoint's values or start without --resume"
         )
-    if changed:
-        what = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+    parts = []
+    for key, (old, new) in changed.items():
+        if key in ("schedule", "schedule_epochs"):  # the schedule's class and length: --schedule's
+            continue
+        text = f"{SETTING_OPTIONS.get(key, key)} {_setting(old)} -> {_setting(new)}"
+        if key == "lr_schedule" and "schedule_epochs" in changed:
+            text += f" (a new schedule, sized for --epochs {changed['schedule_epochs'][1]})"
+        parts.append(text)
+    if parts:
         print(
-            f"onnxgrad: note: resuming {path} with settings changed since the checkpoint: {what}",
+            f"onnxgrad: note: resuming {path} with options changed since the checkpoint: {'; '.join(parts)}",
             file=sys.stderr,
         )
+
+
+# the option of each setting a checkpoint records (Trainer.setup and the run_info of _train)
+SETTING_OPTIONS = {
+    "lr_schedule": "--schedule",
+    "warmup": "--warmup",
+    "lr": "--lr",
+    "batch_size": "--batch-size",
+    "accumulate": "--accumulate",
+    "clip_norm": "--clip-norm",
+    "clip_value": "--clip-value",
+    "optimizer": "--optimizer",
+    **{f"optimizer.{k}": "--" + k.replace("_", "-") for k in ("momentum", "nesterov", "dampening", "eps")},
+    "optimizer.weight_decay": "--weight-decay",
+    "optimizer.betas": "--betas",
+}
+
+
+def _setting(value: Any) -> str:
+    """A setting's value as the command line writes it: ``none`` for unset, lists space-separated."""
+    if value is None:
+        return "none"
+    if isinstance(value, list | tuple):
+        return " ".join(_setting(v) for v in value)
+    return str(value)
+
+
+# the options that add a callback, by its kind, for the notes of a resumed run
+CALLBACK_OPTIONS = {"EarlyStopping": "--patience", "HistoryFile": "--history"}
+
+
+def _callback_notes(path: str, since: dict[str, list[str]]) -> None:
+    """Note on stderr the options that add a callback (``--patience``, ``--history``) given or
+    left out since the checkpoint: the run resumes, with what matches restored."""
+    for change, what in (("added", "starts afresh"), ("dropped", "its state in the checkpoint is left out")):
+        for kind in since[change]:
+            option = CALLBACK_OPTIONS.get(kind, kind)
+            why = "early stopping starts afresh" if option == "--patience" and change == "added" else what
+            print(
+                f"onnxgrad: note: resuming {path}: {option} {'given' if change == 'added' else 'left out'} "
+                f"since the checkpoint ({why})",
+                file=sys.stderr,
+            )
 
 
 def _stop_reason(trainer: Any, stopper: Any, epochs: int, ran: int) -> str:
@@ -810,7 +897,13 @@ def _check(args: argparse.Namespace) -> int:
     try:
         whole = check_gradients(checked, feeds, max_elements=args.max_elements, seed=args.seed, **tolerances)
         worst = max(whole.max_error.values(), default=0.0)
-        dtypes = sorted({str(v.dtype) for k, v in feeds.items() if v.dtype.kind == "f"}) or ["-"]
+        # what the check differentiates: the floating-point inputs and parameters (a BERT has
+        # integer inputs only, its parameters float32)
+        dtypes = {str(v.dtype) for v in feeds.values() if v.dtype.kind == "f"}
+        dtypes |= {
+            FLOATS[_dtype(i.data_type)] for i in model.graph.initializer if _dtype(i.data_type) in FLOATS
+        }
+        dtypes = sorted(dtypes) or ["-"]
         status = result_status(whole)
         notes = "; ".join(n for n in (whole.nondiff_note(), whole.unprobed_note()) if n)
         status += f" ({notes})" if notes else ""
@@ -847,7 +940,18 @@ def _check(args: argparse.Namespace) -> int:
     if not failed and empty and len(rows) == skipped + empty:
         print("nothing was checked: no check compared a single element", file=sys.stderr)
         return 1
+    if not failed and empty and not args.allow_empty:
+        print(
+            f"{empty} check(s) compared no element (EMPTY) and prove nothing: probe other values "
+            "(--seed, --shape) or pass --allow-empty to accept them",
+            file=sys.stderr,
+        )
+        return 1
     return 1 if failed else 0
+
+
+# _dtype's names of the floating-point types -> numpy's, as the inputs' dtypes are written
+FLOATS = {"float16": "float16", "bfloat16": "bfloat16", "float": "float32", "double": "float64"}
 
 
 # ---- formatting --------------------------------------------------------------------------------

@@ -133,11 +133,11 @@ def test_callable_lr_and_number():
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: StepDecay(0.1, step_size=0), "step_size must be > 0"),
-        (lambda: Cosine(0.1, total_steps=0), "total_steps must be > 0"),
+        (lambda: StepDecay(0.1, step_size=0), "step_size must be an integer >= 1"),
+        (lambda: Cosine(0.1, total_steps=0), "total_steps must be an integer >= 1"),
         (lambda: Constant(-1), "lr must be >= 0"),
         (lambda: LinearWarmup(0.1, warmup_steps=5, start_factor=2), "start_factor must be <= 1"),
-        (lambda: LinearWarmup(0.1, warmup_steps=0), "warmup_steps must be > 0"),
+        (lambda: LinearWarmup(0.1, warmup_steps=0), "warmup_steps must be an integer >= 1"),
         (lambda: SGD({"w": np.zeros(1)}, lr="fast"), "lr must be a number or a callable"),
     ],
 )

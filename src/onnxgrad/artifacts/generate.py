@@ -87,7 +87,7 @@ def generate(
     loss: str | None,
     optimizer: str = DEFAULT_OPTIMIZER,
     out_dir: str | os.PathLike | None = None,
-    lr: float = DEFAULT_LR,
+    lr: float | None = DEFAULT_LR,
     loss_options: Mapping[str, Any] | None = None,
     loss_name: str = "loss",
     target_name: str = "target",
@@ -108,8 +108,9 @@ def generate(
     or ``"adamw"`` (the default, :data:`~onnxgrad.train.optimizers.DEFAULT_OPTIMIZER`), its
     hyperparameters in ``optimizer_options`` (``momentum``, ``nesterov``, ``betas``, ``eps``,
     ``weight_decay``...: the registry's, with its defaults; given as keywords they still work, with
-    a :class:`DeprecationWarning`). ``lr`` is only the default the runners use; the step graph
-    takes it as an input.
+    a :class:`DeprecationWarning`). ``lr`` is only the default the runners use (``None``:
+    :data:`~onnxgrad.train.optimizers.DEFAULT_LR`, as everywhere); the step graph takes it as an
+    input.
     ``targets``: the runtimes the folder must run on (``"onnxruntime"``, ``"onnxruntime-web"``,
     ``"onnxruntime-web-webgpu"``); an op one of them has no kernel for
     (:mod:`onnxgrad.artifacts.targets`) raises :class:`InputError` naming the op and the runtime,
@@ -122,7 +123,7 @@ def generate(
     trainable, frozen = _deprecated_names(deprecated, requires_grad, trainable, frozen)
     targets = list(targets)
     webgpu = WEBGPU in targets
-    lr = check_lr(lr)  # the runners' default: the one check every door makes
+    lr = check_lr(DEFAULT_LR if lr is None else lr)  # the runners' default: the one check of every door
     opt = optimizer.lower()
     hyper = hyperparameters(opt, optimizer_options_of(optimizer_options, legacy_options, "generate"))
     prepared = prepare(model)  # the one validation: what follows rewrites the checked model

@@ -24,6 +24,7 @@ from ..model.graph import ValueInfo, onnx_dtype
 from ..runtime.runner import make_session, session_options_for
 from ..runtime.session import resolve_providers
 from ..runtime.values import check_dims_agree, check_input, coerce
+from ..train.data import check_indices, index_bounds, with_trailing_axis
 from ..train.losses import loss_spec
 from ..train.optimizers import check_lr
 from ..train.schedules import LearningRate, as_schedule
@@ -105,6 +106,7 @@ class Runner:
         self._train = self._session(train_model)
         # the loss add_loss wrote into the step (class labels to check before a step), or None
         self.loss_spec = loss_spec(self._train.get_modelmeta().custom_metadata_map)
+        self._index_bounds = index_bounds(train_model)  # token ids in [0, rows), as the Trainer checks
         self._eval: ort.InferenceSession | None = None
         train = m["train_step"]
         self.feedback: dict[str, str] = dict(train["feedback"])  # output -> input
@@ -171,11 +173,13 @@ class Runner:
             info = self._infos[name]
             expected = np.dtype(self.batch_specs[name]["dtype"])
             given = coerce(f"batch input {name!r}", batch[name], expected)  # the one input contract
+            given = with_trailing_axis(given, info)  # targets (N,) for an output (N, 1), as the Trainer
             check_input(name, expected.name, given.shape, info)
             out[name] = np.ascontiguousarray(given)
         check_dims_agree({k: a.shape for k, a in out.items()}, self._infos)
         if self.loss_spec is not None:
             self.loss_spec.check(out, "the batch")
+        check_indices(out, self._index_bounds, "the batch")
         return out
 
     # ---- training ------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ __all__ = [
     "accuracy_metric",
     "as_callback",
     "infer_mode",
+    "metric_weight",
 ]
 
 Metric = Callable[[Mapping[str, np.ndarray], Mapping[str, np.ndarray]], float]
@@ -105,20 +106,59 @@ class HistoryFile(Callback):
         trainer.history.save(self.path)
 
 
-def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
-    """Fraction of rows whose largest logit (last axis) is the label."""
+def _counted(labels: np.ndarray, ignore_index: int | None, weights: Any) -> np.ndarray:
+    """How much each label counts: 0 where it is ``ignore_index``, else its sample's weight (1
+    without weights; a sample's weight applies to each of its labels), as the class losses weigh it."""
+    counts = np.ones(labels.shape) if ignore_index is None else (labels != ignore_index).astype(np.float64)
+    if weights is not None:
+        w = np.asarray(weights, dtype=np.float64).reshape(len(labels), *([1] * (labels.ndim - 1)))
+        counts = counts * w
+    return counts
+
+
+def accuracy(
+    logits: np.ndarray, labels: np.ndarray, ignore_index: int | None = -100, weights: Any = None
+) -> float:
+    """Fraction of the labels that count whose row's largest logit (last axis) is the label: labels
+    equal to ``ignore_index`` (torch's -100 by default; ``None``: every label counts) are left out,
+    as the class losses leave them out; with ``weights`` (one per sample) the fraction is weighted,
+    ``Σ w·correct / Σ w`` over the counted labels. NaN when no label counts."""
     logits, labels = np.asarray(logits), np.asarray(labels)
-    return float(np.mean(np.argmax(logits, axis=-1) == labels.reshape(logits.shape[:-1])))
+    labels = labels.reshape(logits.shape[:-1])
+    counts = _counted(labels, ignore_index, weights)
+    total = counts.sum()
+    if not total:
+        return math.nan
+    return float(((np.argmax(logits, axis=-1) == labels) * counts).sum() / total)
 
 
-def accuracy_metric(output: str, target: str = "target") -> Metric:
-    """A metric for ``Trainer(metrics={"acc": accuracy_metric("logits")})``: the accuracy of the
-    ``output`` logits against the ``target`` class indices of the batch."""
+def accuracy_metric(
+    output: str, target: str = "target", *, ignore_index: int | None = -100, weight: str | None = None
+) -> Metric:
+    """A metric for ``Trainer(metrics={"acc": accuracy_metric("logits")})``: the :func:`accuracy` of
+    the ``output`` logits against the ``target`` class indices of the batch, over the labels that
+    count (not ``ignore_index``; weighted by the batch's ``weight`` array when named). Batches are
+    combined by how much they count (:func:`metric_weight`), so the value is the whole set's."""
 
     def metric(outputs: Mapping[str, np.ndarray], batch: Mapping[str, np.ndarray]) -> float:
-        return accuracy(outputs[output], batch[target])
+        return accuracy(outputs[output], batch[target], ignore_index, batch[weight] if weight else None)
 
+    def counted(batch: Mapping[str, np.ndarray]) -> float:
+        labels = np.asarray(batch[target])
+        return float(_counted(labels, ignore_index, batch[weight] if weight else None).sum())
+
+    metric.weight = counted  # type: ignore[attr-defined]
     return metric
+
+
+def metric_weight(metric: Metric, batch: Mapping[str, np.ndarray]) -> float:
+    """How much ``batch`` weighs in the average of ``metric`` over batches: ``metric.weight(batch)``
+    when the metric defines it (:func:`accuracy_metric`: the labels it counts), else the batch's
+    sample count. A batch that weighs 0 is left out."""
+    weigh = getattr(metric, "weight", None)
+    if callable(weigh):
+        return float(weigh(batch))
+    return float(len(next(iter(batch.values()))))
 
 
 # metric names whose larger values are better, as Keras infers mode="auto" ("acc", "accuracy",

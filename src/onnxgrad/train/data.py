@@ -21,7 +21,16 @@ from ..errors import InputError
 from ..model.graph import ValueInfo, np_dtype
 from ..runtime.values import coerce
 
-__all__ = ["BatchLoader", "as_feeds", "check_indices", "index_bounds", "load_dataset", "read_csv", "split"]
+__all__ = [
+    "BatchLoader",
+    "as_feeds",
+    "check_indices",
+    "index_bounds",
+    "load_dataset",
+    "read_csv",
+    "split",
+    "with_trailing_axis",
+]
 
 Data = Mapping[str, Any]
 
@@ -32,13 +41,22 @@ def _shape_text(shape: Sequence[Any] | None) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
+def with_trailing_axis(arr: np.ndarray, info: ValueInfo) -> np.ndarray:
+    """``arr`` with the trailing size-1 axis the input declares and ``arr`` lacks (a view): targets
+    ``(N,)`` for an output ``(N, 1)``, as torch's losses take them. The one rule of the Trainer,
+    ``onnxgrad train`` and the artifacts Runner; ``arr`` as it is otherwise."""
+    shape = info.shape
+    if shape is not None and arr.ndim + 1 == len(shape) and shape[-1] == 1:
+        return arr.reshape(*arr.shape, 1)
+    return arr
+
+
 def _fit_shape(name: str, arr: np.ndarray, info: ValueInfo) -> np.ndarray:
     """Check ``arr``'s shape against the input's; a missing trailing size-1 axis is added (a view)."""
     shape = info.shape
     if shape is None:
         return arr
-    if arr.ndim + 1 == len(shape) and shape[-1] == 1:  # targets (N,) for an output (N, 1)
-        arr = arr.reshape(*arr.shape, 1)
+    arr = with_trailing_axis(arr, info)
     ok = arr.ndim == len(shape) and all(
         not isinstance(d, int) or d == n for d, n in zip(shape[1:], arr.shape[1:])
     )
@@ -86,22 +104,31 @@ def as_feeds(
 
 def index_bounds(model: onnx.ModelProto) -> dict[str, list[tuple[str, int, str]]]:
     """Graph input -> ``(table, rows, node)`` for each Gather that reads it directly as indices
-    into an initializer whose size on the gathered axis is known: the bounds a token id must keep,
-    ``[-rows, rows)`` as ONNX's Gather takes them. Checked on the data by :func:`check_indices`
+    into a table whose size on the gathered axis is known (an initializer, or a graph input of a
+    fixed size there: the parameters of an artifacts step graph): the bounds a token id must keep,
+    ``[0, rows)`` as torch's ``nn.Embedding`` takes them (ONNX's Gather would read a negative id
+    from the end of the table: a silent wrong row). Checked on the data by :func:`check_indices`
     before a run, so that an id beyond the vocabulary is an :class:`InputError`, not an
-    onnxruntime failure in the middle of training."""
+    onnxruntime failure in the middle of training, the same for the Trainer, ``onnxgrad train``
+    and the artifacts Runner."""
     inits = {i.name: tuple(i.dims) for i in model.graph.initializer}
     inputs = {i.name for i in model.graph.input} - set(inits)
+    shapes: dict[str, tuple[int | None, ...]] = {
+        i.name: tuple(d.dim_value if d.HasField("dim_value") else None for d in i.type.tensor_type.shape.dim)
+        for i in model.graph.input
+        if i.name in inputs and i.type.tensor_type.HasField("shape")
+    }
+    shapes.update(inits)
     bounds: dict[str, list[tuple[str, int, str]]] = {}
     for k, node in enumerate(model.graph.node):
         if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
             continue
         table, ids = node.input[0], node.input[1]
-        if ids not in inputs or table not in inits:
+        if ids not in inputs or table not in shapes:
             continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        dims = inits[table]
-        if not -len(dims) <= axis < len(dims):
+        dims = shapes[table]
+        if not -len(dims) <= axis < len(dims) or dims[axis] is None:
             continue
         bounds.setdefault(ids, []).append((table, int(dims[axis]), node.name or f"#{k}"))
     return bounds
@@ -110,9 +137,9 @@ def index_bounds(model: onnx.ModelProto) -> dict[str, list[tuple[str, int, str]]
 def check_indices(
     data: Mapping[str, np.ndarray], bounds: Mapping[str, list[tuple[str, int, str]]], what: str = "the data"
 ) -> None:
-    """Refuse indices outside ``[-rows, rows)`` of the table a Gather reads them into
-    (:func:`index_bounds`): an :class:`InputError` naming the input, the value, its row and the
-    table."""
+    """Refuse indices outside ``[0, rows)`` of the table a Gather reads them into
+    (:func:`index_bounds`; a negative id too, as torch's ``nn.Embedding`` refuses it): an
+    :class:`InputError` naming the input, the value, its row and the table."""
     for name, tables in bounds.items():
         if name not in data:
             continue
@@ -120,14 +147,14 @@ def check_indices(
         if arr.dtype.kind not in "iu" or arr.size == 0:
             continue
         for table, rows, node in tables:
-            bad = (arr < -rows) | (arr >= rows)
+            bad = (arr < 0) | (arr >= rows)
             if bad.any():
                 where = tuple(int(i) for i in np.argwhere(bad)[0])
                 raise InputError(
                     f"input {name!r} of {what} holds index {int(arr[where])} at row {where[0]}"
                     f"{f' (position {list(where)})' if len(where) > 1 else ''}, outside the {rows} rows of "
-                    f"{table!r} that Gather {node} reads (indices must lie in [{-rows}, {rows}); "
-                    f"{int(bad.sum())} such value(s)): a token id beyond the vocabulary?"
+                    f"{table!r} that Gather {node} reads (indices must lie in [0, {rows}); "
+                    f"{int(bad.sum())} such value(s)): a token id beyond the vocabulary, or a negative one?"
                 )
 
 

@@ -249,11 +249,26 @@ def check_lr(lr: Any) -> float:
     return value
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _number(hyper: Mapping[str, Any], key: str) -> float:
+    """``hyper[key]`` as a float: a number (not a bool) whose size float32 holds (the update graphs
+    and float32 parameters compute with it: 1e39 overflowed to inf there), :class:`InputError`
+    otherwise."""
+    value = hyper[key]
     try:
-        return float(hyper[key])
+        if isinstance(value, bool | str | bytes):
+            raise TypeError
+        number = float(value)
     except (TypeError, ValueError):
-        raise InputError(f"{key} must be a number, got {hyper[key]!r}") from None
+        raise InputError(f"{key} must be a number, got {value!r}") from None
+    if math.isfinite(number) and abs(number) > FLOAT32_MAX:
+        raise InputError(
+            f"{key} must fit in float32 (at most {FLOAT32_MAX:.4g} in size), got {value!r}: the "
+            "update computes in float32, where it would be infinite"
+        )
+    return number
 
 
 def _non_negative(hyper: Mapping[str, Any], *names: str) -> None:

@@ -5,12 +5,19 @@ A schedule is any callable ``step -> lr`` where ``step`` counts the optimizer up
 optimizer update (``scheduler.step()`` after each ``optimizer.step()``); being stateless, they need
 nothing in a checkpoint but the optimizer's step counter, and they compose: :class:`LinearWarmup`
 wraps any other schedule. Give one as ``lr`` to any optimizer of :mod:`onnxgrad.train`.
+
+Each schedule checks its base rate when it is made, through the one check of a learning rate
+(:func:`onnxgrad.train.optimizers.check_lr`), and its other arguments (step counts: integers >= 1),
+so that a bad value is an :class:`~onnxgrad.errors.InputError` where it is written, not a failure
+at the first step.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+
+import numpy as np
 
 from ..errors import InputError
 from .optimizers import NOT_A_RATE, check_lr
@@ -40,15 +47,37 @@ class Schedule:
         return f"{type(self).__name__}({args})"
 
 
+def _real(key: str, value: object) -> float:
+    """``value`` as a finite float (not a bool or a string), :class:`InputError` otherwise."""
+    try:
+        if isinstance(value, bool | str | bytes):
+            raise TypeError
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InputError(f"{key} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise InputError(f"{key} must be a finite number, got {value!r}")
+    return number
+
+
 def _positive(**values: float) -> None:
     for key, value in values.items():
-        if not value > 0:
+        if not _real(key, value) > 0:
             raise InputError(f"{key} must be > 0, got {value}")
+
+
+def _count(**values: object) -> int:
+    """A number of steps: an integer >= 1 (not a bool, a float or a string), :class:`InputError`
+    otherwise; ``warmup_steps=2.5`` was taken as 2, ``"3"`` failed with a raw TypeError."""
+    ((key, value),) = values.items()
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise InputError(f"{key} must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 def _non_negative(**values: float) -> None:
     for key, value in values.items():
-        if not value >= 0:
+        if not _real(key, value) >= 0:
             raise InputError(f"{key} must be >= 0, got {value}")
 
 
@@ -66,9 +95,9 @@ class StepDecay(Schedule):
     """``lr · gamma^⌊step / step_size⌋`` (``torch.optim.lr_scheduler.StepLR``)."""
 
     def __init__(self, lr: float, step_size: int, gamma: float = 0.1) -> None:
-        _non_negative(lr=lr, gamma=gamma)
-        _positive(step_size=step_size)
-        self.lr, self.step_size, self.gamma = float(lr), int(step_size), float(gamma)
+        self.lr = check_lr(lr)  # every schedule: the one check of a learning rate, when made
+        _non_negative(gamma=gamma)
+        self.step_size, self.gamma = _count(step_size=step_size), float(gamma)
 
     def __call__(self, step: int) -> float:
         return self.lr * self.gamma ** (step // self.step_size)
@@ -82,9 +111,9 @@ class Cosine(Schedule):
     """
 
     def __init__(self, lr: float, total_steps: int, min_lr: float = 0.0) -> None:
-        _non_negative(lr=lr, min_lr=min_lr)
-        _positive(total_steps=total_steps)
-        self.lr, self.total_steps, self.min_lr = float(lr), int(total_steps), float(min_lr)
+        self.lr = check_lr(lr)
+        _non_negative(min_lr=min_lr)
+        self.total_steps, self.min_lr = _count(total_steps=total_steps), float(min_lr)
 
     def __call__(self, step: int) -> float:
         cos = 1 + math.cos(math.pi * step / self.total_steps)
@@ -95,8 +124,9 @@ class InverseScaling(Schedule):
     """``lr / (step + 1)^power``: scikit-learn's ``learning_rate='invscaling'`` (``power_t``)."""
 
     def __init__(self, lr: float, power: float = 0.5) -> None:
-        _non_negative(lr=lr, power=power)
-        self.lr, self.power = float(lr), float(power)
+        self.lr = check_lr(lr)
+        _non_negative(power=power)
+        self.power = float(power)
 
     def __call__(self, step: int) -> float:
         return self.lr * (step + 1) ** -self.power
@@ -112,16 +142,31 @@ class LinearWarmup(Schedule):
     """
 
     def __init__(self, after: LearningRate, warmup_steps: int, start_factor: float = 0.1) -> None:
-        _positive(warmup_steps=warmup_steps, start_factor=start_factor)
+        warmup_steps = _count(warmup_steps=warmup_steps)
+        _positive(start_factor=start_factor)
         if start_factor > 1:
             raise InputError(f"start_factor must be <= 1, got {start_factor}")
-        self.after, self.warmup_steps, self.start_factor = as_schedule(after), int(warmup_steps), start_factor
+        self.after, self.warmup_steps, self.start_factor = as_schedule(after), warmup_steps, start_factor
 
     def __call__(self, step: int) -> float:
         if step >= self.warmup_steps:
             return self.after(step - self.warmup_steps)
         f = self.start_factor + (1 - self.start_factor) * step / self.warmup_steps
         return self.after(0) * f
+
+
+def warmup_past_run(schedule: object, updates: int, run: str = "") -> str | None:
+    """What to say when ``schedule`` is a :class:`LinearWarmup` as long as a run of ``updates``
+    optimizer updates or longer (the learning rate never reaches the rate it warms up to), else
+    ``None``. ``run`` describes the run (``"2 epochs of 8"``). The one rule behind the
+    :class:`~onnxgrad.train.Trainer`'s warning, which ``onnxgrad train`` shows."""
+    if not isinstance(schedule, LinearWarmup) or schedule.warmup_steps < updates:
+        return None
+    detail = f": {run}" if run else ""
+    return (
+        f"the warm-up of {schedule.warmup_steps} updates is as long as the run or longer ({updates} "
+        f"updates{detail}): the learning rate never reaches {schedule.after(0):g}"
+    )
 
 
 def as_schedule(lr: LearningRate) -> Callable[[int], float]:
@@ -167,10 +212,9 @@ class ReduceLROnPlateau(Schedule):
         min_lr: float = 0.0,
         eps: float = 1e-8,
     ) -> None:
-        _non_negative(
-            lr=lr, patience=patience, threshold=threshold, cooldown=cooldown, min_lr=min_lr, eps=eps
-        )
-        if not 0 <= factor < 1:
+        lr = check_lr(lr)
+        _non_negative(patience=patience, threshold=threshold, cooldown=cooldown, min_lr=min_lr, eps=eps)
+        if not 0 <= _real("factor", factor) < 1:
             raise InputError(f"factor must be in [0, 1), got {factor}")
         if mode not in ("min", "max"):
             raise InputError(f"mode must be 'min' or 'max', got {mode!r}")
@@ -183,8 +227,7 @@ class ReduceLROnPlateau(Schedule):
 
     def reset(self) -> None:
         """Back to the state of a new schedule: the rate ``lr``, no best value, no epoch seen.
-        :class:`onnxgrad.train.Trainer` calls it when it is made, so that a schedule reused in a
-        second trainer does not carry the first run's reductions over (a checkpoint restores them)."""
+        (:class:`onnxgrad.train.Trainer` steps a copy of the schedule it is given, reset so.)"""
         self.current = self.lr
         self.best = math.inf if self.mode == "min" else -math.inf
         self.num_bad_epochs, self.cooldown_counter, self.last_epoch = 0, 0, 0

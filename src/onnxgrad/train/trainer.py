@@ -14,6 +14,7 @@ The parts live beside it: :mod:`.callbacks` (hooks, early stopping, the accuracy
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
@@ -33,7 +34,16 @@ from ..model.load import CheckedModel
 from ..runtime import ForwardBackward
 from .accumulate import Accumulated
 from .amp import LossScaler, MasterWeightsChoice, mixed_precision
-from .callbacks import Callback, EarlyStopping, HistoryFile, Metric, accuracy, accuracy_metric, as_callback
+from .callbacks import (
+    Callback,
+    EarlyStopping,
+    HistoryFile,
+    Metric,
+    accuracy,
+    accuracy_metric,
+    as_callback,
+    metric_weight,
+)
 from .checkpoint import CHECKPOINT_FORMAT, read_checkpoint, write_checkpoint  # noqa: F401 (re-exported)
 from .data import BatchLoader, Data, as_feeds, check_indices, index_bounds, n_samples
 from .distributed import DataParallel
@@ -42,7 +52,7 @@ from .losses import LossSpec, add_loss, loss_spec, remove_loss
 from .onegraph import one_graph_step
 from .optim import OPTIMIZERS, Optimizer, clip_grad_norm, clip_grad_value
 from .optimizers import DEFAULT_LR, DEFAULT_OPTIMIZER
-from .schedules import LearningRate, LinearWarmup, ReduceLROnPlateau
+from .schedules import LearningRate, LinearWarmup, ReduceLROnPlateau, warmup_past_run
 
 __all__ = [
     "OPTIMIZERS",
@@ -103,7 +113,9 @@ class Trainer:
     ``"adam"``, ``"sgd"``, an Optimizer class (with ``lr`` — a number or
     a schedule — and ``optimizer_options``) or a factory ``params -> Optimizer``.
     ``seed`` seeds the shuffling; ``metrics``: name -> ``fn(outputs, batch) -> float`` computed on
-    the validation data (outputs by name; averaged over batches weighted by their size); ``batch``
+    the validation data (outputs by name; averaged over batches weighted by their size, or by
+    ``fn.weight(batch)`` when the metric defines it: :func:`accuracy_metric` weighs a batch by the
+    labels it counts, ``ignore_index`` left out, so a value is the whole set's); ``batch``
     holds the model inputs and any other array of the validation data (a second target a metric
     reads: with metrics, ``val_data`` may hold arrays that are not model inputs, never fed to it).
     The loss of several batches (an epoch, an accumulated update, ``val_loss``) is that of their
@@ -128,9 +140,11 @@ class Trainer:
     it (:mod:`onnxgrad.train.accumulate`). ``clip_norm``: the gradients are scaled to this
     global L2 norm at most (``torch.nn.utils.clip_grad_norm_``); ``clip_value``: each element is
     clipped to ``[-clip_value, clip_value]``. The three run forward, backward and the numpy update
-    (the two-session path). A :class:`ReduceLROnPlateau` given as ``lr`` is reset when the trainer
-    is made (one reused from another trainer does not carry its reductions over), then stepped at
-    the end of every epoch with its ``monitor`` value.
+    (the two-session path). A :class:`ReduceLROnPlateau` given as ``lr`` (alone or after a
+    warm-up) is copied when the trainer is made (``copy.deepcopy``): the trainer steps its own
+    copy, :attr:`plateau`, from ``lr`` and no best value, at the end of every epoch with its
+    ``monitor`` value; the object given is never changed, so two trainers given the same one never
+    share its state (a checkpoint restores the copy's).
     ``providers`` / ``session_options``: the onnxruntime providers and ``SessionOptions`` of every
     session the trainer makes (forward, backward, the one-graph step, evaluation). A model whose
     blocked (4-bit) DequantizeLinear feeds a MatMul, which onnxruntime fuses into a MatMulNBits
@@ -251,8 +265,10 @@ class Trainer:
         self.loss_spec: LossSpec | None = loss_spec(fb.graphs.forward)
         self._index_bounds = index_bounds(fb.graphs.forward)  # token ids within their tables
         self.accumulate, self.clip_norm, self.clip_value = accumulate, clip_norm, clip_value
+        if _plateau(self.optimizer.schedule) is not None:  # stateful: this trainer's own copy
+            self.optimizer.schedule = copy.deepcopy(self.optimizer.schedule)
         self.plateau = _plateau(self.optimizer.schedule)
-        if self.plateau is not None:  # its state is this trainer's run's, not an earlier trainer's
+        if self.plateau is not None:  # its state is this trainer's run's, not an earlier one's
             self.plateau.reset()
         # recomputation saves memory between the forward and the backward session, accumulation and
         # clipping work on the gradients between backward and update: two sessions then
@@ -268,6 +284,8 @@ class Trainer:
         # on resume with the rest of setup()
         self.run_info: dict[str, Any] = {}
         self.changed_since_checkpoint: dict[str, tuple[Any, Any]] = {}
+        # callbacks (by kind) this trainer has that the checkpoint had not, and the reverse
+        self.callbacks_since_checkpoint: dict[str, list[str]] = {"added": [], "dropped": []}
 
     @property
     def step_path(self) -> str:
@@ -328,6 +346,15 @@ class Trainer:
                     f"resuming {os.fspath(resume)!r} with settings changed since the checkpoint: {changes}",
                     stacklevel=2,
                 )
+            added, dropped = self.callbacks_since_checkpoint.values()
+            if added or dropped:
+                parts = [f"added {added} (starting afresh)"] * bool(added)
+                parts += [f"dropped {dropped} (their states left out)"] * bool(dropped)
+                warnings.warn(
+                    f"resuming {os.fspath(resume)!r} with other callbacks than the checkpoint's "
+                    f"(matched by kind, the others restored): {'; '.join(parts)}",
+                    stacklevel=2,
+                )
         self.has_validation = val is not None
         self.stop_training = False
         if self.plateau is not None and self.plateau.monitor.startswith("val_") and val is None:
@@ -341,32 +368,32 @@ class Trainer:
                 checkpoint = None
         else:
             loader = BatchLoader(train, self.batch_size, **kw)
+        per_epoch = math.ceil(len(loader) / self.accumulate)  # optimizer updates
+        if epochs > self.epoch:
+            updates = self.optimizer.iterations + (epochs - self.epoch) * per_epoch
+            message = warmup_past_run(self.optimizer.schedule, updates, f"{epochs} epochs of {per_epoch}")
+            if message is not None:
+                warnings.warn(message, UserWarning, stacklevel=2)
         for cb in self.callbacks:
             cb.on_train_begin(self)
-        bar = self._bar(max(epochs - self.epoch, 0) * len(loader), _epoch_label(self.epoch + 1, epochs))
-        try:
-            while self.epoch < epochs and not self.stop_training:
-                self._run_epoch(loader, val, epochs, bar)
-                if checkpoint is not None:
-                    self.save_checkpoint(checkpoint)
-        finally:
-            if bar is not None:
-                bar.close()
+        while self.epoch < epochs and not self.stop_training:
+            bar = self._bar(len(loader), _epoch_label(self.epoch + 1, epochs))  # one per epoch
+            try:
+                self._run_epoch(loader, val, bar)
+            finally:
+                if bar is not None:
+                    bar.close()
+            if checkpoint is not None:
+                self.save_checkpoint(checkpoint)
         for cb in self.callbacks:
             cb.on_train_end(self)
         return self.history
 
-    def _run_epoch(
-        self, loader: BatchLoader, val: dict[str, np.ndarray] | None, epochs: int, bar: Any
-    ) -> None:
+    def _run_epoch(self, loader: BatchLoader, val: dict[str, np.ndarray] | None, bar: Any) -> None:
         epoch = self.epoch + 1
         start = time.perf_counter()
         for cb in self.callbacks:
             cb.on_epoch_begin(self, epoch)
-        if bar is not None:
-            # shown now: a bar refreshes every `miniters` updates, which fast first batches make
-            # large, so a description left to the next refresh could show epoch 1 all run long
-            bar.set_description(_epoch_label(epoch, epochs), refresh=True)
         total, seen = 0.0, 0.0  # Σ D_b L_b and Σ D_b (the batches' normalizers)
         summed = self._summed
         pending: Accumulated | None = None  # gradients of the batches of the next update
@@ -456,8 +483,8 @@ class Trainer:
             cb.on_step_end(self, self.updates, logs)
 
     def _bar(self, total: int, desc: str) -> Any:
-        """One tqdm bar over every batch of a ``fit`` run (its description names the epoch), or
-        ``None`` (no progress wanted, or no tqdm)."""
+        """A tqdm bar over the batches of one epoch (its description names the epoch, its last
+        figures stay on screen: a line per epoch), or ``None`` (no progress wanted, or no tqdm)."""
         if not self.progress or (self.distributed is not None and not self.distributed.is_writer):
             return None
         try:
@@ -474,15 +501,23 @@ class Trainer:
 
     def evaluate(self, data: Data) -> dict[str, float]:
         """The loss (and metrics) on ``data``, without training: the loss of the whole set, as one
-        batch of it would give (batches combined by the loss's normalizer), the metrics averaged
-        over batches weighted by their size."""
+        batch of it would give (batches combined by the loss's normalizer, a batch whose
+        normalizer is 0 left out), the metrics averaged over batches weighted by
+        :func:`~onnxgrad.train.callbacks.metric_weight`."""
         return self._evaluate(self._eval_data(data, "the data"))
 
     def _eval_data(self, data: Data, what: str) -> dict[str, np.ndarray]:
         """``data`` checked for evaluation: the model's inputs as :func:`as_feeds` makes them, plus,
         when the trainer has metrics, the arrays that are not model inputs (extra targets a metric
         reads), as given; every array with the same number of samples, at least one."""
-        extra = {k: np.asarray(v) for k, v in data.items() if k not in self.inputs} if self.metrics else {}
+        unknown = [k for k in data if k not in self.inputs]
+        if unknown and not self.metrics:
+            raise InputError(
+                f"{what} has arrays {unknown} that are not model inputs ({list(self.inputs)}): "
+                "a trainer with metrics= passes such arrays (extra targets) to its metrics, never "
+                "to the model; without metrics, leave them out"
+            )
+        extra = {k: np.asarray(data[k]) for k in unknown}
         feeds = as_feeds(data, self.inputs, allow_extra=bool(extra))
         n = n_samples(feeds)
         if not n:
@@ -515,20 +550,29 @@ class Trainer:
         return self.loss_spec is not None and self.loss_spec.reduction == "sum"
 
     def _evaluate(self, data: dict[str, np.ndarray]) -> dict[str, float]:
+        """The loss of ``data`` as one batch of it would give, whatever the eval batch size: batches
+        combined by the loss's normalizer, a batch whose normalizer is 0 (every label ignored, zero
+        weights: its own loss is 0/0) adding nothing, as in training; each metric averaged over
+        batches weighted by :func:`~onnxgrad.train.callbacks.metric_weight`."""
         sums = dict.fromkeys(self.metrics, 0.0)
-        loss, weights, seen = 0.0, 0.0, 0
+        counts = dict.fromkeys(self.metrics, 0.0)
+        loss, weights = 0.0, 0.0
         names = self.fb.output_names
+        summed = self._summed
         for batch in BatchLoader(data, self.eval_batch_size, shuffle=False):
             feeds = {k: v for k, v in batch.items() if k in self.inputs}
             outputs = self.fb.forward(feeds, training=False).outputs
-            n = len(next(iter(feeds.values())))
             weight = self._normalizer(feeds)
-            loss, weights = loss + float(outputs[self.loss_index]) * weight, weights + weight
+            if weight or summed:
+                loss, weights = loss + float(outputs[self.loss_index]) * weight, weights + weight
             by_name = dict(zip(names, outputs))
             for key, fn in self.metrics.items():
-                sums[key] += float(fn(by_name, batch)) * n
-            seen += n
-        return {"loss": _combined(loss, weights, self._summed), **{k: v / seen for k, v in sums.items()}}
+                count = metric_weight(fn, batch)
+                if count:  # a batch with nothing the metric counts adds nothing (its value is 0/0)
+                    sums[key] += float(fn(by_name, batch)) * count
+                    counts[key] += count
+        metrics = {k: sums[k] / counts[k] if counts[k] else math.nan for k in sums}
+        return {"loss": _combined(loss, weights, summed), **metrics}
 
     def plot(self, path: str | os.PathLike, title: str | None = None) -> str:
         """A PNG of the training and validation loss curves."""
@@ -546,6 +590,7 @@ class Trainer:
             "optimizer_type": type(self.optimizer).__name__,
             "optimizer": self.optimizer.state_dict(),
             "callbacks": [cb.state_dict() for cb in self.callbacks],
+            "callback_kinds": [type(cb).__name__ for cb in self.callbacks],  # to match them on resume
             "schedule": self.plateau.state_dict() if self.plateau is not None else None,
             "setup": self.setup(),
             "amp": self.amp.state_dict() if self.amp is not None else None,
@@ -567,17 +612,22 @@ class Trainer:
                 f"checkpoint {path!r} was written with {state['optimizer_type']}, this trainer uses "
                 f"{type(self.optimizer).__name__}"
             )
-        if len(state["callbacks"]) != len(self.callbacks):
-            raise InputError(
-                f"checkpoint {path!r} has the state of {len(state['callbacks'])} callbacks, "
-                f"this trainer has {len(self.callbacks)}"
-            )
+        kinds = state.get("callback_kinds")
+        if kinds is None:  # a checkpoint of an earlier version: matched by position
+            if len(state["callbacks"]) != len(self.callbacks):
+                raise InputError(
+                    f"checkpoint {path!r} has the state of {len(state['callbacks'])} callbacks, "
+                    f"this trainer has {len(self.callbacks)}"
+                )
+            kinds = [type(cb).__name__ for cb in self.callbacks]
+        matched, added, dropped = _match_callbacks(self.callbacks, kinds, state["callbacks"])
         self.set_parameters(state["params"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.amp is not None and state.get("amp"):
             self.amp.load_state_dict(state["amp"])
-        for cb, cb_state in zip(self.callbacks, state["callbacks"]):
+        for cb, cb_state in matched:
             cb.load_state_dict(cb_state)
+        self.callbacks_since_checkpoint = {"added": added, "dropped": dropped}
         if self.plateau is not None and state.get("schedule"):
             self.plateau.load_state_dict(state["schedule"])
         self.rng.bit_generator.state = state["rng"]
@@ -608,6 +658,24 @@ class Trainer:
             "schedule": type(opt.schedule).__name__,
             **{f"optimizer.{k}": list(v) if isinstance(v, tuple) else v for k, v in sorted(options.items())},
         }
+
+
+def _match_callbacks(
+    callbacks: Sequence[Callback], kinds: Sequence[str], states: Sequence[Any]
+) -> tuple[list[tuple[Callback, Any]], list[str], list[str]]:
+    """Pair each callback with the first saved state of its kind (class name) not taken yet, in
+    order: ``(pairs, added, dropped)``, the kinds of the callbacks without a state (new since the
+    checkpoint: they start afresh) and of the states without a callback (left out)."""
+    free = list(zip(kinds, states))
+    pairs, added = [], []
+    for cb in callbacks:
+        kind = type(cb).__name__
+        k = next((i for i, (saved, _) in enumerate(free) if saved == kind), None)
+        if k is None:
+            added.append(kind)
+        else:
+            pairs.append((cb, free.pop(k)[1]))
+    return pairs, added, [kind for kind, _ in free]
 
 
 def _plateau(schedule: Any) -> ReduceLROnPlateau | None:
