@@ -211,7 +211,8 @@ def _hashable(v: Any) -> Any:
     return tuple(v) if isinstance(v, list | tuple) else v
 
 
-LR_MAX = float(np.finfo(np.float32).max)  # the largest rate a float32 update holds
+# the largest rate (and hyperparameter) a float32 update holds: float32's largest value
+LR_MAX = float(np.finfo(np.float32).max)
 NOT_A_RATE = (str, bytes, bool, np.bool_)  # convert to a float, yet no learning rate
 
 
@@ -249,8 +250,6 @@ def check_lr(lr: Any) -> float:
     return value
 
 
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-
 
 def _number(hyper: Mapping[str, Any], key: str) -> float:
     """``hyper[key]`` as a float: a number (not a bool) whose size float32 holds (the update graphs
@@ -263,9 +262,9 @@ def _number(hyper: Mapping[str, Any], key: str) -> float:
         number = float(value)
     except (TypeError, ValueError):
         raise InputError(f"{key} must be a number, got {value!r}") from None
-    if math.isfinite(number) and abs(number) > FLOAT32_MAX:
+    if math.isfinite(number) and abs(number) > LR_MAX:
         raise InputError(
-            f"{key} must fit in float32 (at most {FLOAT32_MAX:.4g} in size), got {value!r}: the "
+            f"{key} must fit in float32 (at most {LR_MAX:.4g} in size), got {value!r}: the "
             "update computes in float32, where it would be infinite"
         )
     return number
