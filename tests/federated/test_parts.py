@@ -122,6 +122,26 @@ def test_fedprox_with_a_proximal_term_is_refused() -> None:
     with pytest.raises(InputError, match=r"FedProx\(proximal_mu=0.1\) asks the nodes to add a proximal term"):
         check_strategy(FedProx(proximal_mu=0.1))
     check_strategy(FedProx(proximal_mu=0.0))
+
+
+def test_client_side_privacy_is_refused_server_side_kept() -> None:
+    """The client-side wrappers need nodes that clip (Flower's clipping mods), which client_app does
+    not: their noise would protect nothing, silently."""
+    from flwr.serverapp.strategy import (
+        DifferentialPrivacyClientSideFixedClipping,
+        DifferentialPrivacyServerSideFixedClipping,
+        FedAvg,
+    )
+
+    client = DifferentialPrivacyClientSideFixedClipping(
+        FedAvg(), noise_multiplier=0.0, clipping_norm=1e-3, num_sampled_clients=2
+    )
+    with pytest.raises(InputError, match=r"DifferentialPrivacyClientSideFixedClipping relies on the nodes"):
+        check_strategy(client)
+    server = DifferentialPrivacyServerSideFixedClipping(
+        FedAvg(), noise_multiplier=0.0, clipping_norm=1e-3, num_sampled_clients=2
+    )
+    check_strategy(server)
     check_strategy(FedAvg())
 
 

@@ -263,7 +263,16 @@ def server_app(
 
 def check_strategy(strategy: Any) -> None:
     """Refuse a strategy whose nodes would have to do what onnxgrad's client does not: FedProx with
-    a proximal term (``proximal_mu > 0``: a term of the nodes' loss)."""
+    a proximal term (``proximal_mu > 0``: a term of the nodes' loss), and the client-side
+    differential-privacy wrappers, whose nodes must clip their own updates (Flower's
+    ``fixedclipping_mod`` / ``adaptiveclipping_mod``): unclipped, the noise the server adds protects
+    nothing, while its log says it does."""
+    if "ClientSide" in type(strategy).__name__ and "DifferentialPrivacy" in type(strategy).__name__:
+        raise InputError(
+            f"{type(strategy).__name__} relies on the nodes clipping their updates, which onnxgrad's "
+            "client_app does not do: the noise would protect nothing. Use the server-side wrapper "
+            "(DifferentialPrivacyServerSideFixedClipping or ...AdaptiveClipping), which clips on the server"
+        )
     mu = getattr(strategy, "proximal_mu", 0.0)
     if mu and float(mu) > 0:
         raise InputError(
