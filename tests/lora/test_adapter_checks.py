@@ -78,6 +78,30 @@ def test_save_refuses_names_the_model_lacks_and_ort_adapter_refuses_to_lose_a_he
     assert sorted(lora.read_ort_adapter(tmp_path / "x.onnx_adapter")) == sorted(lora.adapter_names(adapted))
 
 
+def test_onnx_module_to_onnx_names_the_head_it_trained(tmp_path) -> None:
+    """OnnxModule.to_onnx rewrites the adapted model's trainable list to what trained (the
+    adapters and the head), so that save_adapters keeps the head and the loaded model serves the same."""
+    from onnxgrad.torch import OnnxModule
+
+    adapted = lora.add_adapters(_mlp(), ["w1"], rank=2)
+    module = OnnxModule(adapted, trainable=[*lora.adapter_names(adapted), "w2", "b2"])
+    x = torch.from_numpy(np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32))
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        (module(x) ** 2).mean().backward()
+        opt.step()
+    trained = module.to_onnx()
+    assert sorted(onnxgrad.autodiff.params.declared_trainable(trained)) == sorted(
+        [*lora.adapter_names(adapted), "w2", "b2"]
+    )
+    lora.save_adapters(trained, tmp_path / "m.safetensors")
+    again = lora.load_adapters(_mlp(), tmp_path / "m.safetensors")
+    np.testing.assert_array_equal(_run(again, x.numpy()), _run(trained, x.numpy()))
+    with pytest.raises(InputError, match=r"\['b2', 'w2'\]; an onnxruntime adapter file overrides only"):
+        lora.save_ort_adapter(trained, tmp_path / "m.onnx_adapter")
+
+
 def test_adapters_whose_weight_the_base_lacks_are_refused(tmp_path) -> None:
     adapted = lora.add_adapters(_mlp(), ["w1", "w2"], rank=2)
     lora.save_adapters(adapted, tmp_path / "a.safetensors")
@@ -117,11 +141,19 @@ def _rewrite_header(path, tmp_path, change) -> str:
         (lambda m: m.update(dropout=2), r"dropout must be a number in \[0, 1\)"),
         (lambda m: m.update(trained=["w2"]), "lacks the arrays of the trained weights"),
         (lambda m: m["adapters"][0].update(a="gone"), "lacks the adapter arrays"),
+        (lambda m: m.pop("alpha"), r"bad LoRA settings: no \['alpha'\] key"),
+        (lambda m: m["adapters"][1].update(a="w1.lora_A", b="w1.lora_B"), "read the same array 'w1.lora_A'"),
+        (lambda m: m.update(trained=["w1.lora_A"]), r"\['w1.lora_A'\] are adapter arrays and trained"),
+        (lambda m: m["adapters"][0].update(scale=float("nan")), "have scale nan, not alpha / rank = 1.0"),
+        (lambda m: m["adapters"][0].update(scale=100), "have scale 100, not alpha / rank = 1.0"),
+        (lambda m: m["adapters"][0].update(layout="garbage"), "have layout 'garbage', not one of"),
+        (lambda m: m["adapters"][0].update(layout="right_t"), "the base reads that weight in layout 'right'"),
     ],
 )
 def test_adapter_settings_are_checked_against_the_arrays(tmp_path, change, message) -> None:
-    """A small file whose settings claim a huge rank is refused before anything is allocated."""
-    adapted = lora.add_adapters(_mlp(), ["w1"], rank=2)
+    """A small file whose settings claim a huge rank is refused before anything is allocated; a
+    tampered one (arrays shared, settings missing or contradicting the base) is refused."""
+    adapted = lora.add_adapters(_mlp(), ["w1", "w2"], rank=2)
     lora.save_adapters(adapted, tmp_path / "a.safetensors")
     bad = _rewrite_header(tmp_path / "a.safetensors", tmp_path, change)
     with pytest.raises(InputError, match=message):

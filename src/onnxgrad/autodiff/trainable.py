@@ -426,6 +426,18 @@ def declared_trainable(model: onnx.ModelProto) -> list[str] | None:
     return None
 
 
+def record_trainable(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
+    """Make ``model``'s :data:`TRAINABLE_KEY` (where it has one: an adapted model) name what
+    trained, ``names`` (those that are initializers of ``model``), in place, and return ``model``:
+    the one writer every ``to_onnx`` uses, so that ``lora.save_adapters`` keeps the weights that
+    trained beside the adapters (a head) instead of the input's stale list."""
+    inits = {t.name for t in model.graph.initializer}
+    for p in model.metadata_props:
+        if p.key == TRAINABLE_KEY:
+            p.value = json.dumps([n for n in names if n in inits])
+    return model
+
+
 def _slot_reason(node: onnx.NodeProto, k: int) -> str | None:
     if node.domain not in ("", "ai.onnx"):
         return None
