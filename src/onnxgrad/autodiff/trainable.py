@@ -173,10 +173,13 @@ class _Judge:
         return list(_all_nodes(self.graph))
 
     @cached_property
-    def uses(self) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+    def consumers(self) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
         values = set(self.inits) | {o for n in self.nodes for o in n.output if o}
-        consumers = _uses(self.graph, values)
-        return {n: _through(consumers, n, set()) for n in self.inits}
+        return _uses(self.graph, values)
+
+    @cached_property
+    def uses(self) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+        return {n: _through(self.consumers, n, set()) for n in self.inits}
 
     @cached_property
     def used(self) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
@@ -249,8 +252,22 @@ def _constant_slots(j: _Judge, name: str, t: TensorProto) -> Decision | None:
     # every read in a constant slot: exporters alias equal initializers (the TorchScript one reads a
     # BatchNormalization's ones running variance through Identity of its ones weight), so one read
     # as a weight makes a parameter
-    slots = [_slot_reason(n, k) for n, k in j.uses[name]]
+    slots = [_slot_reason(n, k) or _scale_product(j, n) for n, k in j.uses[name]]
     return Decision(False, slots[0]) if slots and all(slots) else None
+
+
+def _scale_product(j: _Judge, node: onnx.NodeProto) -> str | None:
+    """``"quantization scale"`` for a ``Mul`` of initializers read only as a quantization scale:
+    the bias scale ``x_scale * w_scale`` of a quantized Gemm/Conv (``rewrite._tied_bias_scales``),
+    so that the scales it multiplies stay constants by default as in the file (named in
+    ``trainable=``, they train)."""
+    if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or not node.output:
+        return None
+    if not all(i in j.inits for i in node.input):
+        return None
+    reads = _through(j.consumers, node.output[0], set())
+    reasons = {_slot_reason(n, k) for n, k in reads}
+    return "quantization scale" if reads and reasons == {"quantization scale"} else None
 
 
 def _rotary_caches(j: _Judge, name: str, t: TensorProto) -> Decision | None:
