@@ -133,3 +133,23 @@ def test_python_op_error_leaves_out_torch_ir_graph() -> None:
     message = str(caught.value)
     assert "unsupported value kind" in message and "_RaisesWithGraph" in message
     assert "Torch IR graph" not in message and "aten::mul" not in message and len(message) < 400
+
+
+class _TakesAList(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, values):
+        return x * len(values)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def test_a_failed_export_prints_no_torch_ir_graph(capfd: pytest.CaptureFixture[str]) -> None:
+    """torch's exporter prints the traced graph to stdout when a step fails (its ONNX log, from
+    C++): onnxgrad.export keeps that out, the PythonOpError says what failed."""
+    module = F.Apply(lambda h: _TakesAList.apply(h, [1, 2]))
+    with pytest.raises(PythonOpError, match=r"argument 1 of apply\(\) is a list"):
+        onnxgrad.export(module, (torch.randn(3, 4),))
+    out, err = capfd.readouterr()
+    assert "Torch IR graph" not in out + err and "aten::linear" not in out + err
