@@ -102,6 +102,32 @@ def test_onnx_module_to_onnx_names_the_head_it_trained(tmp_path) -> None:
         lora.save_ort_adapter(trained, tmp_path / "m.onnx_adapter")
 
 
+def test_values_may_be_torch_tensors_that_require_grad(tmp_path) -> None:
+    """An OnnxModule's parameters (requiring grad) given as values= are detached: the same file
+    and model as their NumPy copies; something that is no array is an InputError."""
+    from onnxgrad.torch import OnnxModule
+
+    adapted = lora.add_adapters(_mlp(), ["w1"], rank=2)
+    module = OnnxModule(adapted, trainable=[*lora.adapter_names(adapted), "b2"])
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.5)
+    tensors = {module.onnx_names[n]: p for n, p in module.named_parameters()}
+    assert all(t.requires_grad for t in tensors.values())
+    arrays = {n: t.detach().numpy() for n, t in tensors.items()}
+    lora.save_adapters(adapted, tmp_path / "t.safetensors", tensors)
+    lora.save_adapters(adapted, tmp_path / "a.safetensors", arrays)
+    assert (tmp_path / "t.safetensors").read_bytes() == (tmp_path / "a.safetensors").read_bytes()
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
+    np.testing.assert_array_equal(_run(lora.with_values(adapted, tensors), x), _run(module.to_onnx(), x))
+    served = lora.with_values(adapted, tensors)
+    lora.save_ort_adapter(
+        served, tmp_path / "t.onnx_adapter", {n: tensors[n] for n in lora.adapter_names(adapted)}
+    )
+    with pytest.raises(InputError, match=r"values\['w1.lora_A'\] is no array of numbers \(dict\)"):
+        lora.save_adapters(adapted, tmp_path / "x.safetensors", {"w1.lora_A": {"a": 1}})
+
+
 def test_adapters_whose_weight_the_base_lacks_are_refused(tmp_path) -> None:
     adapted = lora.add_adapters(_mlp(), ["w1", "w2"], rank=2)
     lora.save_adapters(adapted, tmp_path / "a.safetensors")

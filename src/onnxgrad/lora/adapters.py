@@ -380,6 +380,26 @@ def adapter_names(model: onnx.ModelProto) -> list[str]:
     return [n for ad in _adapters(model)[1] for n in (ad.a, ad.b)]
 
 
+def _as_arrays(values: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+    """``values`` (name -> array) as NumPy arrays: arrays and lists as they are, torch tensors (a
+    module's parameters, which require grad, on any device) detached and copied to the CPU;
+    anything else raises :class:`InputError` naming it. This module does not import torch."""
+    out = {}
+    for name, value in (values or {}).items():
+        if callable(getattr(value, "detach", None)) and callable(getattr(value, "cpu", None)):
+            value = value.detach().cpu()  # a torch tensor
+            if str(value.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: widened, cast back later
+                value = value.float()
+            value = value.numpy()
+        try:
+            out[name] = np.asarray(value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InputError(f"values[{name!r}] is no array ({type(value).__name__}): {exc}") from exc
+        if out[name].dtype == object:
+            raise InputError(f"values[{name!r}] is no array of numbers ({type(value).__name__})")
+    return out
+
+
 def _adapter_arrays(model: onnx.ModelProto, values: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
     """The adapters' arrays (A and B of each adapted weight, by name), C-contiguous: the value in
     ``values`` (e.g. ``ForwardBackward.parameters``) where it has one, else the model's initializer."""
@@ -392,7 +412,9 @@ def _adapter_arrays(model: onnx.ModelProto, values: Mapping[str, Any] | None = N
 
 
 def with_values(model: onnx.ModelProto, values: Mapping[str, Any]) -> onnx.ModelProto:
-    """A copy of ``model`` whose initializers named in ``values`` hold those values."""
+    """A copy of ``model`` whose initializers named in ``values`` hold those values (arrays, or
+    torch tensors: :func:`_as_arrays`)."""
+    values = _as_arrays(values)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for t in out.graph.initializer:

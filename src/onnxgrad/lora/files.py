@@ -21,6 +21,7 @@ from .adapters import (
     LORA_KEY,
     _adapter_arrays,
     _adapters,
+    _as_arrays,
     _check_settings,
     adapter_names,
     add_adapters,
@@ -31,9 +32,9 @@ from .adapters import (
 def save_adapters(
     model: onnx.ModelProto, path: str | os.PathLike, values: Mapping[str, Any] | None = None
 ) -> None:
-    """Write the adapters of ``model`` (or ``values``, e.g. ``ForwardBackward.parameters``, for the
-    same names) to ``path``: a ``.npz`` archive, else the safetensors layout (the adapters' settings
-    in its ``__metadata__``).
+    """Write the adapters of ``model`` (or ``values``, e.g. ``ForwardBackward.parameters``, or an
+    ``OnnxModule``'s tensors, detached, for the same names) to ``path``: a ``.npz`` archive, else
+    the safetensors layout (the adapters' settings in its ``__metadata__``).
 
     The other weights of ``model`` that trained beside the adapters (a classifier head given to
     ``trainable=``) are saved too, under their names, and listed in the settings (``"trained"``),
@@ -43,7 +44,7 @@ def save_adapters(
     :class:`InputError`. A model made otherwise (``OnnxModule.to_onnx``, ``artifacts.Runner``)
     cannot say which of its weights trained: pass ``values`` then.
     """
-    values = dict(values or {})
+    values = _as_arrays(values)  # torch tensors too (detached)
     adapters = set(adapter_names(model))
     inits = {t.name: t for t in model.graph.initializer}
     unknown = sorted(n for n in values if n not in inits)

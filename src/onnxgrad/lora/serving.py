@@ -16,7 +16,7 @@ from ..deps import require_onnxruntime
 from ..errors import InputError
 from ..model.graph import np_dtype, to_array
 from ..model.load import load_model
-from .adapters import _adapter_arrays, _adapters, adapter_names
+from .adapters import _adapter_arrays, _adapters, _as_arrays, adapter_names
 
 
 # ---- onnxruntime's own adapter format --------------------------------------------------------
@@ -71,6 +71,7 @@ def save_ort_adapter(
     require_onnxruntime()
     import onnxruntime as ort
 
+    values = _as_arrays(values)  # torch tensors too (detached)
     inits = {t.name: t for t in model.graph.initializer}
     adapters = set(adapter_names(model))
     changed = sorted(
