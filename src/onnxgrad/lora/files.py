@@ -39,10 +39,10 @@ def save_adapters(
     The other weights of ``model`` that trained beside the adapters (a classifier head given to
     ``trainable=``) are saved too, under their names, and listed in the settings (``"trained"``),
     and :func:`load_adapters` puts them back: those named in ``values``, and those the model's
-    ``onnxgrad.trainable`` metadata names (``ForwardBackward.to_onnx`` and ``Trainer.to_onnx``
-    write there what trained). A name in ``values`` that is no initializer of ``model`` raises
-    :class:`InputError`. A model made otherwise (``OnnxModule.to_onnx``, ``artifacts.Runner``)
-    cannot say which of its weights trained: pass ``values`` then.
+    ``onnxgrad.trainable`` metadata names (``ForwardBackward.to_onnx``, ``Trainer.to_onnx`` and
+    ``OnnxModule.to_onnx`` write there what trained). A name in ``values`` that is no initializer
+    of ``model`` raises :class:`InputError`. A model made otherwise (``artifacts.Runner``) cannot
+    say which of its weights trained: pass ``values`` then.
     """
     values = _as_arrays(values)  # torch tensors too (detached)
     adapters = set(adapter_names(model))
