@@ -239,6 +239,37 @@ def test_torchscript_weights_are_matched_and_named_by_module_path(tmp_path) -> N
     assert len(lora.adapter_names(lora.add_adapters(onnx.load(tmp_path / "q.onnx"), [w]))) == 2
 
 
+def test_a_gemm_weight_quantize_dynamic_transposed_is_matched_by_module_path(tmp_path) -> None:
+    """A 2-D input exports Linear as Gemm (transB=1) under its torch name; quantize_dynamic
+    transposes it first (enc.0.weight_Transposed_quantized): "enc.0.weight" matches it, its adapters
+    take that name, and they train; the file does not load on the float model (other weights)."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_Net(), (torch.randn(2, 8),), str(tmp_path / "f.onnx"), dynamo=False)
+    quantize_dynamic(tmp_path / "f.onnx", tmp_path / "q.onnx")
+    q = onnx.load(tmp_path / "q.onnx")
+    assert "enc.0.weight_Transposed_quantized" in {t.name for t in q.graph.initializer}
+    adapted = lora.add_adapters(q, ["enc.0.weight", "head.weight"], rank=2)
+    names = ["enc.0.weight.lora_A", "enc.0.weight.lora_B", "head.weight.lora_A", "head.weight.lora_B"]
+    assert lora.adapter_names(adapted) == names
+    assert lora.adapter_names(lora.add_adapters(q, "enc.*.weight", rank=2)) == names[:2]
+    fb = onnxgrad.ForwardBackward(adapted)
+    x = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
+    losses = []
+    for _ in range(5):
+        res = fb.forward({fb.input_names[0]: x})
+        losses.append(float((res.outputs[0] ** 2).mean()))
+        grads = res.backward([2 * res.outputs[0] / res.outputs[0].size])
+        fb.set_parameters({k: v - 0.5 * grads[k] for k, v in fb.parameters.items()})
+    assert losses[-1] < losses[0]
+    lora.save_adapters(fb.to_onnx(), tmp_path / "q.safetensors")
+    with pytest.raises(InputError, match=r"no weight \['enc.0.weight_Transposed_quantized'"):
+        lora.load_adapters(tmp_path / "f.onnx", tmp_path / "q.safetensors")
+
+
 def test_low_precision_warning_once_per_call(tmp_path) -> None:
     q = quantized("int4_nbits", tmp_path)
     for node in q.graph.node:

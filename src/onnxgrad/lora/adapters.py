@@ -195,10 +195,16 @@ def _check_settings(rank: Any, alpha: Any, dropout: Any) -> None:
 def _aliases(name: str, module_names: Mapping[str, str]) -> list[str]:
     """The other names a target may match for initializer ``name``, the one its adapters take
     first: its torch module path's ``.weight`` (``module_names``, from :func:`_module_names`), the
-    float weight's name of a quantized weight (``W_quantized`` -> ``W``)."""
+    float weight's name of a quantized weight (``W_quantized`` -> ``W``), and, for the weight of a
+    ``Gemm`` that ``quantize_dynamic`` transposed first (``W_Transposed_quantized``), ``W`` (the
+    torch name of a TorchScript export's ``Linear``: ``enc.0.weight``)."""
     plain = _quantized_alias(name)
     torch_name = module_names.get(name) or (module_names.get(plain) if plain else None)
-    return [n for n in (torch_name, plain) if n]
+    untransposed = plain[: -len(_TRANSPOSED)] if plain and plain.endswith(_TRANSPOSED) else None
+    return list(dict.fromkeys(n for n in (torch_name, untransposed, plain) if n))
+
+
+_TRANSPOSED = "_Transposed"  # quantize_dynamic's suffix of a Gemm weight it transposed (transB=1)
 
 
 def _adaptable(model: onnx.ModelProto, module_names: Mapping[str, str]) -> str:
