@@ -140,9 +140,9 @@ def test_adapters_whose_weight_the_base_lacks_are_refused(tmp_path) -> None:
     with pytest.raises(InputError, match=r"no weight \['w2'\]"):
         lora.load_adapters(renamed, tmp_path / "a.safetensors")
     with pytest.raises(InputError, match=r"targets \['missing'\] match no weight.*w1, w2"):
-        lora.add_adapters(_mlp(), ["missing", "w2"])
+        lora.add_adapters(_mlp(), ["missing", "w2"], rank=2)
     with pytest.raises(InputError, match=r"targets \['w9\*'\] match no weight"):
-        lora.add_adapters(_mlp(), ["w1", "w9*"])
+        lora.add_adapters(_mlp(), ["w1", "w9*"], rank=2)
 
 
 def _rewrite_header(path, tmp_path, change) -> str:
@@ -184,6 +184,18 @@ def test_adapter_settings_are_checked_against_the_arrays(tmp_path, change, messa
     bad = _rewrite_header(tmp_path / "a.safetensors", tmp_path, change)
     with pytest.raises(InputError, match=message):
         lora.load_adapters(_mlp(), bad)
+
+
+def test_a_rank_above_the_weight_is_refused_or_skipped() -> None:
+    """w1 is 6x8, w2 8x3: rank 4 fits w1 only; named, w2 is refused; a pattern skips it."""
+    with pytest.raises(
+        InputError, match=r"rank 4 is above the size of 'w2' \(\[8, 3\]\).*at most min\(in, out\) = 3"
+    ):
+        lora.add_adapters(_mlp(), ["w1", "w2"], rank=4)
+    assert lora.adapter_names(lora.add_adapters(_mlp(), "w*", rank=4)) == ["w1.lora_A", "w1.lora_B"]
+    with pytest.raises(InputError, match=r"\['w1', 'w2'\] are smaller than rank 100"):
+        lora.add_adapters(_mlp(), "w*", rank=100)
+    assert len(lora.adapter_names(lora.add_adapters(_mlp(), ["w1", "w2"], rank=3))) == 4
 
 
 def test_add_adapters_settings() -> None:

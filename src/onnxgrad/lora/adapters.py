@@ -80,7 +80,8 @@ def add_adapters(
     models, and its adapters take that name.
     A name given exactly that cannot be adapted, and a name or pattern that matches no
     initializer, raise :class:`InputError` (naming the weights that can be adapted); patterns skip
-    what does not fit. ``alpha`` (default ``rank``) scales the update by ``alpha / rank``;
+    what does not fit (a weight smaller than ``rank``: ``rank > min(in, out)``, refused when named
+    exactly). ``alpha`` (default ``rank``) scales the update by ``alpha / rank``;
     ``dropout`` > 0 adds a Dropout on the adapter's input (active in training mode only).
     """
     _check_settings(rank, alpha, dropout)
@@ -112,6 +113,7 @@ def add_adapters(
     graph_outputs = {o.name for o in graph.output}
     seen = set()  # every name and alias the targets could match
     low_precision: list[tuple[str, int]] = []
+    too_small: list[str] = []  # matched by a pattern, smaller than the rank: skipped
     for name, t in inits.items():
         others = _aliases(name, alias)  # val_12 -> its torch name; W_quantized -> W
         known = others[0] if others else None
@@ -127,6 +129,14 @@ def add_adapters(
         if found is None:
             if name in exact or exact & set(others):
                 raise InputError(f"cannot put an adapter beside {name!r}: {why}")
+            continue
+        if rank > min(found.shape):  # an update of rank r needs r <= min(in, out)
+            if name in exact or exact & set(others):
+                raise InputError(
+                    f"rank {rank} is above the size of {name!r} ({list(found.shape)}): an adapter's "
+                    f"rank is at most min(in, out) = {min(found.shape)}; pass a smaller rank"
+                )
+            too_small.append(name)
             continue
         low_precision += found.low_precision or []
         shape = found.shape
@@ -164,7 +174,8 @@ def add_adapters(
             f"the targets {sorted(unmatched)} match no weight of the model; {_adaptable(out, alias)}"
         )
     if not adapters:
-        raise InputError(f"no weight matched the targets: nothing to adapt; {_adaptable(out, alias)}")
+        small = f" ({too_small[:10]} are smaller than rank {rank})" if too_small else ""
+        raise InputError(f"no weight matched the targets{small}: nothing to adapt; {_adaptable(out, alias)}")
     _warn_low_precision(low_precision)
     nodes = list(graph.node)
     del graph.node[:]
