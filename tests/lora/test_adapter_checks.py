@@ -282,6 +282,44 @@ def test_a_gemm_weight_quantize_dynamic_transposed_is_matched_by_module_path(tmp
         lora.load_adapters(tmp_path / "f.onnx", tmp_path / "q.safetensors")
 
 
+def _tied_head() -> onnx.ModelProto:
+    """A tied embedding as dynamo exports it: the table 'lm_head.weight' [V, D] read by Gather,
+    and its transposed copy folded into 'val_7' [D, V], read by the lm_head MatMul whose
+    name_scopes give the torch name 'lm_head.weight' too."""
+    r = np.random.default_rng(0)
+    table = r.normal(size=(10, 6)).astype(np.float32)
+    mm = onnx.helper.make_node("MatMul", ["h", "val_7"], ["logits"], name="node_linear")
+    mm.metadata_props.add(key="pkg.torch.onnx.name_scopes", value="['', 'lm_head', 'linear']")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["lm_head.weight", "ids"], ["h"], name="node_embedding"), mm],
+        "tied",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [2, 3])],
+        [onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [2, 3, 10])],
+        [
+            onnx.numpy_helper.from_array(table, "lm_head.weight"),
+            onnx.numpy_helper.from_array(table.T.copy(), "val_7"),
+        ],
+    )
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_tied_head_is_adapted_alike_by_its_exact_name_and_a_pattern() -> None:
+    """The exact torch name also names the table read by Gather (no adapter there): the folded copy
+    answers it, as it answers "*lm_head*"; a name that only the table answers is refused."""
+    by_name = lora.add_adapters(_tied_head(), "lm_head.weight", rank=2)
+    by_pattern = lora.add_adapters(_tied_head(), "*lm_head*", rank=2)
+    assert (
+        lora.adapter_names(by_name)
+        == lora.adapter_names(by_pattern)
+        == ["lm_head.weight.lora_A", "lm_head.weight.lora_B"]
+    )
+    assert by_name.SerializeToString() == by_pattern.SerializeToString()
+    model = _tied_head()
+    model.graph.node[1].ClearField("metadata_props")  # the copy no longer answers the torch name
+    with pytest.raises(InputError, match=r"cannot put an adapter beside 'lm_head.weight': read by Gather"):
+        lora.add_adapters(model, "lm_head.weight", rank=2)
+
+
 def test_low_precision_warning_once_per_call(tmp_path) -> None:
     q = quantized("int4_nbits", tmp_path)
     for node in q.graph.node:

@@ -114,6 +114,10 @@ def add_adapters(
     seen = set()  # every name and alias the targets could match
     low_precision: list[tuple[str, int]] = []
     too_small: list[str] = []  # matched by a pattern, smaller than the rank: skipped
+    # exact targets naming a weight that takes no adapter, with why: refused, unless the same name
+    # also names one that does (a tied table read by Gather, whose transposed copy dynamo folded
+    # for the lm_head MatMul under the same torch name: the copy takes the adapter, as a pattern)
+    unfit: list[tuple[set[str], str]] = []
     for name, t in inits.items():
         others = _aliases(name, alias)  # val_12 -> its torch name; W_quantized -> W
         known = others[0] if others else None
@@ -127,8 +131,8 @@ def add_adapters(
             found = _quantized_weight(t, uses.get(name, []), readers, producers, inits, graph_outputs)
             why, found = (found, None) if isinstance(found, str) else (None, found)
         if found is None:
-            if name in exact or exact & set(others):
-                raise InputError(f"cannot put an adapter beside {name!r}: {why}")
+            if name in exact or exact & set(others):  # refused unless another weight answers the name
+                unfit.append(({name, *others} & exact, f"cannot put an adapter beside {name!r}: {why}"))
             continue
         if rank > min(found.shape):  # an update of rank r needs r <= min(in, out)
             if name in exact or exact & set(others):
@@ -168,6 +172,10 @@ def add_adapters(
             extra = _adapt_node(node, k, ad, dropout, taken, found.dtype, x)
             new_nodes.setdefault(index[id(node)], []).extend(extra)
         adapters.append(ad)
+    answered = {n for ad in adapters for n in (ad.weight, *_aliases(ad.weight, alias))}
+    for targets, why in unfit:
+        if not targets & answered:
+            raise InputError(why)
     unmatched = [p for p in exact if not any(p == n or fnmatch.fnmatchcase(n, p) for n in seen)]
     if unmatched:
         raise InputError(
