@@ -118,3 +118,25 @@ def test_the_bias_reads_the_product_of_the_scales(tmp_path: Path) -> None:
         scale = producer[scale.input[0]]
     assert scale.op_type == "Mul" and sorted(scale.input) == ["W1_scale", "x_scale"]
     assert "b1_quantized_scale" not in {t.name for t in forward.initializer}
+
+
+def test_scales_do_not_train_by_default(tmp_path: Path) -> None:
+    """The bias's Mul(x_scale, w_scale) does not make the scales weights: with no trainable= a QDQ
+    model has nothing to train, and every front end says so (docs/quantized.md), pointing to
+    trainable= and lora.add_adapters; named, the scales train."""
+    from onnxgrad.autodiff.params import select_parameters
+    from onnxgrad.autodiff.prepare import prepare
+    from onnxgrad.train import Trainer
+
+    q = _qdq_gemm_mlp(tmp_path)
+    selection = select_parameters(prepare(q).checked.proto)  # the graph after the bias rewrite
+    assert selection.trainable == []
+    assert {selection.reasons[s] for s in SCALES} == {"quantization scale"}
+    said = r"nothing to differentiate.*trainable=\[\.\.\.\].*onnxgrad\.lora\.add_adapters"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", onnxgrad.errors.GradientWarning)
+        with pytest.raises(onnxgrad.errors.InputError, match=said):
+            onnxgrad.ForwardBackward(q)
+        with pytest.raises(onnxgrad.errors.InputError, match=said):
+            Trainer(q, loss="mse", lr=1e-5, batch_size=16, progress=False)
+        assert sorted(onnxgrad.ForwardBackward(q, trainable=SCALES).parameters) == sorted(SCALES)

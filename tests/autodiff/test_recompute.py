@@ -111,7 +111,8 @@ def test_budget() -> None:
     model = _stack()
     ref = onnxgrad.build_gradient(model)
     full = saved_bytes_of(ref, _activations(ref))
-    assert _activations(onnxgrad.build_gradient(model, recompute=10**9)) == _activations(ref)
+    with pytest.raises(InputError, match=r"recompute=1000000000: the saved activations .* already fit"):
+        onnxgrad.build_gradient(model, recompute=10**9)  # nothing to recompute: refused, as below
     small = onnxgrad.build_gradient(model, recompute=full // 2)
     assert saved_bytes_of(small, _activations(small)) < full
     with pytest.raises(InputError):
@@ -221,8 +222,11 @@ def _unnamed() -> onnx.ModelProto:
         (_unnamed, "/layers.*/", "the model's nodes have no names"),
         (_unnamed, "layers", "recompute='layers' found no layer.*no names"),
         (_stack, lambda node: None, "returned None for every node"),
+        (_stack, "none", r"recompute='none' is a node-name prefix.*pass recompute=None"),
+        (_stack, 10**12, r"already fit the budget.*recompute=None"),
+        (_unnamed, 1, r"recompute=1: a budget recomputes whole layers, and no node name"),
     ],
-    ids=["case", "unknown", "one-of-two", "unnamed", "layers-unnamed", "callable"],
+    ids=["case", "unknown", "one-of-two", "unnamed", "layers-unnamed", "callable", "none", "big", "no-layer"],
 )
 def test_an_option_that_selects_nothing_is_refused(model, spec, message) -> None:
     """Before: each of these built the ordinary graphs (every activation saved), silently."""

@@ -448,3 +448,20 @@ def test_refusals() -> None:
     model = model_of(nodes, x, y, inits, opset=15)
     with pytest.raises(ModelError, match="computed by the graph"):
         set_training_mode(model, training=True)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_constant_node_training_flag_left_unread_is_dropped(net: Net, training: bool) -> None:
+    """TorchScript's training=TRAINING feeds Dropout's training_mode from a Constant node: switched
+    (to inference: no flag; to training: onnxgrad's shared flag), that Constant is read by nothing
+    and is dropped (onnxruntime folds it to an initializer and warns 'Removing initializer' at each
+    session)."""
+    model = export(net, torch.onnx.TrainingMode.TRAINING)
+    (drop,) = ops(model, "Dropout")
+    flag = drop.input[2]
+    assert any(n.op_type == "Constant" and flag in n.output for n in model.graph.node)
+    switched = set_training_mode(model, training=training).model
+    read = {i for n in switched.graph.node for i in n.input} | {o.name for o in switched.graph.output}
+    unread = [o for n in switched.graph.node if n.op_type == "Constant" for o in n.output if o not in read]
+    assert unread == []
+    assert flag not in {o for n in switched.graph.node for o in n.output}

@@ -92,3 +92,18 @@ def test_adapter_file_errors(tmp_path: Path) -> None:
         lora.read_ort_adapter(tmp_path / "missing.onnx_adapter")
     with pytest.raises(InputError, match=r"the model has no LoRA adapters"):
         lora.serving_model(float_mlp())
+
+
+def test_head_trained_model_is_refused(tmp_path: Path) -> None:
+    """A model whose to_onnx names a trained head (W2 beside W1's adapters) cannot become an
+    onnxruntime adapter file: the head would be lost, as with values= holding it."""
+    adapted = lora.add_adapters(float_mlp(), ["W1"], rank=2)
+    fb = onnxgrad.ForwardBackward(adapted, trainable=[*lora.adapter_names(adapted), "W2"])
+    x = np.random.default_rng(0).standard_normal((4, IN)).astype(F32)
+    grads = fb.forward({"x": x}).backward([np.ones((4, OUT), F32)])
+    fb.set_parameters({n: v - 0.1 * grads[n] for n, v in fb.parameters.items()})
+    with pytest.raises(InputError, match=r"says weights that are not adapters trained: \['W2'\]; an onnx"):
+        lora.save_ort_adapter(fb.to_onnx(), tmp_path / "head.onnx_adapter")
+    with pytest.raises(InputError, match=r"differ from the model's: \['W2'\]; an onnxruntime adapter file"):
+        lora.save_ort_adapter(adapted, tmp_path / "head.onnx_adapter", fb.parameters)
+    lora.save_ort_adapter(adapted, tmp_path / "ok.onnx_adapter")  # adapters only: fine

@@ -124,3 +124,17 @@ def test_session_options_with_a_forward_backward_are_refused(tmp_path: Path) -> 
     fb = onnxgrad.ForwardBackward(add_loss(_model(tmp_path), "mse"), outputs=["loss"])
     with pytest.raises(InputError, match=r"session_options= and providers= go to the ForwardBackward"):
         Trainer(fb, session_options=default_options(), progress=False)
+
+
+def test_the_accuracy_level_warning_comes_once_per_trainer(tmp_path: Path) -> None:
+    """Every session of a Trainer (training, evaluation) shares the caller's options: the warning
+    about them comes once, not per session; other options warn again."""
+    model = _model(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _trainer(model, True, session_options=default_options())  # one-graph step, evaluation
+        trainer.fit(_data(), epochs=2)
+        trainer.evaluate(_data())
+        onnxgrad.ForwardBackward(model, session_options=default_options())  # other options
+    said = [w for w in caught if "quantizes the activations to int8" in str(w.message)]
+    assert len(said) == 2, [str(w.message)[:80] for w in said]

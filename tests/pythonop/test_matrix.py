@@ -254,6 +254,8 @@ def test_exception_in_backward_names_the_function_and_releases_the_ctx(no_leaks)
     with pytest.raises(PythonOpError, match=r"FailingBackward\.backward raised ArithmeticError") as err:
         res.backward()
     assert isinstance(err.value.__cause__, ArithmeticError)
+    (forward,) = [n.name for n in model.graph.node if n.op_type == "PythonOp"]
+    assert f"PythonOpGrad node '{forward}_Grad'" in str(err.value)  # named after its forward node
     assert len(contexts) == 0
 
 

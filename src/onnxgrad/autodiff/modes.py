@@ -146,6 +146,8 @@ class _Switcher:
             self.graph.initializer.append(numpy_helper.from_array(np.array(self.training), self._flag))
         while len(node.input) < 3:
             node.input.append("")
+        if node.input[2] and node.input[2] != self._flag:
+            self._cleared.add(node.input[2])  # the file's own flag, unread now
         node.input[2] = self._flag
 
     # ---- BatchNormalization ----------------------------------------------------------------
@@ -239,13 +241,17 @@ class _Switcher:
 
     def finish(self) -> None:
         """Declare the new graph outputs, typed like the statistics they update; drop the
-        ``training_mode`` flags nothing reads any more (onnxruntime would warn once per session)."""
+        ``training_mode`` flags nothing reads any more, initializers or ``Constant`` nodes
+        (onnxruntime would warn once per session)."""
         read = {i for n in self.graph.node for i in node_operands(n)} | self.graph_outputs
         unread = self._cleared - read - self.graph_inputs
-        if unread:
+        if unread:  # an initializer, or a Constant node (a TorchScript export's training=TRAINING)
             kept = [t for t in self.graph.initializer if t.name not in unread]
             del self.graph.initializer[:]
             self.graph.initializer.extend(kept)
+            nodes = [n for n in self.graph.node if not (n.op_type == "Constant" and set(n.output) <= unread)]
+            del self.graph.node[:]
+            self.graph.node.extend(nodes)
         if not self._new_outputs:
             return
         infos = infer_value_infos(self.model)

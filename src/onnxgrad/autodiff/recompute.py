@@ -131,6 +131,12 @@ def _check_selects(
         raise InputError(
             f"recompute={near[0]!r} is not an option (they are lowercase): recompute= takes {_CHOICES}"
         )
+    off = [p for p in unmatched if p.lower() in ("none", "false", "off", "no")]
+    if off:
+        raise InputError(
+            f"recompute={off[0]!r} is a node-name prefix that matches nothing: to recompute nothing, "
+            "pass recompute=None (the Python value, not a string)"
+        )
     if not named:
         raise InputError(
             f"recompute={spec!r}: the model's nodes have no names, so no node-name prefix can match; "
@@ -315,9 +321,10 @@ def _place(copies: list[onnx.NodeProto], nodes: list[onnx.NodeProto]) -> list[on
 
 def _budget_segments(
     g: GradBuilder, producer: dict[str, onnx.NodeProto], fed: set[str], budget: int
-) -> Callable[[onnx.NodeProto], Any] | None:
+) -> Callable[[onnx.NodeProto], Any]:
     """The layers (see :func:`layer_of`) to recompute, largest saved bytes first, until the
-    estimated saved bytes fit ``budget``."""
+    estimated saved bytes fit ``budget``; :class:`InputError` when they fit already or there is
+    no layer (nothing would be recomputed)."""
     if budget < 0:
         raise InputError(f"recompute budget must be a number of bytes >= 0, got {budget}")
     total = 0
@@ -331,12 +338,22 @@ def _budget_segments(
         layer = layer_of(node) if node is not None else None
         if layer is not None:
             per_layer[layer] = per_layer.get(layer, 0) + b
+    if total <= budget:  # an option that selects nothing is refused, as the others are
+        raise InputError(
+            f"recompute={budget}: the saved activations (about {total} bytes, static shapes) already fit "
+            "the budget, so nothing would be recomputed (and a Trainer would leave its one-graph step "
+            "for nothing): pass recompute=None, or a smaller budget"
+        )
+    if not per_layer:
+        raise InputError(
+            f"recompute={budget}: a budget recomputes whole layers, and no node name has a numbered "
+            "component (/layers.3/, /h.0/) nor a dynamo module path with one: pass node-name prefixes, "
+            "a callable or 'all'"
+        )
     chosen: set[str] = set()
     for layer, b in sorted(per_layer.items(), key=lambda kv: -kv[1]):
         if total <= budget:
             break
         chosen.add(layer)
         total -= b
-    if not chosen:
-        return None
     return lambda node: (lambda layer: layer if layer in chosen else None)(layer_of(node))

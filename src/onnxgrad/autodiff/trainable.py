@@ -176,17 +176,18 @@ class _Judge:
         return list(_all_nodes(self.graph))
 
     @cached_property
-    def uses(self) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+    def consumers(self) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
         values = set(self.inits) | {o for n in self.nodes for o in n.output if o}
-        consumers = _uses(self.graph, values)
-        return {n: _through(consumers, n, set()) for n in self.inits}
+        return _uses(self.graph, values)
+
+    @cached_property
+    def uses(self) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+        return {n: _through(self.consumers, n, set()) for n in self.inits}
 
     @cached_property
     def uses_through_parts(self) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
         """The uses, read through the ops that pass a part of a value on too (:data:`_PARTS`)."""
-        values = set(self.inits) | {o for n in self.nodes for o in n.output if o}
-        consumers = _uses(self.graph, values)
-        return {n: _through(consumers, n, set(), parts=True) for n in self.inits}
+        return {n: _through(self.consumers, n, set(), parts=True) for n in self.inits}
 
     @cached_property
     def used(self) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
@@ -258,13 +259,28 @@ def _folded_constant(j: _Judge, name: str, t: TensorProto) -> Decision | None:
 def _constant_slots(j: _Judge, name: str, t: TensorProto) -> Decision | None:
     # every read in a constant slot: exporters alias equal initializers (the TorchScript one reads a
     # BatchNormalization's ones running variance through Identity of its ones weight), so one read
-    # as a weight makes a parameter. Read through parts too: the dynamo exporter's zero initial
-    # state of a multi-layer RNN is a scalar Expanded over the batch, then Sliced per layer
+    # as a weight makes a parameter (a Mul of scales read as a quantization scale is such a slot).
+    # Read through parts too: the dynamo exporter's zero initial state of a multi-layer RNN is a
+    # scalar Expanded over the batch, then Sliced per layer
     for uses in (j.uses[name], j.uses_through_parts[name]):
-        slots = [_slot_reason(n, k) for n, k in uses]
+        slots = [_slot_reason(n, k) or _scale_product(j, n) for n, k in uses]
         if slots and all(slots):
             return Decision(False, slots[0])
     return None
+
+
+def _scale_product(j: _Judge, node: onnx.NodeProto) -> str | None:
+    """``"quantization scale"`` for a ``Mul`` of initializers read only as a quantization scale:
+    the bias scale ``x_scale * w_scale`` of a quantized Gemm/Conv (``rewrite._tied_bias_scales``),
+    so that the scales it multiplies stay constants by default as in the file (named in
+    ``trainable=``, they train)."""
+    if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or not node.output:
+        return None
+    if not all(i in j.inits for i in node.input):
+        return None
+    reads = _through(j.consumers, node.output[0], set())
+    reasons = {_slot_reason(n, k) for n, k in reads}
+    return "quantization scale" if reads and reasons == {"quantization scale"} else None
 
 
 def _rotary_caches(j: _Judge, name: str, t: TensorProto) -> Decision | None:
@@ -447,6 +463,18 @@ def declared_trainable(model: onnx.ModelProto) -> list[str] | None:
                 raise InputError(f"metadata {TRAINABLE_KEY!r} is not a JSON list of names")
             return names
     return None
+
+
+def record_trainable(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
+    """Make ``model``'s :data:`TRAINABLE_KEY` (where it has one: an adapted model) name what
+    trained, ``names`` (those that are initializers of ``model``), in place, and return ``model``:
+    the one writer every ``to_onnx`` uses, so that ``lora.save_adapters`` keeps the weights that
+    trained beside the adapters (a head) instead of the input's stale list."""
+    inits = {t.name for t in model.graph.initializer}
+    for p in model.metadata_props:
+        if p.key == TRAINABLE_KEY:
+            p.value = json.dumps([n for n in names if n in inits])
+    return model
 
 
 def _slot_reason(node: onnx.NodeProto, k: int) -> str | None:

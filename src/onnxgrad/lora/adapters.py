@@ -80,7 +80,8 @@ def add_adapters(
     models, and its adapters take that name.
     A name given exactly that cannot be adapted, and a name or pattern that matches no
     initializer, raise :class:`InputError` (naming the weights that can be adapted); patterns skip
-    what does not fit. ``alpha`` (default ``rank``) scales the update by ``alpha / rank``;
+    what does not fit (a weight smaller than ``rank``: ``rank > min(in, out)``, refused when named
+    exactly). ``alpha`` (default ``rank``) scales the update by ``alpha / rank``;
     ``dropout`` > 0 adds a Dropout on the adapter's input (active in training mode only).
     """
     _check_settings(rank, alpha, dropout)
@@ -112,6 +113,11 @@ def add_adapters(
     graph_outputs = {o.name for o in graph.output}
     seen = set()  # every name and alias the targets could match
     low_precision: list[tuple[str, int]] = []
+    too_small: list[str] = []  # matched by a pattern, smaller than the rank: skipped
+    # exact targets naming a weight that takes no adapter, with why: refused, unless the same name
+    # also names one that does (a tied table read by Gather, whose transposed copy dynamo folded
+    # for the lm_head MatMul under the same torch name: the copy takes the adapter, as a pattern)
+    unfit: list[tuple[set[str], str]] = []
     for name, t in inits.items():
         others = _aliases(name, alias)  # val_12 -> its torch name; W_quantized -> W
         known = others[0] if others else None
@@ -125,8 +131,16 @@ def add_adapters(
             found = _quantized_weight(t, uses.get(name, []), readers, producers, inits, graph_outputs)
             why, found = (found, None) if isinstance(found, str) else (None, found)
         if found is None:
+            if name in exact or exact & set(others):  # refused unless another weight answers the name
+                unfit.append(({name, *others} & exact, f"cannot put an adapter beside {name!r}: {why}"))
+            continue
+        if rank > min(found.shape):  # an update of rank r needs r <= min(in, out)
             if name in exact or exact & set(others):
-                raise InputError(f"cannot put an adapter beside {name!r}: {why}")
+                raise InputError(
+                    f"rank {rank} is above the size of {name!r} ({list(found.shape)}): an adapter's "
+                    f"rank is at most min(in, out) = {min(found.shape)}; pass a smaller rank"
+                )
+            too_small.append(name)
             continue
         low_precision += found.low_precision or []
         shape = found.shape
@@ -158,13 +172,18 @@ def add_adapters(
             extra = _adapt_node(node, k, ad, dropout, taken, found.dtype, x)
             new_nodes.setdefault(index[id(node)], []).extend(extra)
         adapters.append(ad)
+    answered = {n for ad in adapters for n in (ad.weight, *_aliases(ad.weight, alias))}
+    for targets, why in unfit:
+        if not targets & answered:
+            raise InputError(why)
     unmatched = [p for p in exact if not any(p == n or fnmatch.fnmatchcase(n, p) for n in seen)]
     if unmatched:
         raise InputError(
             f"the targets {sorted(unmatched)} match no weight of the model; {_adaptable(out, alias)}"
         )
     if not adapters:
-        raise InputError(f"no weight matched the targets: nothing to adapt; {_adaptable(out, alias)}")
+        small = f" ({too_small[:10]} are smaller than rank {rank})" if too_small else ""
+        raise InputError(f"no weight matched the targets{small}: nothing to adapt; {_adaptable(out, alias)}")
     _warn_low_precision(low_precision)
     nodes = list(graph.node)
     del graph.node[:]
@@ -195,10 +214,16 @@ def _check_settings(rank: Any, alpha: Any, dropout: Any) -> None:
 def _aliases(name: str, module_names: Mapping[str, str]) -> list[str]:
     """The other names a target may match for initializer ``name``, the one its adapters take
     first: its torch module path's ``.weight`` (``module_names``, from :func:`_module_names`), the
-    float weight's name of a quantized weight (``W_quantized`` -> ``W``)."""
+    float weight's name of a quantized weight (``W_quantized`` -> ``W``), and, for the weight of a
+    ``Gemm`` that ``quantize_dynamic`` transposed first (``W_Transposed_quantized``), ``W`` (the
+    torch name of a TorchScript export's ``Linear``: ``enc.0.weight``)."""
     plain = _quantized_alias(name)
     torch_name = module_names.get(name) or (module_names.get(plain) if plain else None)
-    return [n for n in (torch_name, plain) if n]
+    untransposed = plain[: -len(_TRANSPOSED)] if plain and plain.endswith(_TRANSPOSED) else None
+    return list(dict.fromkeys(n for n in (torch_name, untransposed, plain) if n))
+
+
+_TRANSPOSED = "_Transposed"  # quantize_dynamic's suffix of a Gemm weight it transposed (transB=1)
 
 
 def _adaptable(model: onnx.ModelProto, module_names: Mapping[str, str]) -> str:
@@ -380,6 +405,26 @@ def adapter_names(model: onnx.ModelProto) -> list[str]:
     return [n for ad in _adapters(model)[1] for n in (ad.a, ad.b)]
 
 
+def _as_arrays(values: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+    """``values`` (name -> array) as NumPy arrays: arrays and lists as they are, torch tensors (a
+    module's parameters, which require grad, on any device) detached and copied to the CPU;
+    anything else raises :class:`InputError` naming it. This module does not import torch."""
+    out = {}
+    for name, value in (values or {}).items():
+        if callable(getattr(value, "detach", None)) and callable(getattr(value, "cpu", None)):
+            value = value.detach().cpu()  # a torch tensor
+            if str(value.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: widened, cast back later
+                value = value.float()
+            value = value.numpy()
+        try:
+            out[name] = np.asarray(value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InputError(f"values[{name!r}] is no array ({type(value).__name__}): {exc}") from exc
+        if out[name].dtype == object:
+            raise InputError(f"values[{name!r}] is no array of numbers ({type(value).__name__})")
+    return out
+
+
 def _adapter_arrays(model: onnx.ModelProto, values: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
     """The adapters' arrays (A and B of each adapted weight, by name), C-contiguous: the value in
     ``values`` (e.g. ``ForwardBackward.parameters``) where it has one, else the model's initializer."""
@@ -392,7 +437,9 @@ def _adapter_arrays(model: onnx.ModelProto, values: Mapping[str, Any] | None = N
 
 
 def with_values(model: onnx.ModelProto, values: Mapping[str, Any]) -> onnx.ModelProto:
-    """A copy of ``model`` whose initializers named in ``values`` hold those values."""
+    """A copy of ``model`` whose initializers named in ``values`` hold those values (arrays, or
+    torch tensors: :func:`_as_arrays`)."""
+    values = _as_arrays(values)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for t in out.graph.initializer:

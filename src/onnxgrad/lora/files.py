@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +21,7 @@ from .adapters import (
     LORA_KEY,
     _adapter_arrays,
     _adapters,
+    _as_arrays,
     _check_settings,
     adapter_names,
     add_adapters,
@@ -30,19 +32,19 @@ from .adapters import (
 def save_adapters(
     model: onnx.ModelProto, path: str | os.PathLike, values: Mapping[str, Any] | None = None
 ) -> None:
-    """Write the adapters of ``model`` (or ``values``, e.g. ``ForwardBackward.parameters``, for the
-    same names) to ``path``: a ``.npz`` archive, else the safetensors layout (the adapters' settings
-    in its ``__metadata__``).
+    """Write the adapters of ``model`` (or ``values``, e.g. ``ForwardBackward.parameters``, or an
+    ``OnnxModule``'s tensors, detached, for the same names) to ``path``: a ``.npz`` archive, else
+    the safetensors layout (the adapters' settings in its ``__metadata__``).
 
     The other weights of ``model`` that trained beside the adapters (a classifier head given to
     ``trainable=``) are saved too, under their names, and listed in the settings (``"trained"``),
     and :func:`load_adapters` puts them back: those named in ``values``, and those the model's
-    ``onnxgrad.trainable`` metadata names (``ForwardBackward.to_onnx`` and ``Trainer.to_onnx``
-    write there what trained). A name in ``values`` that is no initializer of ``model`` raises
-    :class:`InputError`. A model made otherwise (``OnnxModule.to_onnx``, ``artifacts.Runner``)
-    cannot say which of its weights trained: pass ``values`` then.
+    ``onnxgrad.trainable`` metadata names (``ForwardBackward.to_onnx``, ``Trainer.to_onnx`` and
+    ``OnnxModule.to_onnx`` write there what trained). A name in ``values`` that is no initializer
+    of ``model`` raises :class:`InputError`. A model made otherwise (``artifacts.Runner``) cannot
+    say which of its weights trained: pass ``values`` then.
     """
-    values = dict(values or {})
+    values = _as_arrays(values)  # torch tensors too (detached)
     adapters = set(adapter_names(model))
     inits = {t.name: t for t in model.graph.initializer}
     unknown = sorted(n for n in values if n not in inits)
@@ -71,6 +73,7 @@ def save_adapters(
 
 
 _TRAINED = "trained"  # the settings' list of the other weights saved beside the adapters
+_LAYOUTS = ("left", "right", "right_t")  # how A and B make the update (see lora.adapters._Adapter)
 
 
 def read_adapters(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -127,6 +130,11 @@ def load_adapters(
     values = {n: arrays[n] for n in trained}
     for ad in adapters:
         s = saved[ad.weight]
+        if s["layout"] != ad.layout:
+            raise InputError(
+                f"{where}: the adapters of {ad.weight!r} have layout {s['layout']!r}, the base reads that "
+                f"weight in layout {ad.layout!r}: load the adapters on the model they were trained on"
+            )
         values[ad.a], values[ad.b] = arrays[s["a"]], arrays[s["b"]]
     return with_values(adapted, values)
 
@@ -136,13 +144,17 @@ def _checked_settings(
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """The saved adapters by weight and the other trained weights of an adapter file's settings,
     checked against its arrays (so that nothing is allocated from the settings alone)."""
+    lacking_keys = [k for k in ("rank", "alpha", "dropout") if k not in meta]
+    if lacking_keys:
+        raise InputError(f"{where} has bad LoRA settings: no {lacking_keys} key")
     try:
-        _check_settings(meta.get("rank"), meta.get("alpha"), meta.get("dropout"))
+        _check_settings(meta["rank"], meta["alpha"], meta["dropout"])
     except InputError as exc:
         raise InputError(f"{where} has bad LoRA settings: {exc}") from exc
     if meta["alpha"] is None:
         raise InputError(f"{where} has bad LoRA settings: alpha is missing")
     rank = int(meta["rank"])
+    scale = float(meta["alpha"]) / rank
     entries = meta["adapters"]
     if not isinstance(entries, list) or not all(
         isinstance(a, dict) and all(isinstance(a.get(k), str) for k in ("weight", "a", "b", "layout"))
@@ -150,10 +162,22 @@ def _checked_settings(
     ):
         raise InputError(f"{where}: its adapters are not a list of weight, a, b and layout entries")
     saved: dict[str, dict[str, Any]] = {}
+    served: dict[str, str] = {}  # array name -> the weight whose adapter reads it
     for a in entries:
         lacking = [n for n in (a["a"], a["b"]) if n not in arrays]
         if lacking:
             raise InputError(f"{where} lacks the adapter arrays {lacking}")
+        for n in (a["a"], a["b"]):
+            if n in served:
+                raise InputError(
+                    f"{where}: the adapters of {served[n]!r} and {a['weight']!r} read the same array "
+                    f"{n!r}; an array serves one adapter"
+                )
+            served[n] = a["weight"]
+        if a["layout"] not in _LAYOUTS:
+            raise InputError(
+                f"{where}: the adapters of {a['weight']!r} have layout {a['layout']!r}, not one of {_LAYOUTS}"
+            )
         left = a["layout"] == "left"  # A [r, in], B [out, r]; else A [in, r], B [r, out]
         shapes = (arrays[a["a"]].shape, arrays[a["b"]].shape)
         if any(len(sh) != 2 for sh in shapes) or (
@@ -162,6 +186,16 @@ def _checked_settings(
             raise InputError(
                 f"{where}: the adapters of {a['weight']!r} are {[list(sh) for sh in shapes]}, "
                 f"not of the rank {rank} its settings say"
+            )
+        got = a.get("scale", scale)  # what load_adapters computes: alpha / rank
+        if (
+            isinstance(got, bool)
+            or not isinstance(got, (int, float))
+            or not math.isclose(got, scale, rel_tol=1e-6)
+        ):
+            raise InputError(
+                f"{where}: the adapters of {a['weight']!r} have scale {got!r}, not alpha / rank = {scale!r} "
+                "as its settings say"
             )
         if a["weight"] in saved:
             raise InputError(f"{where} adapts {a['weight']!r} twice")
@@ -172,4 +206,7 @@ def _checked_settings(
     lacking = [n for n in trained if n not in arrays]
     if lacking:
         raise InputError(f"{where} lacks the arrays of the trained weights {lacking}")
+    shared = sorted(set(trained) & set(served))
+    if shared:
+        raise InputError(f"{where}: {shared} are adapter arrays and trained weights; an array serves one")
     return saved, trained

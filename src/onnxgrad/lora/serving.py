@@ -11,11 +11,12 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..autodiff.trainable import TRAINABLE_KEY, declared_trainable
 from ..deps import require_onnxruntime
 from ..errors import InputError
 from ..model.graph import np_dtype, to_array
 from ..model.load import load_model
-from .adapters import _adapter_arrays, _adapters, adapter_names
+from .adapters import _adapter_arrays, _adapters, _as_arrays, adapter_names
 
 
 # ---- onnxruntime's own adapter format --------------------------------------------------------
@@ -62,12 +63,15 @@ def save_ort_adapter(
     ``onnxruntime.AdapterFormat``), for the model of :func:`serving_model`.
 
     Such a file overrides the adapters only: other weights in ``values`` that differ from the
-    model's (a classifier head trained beside the adapters) would be lost, and raise
-    :class:`InputError`; serve the model holding them (``serving_model(with_values(model, values))``),
-    or keep them with :func:`save_adapters`."""
+    model's (a classifier head trained beside the adapters), and a model whose
+    ``onnxgrad.trainable`` metadata names such weights (what ``to_onnx`` writes after training a
+    head beside the adapters), would be lost, and raise :class:`InputError`; serve the model
+    holding them (``serving_model(with_values(model, values))``), or keep them with
+    :func:`save_adapters`."""
     require_onnxruntime()
     import onnxruntime as ort
 
+    values = _as_arrays(values)  # torch tensors too (detached)
     inits = {t.name: t for t in model.graph.initializer}
     adapters = set(adapter_names(model))
     changed = sorted(
@@ -77,9 +81,15 @@ def save_ort_adapter(
     )
     if changed:
         raise InputError(
-            f"values hold weights that are not adapters and differ from the model's: {changed[:10]}; an "
-            "onnxruntime adapter file overrides only the adapters, so they would be lost: serve "
-            "serving_model(lora.with_values(model, values)), or save them with lora.save_adapters"
+            f"values hold weights that are not adapters and differ from the model's: {changed[:10]}; "
+            + _ADAPTERS_ONLY
+        )
+    # a model from ForwardBackward/Trainer/OnnxModule.to_onnx names what trained beside the adapters
+    declared = sorted(n for n in declared_trainable(model) or [] if n not in adapters and n in inits)
+    if declared:
+        raise InputError(
+            f"the model's {TRAINABLE_KEY!r} metadata says weights that are not adapters trained: "
+            f"{declared[:10]}; " + _ADAPTERS_ONLY
         )
     params = {}
     for n, arr in _adapter_arrays(model, values).items():
@@ -94,6 +104,12 @@ def save_ort_adapter(
     fmt.set_model_version(model_version)
     fmt.set_parameters(params)
     fmt.export_adapter(os.path.abspath(os.fspath(path)))
+
+
+_ADAPTERS_ONLY = (
+    "an onnxruntime adapter file overrides only the adapters, so they would be lost: serve "
+    "serving_model(lora.with_values(model, values)), or save them with lora.save_adapters"
+)
 
 
 def read_ort_adapter(path: str | os.PathLike) -> dict[str, np.ndarray]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,8 +295,15 @@ def parse_backward(node: onnx.NodeProto) -> BackwardSpec:
 
 
 # ---- constants ------------------------------------------------------------------------------------
-def decode_constants(attrs: dict[str, Any], where: str = "PythonOp", func: str = "") -> dict[int, Any]:
-    """Argument position -> Python value, from the typed side tables."""
+def decode_constants(
+    attrs: dict[str, Any],
+    where: str = "PythonOp",
+    func: str = "",
+    found: list[tuple[int, float]] | None = None,
+) -> dict[int, Any]:
+    """Argument position -> Python value, from the typed side tables. ``found``, when given, gets
+    the (position, value) of each float argument read from the float32 table alone that is likely
+    rounded (:func:`warn_rounded_floats` says so once per model)."""
     out: dict[int, Any] = {}
     label = f"{where} ({func})" if func else where
 
@@ -336,15 +343,8 @@ def decode_constants(attrs: dict[str, Any], where: str = "PythonOp", func: str =
         raise PythonOpError(f"{label}: input_string_scalars and _positions differ in length")
     for pos, s in zip(positions, strings):
         put(pos, s)
-    if rounded:
-        warnings.warn(
-            f"{label}: the float arguments {', '.join(f'{pos} = {v!r}' for pos, v in rounded[:8])} are "
-            "read from the node's float32 table (input_float_scalars / input_float_tuples) without the "
-            "exact values (input_float_scalars_exact, written by onnxgrad.export): they are most likely "
-            "rounded from what the exporting code passed; re-export with onnxgrad.export to keep them exact",
-            UserWarning,
-            stacklevel=3,
-        )
+    if found is not None:
+        found.extend(rounded)
     if attrs.get("input_pointer_scalar_positions"):
         raise PythonOpError(
             f"{label}: arguments {list(attrs['input_pointer_scalar_positions'])} are stored as raw "
@@ -352,6 +352,35 @@ def decode_constants(attrs: dict[str, Any], where: str = "PythonOp", func: str =
             "used: re-export the model with onnxgrad.export, which stores None and str by value"
         )
     return out
+
+
+def warn_rounded_floats(nodes: Iterable[onnx.NodeProto]) -> None:
+    """One :class:`UserWarning` naming every PythonOp node of ``nodes`` whose float arguments are
+    read from the float32 table without their exact values and are likely rounded (a foreign
+    exporter's file): called once per model checked, not per parse of a node (the gradient rule and
+    each runtime read a node again). A malformed node is left to :func:`parse_forward` to refuse."""
+    said = []
+    for node in nodes:
+        if node.op_type != PYTHON_OP or node.domain != MS_DOMAIN:
+            continue
+        rounded: list[tuple[int, float]] = []
+        try:
+            decode_constants(node_attributes(node), found=rounded)
+        except PythonOpError:
+            continue
+        if rounded:
+            args = ", ".join(f"{pos} = {v!r}" for pos, v in rounded[:8])
+            said.append(f"{describe(node)} ({function_name(node)}): {args}")
+    if said:
+        more = f" and {len(said) - 8} more nodes" if len(said) > 8 else ""
+        warnings.warn(
+            f"float arguments of {'; '.join(said[:8])}{more} are read from the nodes' float32 tables "
+            "(input_float_scalars / input_float_tuples) without the exact values "
+            "(input_float_scalars_exact, written by onnxgrad.export): they are most likely rounded from "
+            "what the exporting code passed; re-export with onnxgrad.export to keep them exact",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _exact_floats(
@@ -371,7 +400,12 @@ def _exact_floats(
         )
         with np.errstate(over="ignore"):  # 1e40 rounds to inf in the float32 table
             pairs = [(np.float32(e), np.float32(f)) for e, f in zip(values, stored)]
-        same = len(values) == len(stored) and all(e == f or (np.isnan(e) and np.isnan(f)) for e, f in pairs)
+        if len(values) != len(stored):
+            raise PythonOpError(
+                f"{label}: {key}_exact holds {len(values)} values where {key} holds {len(stored)}: the "
+                "node was edited inconsistently; fix or remove one of them"
+            )
+        same = all(e == f or (np.isnan(e) and np.isnan(f)) for e, f in pairs)
         if not same:
             raise PythonOpError(
                 f"{label}: {key}_exact {values[:8]} does not round to {key} {stored[:8]}: the node was "

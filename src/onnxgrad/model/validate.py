@@ -31,7 +31,7 @@ from ..errors import ModelError, PythonOpError
 from .fold import known_values
 from .graph import ValueInfo, dtype_name, np_dtype, opset_of, topological_order, without_weights
 from .limits import Limits, default_limits
-from .pythonop_spec import class_name, is_python_node
+from .pythonop_spec import class_name, is_python_node, warn_rounded_floats
 
 __all__ = [
     "Limits",
@@ -168,13 +168,16 @@ def check_model_safety(
     for where, graph in _graphs(model):
         for vi in [*graph.input, *graph.output, *graph.value_info]:
             _check_type(vi.type, f"value {vi.name!r}{where}", "is declared with", limits)
+    python_nodes = []
     for where, node in _nodes(model):
         if is_python_node(node):
             _check_python_op(node, where, allowed_functions)
+            python_nodes.append(node)
         elif node.op_type in ("RandomNormal", "RandomUniform") and node.domain in ("", "ai.onnx"):
             shape = list(_attr(node, "shape", []))
             dtype = _attr(node, "dtype", TensorProto.FLOAT)
             _check_size(shape, dtype, f"{_node_label(node)}{where}", "would create a tensor of", limits)
+    warn_rounded_floats(python_nodes)  # once per model checked, naming every such node
     shapes = _inferred_shapes(model, limits) if infer else {}
     _check_computed_sizes(model, model.graph, shapes, limits, {}, "")
 

@@ -91,6 +91,8 @@ def grad_python_op(g: GradBuilder, n: NodeContext) -> list[Var | None]:
     )
     made = made if isinstance(made, tuple) else (made,)
     grad_node = g.nodes[-1]
+    if not grad_node.name:  # errors of the backward name the forward node it differentiates
+        grad_node.name = f"{node.name or spec.func_name}_Grad"
     # required by both schema generations; make_node would take ``name=`` for the node's own name
     grad_node.attribute.append(helper.make_attribute("name", attrs.get("name") or spec.func_name))
     result: list[Var | None] = []

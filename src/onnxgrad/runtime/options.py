@@ -151,7 +151,7 @@ def session_options_for(
     quantized (:func:`fuses_blocked_dequantize`) gets, without options, options computing the
     fused product in float (:func:`exact_nbits_options`), and with options that leave the level
     unset at an optimization level that fuses (extended or all), a :class:`UserWarning` (they are
-    used as they are)."""
+    used as they are), once for those options and that model's weights (not per session)."""
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(os.fspath(model), load_external_data=False)
     if not fuses_blocked_dequantize(model):
@@ -159,7 +159,7 @@ def session_options_for(
     if options is None:
         return exact_nbits_options()
     fusing = int(options.graph_optimization_level) >= int(ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED)
-    if fusing and not nbits_accuracy_set(options):  # (the fusion is an extended one)
+    if fusing and not nbits_accuracy_set(options) and _first_warning(options, model):
         warnings.warn(
             "the model's blocked DequantizeLinear -> MatMul is fused by onnxruntime into a MatMulNBits "
             "that quantizes the activations to int8 (accuracy level 4): the outputs and losses are not "
@@ -169,6 +169,25 @@ def session_options_for(
             stacklevel=3,
         )
     return options
+
+
+# (options, the fused weights) already warned about: a model's sessions (training, inference, a
+# Trainer's evaluation) share the caller's options, and the warning says the same for each. The
+# options are held so that their id stays theirs; the oldest are forgotten past 64.
+_WARNED: dict[tuple[int, frozenset[str]], ort.SessionOptions] = {}
+
+
+def _first_warning(options: ort.SessionOptions, model: onnx.ModelProto) -> bool:
+    """Whether the accuracy-level warning is the first for ``options`` and ``model``'s blocked
+    weights (the same in every variant of one model), remembering it."""
+    weights = frozenset(n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input)
+    key = (id(options), weights)
+    if key in _WARNED:
+        return False
+    if len(_WARNED) >= 64:
+        del _WARNED[next(iter(_WARNED))]
+    _WARNED[key] = options
+    return True
 
 
 # onnxruntime's CPU arena keeps the largest buffers it ever gave (every gradient and update) for

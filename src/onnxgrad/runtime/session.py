@@ -8,7 +8,6 @@ returned as numpy views of onnxruntime's buffers.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,8 +19,9 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ..autodiff.engine import GradientGraphs
-from ..autodiff.params import TRAINABLE_KEY, untie
+from ..autodiff.params import untie
 from ..autodiff.prepare import ModelLike, PreparedModel, prepare
+from ..autodiff.trainable import record_trainable
 from ..errors import InputError, OnnxGradRuntimeError
 from ..model.graph import ValueInfo, inputs_read_only_in_branches, np_dtype, to_array
 from ..model.load import CheckedModel
@@ -229,11 +229,7 @@ class ForwardBackward:
         model.graph.output.extend(outputs)
         # a model that names its trainable set (LoRA adapters) names what trained: the adapters and
         # the weights given to trainable= beside them, which lora.save_adapters then keeps
-        inits = {t.name for t in model.graph.initializer}
-        for p in model.metadata_props:
-            if p.key == TRAINABLE_KEY:
-                p.value = json.dumps([n for n in self._params if n in inits])
-        return model
+        return record_trainable(model, self._params)
 
     # ---- running -----------------------------------------------------------------------------
     def forward(self, feeds: Feeds, *, training: bool = True) -> ForwardResult:

@@ -76,7 +76,7 @@ def export(
         input_names = _default_input_names(module, args, kwargs)
     opset_version = opset or _default_opset()
     buf = io.BytesIO()
-    with _EXPORT_LOCK, warnings.catch_warnings(), state.hooks():
+    with _EXPORT_LOCK, warnings.catch_warnings(), state.hooks(), _no_ir_dump():
         warnings.simplefilter("ignore", DeprecationWarning)
         previous = _previous_symbolic(opset_version)
         torch.onnx.register_custom_op_symbolic(_SYMBOLIC, state.symbolic, opset_version)
@@ -335,6 +335,25 @@ def _check_inlinable(name: str, node: Any) -> None:
 
 
 _IR_DUMP = "Torch IR graph at exception"  # torch appends the whole traced graph after it
+
+
+@contextlib.contextmanager
+def _no_ir_dump() -> Iterator[None]:
+    """Keep torch's exporter from printing the traced graph to stdout when a step fails (its
+    ``Torch IR graph at exception: graph(...)``, hundreds of lines on a real model: torch turns its
+    ONNX log on for every export). Its log calls, by name through ``torch._C``, are dropped for the
+    export's duration (under ``_EXPORT_LOCK``); the error raised says what failed (:func:`_brief`)."""
+    original = getattr(torch._C, "_jit_onnx_log", None)
+    if original is None:
+        yield
+        return
+    torch._C._jit_onnx_log = lambda *args: None
+    try:
+        yield
+    finally:
+        torch._C._jit_onnx_log = original
+
+
 _BRIEF = 2000  # characters of an exception's message kept in a PythonOpError
 
 

@@ -27,6 +27,7 @@ from ..autodiff.backward import QUANTIZED_MODES
 from ..autodiff.engine import build_gradient
 from ..autodiff.params import untie
 from ..autodiff.prepare import float_outputs, prepare
+from ..autodiff.trainable import record_trainable
 from ..deps import function_apply_direct, session_run, torch_interop
 from ..errors import InputError, InputTypeError, OnnxGradRuntimeError
 from ..model.graph import FLOAT_TYPES, dtype_name, np_dtype, to_array, unique_name, value_info_from_proto
@@ -755,7 +756,10 @@ class OnnxModule(nn.Module):
         ]
         del proto.graph.initializer[:]
         proto.graph.initializer.extend(inits)
-        return untie(proto, getattr(self, "tied", []))  # tied copies back to initializers
+        proto = untie(proto, getattr(self, "tied", []))  # tied copies back to initializers
+        # an adapted model's trainable list names what trained here (the adapters and a head)
+        trained = [n for t, n in self.onnx_names.items() if self._value(t).requires_grad]
+        return record_trainable(proto, trained)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

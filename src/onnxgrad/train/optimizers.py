@@ -250,7 +250,6 @@ def check_lr(lr: Any) -> float:
     return value
 
 
-
 def _number(hyper: Mapping[str, Any], key: str) -> float:
     """``hyper[key]`` as a float: a number (not a bool) whose size float32 holds (the update graphs
     and float32 parameters compute with it: 1e39 overflowed to inf there), :class:`InputError`
