@@ -31,7 +31,9 @@ from .errors import GradientNotImplementedError
 from .model.graph import FLOAT_TYPES, ir_version_for, np_dtype, onnx_dtype, opset_of, topological_order
 from .model.infer import infer_value_infos
 from .model.load import load_checked
+from .model.pythonop_spec import has_python_nodes
 from .runtime.runner import make_session
+from .runtime.values import contiguous, from_numpy
 
 Backend = Literal["onnxruntime", "reference"]
 
@@ -40,9 +42,12 @@ def run_model(model: onnx.ModelProto, backend: Backend = "onnxruntime") -> Any:
     """A function feeds -> {output name: array} running ``model`` on ``backend``.
 
     onnxruntime runs at the basic optimization level: its extended fusions (e.g. FusedMatMul) are
-    float32-only and would reject float64 graphs.
+    float32-only and would reject float64 graphs. A graph holding PythonOp / PythonOpGrad nodes runs
+    as the doors run it, whatever ``backend`` says (:func:`_python_runner`).
     """
     names = [o.name for o in model.graph.output]
+    if has_python_nodes(model):
+        return _python_runner(model, names)
     if backend == "reference":
         from onnx.reference import ReferenceEvaluator
 
@@ -54,6 +59,25 @@ def run_model(model: onnx.ModelProto, backend: Backend = "onnxruntime") -> Any:
     opts.intra_op_num_threads = 1  # test models are tiny: threads only add contention
     sess = make_session(model, ["CPUExecutionProvider"], opts)
     return lambda feeds: dict(zip(names, sess.run(None, dict(feeds))))
+
+
+def _python_runner(model: onnx.ModelProto, names: list[str]) -> Any:
+    """feeds -> {output name: array} for a graph holding PythonOp / PythonOpGrad nodes: onnxruntime
+    stages around calls of the registered Functions (:class:`~onnxgrad.pythonop.executor.PythonGraph`,
+    what ``ForwardBackward`` and the other doors run), in training mode. The values of the latest
+    call stay alive until the next one, so a forward's ctx handles reach the backward run after it."""
+    from .pythonop.executor import PythonGraph  # imports torch: only for graphs that need it
+
+    graph = PythonGraph(model, ["CPUExecutionProvider"])
+    latest: list[Any] = []
+
+    def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        arrays = {k: contiguous(np.asarray(v)) for k, v in feeds.items()}
+        env = graph.run({k: from_numpy(a) for k, a in arrays.items()}, names, True)
+        latest[:] = [arrays, env]
+        return {n: np.array(env[n].numpy(), copy=True) for n in names}
+
+    return run
 
 
 def _precise_ops() -> list[type]:
