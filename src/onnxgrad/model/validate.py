@@ -790,7 +790,9 @@ def _nodes(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.NodeProto]]:
 
 
 def _node_label(node: onnx.NodeProto) -> str:
-    return f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
+    if node.name:
+        return f"node {node.name!r} ({node.op_type})"
+    return f"{'an' if node.op_type[:1] in 'AEIOU' else 'a'} {node.op_type} node"
 
 
 def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
