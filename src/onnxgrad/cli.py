@@ -36,7 +36,12 @@ import onnx
 from onnx import helper
 
 from ._version import __version__
-from .artifacts.cli import add_deprecated, add_parameter_arguments, registry_defaults
+from .artifacts.cli import (
+    add_deprecated,
+    add_optimizer_arguments,
+    add_parameter_arguments,
+    optimizer_options_from_args,
+)
 from .artifacts.cli import add_parser as add_artifacts_parser
 from .autodiff import build_gradient, rules_table, supported_ops
 from .autodiff.params import padding_rows, select_parameters
@@ -382,12 +387,7 @@ def _add_train_parser(sub: Any) -> None:
         choices=list(OPTIMIZERS),
         help=f"optimizer (default {DEFAULT_OPTIMIZER})",
     )
-    p.add_argument("--momentum", type=float, help=f"SGD momentum (default {registry_defaults('momentum')})")
-    p.add_argument(
-        "--weight-decay",
-        type=float,
-        help=f"weight decay (default: the optimizer's, {registry_defaults('weight_decay')})",
-    )
+    add_optimizer_arguments(p)
     p.add_argument(
         "--clip-norm", type=float, metavar="X", help="scale the gradients to this global L2 norm at most"
     )
@@ -429,15 +429,17 @@ def _add_train_parser(sub: Any) -> None:
     p.set_defaults(func=_train)
 
 
-def _schedule(args: argparse.Namespace, steps_per_epoch: int, val: bool) -> Any:
+def _schedule(args: argparse.Namespace, steps_per_epoch: int, val: bool, epochs: int) -> Any:
+    """The learning rate of ``--schedule``, sized for a run of ``epochs`` epochs (``--epochs``, or
+    what the checkpoint's schedule was made for when resuming)."""
     from .train import Constant, Cosine, InverseScaling, LinearWarmup, ReduceLROnPlateau, StepDecay
 
-    total = max(1, args.epochs * steps_per_epoch - args.warmup)
+    total = max(1, epochs * steps_per_epoch - args.warmup)
     lr = args.lr
     sched: Any = {
         "constant": lambda: Constant(lr),
         "cosine": lambda: Cosine(lr, total_steps=total),
-        "step": lambda: StepDecay(lr, step_size=max(1, args.epochs // 3) * steps_per_epoch, gamma=0.1),
+        "step": lambda: StepDecay(lr, step_size=max(1, epochs // 3) * steps_per_epoch, gamma=0.1),
         "invscaling": lambda: InverseScaling(lr),
         "plateau": lambda: ReduceLROnPlateau(lr, monitor="val_loss" if val else "loss"),
     }[args.schedule]()
@@ -459,8 +461,6 @@ def _check_train_args(args: argparse.Namespace) -> None:
     for flag, value in (("--clip-norm", args.clip_norm), ("--clip-value", args.clip_value)):
         if value is not None and not value > 0:
             raise InputError(f"{flag} must be > 0, got {value}")
-    if args.momentum and args.optimizer != "sgd":
-        raise InputError("--momentum applies to --optimizer sgd only")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -487,9 +487,7 @@ def _train(args: argparse.Namespace) -> int:
     }
     target_input = next(n for n in ("target", "onnxgrad_target", "onnxgrad_target_2") if n not in taken)
     model = add_loss(checked, args.loss, output=args.loss_output, target_name=target_input)
-    options: dict[str, Any] = {} if args.weight_decay is None else {"weight_decay": args.weight_decay}
-    if args.optimizer == "sgd" and args.momentum is not None:  # else the registry's default
-        options["momentum"] = args.momentum
+    options = optimizer_options_from_args(args, args.optimizer)
     providers = [p.strip() for p in args.providers.split(",") if p.strip()] if args.providers else None
     fb = ForwardBackward(
         CheckedModel(model),
@@ -508,6 +506,13 @@ def _train(args: argparse.Namespace) -> int:
         data, val = split(data, args.val_split, seed=args.seed)
     n_train = len(next(iter(data.values())))
     steps = math.ceil(math.ceil(n_train / args.batch_size) / args.accumulate)
+    schedule_epochs = _schedule_epochs(args, steps)
+    if args.warmup and args.warmup >= args.epochs * steps:
+        print(
+            f"onnxgrad: warning: --warmup {args.warmup} is longer than the run ({args.epochs * steps} "
+            f"updates: {args.epochs} epochs of {steps}): the learning rate never reaches --lr {args.lr:g}",
+            file=sys.stderr,
+        )
     monitor = "val_loss" if val else "loss"
     stopper = EarlyStopping(monitor=monitor, patience=args.patience) if args.patience else None
     callbacks: list[Any] = [c for c in (stopper,) if c is not None]
@@ -517,7 +522,7 @@ def _train(args: argparse.Namespace) -> int:
     trainer = Trainer(
         fb,
         optimizer=args.optimizer,
-        lr=_schedule(args, steps, val is not None),
+        lr=_schedule(args, steps, val is not None, schedule_epochs),
         optimizer_options=options,
         batch_size=args.batch_size,
         seed=args.seed,
@@ -528,7 +533,14 @@ def _train(args: argparse.Namespace) -> int:
         clip_norm=args.clip_norm,
         clip_value=args.clip_value,
     )
-    trainer.run_info = {"data": os.path.abspath(args.data), "val_split": args.val_split, "seed": args.seed}
+    trainer.run_info = {
+        "data": os.path.abspath(args.data),
+        "val_split": args.val_split,
+        "seed": args.seed,
+        "lr_schedule": args.schedule,
+        "schedule_epochs": schedule_epochs,  # the run length the schedule was sized for
+        "warmup": args.warmup,
+    }
     resumed_at = 0
     if args.resume:
         trainer.load_checkpoint(args.resume)
@@ -581,6 +593,35 @@ def _train(args: argparse.Namespace) -> int:
         print(f"  checkpoint    {args.checkpoint}")
     print(f"  time          {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _schedule_epochs(args: argparse.Namespace, steps: int) -> int:
+    """The run length the learning-rate schedule is sized for: ``--epochs``, or, resuming with the
+    same ``--schedule``, the length the checkpoint's schedule was made for, so that the rate goes on
+    from where it stopped (a changed ``--epochs`` sized it anew: a cosine ended at 3 epochs jumped
+    back up to a rate of its first epochs). A note on stderr says when that differs from
+    ``--epochs`` for a schedule whose rates depend on it."""
+    if not args.resume:
+        return args.epochs
+    from .train.checkpoint import read_checkpoint
+
+    saved = read_checkpoint(args.resume).get("setup") or {}
+    if saved.get("lr_schedule") != args.schedule or saved.get("schedule_epochs") is None:
+        return args.epochs  # another schedule (named as a change), or a checkpoint that did not say
+    epochs = int(saved["schedule_epochs"])
+    if epochs != args.epochs and args.schedule in ("cosine", "step"):
+        after = (
+            "past its end the rate follows the cosine back up, as torch's CosineAnnealingLR does"
+            if args.schedule == "cosine"
+            else f"the rate still falls tenfold every {max(1, epochs // 3) * steps} updates"
+        )
+        print(
+            f"onnxgrad: note: resuming {args.resume}: the {args.schedule} schedule keeps the length it "
+            f"was made for, {epochs} epochs ({epochs * steps} updates), not --epochs {args.epochs}; "
+            f"{after}; to size a schedule for {args.epochs} epochs, start a run without --resume",
+            file=sys.stderr,
+        )
+    return epochs
 
 
 def _resume_notes(path: str, changed: dict[str, tuple[Any, Any]]) -> None:
@@ -719,8 +760,10 @@ def _set_dims(
 # ---- check -------------------------------------------------------------------------------------
 def _check(args: argparse.Namespace) -> int:
     from .runtime.profile import random_feeds
-    from .testing import check_gradients, check_nodes
+    from .testing import check_gradients, check_nodes, check_settings, result_status
 
+    flags = {"max_elements": "--max-elements", "rtol": "--rtol", "atol": "--atol"}  # usage errors first
+    check_settings(max_elements=args.max_elements, rtol=args.rtol, atol=args.atol, names=flags)
     checked = load_checked(args.model)  # the one validation of this model
     model = checked.proto
     shapes = _checked_shapes(model, args.shape)
@@ -743,8 +786,9 @@ def _check(args: argparse.Namespace) -> int:
         whole = check_gradients(checked, feeds, max_elements=args.max_elements, seed=args.seed, **tolerances)
         worst = max(whole.max_error.values(), default=0.0)
         dtypes = sorted({str(v.dtype) for k, v in feeds.items() if v.dtype.kind == "f"}) or ["-"]
-        status = "FAIL" if not whole.ok else "NONDIFF" if whole.nondiff else "ok"
-        status += f" ({whole.nondiff_note()})" if whole.nondiff else ""
+        status = result_status(whole)
+        notes = "; ".join(n for n in (whole.nondiff_note(), whole.unprobed_note()) if n)
+        status += f" ({notes})" if notes else ""
         rows.append(("whole model", "-", f"{'/'.join(dtypes)} onnxruntime", f"{worst:.2e}", status))
         if not whole.ok:
             details.append(("whole model", whole.report()))
@@ -757,17 +801,27 @@ def _check(args: argparse.Namespace) -> int:
     failed = sum(r[4].startswith("FAIL") for r in rows)
     skipped = sum(r[4].startswith("skipped") for r in rows)
     nondiff = sum(r[4].startswith("NONDIFF") for r in rows)
+    empty = sum(r[4].startswith("EMPTY") for r in rows)
     kinks = f"{nondiff} not differentiable at some probed elements, " if nondiff else ""
+    nothing = f", {empty} with no element to check" if empty else ""
     print(
-        f"\n{len(rows)} checks: {len(rows) - failed - skipped - nondiff} ok, {kinks}{failed} failed, "
-        f"{skipped} skipped"
+        f"\n{len(rows)} checks: {len(rows) - failed - skipped - nondiff - empty} ok, {kinks}{failed} failed, "
+        f"{skipped} skipped{nothing}"
     )
+    if empty:
+        print(
+            "EMPTY: no element was compared (an empty input, e.g. --shape with a 0, or every probed "
+            "element too large for the step to change it): that check proves nothing."
+        )
     if nondiff:
         print(
             "NONDIFF: at those elements the function has a kink within the finite-difference step (a "
             "ReLU zero, a pooling or argmax tie) and the gradient lies between the one-sided slopes; "
             "the other elements agree. Another --seed probes other points."
         )
+    if not failed and empty and len(rows) == skipped + empty:
+        print("nothing was checked: no check compared a single element", file=sys.stderr)
+        return 1
     return 1 if failed else 0
 
 

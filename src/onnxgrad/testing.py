@@ -27,7 +27,7 @@ from onnx import helper, numpy_helper
 
 from .autodiff.engine import GradientGraphs, build_gradient
 from .autodiff.registry import lookup
-from .errors import GradientNotImplementedError
+from .errors import GradientNotImplementedError, InputError
 from .model.graph import FLOAT_TYPES, ir_version_for, np_dtype, onnx_dtype, opset_of, topological_order
 from .model.infer import infer_value_infos
 from .model.load import load_checked
@@ -186,7 +186,9 @@ class GradCheckResult:
     ``mismatches``: elements where the gradient is wrong (the check fails); ``nondiff``: elements
     where the function is not differentiable within the finite-difference step, left out of the
     comparison and of ``max_error`` (see :func:`check_gradients`); ``probed``: elements compared,
-    by value.
+    by value; ``unprobed``: elements chosen but left out because the finite-difference step is lost
+    in rounding at their magnitude (``finfo(float32).min`` in an attention mask: ``x ± h == x``),
+    by value. A result that probed no element (:attr:`checked` 0) checked nothing: not a pass.
     """
 
     analytic: dict[str, np.ndarray]
@@ -195,10 +197,23 @@ class GradCheckResult:
     max_error: dict[str, float] = field(default_factory=dict)
     nondiff: list[NonDifferentiable] = field(default_factory=list)
     probed: dict[str, int] = field(default_factory=dict)
+    unprobed: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.mismatches
+
+    @property
+    def checked(self) -> int:
+        """The number of elements compared, over every value."""
+        return sum(self.probed.values())
+
+    def unprobed_note(self) -> str:
+        """``'k elements not probed: ...'``, or ``''`` when every chosen element was."""
+        n = sum(self.unprobed.values())
+        if not n:
+            return ""
+        return f"{n} element(s) not probed: the step is lost in rounding at their magnitude"
 
     def nondiff_note(self) -> str:
         """``'not differentiable within the step at k of n elements'``, or ``''`` when none was."""
@@ -255,6 +270,7 @@ def check_gradients(
     ``nondiff``, not to the mismatches. A wrong gradient at a smooth point still fails (there both
     slopes and both central differences agree), and so does one at a kink that is none of the slopes.
     """
+    check_settings(max_elements=max_elements, rtol=rtol, atol=atol, eps=eps)
     checked = load_checked(model)
     proto = checked.proto
     inits = {i.name: i for i in proto.graph.initializer}
@@ -280,9 +296,24 @@ def check_gradients(
     out = fwd(values)
     cot = {o: rng.standard_normal(np.shape(out[o])).astype(out[o].dtype) for o in graphs.grad_inputs}
 
-    def loss(vals: Mapping[str, np.ndarray]) -> float:
-        res = fwd(vals)
+    def scalar(res: Mapping[str, np.ndarray]) -> float:
         return float(sum(np.sum(res[o].astype(np.float64) * cot[o]) for o in cot))
+
+    def loss(vals: Mapping[str, np.ndarray]) -> float:
+        return scalar(fwd(vals))
+
+    def change(plus: Mapping[str, np.ndarray], minus: Mapping[str, np.ndarray]) -> float:
+        """``Σ c (y+ - y-)``: the scalar's change as a sum of differences, so that outputs the
+        step leaves alone add exactly 0 however large they are (a masked score of -3.4e38)."""
+        return float(
+            sum(np.sum((plus[o].astype(np.float64) - minus[o].astype(np.float64)) * cot[o]) for o in cot)
+        )
+
+    # what the scalar's rounding hides: each output is rounded in its dtype, so a change of the
+    # scalar below ~ Σ |c y| eps cannot be told from noise (outputs of 3.4e38, a masked score)
+    out_eps = max((float(np.finfo(out[o].dtype).eps) for o in cot if out[o].dtype.kind == "f"), default=0.0)
+    resolution = 4 * out_eps * sum(float(np.sum(np.abs(out[o].astype(np.float64) * cot[o]))) for o in cot)
+    nothing_out = not any(np.size(out[o]) for o in cot)  # empty outputs: the scalar is 0, whatever
 
     analytic = _backward(graphs, bwd, values, out, cot)
 
@@ -314,21 +345,30 @@ def check_gradients(
     for w in graphs.grad_outputs:
         base = values[w]
         num = np.full(base.shape, np.nan)
-        flat_idx = np.arange(base.size)
-        if base.size > max_elements:
+        flat_idx = np.arange(base.size) if not nothing_out else np.arange(0)
+        if base.size > max_elements and not nothing_out:
             flat_idx = rng.choice(base.size, max_elements, replace=False)
-        worst = 0.0
+        worst, lost = 0.0, 0
         for k in flat_idx:
             idx = np.unravel_index(k, base.shape)
             plus, minus = base.copy(), base.copy()
             plus[idx] += eps
             minus[idx] -= eps
-            f_plus, f_minus = loss({**values, w: plus}), loss({**values, w: minus})
-            num[idx] = (f_plus - f_minus) / (2 * eps)
+            hp, hm = float(plus[idx]) - float(base[idx]), float(base[idx]) - float(minus[idx])
+            if not (hp > 0 and hm > 0 and math.isfinite(hp + hm)):
+                lost += 1  # x ± eps == x at this magnitude (or overflows): no difference to take
+                continue
+            r_plus, r_minus = fwd({**values, w: plus}), fwd({**values, w: minus})
+            f_plus, f_minus, moved = scalar(r_plus), scalar(r_minus), change(r_plus, r_minus)
+            num[idx] = moved / (hp + hm)  # the step as the dtype holds it
             a = float(analytic[w][idx])
             err = abs(a - num[idx])
             where = tuple(int(i) for i in idx)
             if not np.isfinite(a) or err > atol + rtol * abs(num[idx]):
+                if abs(a) * (hp + hm) <= resolution and abs(moved) <= resolution:
+                    lost += 1  # the step's effect is below the rounding of the scalar: unjudgeable
+                    num[idx] = np.nan
+                    continue
                 sides = kink(values, w, idx, f_plus, f_minus, a) if np.isfinite(a) else None
                 if sides is not None:
                     result.nondiff.append(NonDifferentiable(w, where, a, float(num[idx]), *sides))
@@ -337,10 +377,46 @@ def check_gradients(
             worst = max(worst, err)
         result.numeric[w] = num
         result.max_error[w] = worst
-        result.probed[w] = len(flat_idx)
+        result.probed[w] = len(flat_idx) - lost
+        if lost:
+            result.unprobed[w] = lost
         if analytic[w].shape != base.shape or analytic[w].dtype != base.dtype:
             result.mismatches.append(Mismatch(w, (), float("nan"), float("nan")))
     return result
+
+
+def result_status(result: GradCheckResult) -> str:
+    """``"FAIL"`` (a mismatch), ``"EMPTY"`` (no element compared: nothing was checked, which is
+    not a pass), ``"NONDIFF"`` (agreement where differentiable) or ``"ok"``."""
+    if not result.ok:
+        return "FAIL"
+    if not result.checked:
+        return "EMPTY"
+    return "NONDIFF" if result.nondiff else "ok"
+
+
+def check_settings(
+    *,
+    max_elements: Any = 1,
+    rtol: float | None = None,
+    atol: float | None = None,
+    eps: float | None = None,
+    names: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse settings under which a gradient check would check nothing or anything: an
+    :class:`InputError` for ``max_elements`` not an integer >= 1, a negative or non-finite ``rtol``
+    / ``atol``, an ``eps`` not > 0. ``names``: how the caller calls each setting in the message
+    (``onnxgrad check``: ``--max-elements``...). Called by :func:`check_gradients`,
+    :func:`check_nodes` and ``onnxgrad check`` before any model runs."""
+    names = dict(names or {})
+    if isinstance(max_elements, bool) or not isinstance(max_elements, int | np.integer) or max_elements < 1:
+        flag = names.get("max_elements", "max_elements")
+        raise InputError(f"{flag} must be an integer >= 1 (elements probed per value), got {max_elements!r}")
+    for key, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise InputError(f"{names.get(key, key)} must be a finite number >= 0, got {value}")
+    if eps is not None and not (math.isfinite(eps) and eps > 0):
+        raise InputError(f"{names.get('eps', 'eps')} must be a finite number > 0, got {eps}")
 
 
 def node_model(
@@ -420,9 +496,10 @@ def check_op(
 class NodeCheck:
     """The gradient check of one node of a model, on its own (:func:`check_nodes`).
 
-    ``status``: ``"ok"``, ``"FAIL"``, ``"skipped"`` or ``"NONDIFF"`` (the elements where the node is
-    differentiable within the step agree, the others were left out: ``note`` says how many, and the
-    elements are in ``result.nondiff``); ``checked_in``: precision and backend (``"-"``
+    ``status``: ``"ok"``, ``"FAIL"``, ``"skipped"``, ``"EMPTY"`` (no element to compare: the node's
+    values are empty, or every chosen element was unprobeable) or ``"NONDIFF"`` (the elements where
+    the node is differentiable within the step agree, the others were left out: ``note`` says how
+    many, and the elements are in ``result.nondiff``); ``checked_in``: precision and backend (``"-"``
     when not checked); ``max_error``: the largest difference found, formatted; ``note``: why a node
     was skipped or could not be checked; ``result``: the comparison, when one ran.
     """
@@ -452,6 +529,7 @@ def check_nodes(
     a float32 node is checked in float64 where its attributes do not fix a dtype, so that a real
     error cannot hide in float32 noise. Control-flow nodes are skipped (the whole model checks them).
     """
+    check_settings(max_elements=max_elements, rtol=rtol, atol=atol)
     values = model_values(model, feeds)
     infos = infer_value_infos(model)
     tolerances = {k: v for k, v in (("rtol", rtol), ("atol", atol)) if v is not None}
@@ -551,8 +629,8 @@ def _check_node(
             error = exc
             continue
         worst = max(result.max_error.values(), default=0.0)
-        check.status = "FAIL" if not result.ok else "NONDIFF" if result.nondiff else "ok"
-        check.note = result.nondiff_note()
+        check.status = result_status(result)
+        check.note = "; ".join(n for n in (result.nondiff_note(), result.unprobed_note()) if n)
         check.checked_in, check.max_error, check.result = f"{precision} {backend}", f"{worst:.2e}", result
         return
     check.note = f"cannot check the node: {' '.join(str(error).split())[:200]}"

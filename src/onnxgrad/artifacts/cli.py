@@ -13,7 +13,26 @@ from ..train.optimizers import DEFAULT_LR, DEFAULT_OPTIMIZER, definition
 from .optim import OPTIMIZERS
 from .targets import DEFAULT_TARGETS, MISSING_KERNELS
 
-__all__ = ["add_deprecated", "add_parameter_arguments", "add_parser", "registry_defaults"]
+__all__ = [
+    "add_deprecated",
+    "add_optimizer_arguments",
+    "add_parameter_arguments",
+    "add_parser",
+    "optimizer_options_from_args",
+    "registry_defaults",
+]
+
+OPTIMIZER_NAMES = ("adamw", "adam", "sgd")  # the optimizers the commands offer, by registry name
+# what each hyperparameter means, for the help only: the options, which optimizer takes each and
+# their defaults come from the registry (onnxgrad.train.optimizers)
+_OPTION_HELP = {
+    "weight_decay": "weight decay",
+    "momentum": "SGD momentum",
+    "dampening": "SGD dampening",
+    "nesterov": "SGD Nesterov momentum",
+    "betas": "Adam/AdamW betas",
+    "eps": "Adam/AdamW epsilon",
+}
 
 
 class _Deprecated(argparse.Action):
@@ -39,7 +58,61 @@ def registry_defaults(option: str, names: Sequence[str] = ("adamw", "adam", "sgd
     """Each optimizer's default of ``option``, read from the registry (:mod:`onnxgrad.train.optimizers`)
     for a help text: ``"adamw 0.01, adam 0, sgd 0"``."""
     found = [(n, definition(n).defaults[option]) for n in names if option in definition(n).defaults]
-    return ", ".join(f"{n} {v:g}" for n, v in found)
+    return ", ".join(f"{n} {_fmt_default(v)}" for n, v in found)
+
+
+def _fmt_default(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return " ".join(f"{v:g}" for v in value)
+    return f"{value:g}"
+
+
+def _takers(names: Sequence[str] = OPTIMIZER_NAMES) -> dict[str, list[str]]:
+    """Each hyperparameter of the registry's ``names`` optimizers -> the optimizers that take it."""
+    takers: dict[str, list[str]] = {}
+    for name in names:
+        for option in definition(name).defaults:
+            takers.setdefault(option, []).append(name)
+    return takers
+
+
+def add_optimizer_arguments(parser: argparse.ArgumentParser, names: Sequence[str] = OPTIMIZER_NAMES) -> None:
+    """An option per hyperparameter of the registry's ``names`` optimizers (``--weight-decay``,
+    ``--momentum``, ``--dampening``, ``--nesterov``, ``--betas B1 B2``, ``--eps``), typed after its
+    default: one definition of the optimizer options for every command (``train``, ``artifacts``).
+    Read them back with :func:`optimizer_options_from_args`."""
+    for option, takers in _takers(names).items():
+        default = definition(takers[0]).defaults[option]
+        flag = "--" + option.replace("_", "-")
+        what = _OPTION_HELP.get(option, option.replace("_", " "))
+        text = f"{what} (default: {registry_defaults(option, names)})"
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", default=None, help=text)
+        elif isinstance(default, tuple):
+            metavar = tuple(f"{option[0].upper()}{k + 1}" for k in range(len(default)))
+            parser.add_argument(flag, type=float, nargs=len(default), metavar=metavar, help=text)
+        else:
+            parser.add_argument(flag, type=float, metavar="X", help=text)
+
+
+def optimizer_options_from_args(
+    args: argparse.Namespace, optimizer: str, names: Sequence[str] = OPTIMIZER_NAMES
+) -> dict[str, Any]:
+    """The ``optimizer_options`` the options of :func:`add_optimizer_arguments` give, for
+    ``optimizer``; an :class:`InputError` for one that ``optimizer`` does not take (the registry
+    checks the values)."""
+    options: dict[str, Any] = {}
+    for option, takers in _takers(names).items():
+        value = getattr(args, option, None)
+        if value is None:
+            continue
+        if optimizer not in takers:
+            flag = "--" + option.replace("_", "-")
+            raise InputError(f"{flag} applies to --optimizer {' or '.join(takers)} only")
+        options[option] = tuple(value) if isinstance(value, list) else value
+    return options
 
 
 def add_parameter_arguments(parser: argparse.ArgumentParser, verb: str = "train") -> None:
@@ -89,14 +162,7 @@ def add_parser(sub: Any) -> None:
         default=DEFAULT_LR,
         help=f"default learning rate (an input of the step; default {DEFAULT_LR:g})",
     )
-    p.add_argument(
-        "--weight-decay", type=float, help=f"default: the optimizer's ({registry_defaults('weight_decay')})"
-    )
-    p.add_argument("--momentum", type=float, help=f"SGD momentum (default {registry_defaults('momentum')})")
-    p.add_argument("--dampening", type=float, help="SGD dampening")
-    p.add_argument("--nesterov", action="store_true", help="SGD Nesterov momentum")
-    p.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="Adam/AdamW betas")
-    p.add_argument("--eps", type=float, help="Adam/AdamW epsilon")
+    add_optimizer_arguments(p)
     add_parameter_arguments(p)
     add_deprecated(p, "--requires-grad", "--trainable", "trainable", nargs="+")
     p.add_argument(
@@ -117,19 +183,7 @@ def _run(args: argparse.Namespace) -> int:
         raise InputError("-o/--out-dir DIR is required: the folder to write the artifacts to")
     from .generate import generate
 
-    options = {
-        k: v
-        for k, v in {
-            "weight_decay": args.weight_decay,
-            "momentum": args.momentum,
-            "dampening": args.dampening,
-            "betas": tuple(args.betas) if args.betas else None,
-            "eps": args.eps,
-        }.items()
-        if v is not None
-    }
-    if args.nesterov:
-        options["nesterov"] = True
+    options = optimizer_options_from_args(args, args.optimizer)
     loss_options = {"output": args.loss_output} if args.loss_output else {}
     art = generate(
         args.model,

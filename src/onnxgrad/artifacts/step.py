@@ -29,7 +29,7 @@ from ..errors import InputError
 from ..model.emit import Emitter
 from ..model.graph import check_model, ir_version_for, np_dtype, opset_of, subgraphs, unique_name
 from ..model.load import CheckedModel
-from ..train.losses import keep_outputs
+from ..train.losses import LOSS_METADATA, keep_outputs
 from .optim import STATE_KEYS, Param, emit_updates
 from .webgpu import lower_for_webgpu
 
@@ -138,6 +138,9 @@ def build_train_step(
     model = keep_outputs(CheckedModel(model), [o.name for o in outputs])  # built by onnxgrad
     del model.graph.input[:]
     model.graph.input.extend(inputs)  # every input stays, even one this optimizer does not read
+    # the loss add_loss appended, described (onnxgrad.train.losses.loss_spec): a runner reads from it
+    # which labels to refuse before a step; the graph itself makes a label outside [0, C) a NaN loss
+    model.metadata_props.extend(p for p in graphs.forward.metadata_props if p.key == LOSS_METADATA)
     _forward_identities(model)
     _keep_transposes_apart(model)
     if webgpu:

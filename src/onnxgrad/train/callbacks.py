@@ -27,6 +27,7 @@ __all__ = [
     "accuracy",
     "accuracy_metric",
     "as_callback",
+    "infer_mode",
 ]
 
 Metric = Callable[[Mapping[str, np.ndarray], Mapping[str, np.ndarray]], float]
@@ -120,21 +121,57 @@ def accuracy_metric(output: str, target: str = "target") -> Metric:
     return metric
 
 
+# metric names whose larger values are better, as Keras infers mode="auto" ("acc", "accuracy",
+# "auc"... in the name; "fmeasure" for F-scores); anything else is a loss or an error
+_HIGHER_IS_BETTER = ("acc", "auc", "f1", "fmeasure", "precision", "recall", "r2", "iou", "dice")
+
+
+def infer_mode(monitor: str) -> str:
+    """``"max"`` when ``monitor`` names an accuracy-like metric (``acc``, ``val_accuracy``,
+    ``val_auc``, ``f1``, ``precision``, ``recall``, ``r2``, ``iou``, ``dice``, in the name after an
+    optional ``val_``, and no ``loss`` or ``err``), else ``"min"`` (losses, errors): Keras's
+    ``mode="auto"``."""
+    name = monitor.lower().removeprefix("val_")
+    if "loss" in name or "err" in name:  # "dice_loss", "acc_error": lower is better
+        return "min"
+    return "max" if any(word in name for word in _HIGHER_IS_BETTER) else "min"
+
+
 class EarlyStopping(Callback):
     """Stop when ``monitor`` has not improved by more than ``min_delta`` for ``patience`` epochs.
 
+    ``mode``: ``"min"`` (lower is better: losses), ``"max"`` (higher is better: accuracy) or
+    ``"auto"`` (the default): ``"max"`` for accuracy-like names (``acc``, ``val_acc``, ``auc``,
+    ``f1``...; :func:`infer_mode`), ``"min"`` otherwise, as Keras infers it.
     With ``restore_best``, the parameters of the best epoch are put back when it stops.
     """
 
     def __init__(
-        self, monitor: str = "val_loss", patience: int = 5, min_delta: float = 0.0, restore_best: bool = True
+        self,
+        monitor: str = "val_loss",
+        patience: int = 5,
+        min_delta: float = 0.0,
+        restore_best: bool = True,
+        mode: str = "auto",
     ) -> None:
         if patience < 1:
             raise InputError(f"patience must be >= 1, got {patience}")
+        if mode not in ("min", "max", "auto"):
+            raise InputError(f"mode must be 'min', 'max' or 'auto', got {mode!r}")
+        if not min_delta >= 0:
+            raise InputError(f"min_delta must be >= 0, got {min_delta}")
         self.monitor, self.patience, self.min_delta = monitor, int(patience), float(min_delta)
+        self.mode = infer_mode(monitor) if mode == "auto" else mode
         self.restore_best = restore_best
-        self.best, self.best_epoch, self.wait, self.stopped_epoch = math.inf, 0, 0, 0
+        self.best = math.inf if self.mode == "min" else -math.inf
+        self.best_epoch, self.wait, self.stopped_epoch = 0, 0, 0
         self.best_params: dict[str, np.ndarray] | None = None
+
+    def improves(self, value: float) -> bool:
+        """Whether ``value`` beats the best one by more than ``min_delta``, in the mode's direction."""
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
 
     def on_train_begin(self, trainer: TrainerView) -> None:
         if self.monitor.startswith("val_") and not trainer.has_validation:
@@ -144,7 +181,7 @@ class EarlyStopping(Callback):
         if self.monitor not in logs:
             raise InputError(f"EarlyStopping monitors {self.monitor!r}, not in the epoch's logs {list(logs)}")
         value = float(logs[self.monitor])
-        if value < self.best - self.min_delta:
+        if self.improves(value):
             self.best, self.best_epoch, self.wait = value, epoch, 0
             if self.restore_best:
                 params = trainer.parameters

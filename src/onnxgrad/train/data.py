@@ -15,11 +15,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import onnx
 
 from ..errors import InputError
 from ..model.graph import ValueInfo, np_dtype
 
-__all__ = ["BatchLoader", "as_feeds", "load_dataset", "read_csv", "split"]
+__all__ = ["BatchLoader", "as_feeds", "check_indices", "index_bounds", "load_dataset", "read_csv", "split"]
 
 Data = Mapping[str, Any]
 
@@ -101,6 +102,53 @@ def as_feeds(
     if len(set(sizes.values())) > 1:
         raise InputError(f"every array must have the same number of samples (first dimension), got {sizes}")
     return feeds
+
+
+def index_bounds(model: onnx.ModelProto) -> dict[str, list[tuple[str, int, str]]]:
+    """Graph input -> ``(table, rows, node)`` for each Gather that reads it directly as indices
+    into an initializer whose size on the gathered axis is known: the bounds a token id must keep,
+    ``[-rows, rows)`` as ONNX's Gather takes them. Checked on the data by :func:`check_indices`
+    before a run, so that an id beyond the vocabulary is an :class:`InputError`, not an
+    onnxruntime failure in the middle of training."""
+    inits = {i.name: tuple(i.dims) for i in model.graph.initializer}
+    inputs = {i.name for i in model.graph.input} - set(inits)
+    bounds: dict[str, list[tuple[str, int, str]]] = {}
+    for k, node in enumerate(model.graph.node):
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        table, ids = node.input[0], node.input[1]
+        if ids not in inputs or table not in inits:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        dims = inits[table]
+        if not -len(dims) <= axis < len(dims):
+            continue
+        bounds.setdefault(ids, []).append((table, int(dims[axis]), node.name or f"#{k}"))
+    return bounds
+
+
+def check_indices(
+    data: Mapping[str, np.ndarray], bounds: Mapping[str, list[tuple[str, int, str]]], what: str = "the data"
+) -> None:
+    """Refuse indices outside ``[-rows, rows)`` of the table a Gather reads them into
+    (:func:`index_bounds`): an :class:`InputError` naming the input, the value, its row and the
+    table."""
+    for name, tables in bounds.items():
+        if name not in data:
+            continue
+        arr = np.asarray(data[name])
+        if arr.dtype.kind not in "iu" or arr.size == 0:
+            continue
+        for table, rows, node in tables:
+            bad = (arr < -rows) | (arr >= rows)
+            if bad.any():
+                where = tuple(int(i) for i in np.argwhere(bad)[0])
+                raise InputError(
+                    f"input {name!r} of {what} holds index {int(arr[where])} at row {where[0]}"
+                    f"{f' (position {list(where)})' if len(where) > 1 else ''}, outside the {rows} rows of "
+                    f"{table!r} that Gather {node} reads (indices must lie in [{-rows}, {rows}); "
+                    f"{int(bad.sum())} such value(s)): a token id beyond the vocabulary?"
+                )
 
 
 def n_samples(data: Mapping[str, np.ndarray]) -> int:
@@ -252,4 +300,6 @@ def load_dataset(
     else:
         raise InputError(f"unsupported data file {os.fspath(path)!r}: expected a .csv or .npz file")
     data[target_input] = arrays[target]
+    if not len(arrays[target]):
+        raise InputError(f"{os.fspath(path)!r} holds 0 samples: there is nothing to train on")
     return as_feeds(data, inputs, labels={target_input: f"the target {target!r} (input {target_input!r})"})

@@ -19,12 +19,26 @@ Formulas (``x`` the model value, ``t`` the target, ``w`` the optional per-sample
 ``reduction="mean"`` averages over every element (weighted: ``Σ w l / (Σ w · elements per
 sample)``), ``"sum"`` adds them up, as PyTorch's functional losses do. Penalties are added to the
 reduced loss: ``+ Σ_W l1_W Σ|W| + l2_W Σ W²`` over the chosen initializers ``W``.
+
+Class labels follow torch: a label equal to ``ignore_index`` (default -100) adds nothing, and the
+mean is over the labels not ignored (weighted: ``Σ w l / Σ w`` over them). Any other label outside
+``[0, C)`` makes the loss NaN in the graph (a runtime that runs the graph sees a non-finite loss);
+the front ends refuse such labels before running anything, with :func:`check_labels`.
+
+The model :func:`add_loss` returns records what it added in its metadata (``onnxgrad.loss``,
+read back by :func:`loss_spec`): the kind, the target, weight and ignore index, the reduction and
+the class count. A training loop reads from it how to validate labels (:meth:`LossSpec.check`) and
+by what each batch's loss was divided (:meth:`LossSpec.normalizer`), so that batches combine into
+the loss of their concatenation.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -44,11 +58,24 @@ from ..model.graph import (
 from ..model.infer import infer_value_infos
 from ..model.load import CheckedModel, load_checked, load_model
 
-__all__ = ["CLASS_LOSSES", "LOSSES", "add_loss", "keep_outputs", "remove_loss", "with_parameters"]
+__all__ = [
+    "CLASS_LOSSES",
+    "IGNORE_INDEX",
+    "LOSSES",
+    "LossSpec",
+    "add_loss",
+    "check_labels",
+    "keep_outputs",
+    "loss_spec",
+    "remove_loss",
+    "with_parameters",
+]
 
 LOSSES = ("mse", "l1", "huber", "cross_entropy", "nll", "bce_with_logits")
 CLASS_LOSSES = ("cross_entropy", "nll")  # integer class targets, classes on axis 1
 REDUCTIONS = ("mean", "sum")
+IGNORE_INDEX = -100  # torch's default ignore_index: labels of this value add nothing to a class loss
+LOSS_METADATA = "onnxgrad.loss"  # the metadata_props key add_loss writes (a LossSpec as JSON)
 Penalty = float | Mapping[str, float]
 _Emitter = Emitter  # the emitter's name before it became public (onnxgrad.model.emit); kept for imports
 
@@ -67,6 +94,7 @@ def add_loss(
     l1: Penalty = 0.0,
     l2: Penalty = 0.0,
     penalized: Iterable[str] | None = None,
+    ignore_index: int | None = IGNORE_INDEX,
 ) -> onnx.ModelProto:
     """A copy of ``model`` with a new input ``target_name`` and a new scalar output ``loss_name``.
 
@@ -74,7 +102,9 @@ def add_loss(
     the first) or any floating-point value computed inside the graph (e.g. the logits before a
     Softmax). ``weight_name``: when given, a new input of per-sample weights, shape ``(N,)``.
     ``delta``: the threshold of ``huber``. ``probabilities``: for ``nll``, the value holds
-    probabilities rather than log-probabilities.
+    probabilities rather than log-probabilities. ``ignore_index``: for ``cross_entropy`` and
+    ``nll``, the label value that adds nothing (torch's ``ignore_index``; ``None``: none); any other
+    label outside ``[0, C)`` makes the loss NaN (front ends refuse it first, :func:`check_labels`).
     ``l1`` / ``l2``: penalty coefficients, one number for every weight in ``penalized`` (default:
     every floating-point initializer of rank >= 2, i.e. weight matrices and kernels, not biases), or a
     mapping initializer name -> coefficient.
@@ -89,6 +119,8 @@ def add_loss(
         raise InputError(f"huber needs delta > 0, got {delta}")
     if probabilities and kind != "nll":
         raise InputError(f"probabilities=True applies to the 'nll' loss only, not {kind!r}")
+    if ignore_index is not None and not isinstance(ignore_index, int | np.integer):
+        raise InputError(f"ignore_index must be an integer or None, got {ignore_index!r}")
     result = onnx.ModelProto()
     result.CopyFrom(load_model(model))
     graph = result.graph
@@ -114,8 +146,10 @@ def add_loss(
 
     e = Emitter(graph, opset_of(result), info.dtype, loss_name)
     e.taken.update(new_names)
+    keep = None  # the class losses' mask of labels not ignored (float)
     if kind in CLASS_LOSSES:
-        per_elem, elem_rank = _class_loss(e, kind, output, info, target_name, probabilities), _rank(info, -1)
+        per_elem, keep = _class_loss(e, kind, output, info, target_name, probabilities, ignore_index)
+        elem_rank = _rank(info, -1)
     else:
         target = helper.make_tensor_value_info(target_name, info.dtype, _dims(info.shape))
         graph.input.append(target)
@@ -125,10 +159,21 @@ def add_loss(
             per_elem = _ELEMENTWISE[kind](e, output, target_name)
         elem_rank = _rank(info, 0)
     final = None if penalties else loss_name
-    loss = _reduce(e, per_elem, elem_rank, weight_name, reduction, info, final)
+    loss = _reduce(e, per_elem, elem_rank, weight_name, reduction, info, final, keep)
     if penalties:
         _add_penalties(e, loss, penalties, infos, loss_name)
     graph.output.append(helper.make_tensor_value_info(loss_name, info.dtype, []))
+    classes = info.shape[1] if kind in CLASS_LOSSES and isinstance(info.shape[1], int) else None  # type: ignore[index]
+    spec = LossSpec(
+        kind=kind,
+        loss=loss_name,
+        target=target_name,
+        weight=weight_name,
+        reduction=reduction,
+        classes=classes,
+        ignore_index=None if kind not in CLASS_LOSSES or ignore_index is None else int(ignore_index),
+    )
+    _set_metadata(result, LOSS_METADATA, json.dumps(asdict(spec)))
     _set_ir_version(result)
     check_model(result)
     return result
@@ -176,13 +221,25 @@ def _bce_with_logits(e: Emitter, x: str, t: str) -> str:
 _ELEMENTWISE = {"mse": _mse, "l1": _l1, "bce_with_logits": _bce_with_logits}
 
 
-def _class_loss(e: Emitter, kind: str, scores: str, info: ValueInfo, target: str, probabilities: bool) -> str:
-    """``-logp[target]`` per sample (per position for rank > 2), picked by a one-hot mask.
+def _class_loss(
+    e: Emitter,
+    kind: str,
+    scores: str,
+    info: ValueInfo,
+    target: str,
+    probabilities: bool,
+    ignore_index: int | None,
+) -> tuple[str, str | None]:
+    """``-logp[target]`` per sample (per position for rank > 2), picked by a one-hot mask, and the
+    mask of the labels not ignored (a float, ``None`` without ``ignore_index``).
 
     ``logp`` is ``log_softmax(scores)`` (cross_entropy), ``scores`` (nll) or
     ``log(max(scores, tiny))`` (nll from probabilities). The one-hot mask
     ``Equal(target[:, None], classes)`` carries no gradient, so the path from the scores only
-    crosses LogSoftmax or Log, Mul, ReduceSum and Neg.
+    crosses LogSoftmax or Log, Mul, ReduceSum and Neg. A label equal to ``ignore_index`` gives 0
+    (its row is multiplied by the mask, also when ``ignore_index`` is a class); any other label
+    outside ``[0, C)`` gives NaN (``Where(bad, NaN, 0)`` added, no gradient through it), so a
+    graph fed such a label reports a non-finite loss instead of a loss without that row.
     """
     rank = info.rank
     if rank is None or rank < 2:
@@ -195,10 +252,11 @@ def _class_loss(e: Emitter, kind: str, scores: str, info: ValueInfo, target: str
     trailing = [1] * (rank - 2)  # classes broadcast against (N, 1, d1, ...)
     if isinstance(classes, int):
         ids = e.const(np.arange(classes).reshape([classes, *trailing]), TensorProto.INT64)
+        count = e.const(classes, TensorProto.INT64)
     else:  # dynamic class count: Range(0, C) from the scores' shape
-        c = e.op("Gather", e.op("Shape", scores), e.const(1, TensorProto.INT64), axis=0)
+        count = e.op("Gather", e.op("Shape", scores), e.const(1, TensorProto.INT64), axis=0)
         zero, one = e.const(0, TensorProto.INT64), e.const(1, TensorProto.INT64)
-        ids = e.op("Range", zero, c, one)
+        ids = e.op("Range", zero, count, one)
         if trailing:
             ids = e.axes_op("Unsqueeze", ids, list(range(1, rank - 1)))
     hit = e.op("Equal", e.axes_op("Unsqueeze", target, [1]), ids)
@@ -211,7 +269,19 @@ def _class_loss(e: Emitter, kind: str, scores: str, info: ValueInfo, target: str
     else:
         logp = scores
     picked = e.axes_op("ReduceSum", e.op("Mul", onehot, logp), [1], keepdims=0)
-    return e.op("Neg", picked)
+    loss = e.op("Neg", picked)
+    # labels outside [0, C): NaN, unless ignored
+    outside = e.op(
+        "Or", e.op("Less", target, e.const(0, TensorProto.INT64)), e.op("Not", e.op("Less", target, count))
+    )
+    keep = None
+    if ignore_index is not None:
+        ignored = e.op("Equal", target, e.const(int(ignore_index), TensorProto.INT64))
+        outside = e.op("And", outside, e.op("Not", ignored))
+        keep = e.op("Cast", e.op("Not", ignored), to=e.dtype)
+        loss = e.op("Mul", loss, keep)
+    nan = e.op("Where", outside, e.const(np.nan), e.const(0.0))
+    return e.op("Add", loss, nan), keep
 
 
 def _reduce(
@@ -222,11 +292,19 @@ def _reduce(
     reduction: str,
     info: ValueInfo,
     out: str | None,
+    keep: str | None = None,
 ) -> str:
-    """The scalar loss from per-element losses, optionally weighted per sample (axis 0)."""
+    """The scalar loss from per-element losses, optionally weighted per sample (axis 0).
+
+    ``keep``: a float mask of the elements that count (the labels not ignored), which the mean
+    divides by: ``Σ w l / Σ w keep`` (``Σ l / Σ keep`` unweighted); ``per_elem`` is 0 where it is 0.
+    """
     op = "ReduceMean" if reduction == "mean" else "ReduceSum"
     if weight_name is None:
-        return e.op(op, per_elem, out=out, keepdims=0)  # no axes: every element
+        if keep is None or reduction == "sum":
+            return e.op(op, per_elem, out=out, keepdims=0)  # no axes: every element
+        num = e.op("ReduceSum", per_elem, keepdims=0)
+        return e.op("Div", num, e.op("ReduceSum", keep, keepdims=0), out=out)
     if rank is None or rank < 1:
         raise InputError(f"sample weights need an output of known rank >= 1, not {info.shape}")
     batch = None if info.shape is None else info.shape[0]
@@ -237,9 +315,113 @@ def _reduce(
     weighted = e.op("Mul", per_elem, w)
     if reduction == "sum":
         return e.op("ReduceSum", weighted, out=out, keepdims=0)
+    if keep is not None:  # Σ w l / Σ w over the labels not ignored
+        num = e.op("ReduceSum", weighted, keepdims=0)
+        return e.op("Div", num, e.op("ReduceSum", e.op("Mul", keep, w), keepdims=0), out=out)
     # mean(w l) / mean(w) = Σ w l / (Σ w · elements per sample): the weighted mean.
     num = e.op("ReduceMean", weighted, keepdims=0)
     return e.op("Div", num, e.op("ReduceMean", weight_name, keepdims=0), out=out)
+
+
+# ---- what add_loss added -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class LossSpec:
+    """What :func:`add_loss` appended to a model, as its metadata (``onnxgrad.loss``) records it.
+
+    ``kind``, ``reduction``: as given to :func:`add_loss`; ``loss``, ``target``, ``weight``: the
+    names of the loss output and of the target and weight inputs (``weight`` ``None`` without
+    sample weights); ``classes``: the class count of a class loss (``None`` when the model declares
+    it symbolic, or for other losses); ``ignore_index``: the label value a class loss skips.
+    """
+
+    kind: str
+    loss: str
+    target: str
+    weight: str | None
+    reduction: str
+    classes: int | None
+    ignore_index: int | None
+
+    def check(self, data: Mapping[str, Any], what: str = "the data") -> None:
+        """Refuse class labels outside ``[0, classes)`` (other than ``ignore_index``) in
+        ``data[target]``, with an :class:`InputError` naming the value and its row."""
+        if self.kind in CLASS_LOSSES and self.target in data:
+            check_labels(
+                data[self.target],
+                self.classes,
+                self.ignore_index,
+                name=f"the target {self.target!r} of {what}",
+            )
+
+    def normalizer(self, batch: Mapping[str, np.ndarray]) -> float:
+        """What the loss of ``batch`` was divided by, up to a factor the same for every batch: 1
+        for ``reduction="sum"``, else the sum of the sample weights, or the sample count (of the
+        labels not ignored, for a class loss; weights summed over those).
+
+        Batches of losses ``L_b`` and normalizers ``D_b`` make the loss of their concatenation
+        ``Σ D_b L_b / Σ D_b`` (``Σ L_b`` for a sum), and so do their gradients.
+        """
+        if self.reduction == "sum":
+            return 1.0
+        target = np.asarray(batch[self.target])
+        n = len(target)
+        weights = np.asarray(batch[self.weight], dtype=np.float64).reshape(n) if self.weight else None
+        if self.kind in CLASS_LOSSES and self.ignore_index is not None:
+            keep = (target != self.ignore_index).reshape(n, -1).sum(axis=1)
+            return float(keep.sum() if weights is None else (keep * weights).sum())
+        return float(n if weights is None else weights.sum())
+
+
+def loss_spec(model: onnx.ModelProto | Mapping[str, str]) -> LossSpec | None:
+    """The :class:`LossSpec` recorded by :func:`add_loss` in ``model``'s metadata (or in a metadata
+    mapping, e.g. an onnxruntime session's ``get_modelmeta().custom_metadata_map``); ``None`` when
+    the model's loss was not added by :func:`add_loss`."""
+    if isinstance(model, onnx.ModelProto):
+        meta = {p.key: p.value for p in model.metadata_props}
+    else:
+        meta = dict(model)
+    text = meta.get(LOSS_METADATA)
+    if text is None:
+        return None
+    try:
+        return LossSpec(**json.loads(text))
+    except (ValueError, TypeError) as exc:
+        raise InputError(f"the model's {LOSS_METADATA!r} metadata is not a loss description: {exc}") from None
+
+
+def check_labels(
+    labels: Any, classes: int | None, ignore_index: int | None = IGNORE_INDEX, *, name: str = "the target"
+) -> None:
+    """Refuse class labels outside ``[0, classes)`` other than ``ignore_index``, as torch does: an
+    :class:`InputError` naming the first such value and its row (its position for a target of rank
+    > 1). ``classes`` ``None`` (a symbolic class count): only negative labels are refused."""
+    arr = np.asarray(labels)
+    if arr.dtype.kind not in "iub" or arr.size == 0:
+        return  # non-integers are the input contract's business (as_feeds)
+    bad = arr < 0
+    if classes is not None:
+        bad |= arr >= classes
+    if ignore_index is not None:
+        bad &= arr != ignore_index
+    if not bad.any():
+        return
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    row = f"row {where[0]}" if len(where) == 1 else f"row {where[0]} (position {list(where)})"
+    valid = f"[0, {classes})" if classes is not None else "[0, C)"
+    skipped = f"; only ignore_index {ignore_index} may lie outside" if ignore_index is not None else ""
+    raise InputError(
+        f"{name} holds class {int(arr[where])} at {row}: class labels must lie in {valid}{skipped} "
+        f"({int(bad.sum())} such label(s))"
+    )
+
+
+def _set_metadata(model: onnx.ModelProto, key: str, value: str | None) -> None:
+    """Set (``None``: remove) one ``metadata_props`` entry of ``model``."""
+    kept = [p for p in model.metadata_props if p.key != key]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    if value is not None:
+        model.metadata_props.add(key=key, value=value)
 
 
 # ---- penalties ---------------------------------------------------------------------------------
@@ -348,7 +530,9 @@ def remove_loss(
     names = [o.name for o in checked.proto.graph.output]
     if loss_name not in names:
         raise InputError(f"the model has no output named {loss_name!r}")
-    return keep_outputs(checked, [n for n in names if n != loss_name])
+    result = keep_outputs(checked, [n for n in names if n != loss_name])
+    _set_metadata(result, LOSS_METADATA, None)  # the loss it described is gone
+    return result
 
 
 def with_parameters(

@@ -177,8 +177,14 @@ class ReduceLROnPlateau(Schedule):
         self.lr, self.monitor, self.mode, self.factor = float(lr), monitor, mode, float(factor)
         self.patience, self.threshold, self.threshold_mode = int(patience), float(threshold), threshold_mode
         self.cooldown, self.min_lr, self.eps = int(cooldown), float(min_lr), float(eps)
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the state of a new schedule: the rate ``lr``, no best value, no epoch seen.
+        :class:`onnxgrad.train.Trainer` calls it when it is made, so that a schedule reused in a
+        second trainer does not carry the first run's reductions over (a checkpoint restores them)."""
         self.current = self.lr
-        self.best = math.inf if mode == "min" else -math.inf
+        self.best = math.inf if self.mode == "min" else -math.inf
         self.num_bad_epochs, self.cooldown_counter, self.last_epoch = 0, 0, 0
 
     def __call__(self, step: int) -> float:

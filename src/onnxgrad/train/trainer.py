@@ -35,9 +35,9 @@ from .accumulate import Accumulated
 from .amp import LossScaler, MasterWeightsChoice, mixed_precision
 from .callbacks import Callback, EarlyStopping, HistoryFile, Metric, accuracy, accuracy_metric, as_callback
 from .checkpoint import CHECKPOINT_FORMAT, read_checkpoint, write_checkpoint  # noqa: F401 (re-exported)
-from .data import BatchLoader, Data, as_feeds
+from .data import BatchLoader, Data, as_feeds, check_indices, index_bounds, n_samples
 from .history import History, plain
-from .losses import add_loss, remove_loss
+from .losses import LossSpec, add_loss, loss_spec, remove_loss
 from .onegraph import one_graph_step
 from .optim import OPTIMIZERS, Optimizer, clip_grad_norm, clip_grad_value
 from .optimizers import DEFAULT_LR, DEFAULT_OPTIMIZER
@@ -233,8 +233,13 @@ class Trainer:
         self.stop_training = False
         self.has_validation = False
         self.inputs = input_infos(fb)
+        # how add_loss made the loss (None for a model's own): labels to check, batch normalizers
+        self.loss_spec: LossSpec | None = loss_spec(fb.graphs.forward)
+        self._index_bounds = index_bounds(fb.graphs.forward)  # token ids within their tables
         self.accumulate, self.clip_norm, self.clip_value = accumulate, clip_norm, clip_value
         self.plateau = _plateau(self.optimizer.schedule)
+        if self.plateau is not None:  # its state is this trainer's run's, not an earlier trainer's
+            self.plateau.reset()
         # recomputation saves memory between the forward and the backward session, accumulation and
         # clipping work on the gradients between backward and update: two sessions then
         two_sessions = recompute is not None or accumulate > 1 or clip_norm or clip_value
@@ -293,7 +298,10 @@ class Trainer:
         ``checkpoint``: written at the end of every epoch; ``resume``: a checkpoint to start from.
         """
         train = as_feeds(data, self.inputs)
-        val = as_feeds(val_data, self.inputs) if val_data is not None else None
+        if not n_samples(train):
+            raise InputError("the training data has 0 samples: there is nothing to train on")
+        val = self._eval_data(val_data, "the validation data") if val_data is not None else None
+        self._check_values(train, "the training data")  # before anything runs
         if resume is not None:
             self.load_checkpoint(resume)
             if self.changed_since_checkpoint:
@@ -336,8 +344,11 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_epoch_begin(self, epoch)
         if bar is not None:
-            bar.set_description(_epoch_label(epoch, epochs), refresh=False)
-        total, seen = 0.0, 0
+            # shown now: a bar refreshes every `miniters` updates, which fast first batches make
+            # large, so a description left to the next refresh could show epoch 1 all run long
+            bar.set_description(_epoch_label(epoch, epochs), refresh=True)
+        total, seen = 0.0, 0.0  # Σ D_b L_b and Σ D_b (the batches' normalizers)
+        summed = self._summed
         pending: Accumulated | None = None  # gradients of the batches of the next update
         last = len(loader) - 1
         for step, batch in enumerate(loader):
@@ -352,6 +363,7 @@ class Trainer:
                     "lower the learning rate, or check the data for NaN and infinite values"
                 )
             n = len(next(iter(batch.values())))
+            weight = self._normalizer(batch)
             if self._one_graph is not None:
                 self._updated({"loss": loss, "lr": self.optimizer.lr})
             else:
@@ -362,17 +374,17 @@ class Trainer:
                     grads = self.amp.unscale(result.backward(seed))
                 else:
                     grads = result.backward(seed)
-                pending = Accumulated.add(pending, grads, loss, n)
+                pending = Accumulated.add(pending, grads, loss, n, weight)
                 if pending.batches == self.accumulate or step == last:
                     self._apply(pending)
                     pending = None
-            total, seen = total + loss * n, seen + n
-            if bar is not None:
-                bar.set_postfix(loss=f"{total / seen:.4g}", refresh=False)  # the epoch's running mean
+            total, seen = total + loss * weight, seen + weight
+            if bar is not None:  # the epoch's running loss
+                bar.set_postfix(loss=f"{_combined(total, seen, summed):.4g}", refresh=False)
                 bar.update()
             for cb in self.callbacks:
                 cb.on_batch_end(self, step, {"loss": loss, "batch_size": n})
-        logs: dict[str, Any] = {"epoch": epoch, "loss": total / seen if seen else math.nan}
+        logs: dict[str, Any] = {"epoch": epoch, "loss": _combined(total, seen, summed)}
         logs["lr"] = self.optimizer.lr
         if val is not None:
             logs.update({f"val_{k}": v for k, v in self._evaluate(val).items()})
@@ -393,8 +405,8 @@ class Trainer:
 
     def _apply(self, pending: Accumulated) -> None:
         """Clip the accumulated gradients as asked, update the parameters, tell the callbacks."""
-        grads = pending.mean()
-        logs: dict[str, Any] = {"loss": pending.loss / pending.samples}
+        grads = pending.total() if self._summed else pending.mean()
+        logs: dict[str, Any] = {"loss": pending.concatenated_loss(self._summed)}
         if self.clip_value is not None:
             clip_grad_value(grads, self.clip_value)
         if self.clip_norm is not None:
@@ -431,22 +443,62 @@ class Trainer:
         )
 
     def evaluate(self, data: Data) -> dict[str, float]:
-        """The mean loss (and metrics) on ``data``, without training."""
-        return self._evaluate(as_feeds(data, self.inputs))
+        """The loss (and metrics) on ``data``, without training: the loss of the whole set, as one
+        batch of it would give (batches combined by the loss's normalizer), the metrics averaged
+        over batches weighted by their size."""
+        return self._evaluate(self._eval_data(data, "the data"))
+
+    def _eval_data(self, data: Data, what: str) -> dict[str, np.ndarray]:
+        """``data`` checked for evaluation: the model's inputs as :func:`as_feeds` makes them, plus,
+        when the trainer has metrics, the arrays that are not model inputs (extra targets a metric
+        reads), as given; every array with the same number of samples, at least one."""
+        extra = {k: np.asarray(v) for k, v in data.items() if k not in self.inputs} if self.metrics else {}
+        feeds = as_feeds(data, self.inputs, allow_extra=bool(extra))
+        n = n_samples(feeds)
+        if not n:
+            raise InputError(f"{what} has 0 samples: there is nothing to evaluate")
+        for name, arr in extra.items():
+            if arr.ndim == 0 or len(arr) != n:
+                raise InputError(
+                    f"{what}: the array {name!r} (for the metrics) has shape {arr.shape}, "
+                    f"the model inputs have {n} samples"
+                )
+        self._check_values(feeds, what)
+        return {**feeds, **extra}
+
+    def _check_values(self, feeds: Mapping[str, np.ndarray], what: str) -> None:
+        """Refuse values the graph cannot take: class labels outside ``[0, C)`` (other than
+        ``ignore_index``), token ids beyond their embedding table."""
+        if self.loss_spec is not None:
+            self.loss_spec.check(feeds, what)
+        check_indices(feeds, self._index_bounds, what)
+
+    def _normalizer(self, batch: Mapping[str, np.ndarray]) -> float:
+        """What the loss of ``batch`` was divided by (its sample count for a model's own loss)."""
+        if self.loss_spec is None:
+            return float(len(next(iter(batch.values()))))
+        return self.loss_spec.normalizer(batch)
+
+    @property
+    def _summed(self) -> bool:
+        """Whether the loss adds the samples' losses up (``reduction="sum"``) rather than averaging."""
+        return self.loss_spec is not None and self.loss_spec.reduction == "sum"
 
     def _evaluate(self, data: dict[str, np.ndarray]) -> dict[str, float]:
-        sums = dict.fromkeys(["loss", *self.metrics], 0.0)
-        seen = 0
+        sums = dict.fromkeys(self.metrics, 0.0)
+        loss, weights, seen = 0.0, 0.0, 0
         names = self.fb.output_names
         for batch in BatchLoader(data, self.eval_batch_size, shuffle=False):
-            outputs = self.fb.forward(batch, training=False).outputs
-            n = len(next(iter(batch.values())))
-            sums["loss"] += float(outputs[self.loss_index]) * n
+            feeds = {k: v for k, v in batch.items() if k in self.inputs}
+            outputs = self.fb.forward(feeds, training=False).outputs
+            n = len(next(iter(feeds.values())))
+            weight = self._normalizer(feeds)
+            loss, weights = loss + float(outputs[self.loss_index]) * weight, weights + weight
             by_name = dict(zip(names, outputs))
             for key, fn in self.metrics.items():
                 sums[key] += float(fn(by_name, batch)) * n
             seen += n
-        return {k: v / seen for k, v in sums.items()}
+        return {"loss": _combined(loss, weights, self._summed), **{k: v / seen for k, v in sums.items()}}
 
     def plot(self, path: str | os.PathLike, title: str | None = None) -> str:
         """A PNG of the training and validation loss curves."""
@@ -540,6 +592,14 @@ def _base_lr(schedule: Any) -> float:
     if isinstance(schedule, LinearWarmup):
         schedule = schedule.after
     return float(schedule.lr) if isinstance(getattr(schedule, "lr", None), float) else float(schedule(0))
+
+
+def _combined(total: float, weights: float, summed: bool) -> float:
+    """The loss of batches put together from ``Σ D_b L_b`` and ``Σ D_b``: their quotient, or the
+    sum itself for ``reduction="sum"`` (every ``D_b`` 1)."""
+    if summed:
+        return total
+    return total / weights if weights else math.nan
 
 
 def _epoch_label(epoch: int, epochs: int) -> str:
