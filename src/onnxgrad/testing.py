@@ -711,6 +711,9 @@ def _check_node(
     attempts.append((inputs, out_dtypes, "/".join(sorted(str(f) for f in floats)), "onnxruntime"))
     error: Exception | None = None
     for arrays, dtypes, precision, backend in attempts:
+        tied = ""
+        if node.op_type in _SELECTING:
+            arrays, tied = _break_ties(arrays, seed)
         try:
             single = node_model(
                 node.op_type,
@@ -737,10 +740,57 @@ def _check_node(
             continue
         worst = max(result.max_error.values(), default=0.0)
         check.status = result_status(result)
-        check.note = "; ".join(n for n in (result.nondiff_note(), result.unprobed_note()) if n)
+        check.note = "; ".join(n for n in (tied, result.nondiff_note(), result.unprobed_note()) if n)
         check.checked_in, check.max_error, check.result = f"{precision} {backend}", f"{worst:.2e}", result
         return
     check.note = f"cannot check the node: {' '.join(str(error).split())[:200]}"
+
+
+# Ops whose output picks among its inputs' elements: at equal values (a dead ReLU channel before a
+# MaxPool) they have no derivative, and onnxgrad's rule takes one subgradient (the first index).
+_SELECTING = frozenset(
+    {"MaxPool", "GlobalMaxPool", "MaxRoiPool", "ReduceMax", "ReduceMin", "Max", "Min", "TopK"}
+)
+
+
+def _break_ties(arrays: Sequence[np.ndarray | None], seed: int) -> tuple[list[np.ndarray | None], str]:
+    """``arrays`` with the floating-point elements whose value occurs more than once (over all of
+    them) moved apart, and a note saying so (``''`` when there was no tie).
+
+    A maximum over tied values has one-sided slopes that differ and, with overlapping windows, an
+    analytic gradient that is one of many valid subgradients, none of which finite differences
+    can confirm. The tied elements are moved by distinct multiples of ten finite-difference steps
+    (of their dtype, at their scale), in a random order, so each window has one maximum that the
+    steps of the check do not cross: the rule is checked at a point next to the tie.
+    """
+    floats = [a for a in arrays if a is not None and a.dtype.kind == "f"]
+    if not floats:
+        return list(arrays), ""
+    flat = np.concatenate([a.reshape(-1) for a in floats])
+    values, counts = np.unique(flat[np.isfinite(flat)], return_counts=True)
+    repeated = values[counts > 1]
+    if not repeated.size:
+        return list(arrays), ""
+    rng = np.random.default_rng(seed)
+    masks = [None if a is None or a.dtype.kind != "f" else np.isin(a, repeated) for a in arrays]
+    total = sum(int(m.sum()) for m in masks if m is not None)
+    ranks = iter(rng.permutation(total) + 1)
+    out: list[np.ndarray | None] = []
+    spacing = 0.0
+    for a, mask in zip(arrays, masks):
+        if mask is None or not mask.any():
+            out.append(a)
+            continue
+        step = 10 * (1e-3 if a.dtype != np.float64 else 1e-6) * max(1.0, float(np.max(np.abs(a[mask]))))
+        spacing = max(spacing, step)
+        moved = a.copy()
+        moved[mask] += np.array([next(ranks) for _ in range(int(mask.sum()))], a.dtype) * step
+        out.append(moved)
+    note = (
+        f"{total} tied input values moved apart by multiples of {spacing:.0e} (at a tie the maximum has "
+        "no derivative: the rule's first-index subgradient is one valid choice)"
+    )
+    return out, note
 
 
 def _declare_output_shapes(model: onnx.ModelProto, values: Sequence[np.ndarray | None]) -> None:
