@@ -19,7 +19,9 @@ from onnxgrad.runtime.runner import default_options, make_session
 
 CPU = ["CPUExecutionProvider"]
 EPS32 = float(np.finfo(np.float32).eps)
-needs_blocks = pytest.mark.skipif(native_block_size() == 0, reason="this CPU has no onnxruntime NCHWc kernels")
+needs_blocks = pytest.mark.skipif(
+    native_block_size() == 0, reason="this CPU has no onnxruntime NCHWc kernels"
+)
 
 
 def _conv_model(
