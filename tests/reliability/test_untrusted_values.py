@@ -9,6 +9,7 @@ The entry points run in a child process whose address space and CPU time are cap
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -462,6 +463,144 @@ def test_control_flow_that_fits_is_accepted():
     for model in (_scan(1), _loop(3), _if_outputs(1)):
         check_structure(model)
         onnxgrad.build_gradient(model)
+
+
+def _node_of(model: onnx.ModelProto) -> onnx.NodeProto:
+    return model.graph.node[0]
+
+
+def _edited(build: Callable[[], onnx.ModelProto], edit: Callable[[onnx.ModelProto], None]) -> onnx.ModelProto:
+    model = build()
+    edit(model)
+    return model
+
+
+def _body(model: onnx.ModelProto) -> onnx.GraphProto:
+    return next(a.g for a in _node_of(model).attribute if a.name == "body")
+
+
+def _scan8(state_scanned: bool = False) -> onnx.ModelProto:
+    """Scan 8: the sequence lengths first (absent), W carried, xs scanned (or both scanned)."""
+    model = _scan(2 if state_scanned else 1)
+    _node_of(model).input.insert(0, "")
+    if state_scanned:
+        del _node_of(model).output[0]
+        del _body(model).output[0]
+    model.opset_import[0].version = 8
+    model.ir_version = 3
+    return model
+
+
+NODE = "a Scan node"
+ARITY: dict[str, tuple[onnx.ModelProto, str]] = {
+    "Loop body with an extra output": (
+        _edited(lambda: _loop(3), lambda m: _body(m).output.append(_vi("extra", TensorProto.FLOAT, [2]))),
+        "a Loop node: its 'body' graph has 3 outputs where the node needs 2: the file is corrupt",
+    ),
+    "Loop with one input": (
+        _edited(lambda: _loop(3), lambda m: _node_of(m).input.__delitem__(slice(1, None))),
+        "a Loop node has 1 inputs and 1 outputs: a Loop takes a trip count, a condition and its N carried "
+        "values, and gives back at least those N: the file is corrupt",
+    ),
+    "Loop giving back fewer than it carries": (
+        _edited(
+            lambda: _loop(3),
+            lambda m: (
+                _node_of(m).input.append("W"),
+                _body(m).input.append(_vi("v3", TensorProto.FLOAT, [2])),
+            ),
+        ),
+        "a Loop node has 4 inputs and 1 outputs",
+    ),
+    "Scan body with an extra input": (
+        _edited(lambda: _scan(1), lambda m: _body(m).input.append(_vi("z", TensorProto.FLOAT, [2]))),
+        f"{NODE}: its 'body' graph has 3 inputs where the node needs 2: the file is corrupt",
+    ),
+    "Scan body with an extra output": (
+        _edited(lambda: _scan(1), lambda m: _body(m).output.append(_vi("z", TensorProto.FLOAT, [2]))),
+        f"{NODE}: its 'body' graph has 3 outputs where the node needs 2: the file is corrupt",
+    ),
+    "Scan scanning more than its inputs": (
+        _scan(3),
+        f"{NODE} has num_scan_inputs=3 with 2 inputs and 2 outputs: a Scan scans between 1 and all of its "
+        "inputs, and gives back at least its state values: the file is corrupt",
+    ),
+    "Scan giving back less than its state": (
+        _edited(
+            lambda: _scan(1),
+            lambda m: (
+                _node_of(m).output.__delitem__(slice(0, None)),
+                _body(m).output.__delitem__(slice(0, None)),
+            ),
+        ),
+        f"{NODE} has num_scan_inputs=1 with 2 inputs and 0 outputs",
+    ),
+    "Scan with two input directions for one": (
+        _scan(1, scan_input_directions=[0, 0]),
+        f"{NODE} gives 2 scan_input_directions for 1 values: the file is corrupt",
+    ),
+    "Scan with two output axes for one": (
+        _scan(1, scan_output_axes=[0, 0]),
+        f"{NODE} gives 2 scan_output_axes for 1 values: the file is corrupt",
+    ),
+    "Scan with two output directions for one": (
+        _scan(1, scan_output_directions=[0, 0]),
+        f"{NODE} gives 2 scan_output_directions for 1 values: the file is corrupt",
+    ),
+    "Scan 9 read as Scan 8": (
+        _edited(_scan8, lambda m: m.opset_import.__getitem__(0).__setattr__("version", 9)),
+        f"{NODE}: its 'body' graph has 2 inputs where the node needs 3",
+    ),
+    "If without an else branch": (
+        _edited(lambda: _if_outputs(1), lambda m: _node_of(m).attribute.__delitem__(0)),
+        "an If node has no 'else_branch' graph: the file is corrupt",
+    ),
+    "an empty graph": (
+        _edited(
+            lambda: _if_outputs(1),
+            lambda m: (m.graph.node.__delitem__(slice(0, None)), m.graph.output.__delitem__(slice(0, None))),
+        ),
+        "the model has an empty graph: it is not a valid ONNX file",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ARITY))
+def test_control_flow_arity_messages(case):
+    model, message = ARITY[case]
+    with pytest.raises(ModelError, match=re.escape(message)):
+        check_structure(model)
+
+
+def _loop_scanning_only() -> onnx.ModelProto:
+    """A Loop carrying nothing: its body gives the condition and one scanned value."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cin"], ["cout"]),
+            helper.make_node("Cast", ["i"], ["v"], to=TensorProto.FLOAT),
+        ],
+        "body",
+        [_vi("i", TensorProto.INT64, []), _vi("cin", TensorProto.BOOL, [])],
+        [_vi("cout", TensorProto.BOOL, []), _vi("v", TensorProto.FLOAT, [])],
+    )
+    node = helper.make_node("Loop", ["n", ""], ["y"], body=body)
+    return make_model([node], [("n", np.int64, [])], [("y", np.float32, ["N"])])
+
+
+def test_control_flow_at_the_edges_is_accepted():
+    for model in (
+        _scan8(),  # the sequence lengths first
+        _scan8(state_scanned=True),  # no state: every input scanned
+        _edited(
+            lambda: _scan(1), lambda m: (_node_of(m).output.__delitem__(1), _body(m).output.__delitem__(1))
+        ),
+        _loop_scanning_only(),  # nothing carried, y scanned
+        _edited(lambda: _scan(1), lambda m: m.graph.node[0].__setattr__("domain", "ai.onnx")),
+    ):
+        check_structure(model)
+    dotted = _edited(lambda: _scan(5), lambda m: m.graph.node[0].__setattr__("domain", "ai.onnx"))
+    with pytest.raises(ModelError, match="num_scan_inputs=5"):
+        check_structure(dotted)
 
 
 # ---- training information and external data ----------------------------------------------------------------
