@@ -22,6 +22,7 @@ import onnxgrad
 from onnxgrad.errors import InputError, ModelError
 from onnxgrad.model import Limits, check_model_safety, load_untrusted
 from onnxgrad.model.fold import possible_values
+from onnxgrad.model.graph import ir_version_for
 from onnxgrad.model.limits import DEFAULT_MAX_SUBGRAPHS, default_limits
 from onnxgrad.model.validate import check_structure
 from tests.models import make_model
@@ -124,6 +125,27 @@ def _affine_grid() -> onnx.ModelProto:
     return _through_identity(node, [("theta", np.float32, [1, 2, 3])], consts)
 
 
+def _via(
+    op: str,
+    inputs: list[str],
+    consts: dict[str, np.ndarray],
+    x: list | None = None,
+    opset: int = 18,
+    **attrs: Any,
+):
+    """A builder of y = op(inputs), each constant through an Identity, x float32 of shape ``x``."""
+
+    def build() -> onnx.ModelProto:
+        node = helper.make_node(op, inputs, ["y"], **attrs)
+        graph_inputs = [("x", np.float32, x)] if x is not None else []
+        model = _through_identity(node, graph_inputs, consts, rank=len(x) if x else 1)
+        model.opset_import[0].version = opset
+        model.ir_version = ir_version_for(model.opset_import)
+        return model
+
+    return build
+
+
 def _branch(name: str, value: np.ndarray) -> onnx.GraphProto:
     out = f"{name}_out"
     node = helper.make_node("Constant", [], [out], value=numpy_helper.from_array(value))
@@ -212,6 +234,52 @@ VALUE_SHAPES: dict[str, tuple[Callable[[], onnx.ModelProto], str]] = {
     "DFT length": (_dft, rf"a DFT node {SHAPE} \[1099511627776, 2\]"),
     "HannWindow size": (_window, rf"a HannWindow node {SHAPE} \[1099511627776\] of float32"),
     "AffineGrid size": (_affine_grid, rf"an AffineGrid node {SHAPE} \[1, 1048576, 1048576, 2\]"),
+    "Tile through Identity": (
+        _via("Tile", ["x", "r"], {"r": _i64(1 << 19, 1 << 20)}, x=[2, 4]),
+        rf"a Tile node {SHAPE} \[8, 524288, 1048576\] of float32: 16\.0 TiB",
+    ),
+    "Expand through Identity": (
+        _via("Expand", ["x", "s"], {"s": _i64(1 << 20, -1, 1 << 20)}, x=[1, 1, 1]),
+        rf"an Expand node {SHAPE} \[1048576, 1048576\] of float32",
+    ),
+    "Reshape through Identity": (
+        _via("Reshape", ["x", "s"], {"s": _i64(0, 1 << 20, 1 << 20)}, x=[1, 1, 1]),
+        rf"a Reshape node {SHAPE} \[1048576, 1048576\] of float32",
+    ),
+    "Range through Identity": (
+        _via("Range", ["a", "b", "d"], {"a": np.array(5), "b": np.array(BIG + 5), "d": np.array(2)}),
+        rf"a Range node {SHAPE} \[549755813888\] of float32",
+    ),
+    "OneHot through Identity": (
+        _via(
+            "OneHot",
+            ["i", "n", "v"],
+            {"i": _i64(1, 2), "n": _i64(BIG), "v": np.array([0.0, 1.0], np.float32)},
+        ),
+        rf"an OneHot node {SHAPE} \[2, 1099511627776\]",
+    ),
+    "ConstantOfShape of int64 through Identity": (
+        _via("ConstantOfShape", ["s"], {"s": _i64(1 << 20, 1 << 20)}, value=numpy_helper.from_array(_i64(7))),
+        rf"a ConstantOfShape node {SHAPE} \[1048576, 1048576\] of int64: 8\.0 TiB",
+    ),
+    "Resize sizes through Identity": (
+        _via("Resize", ["x", "", "", "s"], {"s": _i64(1, 1, 1 << 20, 1 << 20)}, x=[1, 1, 4, 4]),
+        rf"a Resize node {SHAPE} \[1, 1, 1048576, 1048576\] of float32",
+    ),
+    "Resize sizes on axes through Identity": (
+        _via("Resize", ["x", "", "", "s"], {"s": _i64(1 << 20, 1 << 20)}, x=[1, 3, 4, 4], axes=[2, 3]),
+        rf"a Resize node {SHAPE} \[1, 3, 1048576, 1048576\] of float32",
+    ),
+    "Resize 10 with scales second": (
+        _via(
+            "Resize",
+            ["x", "s"],
+            {"s": np.array([1, 1, 2.0**19, 2.0**19], np.float32)},
+            x=[1, 1, 4, 4],
+            opset=10,
+        ),
+        rf"a Resize node {SHAPE} \[1, 1, 2097152, 2097152\] of float32",
+    ),
     "ConstantOfShape fed by an If": (
         lambda: _if_shape(4, BIG),
         rf"a ConstantOfShape node {SHAPE} \[{BIG}\] {TIB4}",
