@@ -14,7 +14,7 @@ TORCH := torch==2.13.0
 # and the federated extra (flwr): make test runs tests/federated
 EXTRAS := dev,zoo,federated
 
-.PHONY: demo test test-numerics test-latest test-oldest test-wheel test-js test-web lint bench bench-js fuzz lock clean docs-coverage docs
+.PHONY: demo test test-numerics test-latest test-oldest test-wheel test-js test-web lint bench bench-js fuzz mutate lock clean docs-coverage docs
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -137,6 +137,16 @@ bench-js: $(STAMP)
 
 fuzz: $(STAMP)
 	ONNXGRAD_FUZZ=1 $(PY) -m pytest -q tests/reliability/test_fuzz.py
+
+# Mutation testing (tools/mutate.py): mutmut 3.8 on MODULES (paths under src/onnxgrad, or dotted
+# names) with the tests that cover them (TESTS=... to choose them), in a scratch copy under
+# out/mutate; prints the survivors and each module's score. mutmut is installed here, into .venv
+# within the lock's versions, not by the lock itself: `make test` never needs it.
+MUTMUT := mutmut>=3.8,<3.9
+mutate: $(STAMP)
+	@test -n "$(MODULES)" || { echo "usage: make mutate MODULES='src/onnxgrad/model/limits.py ...' [TESTS='tests/...']"; exit 2; }
+	$(PY) -m pip install $(PIP_QUIET) -c $(LOCK) "$(MUTMUT)"
+	$(PY) tools/mutate.py $(MODULES) $(if $(TESTS),--tests $(TESTS))
 
 clean:
 	rm -rf $(VENV) .venv-latest .venv-oldest .venv-wheel build dist src/*.egg-info .pytest_cache \

@@ -28,10 +28,20 @@ from onnx import helper, numpy_helper
 from .autodiff.engine import GradientGraphs, build_gradient
 from .autodiff.registry import lookup
 from .errors import GradientNotImplementedError, InputError
-from .model.graph import FLOAT_TYPES, ir_version_for, np_dtype, onnx_dtype, opset_of, topological_order
+from .model.graph import (
+    FLOAT_TYPES,
+    all_subgraphs,
+    ir_version_for,
+    np_dtype,
+    onnx_dtype,
+    opset_of,
+    topological_order,
+)
 from .model.infer import infer_value_infos
 from .model.load import load_checked
+from .model.pythonop_spec import has_python_nodes
 from .runtime.runner import make_session
+from .runtime.values import contiguous, from_numpy
 
 Backend = Literal["onnxruntime", "reference"]
 
@@ -40,9 +50,12 @@ def run_model(model: onnx.ModelProto, backend: Backend = "onnxruntime") -> Any:
     """A function feeds -> {output name: array} running ``model`` on ``backend``.
 
     onnxruntime runs at the basic optimization level: its extended fusions (e.g. FusedMatMul) are
-    float32-only and would reject float64 graphs.
+    float32-only and would reject float64 graphs. A graph holding PythonOp / PythonOpGrad nodes runs
+    as the doors run it, whatever ``backend`` says (:func:`_python_runner`).
     """
     names = [o.name for o in model.graph.output]
+    if has_python_nodes(model):
+        return _python_runner(model, names)
     if backend == "reference":
         from onnx.reference import ReferenceEvaluator
 
@@ -54,6 +67,25 @@ def run_model(model: onnx.ModelProto, backend: Backend = "onnxruntime") -> Any:
     opts.intra_op_num_threads = 1  # test models are tiny: threads only add contention
     sess = make_session(model, ["CPUExecutionProvider"], opts)
     return lambda feeds: dict(zip(names, sess.run(None, dict(feeds))))
+
+
+def _python_runner(model: onnx.ModelProto, names: list[str]) -> Any:
+    """feeds -> {output name: array} for a graph holding PythonOp / PythonOpGrad nodes: onnxruntime
+    stages around calls of the registered Functions (:class:`~onnxgrad.pythonop.executor.PythonGraph`,
+    what ``ForwardBackward`` and the other doors run), in training mode. The values of the latest
+    call stay alive until the next one, so a forward's ctx handles reach the backward run after it."""
+    from .pythonop.executor import PythonGraph  # imports torch: only for graphs that need it
+
+    graph = PythonGraph(model, ["CPUExecutionProvider"])
+    latest: list[Any] = []
+
+    def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        arrays = {k: contiguous(np.asarray(v)) for k, v in feeds.items()}
+        env = graph.run({k: from_numpy(a) for k, a in arrays.items()}, names, True)
+        latest[:] = [arrays, env]
+        return {n: np.array(env[n].numpy(), copy=True) for n in names}
+
+    return run
 
 
 def _precise_ops() -> list[type]:
@@ -235,7 +267,20 @@ def check_gradients(
     The scalar differentiated is ``sum_i <c_i, output_i>`` with random cotangents ``c_i``.
     ``wrt``: initializer and input names (``None``: every floating-point initializer and input).
     At most ``max_elements`` elements per value are probed (chosen at random, seeded).
-    Tolerances default to float64 ones; float32 models get looser defaults.
+
+    Tolerances: given ``rtol`` or ``atol``, an element agrees when ``|analytic - numeric| <= atol +
+    rtol |numeric|`` (the other defaulting to 1e-5 / 1e-7, or 5e-2 / 5e-3 for float32 values).
+    Without either, the bound is derived from the computation (:class:`_Bounds`): the rounding of
+    the two evaluations of the scalar over the outputs the step moved (:func:`cancellation_bound`
+    of those terms, and of the element's own ``|analytic x|``, in the outputs' precision, two
+    roundings per node of the graph), divided by the step; plus the rounding of the analytic
+    gradient itself (the same bound over every output, at the scale of that gradient); plus what
+    the kernels may miss: float64 keeps the fixed 1e-7 + 1e-5 |numeric| (onnxruntime computes
+    some float64 kernels, DFT, attention, through steps accurate to ~1e-7), lower precisions
+    1e-4 (|numeric| + the gradient's scale). Where the differences at ``h`` and ``h / 2``
+    disagree beyond the noise (truncation: a curved function, float32's large step), the
+    central difference is refined by Richardson's extrapolation ``(4 D(h/2) - D(h)) / 3``. So a
+    float32 rule 0.1-1 % off fails, and a float64 one with inputs of 1e4 passes.
 
     An element whose central difference disagrees is tested for a kink within the step (a ReLU zero,
     a pooling or argmax tie, where the central difference averages two slopes): the one-sided slopes
@@ -265,6 +310,8 @@ def check_gradients(
     values = {**{k: np.asarray(v) for k, v in feeds.items()}, **params}
     low_precision = any(v.dtype != np.float64 for k, v in values.items() if k in graphs.grad_outputs)
     eps = eps if eps is not None else (1e-3 if low_precision else 1e-6)
+    derived = rtol is None and atol is None  # else the caller's tolerances, the others defaulted
+    floor_rtol, floor_atol = (0.0, 0.0) if low_precision else (1e-5, 1e-7)  # float64's fixed part
     rtol = rtol if rtol is not None else (5e-2 if low_precision else 1e-5)
     atol = atol if atol is not None else (5e-3 if low_precision else 1e-7)
 
@@ -292,11 +339,14 @@ def check_gradients(
     nothing_out = not any(np.size(out[o]) for o in cot)  # empty outputs: the scalar is 0, whatever
 
     analytic = _backward(graphs, bwd, values, out, cot)
+    bounds = _Bounds(graphs, values, out, cot, analytic, floor_rtol, floor_atol)
 
     result = GradCheckResult(analytic=analytic, numeric={})
     at_x: list[float] = []  # f(x), computed on the first kink test
 
-    def kink(vals: dict[str, np.ndarray], w: str, idx: tuple, f_plus: float, f_minus: float, a: float) -> Any:
+    def kink(
+        vals: dict[str, np.ndarray], w: str, idx: tuple, f_plus: float, f_minus: float, a: float, noise: float
+    ) -> Any:
         """``(left, right)`` slopes when element ``idx`` of ``w`` is not differentiable within the
         step and ``a`` is one of its one-sided slopes (at ``eps`` or ``eps / 2``), else ``None``."""
         if not at_x:
@@ -312,7 +362,9 @@ def check_gradients(
             hp, hm = float(plus[idx] - base[idx]), float(base[idx] - minus[idx])  # as the dtype has them
             slopes.append(((f0 - fm) / hm, (fp - f0) / hp, (fp - fm) / (hp + hm)))
         (left, right, central), (left2, right2, central2) = slopes
-        tol = atol + rtol * max(abs(left), abs(right), abs(central))
+        largest = max(abs(left), abs(right), abs(central))
+        # one-sided slopes carry twice the noise of the central difference, their difference four
+        tol = 4 * noise + bounds.allowed(w, largest) if derived else atol + rtol * largest
         smooth = abs(left - right) <= tol and abs(central - central2) <= tol
         if smooth or not any(abs(a - s) <= tol for s in (left, right, left2, right2, central2)):
             return None
@@ -340,12 +392,22 @@ def check_gradients(
             a = float(analytic[w][idx])
             err = abs(a - num[idx])
             where = tuple(int(i) for i in idx)
-            if not np.isfinite(a) or err > atol + rtol * abs(num[idx]):
+            noise = bounds.noise(r_plus, r_minus, a * float(base[idx]), hp + hm) if derived else 0.0
+            if derived and np.isfinite(a) and err > noise + bounds.allowed(w, abs(num[idx])):
+                half = _half_step(fwd, change, values, w, idx, eps / 2)
+                # the two differences disagree beyond their noise: truncation, which Richardson removes
+                if half is not None and abs(half - num[idx]) > 3 * noise:
+                    refined = (4 * half - num[idx]) / 3
+                    if abs(a - refined) <= 3 * noise + bounds.allowed(w, abs(refined)):
+                        worst = max(worst, abs(a - refined))
+                        continue
+            tol = noise + bounds.allowed(w, abs(num[idx])) if derived else atol + rtol * abs(num[idx])
+            if not np.isfinite(a) or err > tol:
                 if abs(a) * (hp + hm) <= resolution and abs(moved) <= resolution:
                     lost += 1  # the step's effect is below the rounding of the scalar: unjudgeable
                     num[idx] = np.nan
                     continue
-                sides = kink(values, w, idx, f_plus, f_minus, a) if np.isfinite(a) else None
+                sides = kink(values, w, idx, f_plus, f_minus, a, noise) if np.isfinite(a) else None
                 if sides is not None:
                     result.nondiff.append(NonDifferentiable(w, where, a, float(num[idx]), *sides))
                     continue
@@ -359,6 +421,86 @@ def check_gradients(
         if analytic[w].shape != base.shape or analytic[w].dtype != base.dtype:
             result.mismatches.append(Mismatch(w, (), float("nan"), float("nan")))
     return result
+
+
+class _Bounds:
+    """The rounding a gradient check must allow, from the computation checked (see
+    :func:`check_gradients`): the noise of a central difference, and the rounding of each analytic
+    gradient."""
+
+    def __init__(
+        self,
+        graphs: GradientGraphs,
+        values: Mapping[str, np.ndarray],
+        out: Mapping[str, np.ndarray],
+        cot: Mapping[str, np.ndarray],
+        analytic: Mapping[str, np.ndarray],
+        floor_rtol: float,
+        floor_atol: float,
+    ) -> None:
+        self.cot = cot
+        nodes = len(graphs.forward.graph.node) + sum(len(g.node) for g in all_subgraphs(graphs.forward.graph))
+        self.roundings = 1 + 2 * nodes  # a node rounds what it computes, its kernel steps once more
+        floats = [
+            np.asarray(v).dtype for v in [*out.values(), *values.values()] if np.asarray(v).dtype.kind == "f"
+        ]
+        self.dtype = max(floats, key=lambda d: np.finfo(d).eps, default=np.dtype(np.float64))
+        terms = sum(int(np.size(out[o])) for o in cot)
+        self.analytic = {
+            w: cancellation_bound(
+                max(terms, 1), _largest(g), g.dtype if g.dtype.kind == "f" else self.dtype, self.roundings
+            )
+            for w, g in analytic.items()
+        }
+        # what the kernels may miss, beyond rounding: relative, and at the gradient's scale
+        self.kernel = 0.0 if floor_rtol else max(1e-4, 8 * float(np.finfo(self.dtype).eps))
+        self.floor_rtol, self.floor_atol = floor_rtol, floor_atol
+        self.scale = {w: _largest(g) for w, g in analytic.items()}
+
+    def allowed(self, w: str, magnitude: float) -> float:
+        """What the analytic gradient of ``w`` may differ by, besides the finite difference's noise,
+        at an element of that ``magnitude``: its own rounding and the kernels' accuracy."""
+        kernels = self.kernel * (magnitude + self.scale[w]) + self.floor_atol + self.floor_rtol * magnitude
+        return self.analytic[w] + kernels
+
+    def noise(
+        self, plus: Mapping[str, np.ndarray], minus: Mapping[str, np.ndarray], sensitivity: float, step: float
+    ) -> float:
+        """The rounding error of ``(f(x+h) - f(x-h)) / step``: each evaluation of the scalar is off by
+        the rounding of the terms ``c y`` the step moved, and of the element's own ``sensitivity``
+        (``analytic * x``), in the outputs' precision."""
+        count, top = 1, abs(sensitivity)
+        for o, c in self.cot.items():
+            moved = np.asarray(plus[o] != minus[o])
+            if moved.any():
+                count += int(moved.sum())
+                terms = np.abs(
+                    np.stack([plus[o], minus[o]])[:, moved].astype(np.float64) * np.asarray(c)[moved]
+                )
+                top = max(top, _largest(terms))
+        return 2 * cancellation_bound(count, top, self.dtype, self.roundings) / step
+
+
+def _largest(values: np.ndarray) -> float:
+    """The largest finite magnitude in ``values`` (0 when none is)."""
+    finite = np.abs(np.asarray(values, np.float64))
+    finite = finite[np.isfinite(finite)]
+    return float(finite.max()) if finite.size else 0.0
+
+
+def _half_step(
+    fwd: Any, change: Any, values: Mapping[str, np.ndarray], w: str, idx: tuple, half: float
+) -> float | None:
+    """The central difference of element ``idx`` of ``w`` at the step ``half``; None where that
+    step is lost in rounding."""
+    base = values[w]
+    plus, minus = base.copy(), base.copy()
+    plus[idx] += half
+    minus[idx] -= half
+    hp, hm = float(plus[idx]) - float(base[idx]), float(base[idx]) - float(minus[idx])
+    if not (hp > 0 and hm > 0 and math.isfinite(hp + hm)):
+        return None
+    return float(change(fwd({**values, w: plus}), fwd({**values, w: minus})) / (hp + hm))
 
 
 def result_status(result: GradCheckResult) -> str:
@@ -579,25 +721,43 @@ def _check_node(
         attempts += [(up, up_out, "float64", "onnxruntime"), (up, up_out, "float64", "reference")]
     attempts.append((inputs, out_dtypes, "/".join(sorted(str(f) for f in floats)), "onnxruntime"))
     error: Exception | None = None
+
+    def build(
+        arrays: list[np.ndarray | None], dtypes: list[np.dtype]
+    ) -> tuple[onnx.ModelProto, dict[str, Any], list[str]]:
+        """The one-node model of ``arrays``, its feeds and the names to differentiate."""
+        single = node_model(
+            node.op_type,
+            arrays,
+            attrs=attrs,
+            n_outputs=len(node.output),
+            opset=opset_of(model) or 18,
+            domain=domain,
+            output_dtypes=dtypes,
+        )
+        _declare_output_shapes(single, [values.get(o) for o in node.output])
+        feeds = {i.name: arrays[int(i.name[2:])] for i in single.graph.input}
+        wrt = [i.name for i in single.graph.input] + [
+            t.name for t in single.graph.initializer if t.data_type in FLOAT_TYPES
+        ]
+        return single, feeds, wrt
+
+    def run(arrays: list[np.ndarray | None], dtypes: list[np.dtype], backend: Backend) -> GradCheckResult:
+        single, feeds, wrt = build(arrays, dtypes)
+        return check_gradients(
+            single, feeds, wrt=wrt, backend=backend, max_elements=max_elements, seed=seed, **tolerances
+        )
+
     for arrays, dtypes, precision, backend in attempts:
+        tied = ""
+        used = arrays  # the inputs the reported check ran at
         try:
-            single = node_model(
-                node.op_type,
-                arrays,
-                attrs=attrs,
-                n_outputs=len(node.output),
-                opset=opset_of(model) or 18,
-                domain=domain,
-                output_dtypes=dtypes,
-            )
-            _declare_output_shapes(single, [values.get(o) for o in node.output])
-            feeds = {i.name: arrays[int(i.name[2:])] for i in single.graph.input}
-            wrt = [i.name for i in single.graph.input] + [
-                t.name for t in single.graph.initializer if t.data_type in FLOAT_TYPES
-            ]
-            result = check_gradients(
-                single, feeds, wrt=wrt, backend=backend, max_elements=max_elements, seed=seed, **tolerances
-            )
+            result = run(arrays, dtypes, backend)
+            if not result.ok and node.op_type in _SELECTING:
+                # a maximum over tied values: check next to the tie, where one element is the maximum
+                moved, tied = _break_ties(arrays, seed)
+                retry = run(moved, dtypes, backend) if tied else result
+                result, tied, used = (retry, tied, moved) if retry.ok else (result, "", arrays)
         except GradientNotImplementedError as exc:
             check.checked_in, check.note = precision, " ".join(str(exc).split())
             return
@@ -606,10 +766,11 @@ def _check_node(
             continue
         worst = max(result.max_error.values(), default=0.0)
         check.status = result_status(result)
-        check.note = "; ".join(n for n in (result.nondiff_note(), result.unprobed_note()) if n)
+        check.note = "; ".join(n for n in (tied, result.nondiff_note(), result.unprobed_note()) if n)
         check.checked_in, check.max_error, check.result = f"{precision} {backend}", f"{worst:.2e}", result
         symbolic = {i: _symbolic_axes(infos.get(name)) for i, name in enumerate(node.input) if name}
         if result.ok and any(symbolic.values()):
+            single, feeds, wrt = build(used, dtypes)
             _check_symbolic(check, single, {f"in{i}": a for i, a in symbolic.items() if a}, feeds, wrt, seed)
         return
     check.note = f"cannot check the node: {' '.join(str(error).split())[:200]}"
@@ -699,6 +860,55 @@ def declare_symbolic(model: onnx.ModelProto, axes: Mapping[str, Sequence[int]]) 
             for _ in range(rank):
                 o.type.tensor_type.shape.dim.add()
     return out
+
+
+# Ops whose output picks among its inputs' elements: at equal values (a dead ReLU channel before a
+# MaxPool) they have no derivative, and onnxgrad's rule takes one subgradient (the first index).
+_SELECTING = frozenset(
+    {"MaxPool", "GlobalMaxPool", "MaxRoiPool", "ReduceMax", "ReduceMin", "Max", "Min", "TopK"}
+)
+
+
+def _break_ties(arrays: Sequence[np.ndarray | None], seed: int) -> tuple[list[np.ndarray | None], str]:
+    """``arrays`` with the floating-point elements whose value occurs more than once (over all of
+    them) moved apart, and a note saying so (``''`` when there was no tie).
+
+    A maximum over tied values has one-sided slopes that differ and, with overlapping windows, an
+    analytic gradient that is one of many valid subgradients, none of which finite differences
+    can confirm. The tied elements are moved by distinct multiples of ten finite-difference steps
+    (of their dtype, at their scale), in a random order, so each window has one maximum that the
+    steps of the check do not cross: :func:`check_nodes` checks the rule at a point next to the tie
+    when the check at the tie fails (a check that passes there, NONDIFF included, stands; one that
+    fails next to the tie too is reported as it failed at the tie).
+    """
+    floats = [a for a in arrays if a is not None and a.dtype.kind == "f"]
+    if not floats:
+        return list(arrays), ""
+    flat = np.concatenate([a.reshape(-1) for a in floats])
+    values, counts = np.unique(flat[np.isfinite(flat)], return_counts=True)
+    repeated = values[counts > 1]
+    if not repeated.size:
+        return list(arrays), ""
+    rng = np.random.default_rng(seed)
+    masks = [None if a is None or a.dtype.kind != "f" else np.isin(a, repeated) for a in arrays]
+    total = sum(int(m.sum()) for m in masks if m is not None)
+    ranks = iter(rng.permutation(total) + 1)
+    out: list[np.ndarray | None] = []
+    spacing = 0.0
+    for a, mask in zip(arrays, masks):
+        if mask is None or not mask.any():
+            out.append(a)
+            continue
+        step = 10 * (1e-3 if a.dtype != np.float64 else 1e-6) * max(1.0, float(np.max(np.abs(a[mask]))))
+        spacing = max(spacing, step)
+        moved = a.copy()
+        moved[mask] += np.array([next(ranks) for _ in range(int(mask.sum()))], a.dtype) * step
+        out.append(moved)
+    note = (
+        f"{total} tied input values moved apart by multiples of {spacing:.0e} (at a tie the maximum has "
+        "no derivative: the rule's first-index subgradient is one valid choice)"
+    )
+    return out, note
 
 
 def _declare_output_shapes(model: onnx.ModelProto, values: Sequence[np.ndarray | None]) -> None:

@@ -117,7 +117,7 @@ def test_an_artifacts_folder_has_its_own_loss(tmp_path: Path) -> None:
 
 
 def test_fedprox_with_a_proximal_term_is_refused() -> None:
-    from flwr.serverapp.strategy import FedAvg, FedProx
+    from flwr.serverapp.strategy import FedProx
 
     with pytest.raises(InputError, match=r"FedProx\(proximal_mu=0.1\) asks the nodes to add a proximal term"):
         check_strategy(FedProx(proximal_mu=0.1))

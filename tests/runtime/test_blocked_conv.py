@@ -14,12 +14,14 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad.runtime.blocked_conv import NCHWC, _agrees, block_size, blocked_convs
+from onnxgrad.runtime.blocked_conv import NCHWC, _agrees, block_size, blocked_convs, native_block_size
 from onnxgrad.runtime.runner import default_options, make_session
 
 CPU = ["CPUExecutionProvider"]
 EPS32 = float(np.finfo(np.float32).eps)
-needs_blocks = pytest.mark.skipif(block_size() == 0, reason="this CPU has no onnxruntime NCHWc kernels")
+needs_blocks = pytest.mark.skipif(
+    native_block_size() == 0, reason="this CPU has no onnxruntime NCHWc kernels"
+)
 
 
 def _conv_model(

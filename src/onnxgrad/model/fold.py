@@ -15,8 +15,9 @@ does not handle, or that fails (an index out of range, a division by zero), is s
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -26,8 +27,11 @@ from .graph import ValueInfo, np_dtype, subgraphs
 
 # The largest tensor followed (shapes, axes, scalars, small index vectors).
 MAX_ELEMENTS = 64
+# The most values one value may take that :func:`possible_values` follows (after If branches).
+MAX_OPTIONS = 16
 
 _Values = dict[str, np.ndarray]
+_Options = dict[str, list[np.ndarray]]
 
 _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "Add": np.add,
@@ -107,7 +111,53 @@ def known_values(
 
     ``outer``: the known values of the enclosing scopes (for a subgraph).
     """
-    values: _Values = dict(outer or {})
+    found = _follow(graph, shapes, opset, {k: [v] for k, v in (outer or {}).items()}, overridable, None)
+    return {name: options[0] for name, options in found.items()}
+
+
+def possible_values(
+    graph: onnx.GraphProto,
+    shapes: Mapping[str, ValueInfo],
+    opset: int,
+    outer: Mapping[str, list[np.ndarray]] | None = None,
+    *,
+    overridable: bool = False,
+    max_options: int = MAX_OPTIONS,
+) -> _Options:
+    """The values each value of ``graph`` may take that are known before running: what
+    :func:`known_values` knows, and, past an ``If`` whose condition is not known, the values either
+    branch computes (a branch that computes none adds none). A node reading values with several
+    possibilities is evaluated for each combination (:func:`combinations`, at most ``max_options``).
+
+    For bounding what a model may allocate (:mod:`.validate`): a value read from an ``If``'s
+    branches is checked for every branch, not ignored. ``outer``: the possibilities of the
+    enclosing scopes (for a subgraph).
+    """
+    return _follow(graph, shapes, opset, dict(outer or {}), overridable, max_options)
+
+
+def combinations(
+    names: Sequence[str], options: Mapping[str, list[np.ndarray]], limit: int = MAX_OPTIONS
+) -> Iterator[dict[str, np.ndarray]]:
+    """One value for each of ``names`` that ``options`` knows, in every combination, at most
+    ``limit`` of them (the first in order): always at least one, empty when none is known."""
+    known = [n for n in dict.fromkeys(names) if n in options]
+    choices = itertools.product(*(options[n] for n in known))
+    for _, chosen in zip(range(max(limit, 1)), choices):
+        yield dict(zip(known, chosen))
+
+
+def _follow(
+    graph: onnx.GraphProto,
+    shapes: Mapping[str, ValueInfo],
+    opset: int,
+    outer: _Options,
+    overridable: bool,
+    max_options: int | None,
+) -> _Options:
+    """Values of ``graph`` known before running, each with its possibilities: one, unless
+    ``max_options`` is given, which follows If branches (:func:`possible_values`)."""
+    values: _Options = dict(outer)
     declared = {i.name for i in graph.input}
     for name in declared:
         values.pop(name, None)  # a subgraph input shadows nothing (names are unique), but be safe
@@ -117,22 +167,64 @@ def known_values(
         if t.data_location == TensorProto.EXTERNAL or t.data_type == TensorProto.STRING:
             continue
         try:
-            values[t.name] = numpy_helper.to_array(t)
+            values[t.name] = [numpy_helper.to_array(t)]
         except Exception:
             continue
     with np.errstate(all="ignore"):
         for node in graph.node:
-            if node.domain not in ("", "ai.onnx") or len(node.output) != 1 or not node.output[0]:
+            if node.domain not in ("", "ai.onnx") or not node.output:
+                continue
+            if node.op_type == "If" and max_options is not None:
+                _follow_branches(node, values, shapes, opset, overridable, max_options)
+                continue
+            if len(node.output) != 1 or not node.output[0]:
                 continue
             if node.op_type not in _SOURCES and not all(i in values for i in node.input if i):
                 continue
-            try:
-                value = _evaluate(node, values, shapes, opset)
-            except Exception:  # anything numpy or the op's attributes refuse: not known
-                value = None
-            if value is not None and value.size <= MAX_ELEMENTS and value.dtype.kind in "biuf":
-                values[node.output[0]] = np.asarray(value)
+            found: list[np.ndarray] = []
+            for chosen in combinations(node.input, values, max_options or 1):
+                try:
+                    value = _evaluate(node, chosen, shapes, opset)
+                except Exception:  # anything numpy or the op's attributes refuse: not known
+                    value = None
+                if value is not None and value.size <= MAX_ELEMENTS and value.dtype.kind in "biuf":
+                    _add_option(found, np.asarray(value))
+            if found:
+                values[node.output[0]] = found
     return values
+
+
+def _follow_branches(
+    node: onnx.NodeProto,
+    values: _Options,
+    shapes: Mapping[str, ValueInfo],
+    opset: int,
+    overridable: bool,
+    max_options: int,
+) -> None:
+    """Record in ``values`` what each output of the If ``node`` may be: the value its branch
+    computes, for the branch the condition picks, or for both when the condition is not known."""
+    conditions = values.get(node.input[0], []) if node.input else []
+    names = ["then_branch", "else_branch"]
+    if len(conditions) == 1 and conditions[0].size == 1:
+        names = names[:1] if bool(conditions[0].reshape(-1)[0]) else names[1:]
+    for attr in node.attribute:
+        if attr.name not in names or not attr.HasField("g"):
+            continue
+        inner = _follow(attr.g, shapes, opset, values, overridable, max_options)
+        for out, branch_out in zip(node.output, attr.g.output):
+            for value in inner.get(branch_out.name, []) if out else []:
+                options = values.setdefault(out, [])
+                if len(options) < max_options:
+                    _add_option(options, value)
+
+
+def _add_option(options: list[np.ndarray], value: np.ndarray) -> None:
+    """Append ``value`` to ``options`` unless an equal value (dtype and shape included) is there."""
+    if not any(
+        o.dtype == value.dtype and o.shape == value.shape and np.array_equal(o, value) for o in options
+    ):
+        options.append(value)
 
 
 def known_tensors(

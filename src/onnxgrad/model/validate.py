@@ -28,7 +28,7 @@ from google.protobuf.message import Message
 from onnx import AttributeProto, TensorProto, helper
 
 from ..errors import ModelError, PythonOpError
-from .fold import known_values
+from .fold import combinations, possible_values
 from .graph import ValueInfo, dtype_name, np_dtype, opset_of, topological_order, without_weights
 from .limits import Limits, default_limits
 from .pythonop_spec import class_name, is_python_node, warn_rounded_floats
@@ -122,10 +122,70 @@ def validate_model(
 
 
 def check_structure(model: onnx.ModelProto) -> None:
-    """A graph that can run: not empty, no cycle, every value read is defined (:class:`ModelError`)."""
+    """A graph that can run: not empty, no cycle, every value read is defined, every If, Loop and
+    Scan with the subgraphs its inputs and outputs need (:class:`ModelError`)."""
     if not model.graph.node and not model.graph.output:
         raise ModelError("the model has an empty graph: it is not a valid ONNX file")
+    opset = opset_of(model)
+    for where, node in _nodes(model):
+        if node.domain in ("", "ai.onnx") and node.op_type in ("If", "Loop", "Scan"):
+            _check_control_flow(node, where, opset)
     topological_order(model.graph)
+
+
+def _check_control_flow(node: onnx.NodeProto, where: str, opset: int) -> None:
+    """The subgraphs of an If, Loop or Scan node take and give as many values as the node says."""
+    label = f"{_node_label(node)}{where}"
+    graphs = {a.name: a.g for a in node.attribute if a.HasField("g")}
+    names = ["then_branch", "else_branch"] if node.op_type == "If" else ["body"]
+    missing = [n for n in names if n not in graphs]
+    if missing:
+        raise ModelError(f"{label} has no {missing[0]!r} graph: the file is corrupt")
+    n_in, n_out = len(node.input), len(node.output)
+    if node.op_type == "If":
+        for name in names:
+            _arity(label, name, "outputs", len(graphs[name].output), n_out)
+        return
+    body = graphs["body"]
+    if node.op_type == "Loop":
+        carried = n_in - 2  # inputs: trip count, condition, the carried values
+        if carried < 0 or n_out < carried:
+            raise ModelError(
+                f"{label} has {n_in} inputs and {n_out} outputs: a Loop takes a trip count, a condition "
+                "and its N carried values, and gives back at least those N: the file is corrupt"
+            )
+        _arity(label, "body", "inputs", len(body.input), 2 + carried)  # iteration, condition, carried
+        _arity(label, "body", "outputs", len(body.output), 1 + n_out)  # condition, carried, scanned
+        return
+    first = 1 if opset < 9 else 0  # Scan 8 takes the sequence lengths first
+    scanned = int(_attr(node, "num_scan_inputs", 0))  # type: ignore[call-overload]
+    state = n_in - first - scanned
+    if scanned < 1 or state < 0 or n_out < state:
+        raise ModelError(
+            f"{label} has num_scan_inputs={scanned} with {n_in - first} inputs and {n_out} outputs: a "
+            "Scan scans between 1 and all of its inputs, and gives back at least its state values: "
+            "the file is corrupt"
+        )
+    _arity(label, "body", "inputs", len(body.input), state + scanned)
+    _arity(label, "body", "outputs", len(body.output), n_out)
+    for attr, count in [
+        ("scan_input_axes", scanned),
+        ("scan_input_directions", scanned),
+        ("scan_output_axes", n_out - state),
+        ("scan_output_directions", n_out - state),
+    ]:
+        given = _attr(node, attr, None)
+        if given is not None and len(given) != count:  # type: ignore[arg-type]
+            raise ModelError(
+                f"{label} gives {len(given)} {attr} for {count} values: the file is corrupt"  # type: ignore[arg-type]
+            )
+
+
+def _arity(label: str, graph: str, what: str, got: int, need: int) -> None:
+    if got != need:
+        raise ModelError(
+            f"{label}: its {graph!r} graph has {got} {what} where the node needs {need}: the file is corrupt"
+        )
 
 
 def check_model_safety(
@@ -138,8 +198,9 @@ def check_model_safety(
 ) -> None:
     """Refuse a model whose sizes, external data or PythonOp nodes are unsafe; see the module doc.
 
-    Checks, in every graph, subgraph and function of the model:
+    Checks, in every graph, subgraph, function and training-information graph of the model:
 
+    * at most ``limits.max_subgraphs`` subgraphs (If branches, Loop and Scan bodies), counted first;
     * every text field (names, types, domains, documentation) is valid UTF-8;
     * every stored tensor (initializers, sparse initializers, tensor attributes): no negative
       dimension, declared size within ``limits``, data exactly as large as the declared shape,
@@ -147,8 +208,11 @@ def check_model_safety(
       and large enough; all stored tensors together within ``limits.max_total_bytes``;
     * every declared value type (inputs, outputs, value_info) within ``limits.max_tensor_bytes``;
     * outputs whose size comes from constants (``ConstantOfShape``, ``Expand``, ``Reshape``,
-      ``Tile``, ``Range``, ``OneHot``, ``Resize``, random generators), following small integer
-      vectors through the shape ops (``Shape``, ``Concat``, ``Gather``, ``Slice``, arithmetic);
+      ``Tile``, ``Range``, ``OneHot``, ``Pad``, ``Resize`` / ``Upsample`` sizes and scales,
+      ``MaxUnpool``, ``CenterCropPad``, ``Col2Im`` and its gradient's table, ``DFT``, the window
+      ops, ``MelWeightMatrix``, ``AffineGrid``, random generators), following small vectors
+      through the shape ops (``Shape``, ``Concat``, ``Gather``, ``Slice``, arithmetic) and through
+      both branches of an ``If`` (:func:`~.fold.possible_values`);
     * with ``infer``, every value ONNX shape inference (without data propagation, which itself
       costs memory in proportion to declared sizes) gives a static shape;
     * PythonOp / PythonOpGrad nodes: no raw pointer constants (``input_pointer_scalars``), a class
@@ -156,6 +220,7 @@ def check_model_safety(
     """
     limits = limits or default_limits()
     base = None if base_dir is None else os.fspath(base_dir)
+    _check_subgraph_count(model, limits)
     _check_text(model)
     total = _sparse_dense_bytes(model, limits)
     for what, tensor in _stored_tensors(model):
@@ -180,6 +245,31 @@ def check_model_safety(
     warn_rounded_floats(python_nodes)  # once per model checked, naming every such node
     shapes = _inferred_shapes(model, limits) if infer else {}
     _check_computed_sizes(model, model.graph, shapes, limits, {}, "")
+
+
+# ---- subgraphs -----------------------------------------------------------------------------------
+_TRAINING_GRAPHS = ("initialization", "algorithm")  # the graphs of a TrainingInfoProto
+
+
+def _check_subgraph_count(model: onnx.ModelProto, limits: Limits) -> None:
+    """At most ``limits.max_subgraphs`` graphs nested in the model, counted without recursion and
+    stopping at the first one over (the depth is bounded by protobuf's parser, the count here)."""
+    training = [getattr(t, f) for t in model.training_info for f in _TRAINING_GRAPHS if t.HasField(f)]
+    count = len(training)  # training-information graphs count as subgraphs
+    pending = [node for root in [model.graph, *model.functions, *training] for node in root.node]
+    while pending:
+        for attr in pending.pop().attribute:
+            graphs = _attr_graphs(attr)
+            count += len(graphs)
+            if count > limits.max_subgraphs:
+                raise ModelError(
+                    f"the model holds more than {limits.max_subgraphs} subgraphs (If branches, Loop and "
+                    "Scan bodies): each costs a copy and a session of its own. The model is corrupt or "
+                    "hostile, or, if it is genuine, raise the limit (onnxgrad.model.Limits(max_subgraphs="
+                    "...), or the environment variable ONNXGRAD_MAX_SUBGRAPHS)"
+                )
+            for g in graphs:
+                pending.extend(g.node)
 
 
 # ---- text ----------------------------------------------------------------------------------------
@@ -371,6 +461,13 @@ def _check_external(t: TensorProto, what: str, nbytes: int, base_dir: str | None
             f"{what} needs {nbytes} bytes at offset {offset} of {location!r}, which has {size} bytes: "
             "the external data file is truncated or does not belong to this model"
         )
+    if length is None and offset + nbytes != size:  # onnx then reads the file to its end
+        raise ModelError(
+            f"{what} gives no length for its external data, and {location!r} holds {size - offset} "
+            f"bytes from offset {offset} where the tensor needs {nbytes}: without a length the whole "
+            "rest of the file is read. The file does not belong to this model, or add the length "
+            "(onnx.external_data_helper writes one)"
+        )
 
 
 def _uses_external_data(model: onnx.ModelProto) -> bool:
@@ -444,18 +541,22 @@ def _check_computed_sizes(
     graph: onnx.GraphProto,
     shapes: Mapping[str, ValueInfo],
     limits: Limits,
-    outer: Mapping[str, np.ndarray],
+    outer: Mapping[str, list[np.ndarray]],
     where: str,
 ) -> None:
-    """Size of every output whose shape constant inputs give, in ``graph`` and its subgraphs.
+    """Size of every output whose shape known values give, in ``graph`` and its subgraphs.
 
-    The small values known before running (shapes, repeats, ranges) are those :mod:`.fold` follows,
-    initializers that an input may override included: unless fed, they are what runs.
+    The small values known before running (shapes, repeats, ranges, pads, scales) are those
+    :mod:`.fold` follows, initializers that an input may override included (unless fed, they are
+    what runs), and each value either branch of an If gives (:func:`~.fold.possible_values`): a node
+    is checked with every combination of the values its inputs may take.
     """
-    values = known_values(graph, shapes, opset_of(model), outer, overridable=True)
+    opset = opset_of(model)
+    values = possible_values(graph, shapes, opset, outer, overridable=True)
     for node in graph.node:
         if node.domain in ("", "ai.onnx"):
-            _check_node_size(node, values, shapes, limits, where)
+            for chosen in combinations(node.input, values):
+                _check_node_size(node, chosen, shapes, limits, where, opset)
         for attr in node.attribute:
             for sub in _attr_graphs(attr):
                 inner = f"{where} in the {attr.name!r} graph of node {node.name!r}"
@@ -468,26 +569,51 @@ def _check_node_size(
     shapes: Mapping[str, ValueInfo],
     limits: Limits,
     where: str,
+    opset: int,
 ) -> None:
-    """Size of the output of a node whose output shape is given by constant inputs."""
+    """Size of the output of a node whose output shape known input values give (a dimension that
+    is not static counts as 1: the least a non-empty input gives)."""
     op, ins = node.op_type, node.input
 
-    def val(i: int) -> list[int] | None:
+    def known(i: int, kinds: str) -> list | None:
         v = values.get(ins[i]) if len(ins) > i and ins[i] else None
-        if v is None or v.ndim > 1 or v.dtype.kind not in "iu":
+        if v is None or v.ndim > 1 or v.dtype.kind not in kinds:
             return None
-        return [int(e) for e in v.reshape(-1)]
+        return [e.item() for e in v.reshape(-1)]
+
+    def val(i: int) -> list[int] | None:
+        return known(i, "iu")
+
+    def dims_of(i: int, rank: int) -> list[int]:
+        """The dims of input ``i`` (unknown ones 1), or ``rank`` ones when its rank is unknown."""
+        info = shapes.get(ins[i]) if len(ins) > i and ins[i] else None
+        if info is None or info.shape is None:
+            return [1] * rank
+        return [d if isinstance(d, int) and d >= 0 else 1 for d in info.shape]
 
     def numel(i: int) -> int:
-        info = shapes.get(ins[i]) if len(ins) > i and ins[i] else None
-        shape = None if info is None else info.static_shape
-        return math.prod(shape) if shape is not None else 1
+        return math.prod(dims_of(i, 0))
 
     def dtype_of(name: str, default: int = TensorProto.UINT8) -> int:
         info = shapes.get(name)
         return info.dtype if info is not None and info.dtype else default
 
+    def on_axes(base: list[int], axes: Sequence[int] | None, new: list[int]) -> list[int] | None:
+        """``base`` with ``new[k]`` on axis ``axes[k]`` (all axes when None), or None if they do not fit."""
+        axes = list(range(len(new))) if axes is None else [int(a) for a in axes]
+        if len(axes) != len(new):
+            return None
+        if len(base) < len(new):
+            base = [1] * len(new)
+        out = list(base)
+        for a, d in zip(axes, new):
+            if not -len(out) <= a < len(out):
+                return None
+            out[a] = d
+        return out
+
     dims: list[int] | None = None
+    extra: list[tuple[str, list[int], int]] = []  # (what, shape, dtype): what building it allocates
     dtype = dtype_of(node.output[0]) if node.output else TensorProto.UINT8
     if op == "ConstantOfShape" and val(0) is not None:
         dims = val(0)
@@ -504,11 +630,83 @@ def _check_node_size(
         dims = [max(-(-(limit - start) // delta), 0)] if delta else None
     elif op == "OneHot" and val(1) is not None and len(val(1)) == 1:  # type: ignore[arg-type]
         dims = [numel(0), val(1)[0]]  # type: ignore[index]
-    elif op == "Resize" and val(3) is not None:
-        dims = val(3)
+    elif op in ("Resize", "Upsample"):
         dtype = dtype_of(ins[0])
+        sizes = val(3) if op == "Resize" and opset >= 11 else None
+        scales = known(1 if op == "Upsample" or opset < 11 else 2, "f")
+        axes = _attr(node, "axes", None)
+        if sizes is not None:
+            dims = on_axes(dims_of(0, len(sizes)), axes, sizes)  # type: ignore[arg-type]
+        elif scales is not None and all(math.isfinite(f) for f in scales):
+            base = dims_of(0, len(scales))
+            picked = list(range(len(scales))) if axes is None else list(axes)  # type: ignore[call-overload]
+            if len(picked) == len(scales) and all(-len(base) <= a < len(base) for a in picked):
+                dims = on_axes(base, picked, [math.floor(base[a] * f) for a, f in zip(picked, scales)])
+    elif op == "Pad" and val(1) is not None and len(val(1)) % 2 == 0:  # type: ignore[arg-type]
+        pads = val(1)
+        half = len(pads) // 2  # type: ignore[arg-type]
+        axes = val(3) if len(ins) > 3 and ins[3] else None
+        base = dims_of(0, half)
+        picked = list(range(half)) if axes is None else axes
+        if len(picked) == half and all(-len(base) <= a < len(base) for a in picked):
+            grown = [base[a] + pads[k] + pads[half + k] for k, a in enumerate(picked)]  # type: ignore[index]
+            dims = on_axes(base, picked, grown)
+        dtype = dtype_of(ins[0])
+    elif op == "MaxUnpool" and val(2) is not None:
+        dims, dtype = val(2), dtype_of(ins[0])
+    elif op == "CenterCropPad" and val(1) is not None:
+        target = val(1)
+        dims = on_axes(dims_of(0, len(target)), _attr(node, "axes", None), target)  # type: ignore[arg-type]
+        dtype = dtype_of(ins[0])
+    elif op == "Col2Im" and val(1) is not None and val(2) is not None:
+        image, block = val(1), val(2)
+        x = dims_of(0, 3)
+        channels = x[1] // math.prod(block) if len(x) == 3 and all(b > 0 for b in block) else 1  # type: ignore[arg-type]
+        dims, dtype = [x[0], max(channels, 1), *image], dtype_of(ins[0])  # type: ignore[misc]
+        extra = _col2im_tables(node, image, block)  # type: ignore[arg-type]
+    elif op == "DFT" and len(ins) > 1 and val(1) is not None and len(val(1)) == 1:  # type: ignore[arg-type]
+        dims, dtype = [val(1)[0], 2], dtype_of(ins[0])  # type: ignore[index]
+    elif op in ("HannWindow", "HammingWindow", "BlackmanWindow") and val(0) is not None:
+        dims = val(0)
+        dtype = int(_attr(node, "output_datatype", TensorProto.FLOAT))  # type: ignore[call-overload]
+    elif op == "MelWeightMatrix" and val(0) is not None and val(1) is not None:
+        dims = [val(1)[0] // 2 + 1, val(0)[0]] if len(val(0)) == len(val(1)) == 1 else None  # type: ignore[arg-type,index]
+        dtype = int(_attr(node, "output_datatype", TensorProto.FLOAT))  # type: ignore[call-overload]
+    elif op == "AffineGrid" and val(1) is not None and len(val(1)) >= 3:  # type: ignore[arg-type]
+        size = val(1)
+        dims, dtype = [size[0], *size[2:], len(size) - 2], dtype_of(ins[0])  # type: ignore[index]
+    label = f"{_node_label(node)}{where}"
     if dims is not None and all(d >= 0 for d in dims):
-        _check_size(dims, dtype, f"{_node_label(node)}{where}", "would create a tensor of", limits)
+        _check_size(dims, dtype, label, "would create a tensor of", limits)
+    for what, shape, kind in extra:
+        _check_size(shape, kind, f"{label}{what}", "would create a tensor of", limits)
+
+
+def _col2im_tables(
+    node: onnx.NodeProto, image: list[int], block: list[int]
+) -> list[tuple[str, list[int], int]]:
+    """The tables of patch positions Col2Im's gradient builds (int64, one per block offset and one
+    per offset and sliding position), and a ModelError when the block does not fit the image."""
+    k = len(image)
+    if len(block) != k or any(b <= 0 for b in block) or any(d < 0 for d in image):
+        raise ModelError(
+            f"{_node_label(node)} has image_shape {image} and block_shape {block}: they must have the "
+            "same length, the block positive sizes: the file is corrupt"
+        )
+    dil = list(_attr(node, "dilations", None) or [1] * k)  # type: ignore[call-overload]
+    pads = list(_attr(node, "pads", None) or [0] * (2 * k))  # type: ignore[call-overload]
+    strides = list(_attr(node, "strides", None) or [1] * k)  # type: ignore[call-overload]
+    if len(dil) != k or len(pads) != 2 * k or len(strides) != k or min(*dil, *strides) <= 0:
+        return []  # onnxruntime refuses the node; its gradient rule is never reached
+    padded = [image[i] + pads[i] + pads[k + i] for i in range(k)]
+    reach = [dil[i] * (block[i] - 1) + 1 for i in range(k)]
+    if any(r > p for r, p in zip(reach, padded)):
+        raise ModelError(
+            f"{_node_label(node)} has a block_shape {block} that does not fit its padded image "
+            f"{padded}: the node cannot run, the file is corrupt"
+        )
+    slides = math.prod((padded[i] - reach[i]) // strides[i] + 1 for i in range(k))
+    return [("'s gradient (its table of patch positions)", [k, math.prod(block), slides], TensorProto.INT64)]
 
 
 # ---- PythonOp -----------------------------------------------------------------------------------
@@ -581,6 +779,13 @@ def _graphs(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.GraphProto]]:
     for f in model.functions:
         for node in f.node:
             yield from _node_graphs(node, f" in function {f.name!r}")
+    for i, info in enumerate(model.training_info):  # not run by onnxgrad, but read by onnx
+        for field in _TRAINING_GRAPHS:
+            if info.HasField(field):
+                where, graph = f" in the {field} graph of training_info[{i}]", getattr(info, field)
+                yield where, graph
+                for node in graph.node:
+                    yield from _node_graphs(node, where)
 
 
 def _node_graphs(node: onnx.NodeProto, where: str) -> Iterator[tuple[str, onnx.GraphProto]]:
@@ -603,7 +808,9 @@ def _nodes(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.NodeProto]]:
 
 
 def _node_label(node: onnx.NodeProto) -> str:
-    return f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
+    if node.name:
+        return f"node {node.name!r} ({node.op_type})"
+    return f"{'an' if node.op_type[:1] in 'AEIOU' else 'a'} {node.op_type} node"
 
 
 def _attr(node: onnx.NodeProto, name: str, default: object) -> object:

@@ -26,6 +26,7 @@ kernels or whose kernels disagree with this layout (checked once per process), a
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import tempfile
 from collections.abc import Sequence
@@ -37,13 +38,32 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 NCHWC = "com.microsoft.nchwc"
+log = logging.getLogger(__name__)
 
 
 @functools.cache
 def block_size() -> int:
     """MLAS's NCHWc channel block on this CPU (16 with AVX-512, 8 with AVX2); 0 where onnxruntime
     has no NCHWc kernels, or where the blocked form written here does not give the generic kernels'
-    results (checked once on random data, so a layout this module does not know is never used).
+    results (checked once on random data, so a layout this module does not know is never used:
+    then one warning line says the pass is off, and why).
+    """
+    block = native_block_size()
+    if block and not _agrees(block):
+        log.warning(
+            "onnxruntime writes NCHWc Convs with blocks of %d channels on this CPU, but the blocked "
+            "form onnxgrad writes for weights fed at run time disagrees with its generic kernels: "
+            "those Convs run on the generic kernels (slower, same results)",
+            block,
+        )
+        return 0
+    return block
+
+
+@functools.cache
+def native_block_size() -> int:
+    """The NCHWc channel block onnxruntime's own optimizer uses on this CPU (0: it writes no NCHWc
+    Conv), whether or not the form written here agrees with it (:func:`block_size`).
 
     Read once from the graph onnxruntime's optimizer writes for a probe Conv of 4 output channels
     (its reordered weight is padded to one block).
@@ -68,7 +88,7 @@ def block_size() -> int:
     for node in optimized.graph.node:
         if node.domain == NCHWC and node.op_type == "Conv" and node.input[1] in inits:
             block = int(inits[node.input[1]].dims[0])
-            return block if block > 1 and _agrees(block) else 0
+            return block if block > 1 else 0
     return 0
 
 
