@@ -139,7 +139,10 @@ def test_train_csv_with_validation_and_plot(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "epoch 6/6" in captured.err and "val_loss=" in captured.err  # the progress bar
     text = captured.out
-    assert "6 epochs of adamw (lr 0.01, cosine schedule, batch 16), 90 training / 30 validation" in text
+    assert (
+        "6 epochs of adamw (lr 0.01, cosine schedule, batch 16, 3 warm-up updates), "
+        "90 training / 30 validation" in text
+    )
     assert "  loss  " in text and "  val loss  " in text and f"saved         {out}" in text
     trained = onnx.load(out)
     onnx.checker.check_model(trained, full_check=True)

@@ -163,7 +163,7 @@ def test_resume_says_what_changed_and_refuses_another_split(tmp_path, capsys, cl
     assert main([*base, "--epochs", "4", "--resume", ckpt, "--lr", "0.01"]) == 0
     captured = capsys.readouterr()
     assert captured.err == (
-        f"onnxgrad: note: resuming {ckpt} with settings changed since the checkpoint: lr 0.001 -> 0.01\n"
+        f"onnxgrad: note: resuming {ckpt} with options changed since the checkpoint: --lr 0.001 -> 0.01\n"
     )
     assert ": 2 epochs (epochs 3-4, resumed from epoch 2) of adamw" in captured.out
     assert main([*base, "--epochs", "4", "--resume", ckpt, "--val-split", "0.5"]) == 2

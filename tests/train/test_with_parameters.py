@@ -132,3 +132,26 @@ def test_a_copy_named_with_its_table_must_agree():
         with_parameters(model, {"bias_core": 2 * core, "bias": copy})
     got = inits_of(with_parameters(model, {"bias_core": 2 * core, "bias": 2 * copy}))
     np.testing.assert_array_equal(got["bias"], 2 * copy)
+
+
+def test_a_scalar_initializer_keeps_its_shape():
+    """A 0-d weight (skl2onnx's `negate`) is written back 0-d: np.ascontiguousarray made it (1,),
+    which the next apply refused and a rebuilt model then trained as a parameter."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxgrad.train import with_parameters
+
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "s"], ["y"])],
+        "scalar",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])],
+        [numpy_helper.from_array(np.array(-1.0, np.float32), "s")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    out = with_parameters(model, {"s": np.array(2.0, np.float32)})
+    (s,) = out.graph.initializer
+    assert list(s.dims) == [] and numpy_helper.to_array(s) == 2.0
+    onnx.checker.check_model(out)

@@ -395,7 +395,9 @@ def apply_parameters(
     out = _copy(base)
     for init in out.graph.initializer:
         if init.name in new:
-            init.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(new[init.name]), init.name))
+            init.CopyFrom(
+                numpy_helper.from_array(np.asarray(new[init.name], order="C"), init.name)
+            )  # 0-d kept
     return out
 
 

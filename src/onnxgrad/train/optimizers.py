@@ -216,7 +216,7 @@ LR_MAX = float(np.finfo(np.float32).max)
 NOT_A_RATE = (str, bytes, bool, np.bool_)  # convert to a float, yet no learning rate
 
 
-def _as_float(value: Any) -> float | None:
+def as_float(value: Any) -> float | None:
     """``float(value)``, or ``None`` when it does not convert."""
     try:
         return float(value)
@@ -234,7 +234,7 @@ def check_lr(lr: Any) -> float:
     JavaScript ``checkLearningRate`` holds the same rule): a negative rate climbs the loss, an
     infinite or NaN one turns every parameter into NaN, and one beyond float32's range overflows the
     float32 update (every parameter inf or NaN while the step reports a normal loss)."""
-    value = None if isinstance(lr, NOT_A_RATE) else _as_float(lr)
+    value = None if isinstance(lr, NOT_A_RATE) else as_float(lr)
     if value is None:
         raise InputError(f"lr must be a number >= 0, got {lr!r}")
     if not (math.isfinite(value) and value >= 0):
@@ -255,12 +255,9 @@ def _number(hyper: Mapping[str, Any], key: str) -> float:
     and float32 parameters compute with it: 1e39 overflowed to inf there), :class:`InputError`
     otherwise."""
     value = hyper[key]
-    try:
-        if isinstance(value, bool | str | bytes):
-            raise TypeError
-        number = float(value)
-    except (TypeError, ValueError):
-        raise InputError(f"{key} must be a number, got {value!r}") from None
+    number = None if isinstance(value, bool | str | bytes) else as_float(value)
+    if number is None:
+        raise InputError(f"{key} must be a number, got {value!r}")
     if math.isfinite(number) and abs(number) > LR_MAX:
         raise InputError(
             f"{key} must fit in float32 (at most {LR_MAX:.4g} in size), got {value!r}: the "

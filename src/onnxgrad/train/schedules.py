@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import InputError
-from .optimizers import NOT_A_RATE, check_lr
+from .optimizers import NOT_A_RATE, as_float, check_lr
 
 __all__ = [
     "Constant",
@@ -49,12 +49,9 @@ class Schedule:
 
 def _real(key: str, value: object) -> float:
     """``value`` as a finite float (not a bool or a string), :class:`InputError` otherwise."""
-    try:
-        if isinstance(value, bool | str | bytes):
-            raise TypeError
-        number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise InputError(f"{key} must be a number, got {value!r}") from None
+    number = None if isinstance(value, bool | str | bytes) else as_float(value)
+    if number is None:
+        raise InputError(f"{key} must be a number, got {value!r}")
     if not math.isfinite(number):
         raise InputError(f"{key} must be a finite number, got {value!r}")
     return number
