@@ -51,7 +51,7 @@ test-latest: .venv-latest/.installed
 	rm -rf .venv-oldest && $(PYTHON) -m venv .venv-oldest
 	$(PYTHON) tools/lower_bounds.py pyproject.toml $(LOCK) > .venv-oldest/constraints.txt
 	.venv-oldest/bin/python -m pip install $(PIP_QUIET) -c .venv-oldest/constraints.txt $(TORCH)
-	.venv-oldest/bin/python -m pip install $(PIP_QUIET) -c .venv-oldest/constraints.txt -e ".[dev,federated]"
+	.venv-oldest/bin/python -m pip install $(PIP_QUIET) -c .venv-oldest/constraints.txt -e ".[dev]"
 	.venv-oldest/bin/python -m pip list --disable-pip-version-check | grep -iE "^(onnx|onnxruntime|numpy|torch|scikit-learn|skl2onnx) "
 	touch $@
 

@@ -19,6 +19,7 @@ Only rank 0 writes (checkpoints, history files, the progress bar): :attr:`DataPa
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -62,6 +63,14 @@ class ShardedLoader(BatchLoader):
             yield {name: arr[idx] for name, arr in self.data.items()}
 
 
+def _end_group() -> None:
+    """Destroy the default process group, if it still exists (at exit)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class DataParallel:
     """The process group of a data-parallel run: rank, world size, the gradient average."""
 
@@ -80,6 +89,9 @@ class DataParallel:
                     "torch.distributed.init_process_group first"
                 )
             dist.init_process_group("gloo")
+            # the group made here is ended here: left to the interpreter's exit, gloo's threads may
+            # abort the process ("terminate called without an active exception") after training
+            atexit.register(_end_group)
         self._dist = dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
