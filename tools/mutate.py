@@ -90,7 +90,7 @@ def write_config(work: Path, sources: list[str], tests: list[str]) -> None:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis")
-    for part in ("src", "tests"):
+    for part in ("src", "tests", "tools"):  # tools: tests/test_mutate_tool.py reads tools/mutate.py
         shutil.copytree(ROOT / part, work / part, ignore=ignore)
     shutil.copy2(ROOT / "pyproject.toml", work / "pyproject.toml")
 
@@ -100,7 +100,7 @@ def write_config(work: Path, sources: list[str], tests: list[str]) -> None:
     (work / "setup.cfg").write_text(
         "[mutmut]\n"
         f"source_paths ={lines(sources)}\n"
-        f"also_copy ={lines(['src/onnxgrad'])}\n"
+        f"also_copy ={lines(['src/onnxgrad', 'tools'])}\n"
         f"pytest_add_cli_args ={lines(['-p', 'no:cacheprovider'])}\n"
         f"pytest_add_cli_args_test_selection ={lines(tests)}\n",
         encoding="utf-8",
